@@ -1,0 +1,110 @@
+"""``build_parallel_model`` shared by every dense architecture.
+
+Order matters for failure behaviour: the config and the parallel layout are validated, and the
+checkpoint's headers are checked (every tensor present with the right shape), on every rank
+*before* any process group is created or collective entered, so bad input fails identically and
+immediately everywhere instead of hanging the job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from models.common.config import ModelConfig
+from models.common.sources import CheckpointError, RandomSource, SafetensorsSource, TensorSource
+from models.common.transformer import ParallelCausalLM
+from models.common.weights import WeightMap, hf_shapes, load_weights, validate_source
+from parallel.config import ParallelConfig, ParallelConfigError
+from parallel.groups import ParallelGroups, build_groups
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What a model folder contributes: how to read its HF config and its weight map."""
+
+    name: str
+    hf_model_types: tuple[str, ...]
+    model_config: Callable[[Any], ModelConfig]
+    weight_map: Callable[[ModelConfig, int], WeightMap]
+
+
+def load_hf_config(directory: str | os.PathLike) -> Any:
+    """transformers config from a local directory (never downloads); CheckpointError if unreadable."""
+    path = Path(directory)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{path}: no config.json (is this a HuggingFace model directory?)")
+    try:
+        json.loads(cfg_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{cfg_file}: not valid JSON ({exc})") from exc
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+
+
+def random_source(arch: Architecture, cfg: ModelConfig, pconfig: ParallelConfig, seed: int) -> RandomSource:
+    """Deterministic random HF-named weights: normal(0, initializer_range) matrices, unit norms, zero biases."""
+    wmap = arch.weight_map(cfg, pconfig.padded_vocab_size(cfg.vocab_size))
+    specs = {}
+    for name, shape in hf_shapes(cfg, wmap).items():
+        init = "ones" if name.endswith("norm.weight") else "zeros" if name.endswith(".bias") else "normal"
+        specs[name] = (shape, init)
+    return RandomSource(specs, seed=seed, std=cfg.initializer_range)
+
+
+def build_model(arch: Architecture, source: Any, parallel_config: ParallelConfig | None = None, *,
+                dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                groups: ParallelGroups | None = None, seed: int = 0) -> ParallelCausalLM:
+    """Build this rank's part of the model and fill it from ``source``.
+
+    source: an HF model directory (config.json + safetensors), a transformers config (deterministic
+        random weights from ``seed``, identical on every rank and at every TP size), or a
+        ``TensorSource`` together with a transformers config as ``(hf_config, tensor_source)``.
+    parallel_config: the layout (default: everything 1). Call after ``init_process_group`` when
+        any size is > 1. ``groups`` reuses already-built groups (e.g. ``groups_from_megatron()``).
+    """
+    parallel_config = parallel_config or (groups.config if groups is not None else ParallelConfig())
+    tensor_source: TensorSource | None = None
+    where = "checkpoint"
+    if isinstance(source, (str, os.PathLike)):
+        hf_config = load_hf_config(source)
+        where = str(source)
+    elif isinstance(source, tuple):
+        hf_config, tensor_source = source
+    else:
+        hf_config = source
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in arch.hf_model_types:
+        raise CheckpointError(f"{where}: model_type={model_type!r} is not a {arch.name} model "
+                              f"(expected one of {', '.join(arch.hf_model_types)})")
+    cfg = arch.model_config(hf_config)
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    parallel_config.validate(cfg, world_size=world)
+    if parallel_config.pp > 1 or parallel_config.cp > 1:
+        raise ParallelConfigError(f"{parallel_config.describe()}: pipeline and context parallelism are not built yet "
+                                  f"(this model supports tp and sequence_parallel)")
+    wmap = arch.weight_map(cfg, parallel_config.padded_vocab_size(cfg.vocab_size))
+    if isinstance(source, (str, os.PathLike)):
+        tensor_source = SafetensorsSource(source)
+    if tensor_source is not None:
+        allowed = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
+        validate_source(tensor_source, hf_shapes(cfg, wmap), where, allowed_extra=allowed)
+    else:
+        tensor_source = random_source(arch, cfg, parallel_config, seed)
+
+    if groups is None:
+        groups = build_groups(parallel_config, device)
+    elif groups.config.tp != parallel_config.tp:
+        raise ParallelConfigError(f"groups were built for {groups.config.describe()}, not {parallel_config.describe()}")
+    model = ParallelCausalLM(cfg, groups, dtype=dtype, device=device)
+    layer_ids = [int(i) for i in model.model.layers.keys()]
+    load_weights(dict(model.named_parameters()), wmap.entries(layer_ids), tensor_source, groups.tp_rank, groups.tp_size)
+    model.weight_map = wmap
+    return model

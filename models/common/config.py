@@ -1,0 +1,113 @@
+"""ModelConfig: the architecture-neutral description of a dense decoder-only transformer.
+
+Llama and Qwen2 (and the language half of Qwen2-VL) are the same block with different switches:
+qkv bias, o_proj bias, MLP bias, tied embeddings, explicit head_dim, RoPE scaling. Each model
+folder turns its transformers config into this dataclass (``config.py`` there); the shared blocks
+in ``models/common`` read only this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class UnsupportedConfigError(ValueError):
+    """A transformers config that uses a feature these models do not implement (named in the message)."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters (transformers' ``rope_parameters``, standardized).
+
+    rope_type: "default", "linear", "dynamic" or "llama3".
+    """
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+
+    SUPPORTED = ("default", "linear", "dynamic", "llama3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Sizes and switches of a dense decoder-only model (HF naming where one exists)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    initializer_range: float = 0.02
+    architecture: str = "llama"
+
+    @classmethod
+    def from_hf(cls, hf_config: Any, *, architecture: str, qkv_bias: bool, o_bias: bool, mlp_bias: bool) -> "ModelConfig":
+        """Read the fields shared by Llama-like transformers configs; the caller sets the bias switches."""
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise UnsupportedConfigError(f"{architecture}: hidden_act={act!r} is not supported (only silu)")
+        layer_types = getattr(hf_config, "layer_types", None) or []
+        if any(t != "full_attention" for t in layer_types) or getattr(hf_config, "use_sliding_window", False):
+            raise UnsupportedConfigError(
+                f"{architecture}: sliding-window attention (use_sliding_window / layer_types={sorted(set(layer_types))}) "
+                f"is not supported"
+            )
+        heads = hf_config.num_attention_heads
+        kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+        return cls(
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_hidden_layers=hf_config.num_hidden_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=getattr(hf_config, "max_position_embeddings", 2048),
+            rms_norm_eps=getattr(hf_config, "rms_norm_eps", 1e-6),
+            rope=rope_from_hf(hf_config),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=mlp_bias,
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            hidden_act="silu",
+            initializer_range=getattr(hf_config, "initializer_range", 0.02),
+            architecture=architecture,
+        )
+
+
+def rope_from_hf(hf_config: Any) -> RopeConfig:
+    """RoPE parameters from transformers 5 ``rope_parameters`` or the older ``rope_theta``/``rope_scaling``."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    legacy = getattr(hf_config, "rope_scaling", None)
+    if legacy and not params.get("rope_type"):
+        params.update(legacy)
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type not in RopeConfig.SUPPORTED:
+        raise UnsupportedConfigError(f"rope_type={rope_type!r} is not supported (supported: {', '.join(RopeConfig.SUPPORTED)})")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedConfigError(f"partial_rotary_factor={params['partial_rotary_factor']} is not supported")
+    return RopeConfig(
+        theta=float(theta),
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0) or 1.0),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=params.get("original_max_position_embeddings"),
+    )

@@ -1,0 +1,83 @@
+"""Rotary position embeddings: default, linear, dynamic-NTK and Llama-3 frequency scaling.
+
+Written from the published formulas; numerics follow transformers (frequencies and cos/sin in fp32,
+cast to the activation dtype before the rotation) so fp32 logits agree to ~1e-6.
+
+Dynamic NTK is evaluated per call from ``seq_len = max(position_ids) + 1``: above
+``max_position_embeddings`` the base grows, at or below it the default frequencies are used. This
+is transformers' result for a model that sees each batch fresh; transformers additionally caches
+the largest length seen, which makes its output depend on call history (we do not copy that).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from models.common.config import RopeConfig
+
+
+def _default_inv_freq(theta: float | torch.Tensor, dim: int, device=None) -> torch.Tensor:
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    return 1.0 / (theta ** exponents)
+
+
+def inv_freq(rope: RopeConfig, head_dim: int, max_position_embeddings: int, seq_len: int | None = None,
+             device=None) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim / 2]`` (fp32) for this RoPE type (and length, for dynamic)."""
+    if rope.rope_type == "default":
+        return _default_inv_freq(rope.theta, head_dim, device)
+    if rope.rope_type == "linear":
+        return _default_inv_freq(rope.theta, head_dim, device) / rope.factor
+    if rope.rope_type == "dynamic":
+        if seq_len is None or seq_len <= max_position_embeddings:
+            return _default_inv_freq(rope.theta, head_dim, device)
+        # fp32 tensor arithmetic, as transformers evaluates it.
+        length = torch.tensor(seq_len, dtype=torch.int64, device=device)
+        base = rope.theta * ((rope.factor * length / max_position_embeddings) - (rope.factor - 1)) ** (
+            head_dim / (head_dim - 2))
+        return _default_inv_freq(base, head_dim, device)
+    if rope.rope_type == "llama3":
+        freq = _default_inv_freq(rope.theta, head_dim, device)
+        old_len = rope.original_max_position_embeddings or max_position_embeddings
+        low_wavelen = old_len / rope.low_freq_factor
+        high_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / freq
+        scaled = torch.where(wavelen > low_wavelen, freq / rope.factor, freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unknown rope_type {rope.rope_type!r}")
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """cos/sin tables for given positions: ``position_ids [b, s] -> cos, sin [s, b, 1, head_dim]``."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_position_embeddings: int) -> None:
+        super().__init__()
+        self.rope = rope
+        self.head_dim = head_dim
+        self.max_position_embeddings = max_position_embeddings
+        self.register_buffer("inv_freq", inv_freq(rope, head_dim, max_position_embeddings), persistent=False)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freq = self.inv_freq
+        if self.rope.rope_type == "dynamic":
+            seq_len = int(position_ids.max()) + 1
+            if seq_len > self.max_position_embeddings:
+                freq = inv_freq(self.rope, self.head_dim, self.max_position_embeddings, seq_len, position_ids.device)
+        angles = position_ids.t().unsqueeze(-1).float() * freq.to(position_ids.device)  # [s, b, hd/2]
+        emb = torch.cat((angles, angles), dim=-1).unsqueeze(2)  # [s, b, 1, hd]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [s, b, heads, head_dim]`` by the angles in ``cos/sin [s, b, 1, head_dim]``."""
+    return x * cos + _rotate_half(x) * sin

@@ -1,0 +1,210 @@
+"""The shared tensor/sequence-parallel decoder: attention, MLP, layer, and the causal LM around them.
+
+Activations are ``[seq, batch, hidden]`` (``[seq/tp, batch, hidden]`` between blocks under SP).
+Parameter names follow vLLM (``model.layers.{i}.self_attn.qkv_proj.weight`` ...), layers are keyed
+by their global index so names do not depend on the parallel layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.common.attention import causal_attention
+from models.common.config import ModelConfig
+from models.common.rope import RotaryEmbedding, apply_rotary
+from parallel.collectives import gather_last_dim
+from parallel.cross_entropy import vocab_parallel_cross_entropy
+from parallel.grads import finalize_grads
+from parallel.groups import ParallelGroups
+from parallel.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class CausalLMOutput:
+    """``loss``: mean over non-ignored tokens (None without labels).
+    ``logits``: ``[batch, seq, V/tp]`` this rank's real vocabulary columns, or ``[batch, seq, V]``
+    with ``gather_logits=True`` (packed input: batch 1, seq = total tokens).
+    """
+
+    loss: torch.Tensor | None
+    logits: torch.Tensor | None
+
+
+class ParallelAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, dtype, device) -> None:
+        super().__init__()
+        sp = groups.sequence_parallel
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, bias=cfg.qkv_bias, tp_group=groups.tp_group,
+                                          sequence_parallel=sp, dtype=dtype, device=device)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias,
+                                        tp_group=groups.tp_group, sequence_parallel=sp, dtype=dtype, device=device)
+        self.head_dim = cfg.head_dim
+
+    def forward(self, x, cos, sin, attention_mask, cu_seqlens, max_seqlen):
+        qkv = self.qkv_proj(x)  # [s, b, (hq + 2 hkv) * d]
+        s, b, _ = qkv.shape
+        q_size, kv_size, _ = self.qkv_proj.local_sizes()
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rotary(q.view(s, b, -1, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(s, b, -1, self.head_dim), cos, sin)
+        v = v.view(s, b, -1, self.head_dim)
+        out = causal_attention(q, k, v, attention_mask=attention_mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        return self.o_proj(out)
+
+
+class ParallelMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, dtype, device) -> None:
+        super().__init__()
+        sp = groups.sequence_parallel
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias,
+                                                       tp_group=groups.tp_group, sequence_parallel=sp,
+                                                       dtype=dtype, device=device)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias,
+                                           tp_group=groups.tp_group, sequence_parallel=sp, dtype=dtype, device=device)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, dtype, device) -> None:
+        super().__init__()
+        sp = groups.sequence_parallel
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, sequence_parallel=sp, dtype=dtype, device=device)
+        self.self_attn = ParallelAttention(cfg, groups, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, sequence_parallel=sp, dtype=dtype,
+                                                device=device)
+        self.mlp = ParallelMLP(cfg, groups, dtype, device)
+
+    def forward(self, x, cos, sin, attention_mask=None, cu_seqlens=None, max_seqlen=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention_mask, cu_seqlens, max_seqlen)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class ParallelDecoder(nn.Module):
+    """Embedding, this stage's layers (keyed by global index) and the final norm."""
+
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, layer_ids: range, padded_vocab: int, dtype, device):
+        super().__init__()
+        sp = groups.sequence_parallel
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, padded_vocab, cfg.hidden_size,
+                                                   tp_group=groups.tp_group, sequence_parallel=sp, dtype=dtype,
+                                                   device=device)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, groups, dtype, device) for i in layer_ids})
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, sequence_parallel=sp, dtype=dtype, device=device)
+
+
+class ParallelCausalLM(nn.Module):
+    """A tensor/sequence-parallel causal LM; build it with ``models.<arch>.build_parallel_model``."""
+
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.groups = groups
+        self.padded_vocab_size = groups.config.padded_vocab_size(cfg.vocab_size)
+        self.model = ParallelDecoder(cfg, groups, range(cfg.num_hidden_layers), self.padded_vocab_size, dtype, device)
+        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(cfg.vocab_size, self.padded_vocab_size, cfg.hidden_size, tp_group=groups.tp_group,
+                                      sequence_parallel=groups.sequence_parallel, dtype=dtype, device=device,
+                                      tied_to=tied)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
+        if device is not None:
+            self.rotary.to(device)
+
+    # ------------------------------------------------------------------ inputs
+    def _prepare(self, input_ids, position_ids, attention_mask, labels, cu_seqlens):
+        """Normalize both batch forms to ``[b, s]`` tensors and pad ``s`` to a multiple of tp under SP."""
+        if cu_seqlens is not None:
+            if attention_mask is not None:
+                raise ValueError("packed input (cu_seqlens) takes no attention_mask")
+            input_ids = input_ids.reshape(1, -1)
+            total = input_ids.shape[1]
+            cu_seqlens = cu_seqlens.to(device=input_ids.device, dtype=torch.int64)
+            if cu_seqlens[0] != 0 or cu_seqlens[-1] != total or bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
+                raise ValueError(f"cu_seqlens must rise from 0 to the token count {total}, got {cu_seqlens.tolist()}")
+            lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+            if position_ids is None:
+                starts = torch.repeat_interleave(cu_seqlens[:-1], lengths)
+                position_ids = (torch.arange(total, device=input_ids.device) - starts).reshape(1, -1)
+            else:
+                position_ids = position_ids.reshape(1, -1)
+            if labels is not None:
+                labels = labels.reshape(1, -1)
+        elif position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        b, s = input_ids.shape
+        pad = (-s) % self.groups.tp_size if self.groups.sequence_parallel else 0
+        if pad:
+            input_ids = F.pad(input_ids, (0, pad))
+            position_ids = F.pad(position_ids, (0, pad))  # position 0: leaves dynamic-RoPE length unchanged
+            if attention_mask is not None:
+                attention_mask = F.pad(attention_mask, (0, pad))
+            if cu_seqlens is not None:  # the padding is one more (ignored) sequence
+                cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([s + pad])])
+        return input_ids, position_ids, attention_mask, labels, cu_seqlens, s
+
+    @staticmethod
+    def shift_labels(labels: torch.Tensor, cu_seqlens: torch.Tensor | None, length: int) -> torch.Tensor:
+        """Target of token t is label t+1 of the same sequence; the last token of each sequence gets -100."""
+        target = torch.full((labels.shape[0], length), IGNORE_INDEX, dtype=torch.long, device=labels.device)
+        target[:, : labels.shape[1] - 1] = labels[:, 1:]
+        if cu_seqlens is not None:
+            ends = cu_seqlens[1:] - 1
+            target[0, ends[ends >= 0]] = IGNORE_INDEX
+        return target
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                gather_logits: bool = False, cu_seqlens: torch.Tensor | None = None,
+                max_seqlen: int | None = None, return_logits: bool = True) -> CausalLMOutput:
+        """Padded batch ``input_ids [b, s]`` (optional ``attention_mask [b, s]``, 1 = token), or a packed
+        batch ``input_ids [T]``/``[1, T]`` with ``cu_seqlens [n + 1]``. ``labels`` like ``input_ids``;
+        shifted inside, ``-100`` ignored (transformers semantics)."""
+        ids, pos, mask, labels, cu, seq_len = self._prepare(input_ids, position_ids, attention_mask, labels, cu_seqlens)
+        if mask is not None and bool(mask.all()):
+            mask = None  # no padding: plain causal kernel
+        dtype = self.model.embed_tokens.weight.dtype
+        cos, sin = self.rotary(pos, dtype)
+        h = self.model.embed_tokens(ids.t())  # [s(/tp), b, hidden]
+        for layer in self.model.layers.values():
+            h = layer(h, cos, sin, mask, cu, max_seqlen)
+        h = self.model.norm(h)
+        logits = self.lm_head(h)  # [s, b, V_pad/tp]
+        loss = None
+        if labels is not None:
+            target = self.shift_labels(labels, cu_seqlens, ids.shape[1]).t()  # [s, b]
+            per_token = vocab_parallel_cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), target.reshape(-1), vocab_start=self.lm_head.vocab_start,
+                valid_columns=self.lm_head.valid_columns, group=self.groups.tp_group, ignore_index=IGNORE_INDEX)
+            count = (target != IGNORE_INDEX).sum()
+            loss = per_token.sum() / count.clamp(min=1)
+        out_logits = None
+        if return_logits:
+            logits = logits[:seq_len].transpose(0, 1)  # [b, s, V_pad/tp]
+            if gather_logits:
+                out_logits = gather_last_dim(logits, self.groups.tp_group)[..., : self.config.vocab_size]
+            else:
+                out_logits = logits[..., : self.lm_head.valid_columns]
+        return CausalLMOutput(loss=loss, logits=out_logits)
+
+    # ------------------------------------------------------------------ training
+    def finalize_grads(self) -> None:
+        """After backward: sum SP-partial and replicated-KV gradients over TP, average over DP."""
+        finalize_grads(self.parameters(), tp_group=self.groups.tp_group, dp_group=self.groups.dp_group)

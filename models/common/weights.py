@@ -1,0 +1,199 @@
+"""The declarative weight map of a dense decoder, and the loader/exporter that read it.
+
+One table per architecture says, for each parallel parameter: the HF tensors packed into it (in
+order), the sharding rule of each, and the megatron-core name and layout it corresponds to. Model
+loading (``load_weights``), live export (``export_hf_state``) and the offline converters all read
+this same table, so "which rows go where" is written once (rules live in ``parallel/sharding.py``).
+
+Internal names are vLLM's: ``model.layers.{i}.self_attn.qkv_proj`` holds this rank's
+``[q | k | v]``, ``model.layers.{i}.mlp.gate_up_proj`` holds ``[gate | up]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from models.common.config import ModelConfig
+from models.common.sources import CheckpointError, TensorSource
+from parallel.collectives import group_size
+from parallel.sharding import KVHeads, Packed, Replicated, Rule, Split, Vocab
+
+# megatron-core layouts a converter must translate (see docs/formats.md):
+PLAIN = "plain"  # same tensor in both
+QKV_INTERLEAVED = "qkv_interleaved"  # mcore linear_qkv: per query group [q heads of g, k_g, v_g]
+GATE_UP_STACKED = "gate_up_stacked"  # mcore linear_fc1: [gate; up]
+VOCAB_PADDED = "vocab_padded"  # mcore pads vocab rows to its own multiple
+
+# HF tensors that may sit in a checkpoint and carry no weights we need.
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class WeightEntry:
+    """One parallel parameter: ``param`` packs ``hf`` names (each sharded by its rule) along dim 0."""
+
+    param: str
+    hf: tuple[str, ...]
+    rules: tuple[Rule, ...]
+    megatron: str | None = None
+    megatron_layout: str = PLAIN
+
+    @property
+    def packed(self) -> Packed:
+        return Packed(tuple(zip(self.hf, self.rules)))
+
+    def format(self, layer: int) -> "WeightEntry":
+        return WeightEntry(self.param.format(i=layer), tuple(h.format(i=layer) for h in self.hf), self.rules,
+                           self.megatron.format(i=layer) if self.megatron else None, self.megatron_layout)
+
+
+@dataclass(frozen=True)
+class WeightMap:
+    """Per-layer templates (``{i}`` = global layer index) plus the non-layer entries."""
+
+    layer_entries: tuple[WeightEntry, ...]
+    first_entries: tuple[WeightEntry, ...]  # embedding (first pipeline stage)
+    last_entries: tuple[WeightEntry, ...]  # final norm, lm_head (last pipeline stage)
+
+    def entries(self, layers: Iterable[int], first: bool = True, last: bool = True) -> list[WeightEntry]:
+        out = list(self.first_entries) if first else []
+        for i in layers:
+            out.extend(e.format(i) for e in self.layer_entries)
+        if last:
+            out.extend(self.last_entries)
+        return out
+
+
+def dense_decoder_weight_map(cfg: ModelConfig, padded_vocab_size: int, *, hf_prefix: str = "model.",
+                             hf_lm_head: str = "lm_head.weight") -> WeightMap:
+    """Weight map of the Llama/Qwen2 block family; biases and tying come from ``cfg``.
+
+    ``hf_prefix`` is where the decoder sits in HF names ("model." for Llama/Qwen2,
+    "model.language_model." for Qwen2-VL's text model).
+    """
+    col, row, rep = Split(0), Split(1), Replicated()
+    kv = KVHeads(cfg.head_dim, cfg.num_key_value_heads)
+    layer = f"{hf_prefix}layers.{{i}}."
+    mc = "decoder.layers.{i}."
+    entries = [
+        WeightEntry("model.layers.{i}.self_attn.qkv_proj.weight",
+                    tuple(layer + f"self_attn.{p}_proj.weight" for p in "qkv"), (col, kv, kv),
+                    mc + "self_attention.linear_qkv.weight", QKV_INTERLEAVED),
+    ]
+    if cfg.qkv_bias:
+        entries.append(WeightEntry("model.layers.{i}.self_attn.qkv_proj.bias",
+                                   tuple(layer + f"self_attn.{p}_proj.bias" for p in "qkv"), (col, kv, kv),
+                                   mc + "self_attention.linear_qkv.bias", QKV_INTERLEAVED))
+    entries.append(WeightEntry("model.layers.{i}.self_attn.o_proj.weight", (layer + "self_attn.o_proj.weight",), (row,),
+                               mc + "self_attention.linear_proj.weight"))
+    if cfg.o_bias:
+        entries.append(WeightEntry("model.layers.{i}.self_attn.o_proj.bias", (layer + "self_attn.o_proj.bias",), (rep,),
+                                   mc + "self_attention.linear_proj.bias"))
+    entries.append(WeightEntry("model.layers.{i}.mlp.gate_up_proj.weight",
+                               (layer + "mlp.gate_proj.weight", layer + "mlp.up_proj.weight"), (col, col),
+                               mc + "mlp.linear_fc1.weight", GATE_UP_STACKED))
+    if cfg.mlp_bias:
+        entries.append(WeightEntry("model.layers.{i}.mlp.gate_up_proj.bias",
+                                   (layer + "mlp.gate_proj.bias", layer + "mlp.up_proj.bias"), (col, col),
+                                   mc + "mlp.linear_fc1.bias", GATE_UP_STACKED))
+    entries.append(WeightEntry("model.layers.{i}.mlp.down_proj.weight", (layer + "mlp.down_proj.weight",), (row,),
+                               mc + "mlp.linear_fc2.weight"))
+    if cfg.mlp_bias:
+        entries.append(WeightEntry("model.layers.{i}.mlp.down_proj.bias", (layer + "mlp.down_proj.bias",), (rep,),
+                                   mc + "mlp.linear_fc2.bias"))
+    entries += [
+        WeightEntry("model.layers.{i}.input_layernorm.weight", (layer + "input_layernorm.weight",), (rep,),
+                    mc + "input_layernorm.weight"),
+        WeightEntry("model.layers.{i}.post_attention_layernorm.weight", (layer + "post_attention_layernorm.weight",),
+                    (rep,), mc + "pre_mlp_layernorm.weight"),
+    ]
+    vocab = Vocab(cfg.vocab_size, padded_vocab_size)
+    first = (WeightEntry("model.embed_tokens.weight", (hf_prefix + "embed_tokens.weight",), (vocab,),
+                         "embedding.word_embeddings.weight", VOCAB_PADDED),)
+    last = [WeightEntry("model.norm.weight", (hf_prefix + "norm.weight",), (rep,), "decoder.final_layernorm.weight")]
+    if not cfg.tie_word_embeddings:
+        last.append(WeightEntry("lm_head.weight", (hf_lm_head,), (vocab,), "output_layer.weight", VOCAB_PADDED))
+    return WeightMap(tuple(entries), first, tuple(last))
+
+
+def hf_shapes(cfg: ModelConfig, weight_map: WeightMap) -> dict[str, tuple[int, ...]]:
+    """Full HF tensor shapes implied by ``cfg`` for every HF name in the map (all layers)."""
+    h, hd = cfg.hidden_size, cfg.head_dim
+    shapes = {}
+    for entry in weight_map.entries(range(cfg.num_hidden_layers)):
+        for name in entry.hf:
+            leaf = name.rsplit(".", 2)
+            module, kind = leaf[-2], leaf[-1]
+            if module == "q_proj":
+                shape = (cfg.num_attention_heads * hd, h)
+            elif module in ("k_proj", "v_proj"):
+                shape = (cfg.num_key_value_heads * hd, h)
+            elif module == "o_proj":
+                shape = (h, cfg.num_attention_heads * hd)
+            elif module in ("gate_proj", "up_proj"):
+                shape = (cfg.intermediate_size, h)
+            elif module == "down_proj":
+                shape = (h, cfg.intermediate_size)
+            elif module in ("embed_tokens", "lm_head"):
+                shape = (cfg.vocab_size, h)
+            else:  # norms
+                shape = (h,)
+            shapes[name] = shape[:1] if kind == "bias" else shape
+    return shapes
+
+
+def validate_source(source: TensorSource, expected: dict[str, tuple[int, ...]], where: str,
+                    allowed_extra: Iterable[str] = ()) -> None:
+    """Every expected tensor present with its shape, nothing unexplained left over; else CheckpointError."""
+    names = source.names()
+    missing = sorted(set(expected) - names)
+    wrong = sorted(f"{n} {source.shape(n)} (expected {expected[n]})" for n in set(expected) & names
+                   if tuple(source.shape(n)) != tuple(expected[n]))
+    extra = sorted(n for n in names - set(expected) - set(allowed_extra) if not n.endswith(IGNORED_SUFFIXES))
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing tensor(s): {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+    if wrong:
+        problems.append(f"{len(wrong)} tensor(s) with the wrong shape: {'; '.join(wrong[:8])}")
+    if extra:
+        problems.append(f"{len(extra)} unexpected tensor(s): {', '.join(extra[:8])}{' ...' if len(extra) > 8 else ''}")
+    if problems:
+        raise CheckpointError(f"{where}: " + "; ".join(problems))
+
+
+@torch.no_grad()
+def load_weights(params: dict[str, torch.nn.Parameter], entries: list[WeightEntry], source: TensorSource,
+                 tp_rank: int, tp_size: int) -> None:
+    """Fill each parameter with this rank's pieces of its HF tensors (read lazily from ``source``)."""
+    for entry in entries:
+        param = params[entry.param]
+        pieces = [source.read(name, rule.piece(source.shape(name), tp_rank, tp_size), param.dtype)
+                  for name, rule in zip(entry.hf, entry.rules)]
+        value = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
+        if tuple(value.shape) != tuple(param.shape):
+            raise CheckpointError(f"{entry.param}: checkpoint gives shape {tuple(value.shape)} for this rank, "
+                                  f"the model expects {tuple(param.shape)} (HF tensors {', '.join(entry.hf)})")
+        param.copy_(value)
+
+
+@torch.no_grad()
+def export_hf_state(params: dict[str, torch.nn.Parameter], entries: list[WeightEntry], shapes: dict[str, tuple[int, ...]],
+                    tp_group) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full_tensor)`` gathered over TP, merged with the same rules (every rank gets all).
+
+    A collective per parameter: every TP rank must iterate to the end in the same order.
+    """
+    tp = group_size(tp_group)
+    for entry in entries:
+        shard = params[entry.param].detach()
+        if tp > 1:
+            gathered = [torch.empty_like(shard) for _ in range(tp)]
+            dist.all_gather(gathered, shard.contiguous(), group=tp_group)
+        else:
+            gathered = [shard]
+        full = entry.packed.merge(gathered, [shapes[n] for n in entry.hf])
+        yield from zip(entry.hf, full)

@@ -1,0 +1,26 @@
+"""Llama tensor/sequence-parallel causal LM (the shared decoder with Llama's switches)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from models.llama import config, weights
+from models.common.builder import Architecture, build_model
+from models.common.transformer import ParallelCausalLM
+from parallel.config import ParallelConfig
+from parallel.groups import ParallelGroups
+
+ARCHITECTURE = Architecture("llama", config.HF_MODEL_TYPES, config.model_config, weights.weight_map)
+
+
+def build_parallel_model(source: Any, parallel_config: ParallelConfig | None = None, *,
+                         dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                         groups: ParallelGroups | None = None, seed: int = 0) -> ParallelCausalLM:
+    """Build this rank's Llama shard from an HF directory or a transformers config (random weights).
+
+    Call after ``torch.distributed.init_process_group`` when the layout uses more than one rank.
+    See ``models.common.builder.build_model`` for the arguments.
+    """
+    return build_model(ARCHITECTURE, source, parallel_config, dtype=dtype, device=device, groups=groups, seed=seed)

@@ -1,0 +1,251 @@
+"""Tensor-parallel layers whose parameters hold this rank's shard (vLLM-style packing).
+
+Activations are ``[seq, batch, hidden]``. With sequence parallelism (SP) the tensors between the
+layers here are sharded along ``seq`` over the TP group (``[seq/tp, batch, hidden]``); the column
+layers all-gather them and the row layers reduce-scatter back, as in Megatron.
+
+Parameter attributes read by ``finalize_grads`` (parallel/grads.py):
+  ``sequence_parallel = True``  the gradient is a partial sum over the TP group (SP norms, row bias)
+  ``kv_replicas = (rows_q, rows_kv, replicas)``  on packed QKV params when tp > num_kv_heads
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallel.collectives import (
+    copy_to_group,
+    gather_from_sequence,
+    group_rank,
+    group_size,
+    reduce_from_group,
+    reduce_scatter_to_sequence,
+)
+from parallel.sharding import KVHeads, Vocab
+
+
+def _divide(a: int, b: int, what: str) -> int:
+    if a % b:
+        raise ValueError(f"{what}: {a} is not divisible by {b}")
+    return a // b
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T + b`` with ``W`` split along its output rows; the output stays split.
+
+    Input ``[s(/tp), b, in]`` (full, or sequence-sharded under SP) -> output ``[s, b, out/tp]``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, tp_group: Any = None,
+                 sequence_parallel: bool = False, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None, local_out_features: int | None = None) -> None:
+        super().__init__()
+        self.tp_group = tp_group
+        self.tp_size = group_size(tp_group)
+        self.tp_rank = group_rank(tp_group)
+        self.sequence_parallel = sequence_parallel and self.tp_size > 1
+        self.in_features = in_features
+        self.out_features = out_features
+        local = local_out_features if local_out_features is not None else _divide(out_features, self.tp_size, "ColumnParallelLinear out_features / tp")
+        self.weight = nn.Parameter(torch.empty(local, in_features, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(local, dtype=dtype, device=device)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = gather_from_sequence(x, self.tp_group)
+        else:
+            x = copy_to_group(x, self.tp_group)
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, local_out={self.weight.shape[0]}, tp={self.tp_size}, sp={self.sequence_parallel}"
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Packed ``[q_r | k_r | v_r]`` projection with grouped-query attention.
+
+    KV heads are split over TP when ``kv_heads % tp == 0``; when ``tp % kv_heads == 0`` each rank
+    holds one KV head, head ``r // (tp / kv_heads)``, replicated ``tp / kv_heads`` times (vLLM's
+    layout); the replicas' gradients are summed by ``finalize_grads``.
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, *, bias: bool,
+                 tp_group: Any = None, sequence_parallel: bool = False, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        tp = group_size(tp_group)
+        self.head_dim = head_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.kv_rule = KVHeads(head_dim, num_kv_heads)
+        self.kv_replicas = self.kv_rule.replicas(tp)
+        self.num_local_heads = _divide(num_heads, tp, "num_attention_heads / tp")
+        self.num_local_kv_heads = max(1, num_kv_heads // tp)
+        local_out = (self.num_local_heads + 2 * self.num_local_kv_heads) * head_dim
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias=bias, tp_group=tp_group,
+                         sequence_parallel=sequence_parallel, dtype=dtype, device=device, local_out_features=local_out)
+        if self.kv_replicas > 1:
+            q_rows = self.num_local_heads * head_dim
+            kv_rows = self.num_local_kv_heads * head_dim
+            for p in self.parameters():
+                p.kv_replicas = (q_rows, kv_rows, self.kv_replicas, self.tp_rank // self.kv_replicas, num_kv_heads)
+
+    def local_sizes(self) -> tuple[int, int, int]:
+        """Rows of q, k, v in this rank's packed shard."""
+        q = self.num_local_heads * self.head_dim
+        kv = self.num_local_kv_heads * self.head_dim
+        return q, kv, kv
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs packed along rows, e.g. ``[gate_r | up_r]``."""
+
+    def __init__(self, in_features: int, out_sizes: Sequence[int], *, bias: bool, tp_group: Any = None,
+                 sequence_parallel: bool = False, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        tp = group_size(tp_group)
+        self.local_out_sizes = [_divide(o, tp, "MergedColumnParallelLinear output / tp") for o in out_sizes]
+        super().__init__(in_features, sum(out_sizes), bias=bias, tp_group=tp_group, sequence_parallel=sequence_parallel,
+                         dtype=dtype, device=device, local_out_features=sum(self.local_out_sizes))
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T + b`` with ``W`` split along its input columns; partial outputs are summed.
+
+    Input ``[s, b, in/tp]`` -> output ``[s, b, out]`` (all-reduce) or ``[s/tp, b, out]`` under SP
+    (reduce-scatter). The bias is whole on every rank and added once, after the reduction.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, tp_group: Any = None,
+                 sequence_parallel: bool = False, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.tp_group = tp_group
+        self.tp_size = group_size(tp_group)
+        self.sequence_parallel = sequence_parallel and self.tp_size > 1
+        self.in_features = in_features
+        self.out_features = out_features
+        local_in = _divide(in_features, self.tp_size, "RowParallelLinear in_features / tp")
+        self.weight = nn.Parameter(torch.empty(out_features, local_in, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+        if self.bias is not None and self.sequence_parallel:
+            self.bias.sequence_parallel = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence(y, self.tp_group)
+        else:
+            y = reduce_from_group(y, self.tp_group)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, local_in={self.weight.shape[1]}, tp={self.tp_size}, sp={self.sequence_parallel}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose rows (padded vocabulary) are split over TP; lookups outside the slice give 0.
+
+    ``ids [s, b]`` -> ``[s, b, hidden]`` (all-reduce) or ``[s/tp, b, hidden]`` under SP
+    (reduce-scatter). Padding rows exist only so every rank holds the same number of rows.
+    """
+
+    def __init__(self, vocab_size: int, padded_vocab_size: int, hidden_size: int, *, tp_group: Any = None,
+                 sequence_parallel: bool = False, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.tp_group = tp_group
+        self.tp_size = group_size(tp_group)
+        self.tp_rank = group_rank(tp_group)
+        self.sequence_parallel = sequence_parallel and self.tp_size > 1
+        self.vocab_size = vocab_size
+        self.padded_vocab_size = padded_vocab_size
+        self.rule = Vocab(vocab_size, padded_vocab_size)
+        piece = self.rule.piece((vocab_size, hidden_size), self.tp_rank, self.tp_size)
+        self.vocab_start, self.vocab_end = piece.start, piece.stop
+        self.weight = nn.Parameter(torch.empty(piece.stop - piece.start, hidden_size, dtype=dtype, device=device))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence(out, self.tp_group)
+        return reduce_from_group(out, self.tp_group)
+
+
+class ParallelLMHead(nn.Module):
+    """Output projection onto this rank's vocabulary slice: ``[s(/tp), b, h] -> [s, b, V_pad/tp]``.
+
+    May share its weight with a VocabParallelEmbedding (tied embeddings). Columns past the real
+    vocabulary are padding; ``valid_columns`` says how many of this rank's columns are real.
+    """
+
+    def __init__(self, vocab_size: int, padded_vocab_size: int, hidden_size: int, *, tp_group: Any = None,
+                 sequence_parallel: bool = False, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None, tied_to: VocabParallelEmbedding | None = None) -> None:
+        super().__init__()
+        self.tp_group = tp_group
+        self.tp_size = group_size(tp_group)
+        self.tp_rank = group_rank(tp_group)
+        self.sequence_parallel = sequence_parallel and self.tp_size > 1
+        self.vocab_size = vocab_size
+        self.padded_vocab_size = padded_vocab_size
+        piece = Vocab(vocab_size, padded_vocab_size).piece((vocab_size, hidden_size), self.tp_rank, self.tp_size)
+        self.vocab_start, self.vocab_end = piece.start, piece.stop
+        self.valid_columns = max(0, min(piece.stop, vocab_size) - piece.start)
+        self.tied = tied_to is not None
+        if tied_to is not None:
+            # Not registered as a parameter here: the embedding owns it (one tensor, one gradient).
+            self._tied = [tied_to]
+        else:
+            self.weight = nn.Parameter(torch.empty(piece.stop - piece.start, hidden_size, dtype=dtype, device=device))
+
+    @property
+    def shared_weight(self) -> torch.Tensor:
+        return self._tied[0].weight if self.tied else self.weight
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            h = gather_from_sequence(h, self.tp_group)
+        else:
+            h = copy_to_group(h, self.tp_group)
+        return F.linear(h, self.shared_weight)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and cast back, as transformers does (``w * (x / rms(x)).to(dtype)``).
+
+    Under SP the input is a sequence shard, so the weight gradient is a partial sum: the weight is
+    tagged ``sequence_parallel`` and ``finalize_grads`` sums it over the TP group.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, *, sequence_parallel: bool = False,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+        if sequence_parallel:
+            self.weight.sequence_parallel = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+__all__ = [
+    "ColumnParallelLinear",
+    "QKVParallelLinear",
+    "MergedColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "ParallelLMHead",
+    "RMSNorm",
+]

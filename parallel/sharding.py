@@ -1,0 +1,222 @@
+"""Pure sharding rules: which part of a full tensor TP rank ``r`` of ``n`` holds, and how to merge back.
+
+The single source of truth for "which rows/columns go where". Model loading (reading only a rank's
+rows from safetensors), live weight export and offline checkpoint conversion all call these rules.
+
+A rule answers ``piece(full_shape, rank, size)``: the dimension and the ``[start, stop)`` range of
+the full tensor that rank holds (the range may run past the end for the padded vocabulary; the
+excess is zero rows). ``split`` and the lazy safetensors reader both apply that same answer.
+
+Rule kinds
+  Replicated()              every rank holds the whole tensor (norm weights, row-parallel bias)
+  Split(dim)                contiguous equal chunks along ``dim`` (column: dim 0, row: dim 1)
+  KVHeads(head_dim, kv)     K or V projection rows: chunks of heads when kv % n == 0; when
+                            n % kv == 0 each rank holds one head, head ``r // (n // kv)``
+                            (replicated n/kv times, as vLLM's QKVParallelLinear does)
+  Vocab(vocab, padded)      rows padded with zeros to ``padded`` rows, then equal chunks
+Packed tensors (``[q | k | v]``, ``[gate | up]``) are a concatenation along dim 0 of their parts'
+shards, each part with its own rule: see ``Packed``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+
+class ShardingError(ValueError):
+    """A tensor that cannot be split or merged under a rule (sizes named in the message)."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of a full tensor one rank holds: rows/cols ``[start, stop)`` along ``dim``.
+
+    ``dim`` None means the whole tensor. ``stop`` may exceed the tensor's length (padding rows).
+    """
+
+    dim: int | None
+    start: int = 0
+    stop: int = 0
+
+
+class Rule:
+    """Base class: subclasses define ``piece`` and ``merge``."""
+
+    def piece(self, full_shape: Sequence[int], rank: int, size: int) -> Piece:
+        raise NotImplementedError
+
+    def merge(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def shard_shape(self, full_shape: Sequence[int], size: int) -> tuple[int, ...]:
+        """Shape of one rank's shard (equal on every rank for every rule here)."""
+        p = self.piece(full_shape, 0, size)
+        if p.dim is None:
+            return tuple(full_shape)
+        shape = list(full_shape)
+        shape[p.dim] = p.stop - p.start
+        return tuple(shape)
+
+    def split(self, tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+        """Rank ``rank``'s shard of the full ``tensor`` (a new contiguous tensor)."""
+        return read_piece(lambda idx: tensor[idx], tuple(tensor.shape), self.piece(tensor.shape, rank, size),
+                          tensor.dtype)
+
+    def split_all(self, tensor: torch.Tensor, size: int) -> list[torch.Tensor]:
+        return [self.split(tensor, r, size) for r in range(size)]
+
+
+def _check_rank(rank: int, size: int) -> None:
+    if size < 1 or not 0 <= rank < size:
+        raise ShardingError(f"rank {rank} is out of range for a group of {size}")
+
+
+def _even_chunk(length: int, rank: int, size: int, what: str) -> tuple[int, int]:
+    _check_rank(rank, size)
+    if length % size:
+        raise ShardingError(f"{what}: size {length} is not divisible by {size} ranks")
+    per = length // size
+    return rank * per, (rank + 1) * per
+
+
+@dataclass(frozen=True)
+class Replicated(Rule):
+    def piece(self, full_shape, rank, size):
+        _check_rank(rank, size)
+        return Piece(None)
+
+    def merge(self, shards):
+        return shards[0].clone()
+
+
+@dataclass(frozen=True)
+class Split(Rule):
+    dim: int = 0
+
+    def piece(self, full_shape, rank, size):
+        if self.dim >= len(full_shape):
+            # A 1-D bias of a row-parallel layer declared with dim=1 is not split.
+            _check_rank(rank, size)
+            return Piece(None)
+        start, stop = _even_chunk(full_shape[self.dim], rank, size, f"split along dim {self.dim} of {tuple(full_shape)}")
+        return Piece(self.dim, start, stop)
+
+    def merge(self, shards):
+        if self.dim >= shards[0].dim():
+            return shards[0].clone()
+        return torch.cat(list(shards), dim=self.dim)
+
+
+@dataclass(frozen=True)
+class KVHeads(Rule):
+    head_dim: int
+    num_kv_heads: int
+
+    def replicas(self, size: int) -> int:
+        """How many ranks hold each KV head (1 when heads are split, tp/kv when replicated)."""
+        if self.num_kv_heads % size == 0:
+            return 1
+        if size % self.num_kv_heads == 0:
+            return size // self.num_kv_heads
+        raise ShardingError(f"num_kv_heads={self.num_kv_heads} and tp={size}: one must divide the other")
+
+    def piece(self, full_shape, rank, size):
+        _check_rank(rank, size)
+        if full_shape[0] != self.num_kv_heads * self.head_dim:
+            raise ShardingError(
+                f"KV projection has {full_shape[0]} rows, expected num_kv_heads*head_dim = "
+                f"{self.num_kv_heads}*{self.head_dim}"
+            )
+        rep = self.replicas(size)
+        if rep == 1:
+            start, stop = _even_chunk(full_shape[0], rank, size, "KV heads")
+            return Piece(0, start, stop)
+        head = rank // rep
+        return Piece(0, head * self.head_dim, (head + 1) * self.head_dim)
+
+    def merge(self, shards):
+        rep = self.replicas(len(shards))
+        return torch.cat([shards[i] for i in range(0, len(shards), rep)], dim=0)
+
+
+@dataclass(frozen=True)
+class Vocab(Rule):
+    vocab_size: int
+    padded_size: int
+
+    def piece(self, full_shape, rank, size):
+        if full_shape[0] != self.vocab_size:
+            raise ShardingError(f"vocabulary tensor has {full_shape[0]} rows, expected vocab_size={self.vocab_size}")
+        if self.padded_size < self.vocab_size:
+            raise ShardingError(f"padded vocab {self.padded_size} is smaller than vocab_size={self.vocab_size}")
+        start, stop = _even_chunk(self.padded_size, rank, size, "padded vocabulary")
+        return Piece(0, start, stop)
+
+    def shard_shape(self, full_shape, size):
+        return (self.padded_size // size, *full_shape[1:])
+
+    def merge(self, shards):
+        return torch.cat(list(shards), dim=0)[: self.vocab_size].clone()
+
+
+def read_piece(
+    read: Callable[[tuple[slice, ...]], torch.Tensor],
+    full_shape: tuple[int, ...],
+    piece: Piece,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Materialize ``piece`` using ``read(index)`` (a tensor or a lazy safetensors slice).
+
+    Rows past the end of the full tensor (vocabulary padding) come back as zeros.
+    """
+    if piece.dim is None:
+        part = _own(read(tuple(slice(None) for _ in full_shape)))
+        return part.to(dtype) if dtype is not None else part
+    length = full_shape[piece.dim]
+    stop = min(piece.stop, length)
+    index = [slice(None)] * len(full_shape)
+    index[piece.dim] = slice(min(piece.start, length), stop)
+    part = _own(read(tuple(index)))
+    missing = piece.stop - max(stop, piece.start)
+    if missing > 0:
+        pad_shape = list(part.shape)
+        pad_shape[piece.dim] = missing
+        part = torch.cat([part, torch.zeros(pad_shape, dtype=part.dtype, device=part.device)], dim=piece.dim)
+    if dtype is not None and part.dtype != dtype:
+        part = part.to(dtype)
+    return part
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor that owns its memory (never a view into the caller's full tensor)."""
+    t = t.contiguous()
+    return t.clone() if t._base is not None else t
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A parameter that concatenates, along dim 0, the shards of several full tensors.
+
+    ``parts`` are ``(name, rule)``; rank r's packed shard is ``cat([rule_i.split(part_i, r, n)])``.
+    Used for ``qkv_proj`` = ``[q_r | k_r | v_r]`` and ``gate_up_proj`` = ``[gate_r | up_r]``.
+    """
+
+    parts: tuple[tuple[str, Rule], ...]
+
+    def pack(self, tensors: Sequence[torch.Tensor], rank: int, size: int) -> torch.Tensor:
+        return torch.cat([rule.split(t, rank, size) for (_, rule), t in zip(self.parts, tensors)], dim=0)
+
+    def unpack(self, shard: torch.Tensor, full_shapes: Sequence[Sequence[int]], size: int) -> list[torch.Tensor]:
+        """Split one rank's packed shard back into its per-part shards."""
+        sizes = [rule.shard_shape(shape, size)[0] for (_, rule), shape in zip(self.parts, full_shapes)]
+        if sum(sizes) != shard.shape[0]:
+            raise ShardingError(f"packed shard has {shard.shape[0]} rows, parts need {sizes} (sum {sum(sizes)})")
+        return list(torch.split(shard, sizes, dim=0))
+
+    def merge(self, shards: Sequence[torch.Tensor], full_shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Full part tensors from every rank's packed shard."""
+        per_rank = [self.unpack(s, full_shapes, len(shards)) for s in shards]
+        return [rule.merge([pr[i] for pr in per_rank]) for i, (_, rule) in enumerate(self.parts)]
