@@ -29,6 +29,11 @@ def group_rank(group: Any) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+# torch >= 2.12 names the tensor-in/tensor-out collectives *_single; older releases *_into_tensor/*_tensor.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
     x = x.contiguous()
     dist.all_reduce(x, group=group)
@@ -39,7 +44,7 @@ def _all_gather_dim0(x: torch.Tensor, group: Any) -> torch.Tensor:
     n = group_size(group)
     x = x.contiguous()
     out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x, group=group)
+    _all_gather_single(out, x, group=group)
     return out
 
 
@@ -49,7 +54,7 @@ def _reduce_scatter_dim0(x: torch.Tensor, group: Any) -> torch.Tensor:
         raise ValueError(f"reduce-scatter along dim 0: size {x.shape[0]} is not divisible by group size {n}")
     x = x.contiguous()
     out = torch.empty((x.shape[0] // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x, group=group)
+    _reduce_scatter_single(out, x, group=group)
     return out
 
 

@@ -103,8 +103,7 @@ def build_model(arch: Architecture, source: Any, parallel_config: ParallelConfig
         groups = build_groups(parallel_config, device)
     elif groups.config.tp != parallel_config.tp:
         raise ParallelConfigError(f"groups were built for {groups.config.describe()}, not {parallel_config.describe()}")
-    model = ParallelCausalLM(cfg, groups, dtype=dtype, device=device)
-    layer_ids = [int(i) for i in model.model.layers.keys()]
-    load_weights(dict(model.named_parameters()), wmap.entries(layer_ids), tensor_source, groups.tp_rank, groups.tp_size)
-    model.weight_map = wmap
+    model = ParallelCausalLM(cfg, groups, wmap, dtype=dtype, device=device)
+    load_weights(dict(model.named_parameters()), wmap.entries(model.layer_ids()), tensor_source, groups.tp_rank,
+                 groups.tp_size)
     return model

@@ -8,6 +8,7 @@ by their global index so names do not depend on the parallel layout.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,7 @@ from torch import nn
 from models.common.attention import causal_attention
 from models.common.config import ModelConfig
 from models.common.rope import RotaryEmbedding, apply_rotary
+from models.common.weights import WeightMap, export_hf_state, hf_shapes
 from parallel.collectives import gather_last_dim
 from parallel.cross_entropy import vocab_parallel_cross_entropy
 from parallel.grads import finalize_grads
@@ -112,10 +114,11 @@ class ParallelDecoder(nn.Module):
 class ParallelCausalLM(nn.Module):
     """A tensor/sequence-parallel causal LM; build it with ``models.<arch>.build_parallel_model``."""
 
-    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, weight_map: WeightMap, *,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.config = cfg
+        self.weight_map = weight_map  # the architecture's table: HF names, shard rules, Megatron names
         self.groups = groups
         self.padded_vocab_size = groups.config.padded_vocab_size(cfg.vocab_size)
         self.model = ParallelDecoder(cfg, groups, range(cfg.num_hidden_layers), self.padded_vocab_size, dtype, device)
@@ -203,6 +206,22 @@ class ParallelCausalLM(nn.Module):
             else:
                 out_logits = logits[..., : self.lm_head.valid_columns]
         return CausalLMOutput(loss=loss, logits=out_logits)
+
+    # ------------------------------------------------------------------ weights
+    def layer_ids(self) -> list[int]:
+        """Global indices of the decoder layers this rank holds."""
+        return [int(i) for i in self.model.layers.keys()]
+
+    def iter_hf_weights(self, tensors: dict[str, torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, full tensor)`` for this rank's layers, gathered over TP with the weight map's rules.
+
+        ``tensors`` maps internal names to what to export (default: the parameters; pass
+        ``{n: p.grad}`` to export gradients). Collective over TP: call on every TP rank.
+        """
+        wmap = self.weight_map
+        tensors = tensors if tensors is not None else dict(self.named_parameters())
+        yield from export_hf_state(tensors, wmap.entries(self.layer_ids()), hf_shapes(self.config, wmap),
+                                   self.groups.tp_group)
 
     # ------------------------------------------------------------------ training
     def finalize_grads(self) -> None:

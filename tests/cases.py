@@ -1,0 +1,86 @@
+"""Tiny HF models written to disk by transformers itself: the independent reference for every test.
+
+Each case covers a switch of the shared decoder: GQA with fewer KV heads than TP ranks, tied and
+untied embeddings, qkv bias (Qwen2), o_proj/MLP bias (Llama attention_bias/mlp_bias), vocab not
+divisible by TP, explicit head_dim, and the RoPE scaling types.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+ARCH_OF = {"qwen2": "models.qwen2", "llama": "models.llama"}
+
+
+def _case_configs():
+    from transformers import LlamaConfig, Qwen2Config
+
+    return {
+        # vocab 101: not divisible by 2 or 4; kv_heads 2 < tp 4 (replicated KV at tp=4)
+        "qwen2_untied": Qwen2Config(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                    tie_word_embeddings=False, rms_norm_eps=1e-6),
+        # tied embeddings, a single KV head (replicated over every TP rank)
+        "qwen2_tied_kv1": Qwen2Config(vocab_size=77, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=64,
+                                      tie_word_embeddings=True),
+        # explicit head_dim (24 != 64/4), llama3 RoPE scaling, bias on q/k/v/o and the MLP
+        "llama_llama3": LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=4, head_dim=24,
+                                    max_position_embeddings=64, attention_bias=True, mlp_bias=True,
+                                    tie_word_embeddings=False,
+                                    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                     "original_max_position_embeddings": 8}),
+        # dynamic NTK RoPE exercised past max_position_embeddings (tests use 20 tokens > 16), tied
+        "llama_dynamic": LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                                     tie_word_embeddings=True,
+                                     rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}),
+    }
+
+
+def seq_len_for(case: str) -> int:
+    return 20 if case == "llama_dynamic" else 10
+
+
+def write_hf_model(root: Path, name: str, config, seed: int = 0) -> Path:
+    """Random transformers model saved with ``save_pretrained``; norms and biases randomized too
+    (transformers initializes them to 1 and 0, which would hide mistakes in their handling)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith(".bias"):
+                p.normal_(0.0, 0.05)
+            elif "norm" in pname:
+                p.normal_(1.0, 0.1)
+            else:
+                p.normal_(0.0, 0.08)
+    path = root / name
+    model.save_pretrained(path)
+    return path
+
+
+def write_all(root: Path) -> dict[str, str]:
+    return {name: str(write_hf_model(root, name, cfg, seed=i)) for i, (name, cfg) in enumerate(_case_configs().items())}
+
+
+def arch_of(case: str) -> str:
+    return case.split("_")[0]
+
+
+def build(case: str, source, pconfig, **kw):
+    import importlib
+
+    return importlib.import_module(ARCH_OF[arch_of(case)]).build_parallel_model(source, pconfig, **kw)
+
+
+def load_hf(path: str, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
