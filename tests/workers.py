@@ -139,3 +139,51 @@ def parity_suite(dirs: dict[str, str], extras: bool) -> list[tuple]:
                 records += packed_case(case, path, world, sp)
                 records += bf16_case(case, path, world, sp)
     return records
+
+
+def megatron_groups_case(path: str) -> list[tuple]:
+    """The model runs on groups adopted from megatron-core's parallel_state (TP=2, SP) and matches HF."""
+    from megatron.core import parallel_state as ps
+
+    from parallel import groups_from_megatron
+
+    world = dist.get_world_size()
+    ps.initialize_model_parallel(tensor_model_parallel_size=world)
+    try:
+        groups = groups_from_megatron(ParallelConfig(tp=world, sequence_parallel=True))
+        model = build("qwen2", path, groups.config, groups=groups)
+        hf = load_hf(path)
+        ids, labels = _batch(hf.config.vocab_size, 10)
+        out = model(ids, labels=labels, gather_logits=True)
+        ref = hf(ids, labels=labels)
+        tag = ("megatron_groups", world, True)
+        return [(*tag, "logits", _max_diff(out.logits, ref.logits)), (*tag, "loss", _max_diff(out.loss, ref.loss)),
+                (*tag, "tp_rank_matches_megatron", float(groups.tp_rank != ps.get_tensor_model_parallel_rank()))]
+    finally:
+        ps.destroy_model_parallel()
+
+
+def random_init_case(hf_config) -> list[tuple]:
+    """A model built from a config (random weights) exports, gathered over TP, to an HF state dict that
+    transformers loads strictly and that reproduces our logits."""
+    from transformers import AutoModelForCausalLM
+
+    world = dist.get_world_size()
+    model = build(hf_config.model_type, hf_config, ParallelConfig(tp=world, sequence_parallel=world > 1), seed=3)
+    state = dict(model.iter_hf_weights())
+    hf = AutoModelForCausalLM.from_config(hf_config).eval()
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (hf_config.tie_word_embeddings and m == "lm_head.weight")]
+    ids, labels = _batch(hf_config.vocab_size, 10)
+    out = model(ids, labels=labels, gather_logits=True)
+    ref = hf(ids, labels=labels)
+    tag = (f"random_init_{hf_config.model_type}", world, world > 1)
+    return [(*tag, "state_keys_mismatch", float(len(missing) + len(unexpected))),
+            (*tag, "logits", _max_diff(out.logits, ref.logits)), (*tag, "loss", _max_diff(out.loss, ref.loss))]
+
+
+def adapter_and_init_suite(path: str, configs: list) -> list[tuple]:
+    records = megatron_groups_case(path)
+    for cfg in configs:
+        records += random_init_case(cfg)
+    return records

@@ -87,13 +87,6 @@ class RandomSource(TensorSource):
         return {name: self.full(name).to(dtype) for name in sorted(self.specs)}
 
 
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
 def read_safetensors_header(path: Path) -> dict:
     """The JSON header of a safetensors file, checked against the file size (catches truncation)."""
     try:
@@ -148,6 +141,8 @@ class SafetensorsSource(TensorSource):
             )
         self._file_of: dict[str, str] = {}
         self._shape: dict[str, tuple[int, ...]] = {}
+        self._dtype: dict[str, str] = {}
+        self.files = files
         for fname in files:
             path = self.directory / fname
             if not path.exists():
@@ -158,6 +153,7 @@ class SafetensorsSource(TensorSource):
                     continue
                 self._file_of[name] = fname
                 self._shape[name] = tuple(info["shape"])
+                self._dtype[name] = info.get("dtype", "?")
         if weight_map is not None:
             for name, fname in weight_map.items():
                 if self._file_of.get(name) != fname:
@@ -169,6 +165,10 @@ class SafetensorsSource(TensorSource):
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._shape[name]
+
+    def dtype_name(self, name: str) -> str:
+        """The safetensors dtype tag of ``name`` (e.g. "BF16"), read from the header."""
+        return self._dtype[name]
 
     def _handle(self, fname: str):
         if fname not in self._handles:
