@@ -7,9 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 from models.common.builder import load_hf_config
-from models.common.sources import CheckpointError, SafetensorsSource
-
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+from models.common.sources import DTYPE_BYTES, CheckpointError, SafetensorsSource
 
 
 def inspect_checkpoint(path: str | os.PathLike) -> dict:
@@ -29,7 +27,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict:
             params += n
             tag = source.dtype_name(name)
             dtypes[tag] += n
-            size += n * _DTYPE_BYTES.get(tag, 0)
+            size += n * DTYPE_BYTES[tag]
         return {
             "format": "hf-safetensors",
             "architecture": (getattr(hf_config, "architectures", None) or [hf_config.model_type])[0],

@@ -59,11 +59,12 @@ def test_valid_layouts_pass():
 
 
 def test_heads_not_divisible_by_tp():
-    cfg = _llama_config(num_attention_heads=6, num_key_value_heads=6, hidden_size=48, intermediate_size=96)
+    # kv=2 divides tp=4 and intermediate 96 is divisible: the query heads are the only problem
+    cfg = _llama_config(num_attention_heads=6, num_key_value_heads=2, hidden_size=48, intermediate_size=96)
     with pytest.raises(ParallelConfigError) as exc:
         ParallelConfig(tp=4).validate(cfg)
     msg = str(exc.value)
-    assert "head" in msg
+    assert "num_attention_heads" in msg
     _names(msg, 6, 4)
 
 
@@ -177,6 +178,8 @@ def test_build_with_sequence_parallel_tp1_raises(qwen2_dir, no_process_groups):
 
 
 # ------------------------------------------------------------------ checkpoints
+# Every damaged-checkpoint test also requests ``no_process_groups``: the builder promises to check
+# config and safetensors headers (presence and shape of every tensor) before any group is created.
 
 
 @pytest.fixture
@@ -212,30 +215,30 @@ def test_clean_copy_builds(copy_of):
     _build(copy_of())  # control: the damage below is what fails, not the copying
 
 
-def test_missing_directory(tmp_path):
+def test_missing_directory(tmp_path, no_process_groups):
     path = tmp_path / "does_not_exist"
     _raises_naming(path, path)
 
 
-def test_no_config_json(copy_of):
+def test_no_config_json(copy_of, no_process_groups):
     path = copy_of()
     (path / "config.json").unlink()
     _raises_naming(path, path, "config.json")
 
 
-def test_config_json_not_json(copy_of):
+def test_config_json_not_json(copy_of, no_process_groups):
     path = copy_of()
     (path / "config.json").write_text('{"model_type": "qwen2", "vocab_size": ')
     _raises_naming(path, path / "config.json")
 
 
-def test_no_safetensors_file(copy_of):
+def test_no_safetensors_file(copy_of, no_process_groups):
     path = copy_of()
     (path / "model.safetensors").unlink()
     _raises_naming(path, path, "model.safetensors")
 
 
-def test_truncated_safetensors(copy_of):
+def test_truncated_safetensors(copy_of, no_process_groups):
     path = copy_of()
     f = path / "model.safetensors"
     data = f.read_bytes()
@@ -243,7 +246,7 @@ def test_truncated_safetensors(copy_of):
     _raises_naming(path, f)
 
 
-def test_corrupt_header_length(copy_of):
+def test_corrupt_header_length(copy_of, no_process_groups):
     path = copy_of()
     f = path / "model.safetensors"
     data = bytearray(f.read_bytes())
@@ -252,14 +255,14 @@ def test_corrupt_header_length(copy_of):
     _raises_naming(path, f)
 
 
-def test_empty_safetensors_file(copy_of):
+def test_empty_safetensors_file(copy_of, no_process_groups):
     path = copy_of()
     f = path / "model.safetensors"
     f.write_bytes(b"")
     _raises_naming(path, f)
 
 
-def test_garbage_header_bytes(copy_of):
+def test_garbage_header_bytes(copy_of, no_process_groups):
     path = copy_of()
     f = path / "model.safetensors"
     data = bytearray(f.read_bytes())
@@ -277,14 +280,14 @@ def _rewrite(path: Path, edit) -> None:
     save_file(state, str(f), metadata={"format": "pt"})
 
 
-def test_missing_tensor_named(copy_of):
+def test_missing_tensor_named(copy_of, no_process_groups):
     path = copy_of()
     name = "model.layers.1.self_attn.k_proj.weight"
     _rewrite(path, lambda s: s.pop(name))
     _raises_naming(path, name, "missing")
 
 
-def test_wrong_shape_tensor_named(copy_of):
+def test_wrong_shape_tensor_named(copy_of, no_process_groups):
     path = copy_of()
     name = "model.layers.0.mlp.down_proj.weight"
 
@@ -295,7 +298,7 @@ def test_wrong_shape_tensor_named(copy_of):
     _raises_naming(path, name, "shape")
 
 
-def test_unexpected_extra_tensor_named(copy_of):
+def test_unexpected_extra_tensor_named(copy_of, no_process_groups):
     path = copy_of()
     name = "model.layers.0.self_attn.extra_proj.weight"
 
@@ -317,7 +320,7 @@ def _save_sharded(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_sharded_checkpoint_missing_shard(qwen2_dir, tmp_path):
+def test_sharded_checkpoint_missing_shard(qwen2_dir, tmp_path, no_process_groups):
     path = _save_sharded(qwen2_dir, tmp_path / "sharded")
     weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
     victim = sorted(set(weight_map.values()))[1]
@@ -325,13 +328,13 @@ def test_sharded_checkpoint_missing_shard(qwen2_dir, tmp_path):
     _raises_naming(path, victim)
 
 
-def test_sharded_checkpoint_unreadable_index(qwen2_dir, tmp_path):
+def test_sharded_checkpoint_unreadable_index(qwen2_dir, tmp_path, no_process_groups):
     path = _save_sharded(qwen2_dir, tmp_path / "sharded")
     (path / "model.safetensors.index.json").write_text('{"weight_map": ')
     _raises_naming(path, "model.safetensors.index.json")
 
 
-def test_sharded_index_points_to_wrong_file(qwen2_dir, tmp_path):
+def test_sharded_index_points_to_wrong_file(qwen2_dir, tmp_path, no_process_groups):
     path = _save_sharded(qwen2_dir, tmp_path / "sharded")
     index_file = path / "model.safetensors.index.json"
     index = json.loads(index_file.read_text())
@@ -363,3 +366,39 @@ def test_wrong_model_type(llama_dir, no_process_groups):
     msg = str(exc.value)
     assert "llama" in msg and "qwen2" in msg
     assert str(llama_dir) in msg
+
+
+def _edit_header(path: Path, edit) -> None:
+    """Rewrite model.safetensors' JSON header in place (same data bytes)."""
+    import struct
+
+    f = path / "model.safetensors"
+    raw = f.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    edit(header)
+    new = json.dumps(header).encode()
+    new += b" " * max(0, n - len(new))  # keep the data offset when the header shrank
+    assert len(new) == n, "test helper: edited header must not grow"
+    f.write_bytes(struct.pack("<Q", n) + new + raw[8 + n:])
+
+
+@pytest.mark.parametrize("damage,needle", [
+    ("index_not_a_dict", "model.safetensors.index.json"),
+    ("entry_without_shape", "model.norm.weight"),
+    ("entry_with_unknown_dtype", "model.norm.weight"),
+    ("config_without_model_type", "config.json"),
+    ("config_unknown_model_type", "config.json"),
+])
+def test_malformed_metadata_is_a_checkpoint_error(copy_of, no_process_groups, damage, needle):
+    if damage == "index_not_a_dict":
+        (copy_of / "model.safetensors.index.json").write_text(json.dumps({"weight_map": [1]}))
+    elif damage == "entry_without_shape":
+        _edit_header(copy_of, lambda h: h["model.norm.weight"].pop("shape"))
+    elif damage == "entry_with_unknown_dtype":
+        _edit_header(copy_of, lambda h: h["model.norm.weight"].update(dtype="XX"))
+    elif damage == "config_without_model_type":
+        (copy_of / "config.json").write_text("{}")
+    else:
+        (copy_of / "config.json").write_text(json.dumps({"model_type": "nonexistent_arch"}))
+    _raises_naming(copy_of, needle)

@@ -41,12 +41,17 @@ def load_hf_config(directory: str | os.PathLike) -> Any:
     if not cfg_file.is_file():
         raise CheckpointError(f"{path}: no config.json (is this a HuggingFace model directory?)")
     try:
-        json.loads(cfg_file.read_text())
+        raw = json.loads(cfg_file.read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{cfg_file}: not valid JSON ({exc})") from exc
+    if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
+        raise CheckpointError(f"{cfg_file}: no 'model_type' (not a transformers config)")
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        raise CheckpointError(f"{cfg_file}: transformers cannot read this config ({exc})") from exc
 
 
 def random_source(arch: Architecture, cfg: ModelConfig, pconfig: ParallelConfig, seed: int) -> RandomSource:

@@ -87,6 +87,13 @@ class RandomSource(TensorSource):
         return {name: self.full(name).to(dtype) for name in sorted(self.specs)}
 
 
+# Bytes per element of each safetensors dtype tag.
+DTYPE_BYTES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
+}
+
+
 def read_safetensors_header(path: Path) -> dict:
     """The JSON header of a safetensors file, checked against the file size (catches truncation)."""
     try:
@@ -109,9 +116,19 @@ def read_safetensors_header(path: Path) -> dict:
             continue
         try:
             start, stop = info["data_offsets"]
-            data_end = max(data_end, stop)
+            shape = info["shape"]
+            ok = (info["dtype"] in DTYPE_BYTES and isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+                  and isinstance(start, int) and isinstance(stop, int) and 0 <= start <= stop)
+            if ok:
+                count = 1
+                for d in shape:
+                    count *= d
+                ok = stop - start == count * DTYPE_BYTES[info["dtype"]]
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{path}: corrupt safetensors entry for tensor {name!r}") from exc
+        if not ok:
+            raise CheckpointError(f"{path}: corrupt safetensors entry for tensor {name!r}: {info}")
+        data_end = max(data_end, stop)
     if 8 + n + data_end > size:
         raise CheckpointError(
             f"{path}: truncated: tensors need {8 + n + data_end} bytes, the file has {size}"
@@ -131,6 +148,9 @@ class SafetensorsSource(TensorSource):
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 raise CheckpointError(f"{index}: unreadable index ({exc})") from exc
+            if not isinstance(weight_map, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) and "/" not in v for k, v in weight_map.items()):
+                raise CheckpointError(f"{index}: 'weight_map' must map tensor names to file names in this directory")
             files = sorted(set(weight_map.values()))
         elif single.exists():
             weight_map, files = None, ["model.safetensors"]
