@@ -391,6 +391,7 @@ def _edit_header(path: Path, edit) -> None:
     ("config_unknown_model_type", "config.json"),
 ])
 def test_malformed_metadata_is_a_checkpoint_error(copy_of, no_process_groups, damage, needle):
+    copy_of = copy_of()
     if damage == "index_not_a_dict":
         (copy_of / "model.safetensors.index.json").write_text(json.dumps({"weight_map": [1]}))
     elif damage == "entry_without_shape":
