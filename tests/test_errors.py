@@ -377,7 +377,7 @@ def _edit_header(path: Path, edit) -> None:
     n = struct.unpack("<Q", raw[:8])[0]
     header = json.loads(raw[8:8 + n])
     edit(header)
-    new = json.dumps(header).encode()
+    new = json.dumps(header, separators=(",", ":")).encode()
     new += b" " * max(0, n - len(new))  # keep the data offset when the header shrank
     assert len(new) == n, "test helper: edited header must not grow"
     f.write_bytes(struct.pack("<Q", n) + new + raw[8 + n:])
