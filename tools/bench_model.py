@@ -1,4 +1,4 @@
-"""Training-throughput benchmark: our Qwen2 (TP=1) against transformers' Qwen2ForCausalLM.
+r"""Training-throughput benchmark: our Qwen2 (TP=1) against transformers' Qwen2ForCausalLM.
 
 What it measures
     Forward + backward tokens/s of one training step (zero grads, forward with labels,
@@ -11,20 +11,27 @@ What it measures
     random weights, then exported by ``iter_hf_weights`` and loaded into both transformers models)
     and the SAME input ids and labels. No optimizer step: only the forward/backward is timed.
 
-    The three models are measured in interleaved rounds (the order rotates each round) and each
-    model's median step time over all rounds is reported, so slow drifts of the machine (thermal,
-    other processes) hit all of them alike. Before timing, the losses of the three models are
-    compared once (|Δloss| is printed) to show that equal computations are being compared.
+    Measurement is interleaved step by step: each round runs ONE step of each model, the order
+    rotating from round to round, and ``--steps`` rounds are timed after ``--warmup`` untimed steps
+    per model. Reported: each model's median step time (tokens/s = batch*seq / median) and, for
+    the ratios, the median over rounds of the per-round ratio t_hf / t_ours of steps that ran
+    back to back. Small shared VMs change speed by 2-4x for seconds at a time (another tenant,
+    CPU throttling); pairing adjacent steps cancels most of that, comparing medians of separate
+    blocks does not. Before timing, the losses (|Δloss|) and the gradients of ours against
+    hf-eager are compared once, to show the comparison is of equal computations.
 
 How to run
     . .venv/bin/activate
     python tools/bench_model.py                          # default small-but-realistic config
     python tools/bench_model.py --hidden 896 --layers 4 --heads 14 --kv-heads 2 --ffn 4864 \
-        --vocab 151936 --batch 2 --seq 512 --steps 2    # Qwen2-0.5B-shaped layers
+        --vocab 151936 --batch 2 --seq 512 --steps 4    # Qwen2-0.5B-shaped layers
     python tools/bench_model.py --model-dir /path/to/hf_qwen2   # a saved HF model dir (size flags ignored)
 
     The last line is machine-readable: ``ratio_vs_eager=X ratio_vs_sdpa=Y`` (ours/transformers
-    tokens/s; > 1 means ours is faster). The default config finishes in about 2-3 minutes on 2 cores.
+    tokens/s; > 1 means ours is faster). The default config finishes in about 1-3 minutes on 2 cores.
+    On a small VM whose vCPUs share one physical core, libgomp's spin-waiting can make every
+    parallel op cost a few ms; ``OMP_WAIT_POLICY=PASSIVE python tools/bench_model.py`` (or
+    ``--threads 1``) avoids that without changing which model is faster.
 """
 
 from __future__ import annotations
@@ -53,10 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=32000, help="vocab_size")
     p.add_argument("--tied", action="store_true", help="tie_word_embeddings=True")
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--steps", type=int, default=3, help="timed steps per model per round")
-    p.add_argument("--rounds", type=int, default=4, help="interleaved measurement rounds")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per model before the first round")
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--steps", type=int, default=6, help="timed steps per model (interleaved rounds)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per model before timing (>= 1)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-dir", default=None,
@@ -118,15 +124,6 @@ def make_step(name, model, ids, labels):
     return step
 
 
-def time_steps(step, n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        step()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
 def main(argv=None) -> int:
     t_start = time.perf_counter()
     args = parse_args(argv)
@@ -148,7 +145,7 @@ def main(argv=None) -> int:
           f"kv_heads={config.num_key_value_heads} ffn={config.intermediate_size} vocab={vocab} "
           f"tied={config.tie_word_embeddings} params={n_params / 1e6:.1f}M")
     print(f"run:    batch={args.batch} seq={args.seq} tokens/step={tokens} fp32 cpu threads={torch.get_num_threads()} "
-          f"warmup={args.warmup} rounds={args.rounds} x steps={args.steps} torch={torch.__version__} "
+          f"warmup={args.warmup} steps={args.steps} torch={torch.__version__} "
           f"(build {t_build:.1f}s)")
 
     # Equal computations: one step each from the same weights; also the warm-up.
@@ -166,30 +163,32 @@ def main(argv=None) -> int:
     max_grad_diff = max(float((ours_grads[n] - hf_params[n].grad).abs().max()) for n in ours_grads)
     print(f"grads:  max |Δgrad| ours-eager over {len(ours_grads)} tensors = {max_grad_diff:.2e}")
 
-    # Interleaved rounds, rotating the order so no model always runs first/last.
+    # Interleaved rounds of one step per model, rotating the order so no model always runs first/last.
     names = list(steps)
     times: dict[str, list[float]] = {n: [] for n in names}
     gc.collect()
     gc.disable()
     try:
-        for r in range(args.rounds):
-            order = names[r % len(names):] + names[: r % len(names)]
-            for name in order:
-                times[name] += time_steps(steps[name], args.steps)
+        for r in range(args.steps):
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                t0 = time.perf_counter()
+                steps[name]()
+                times[name].append(time.perf_counter() - t0)
     finally:
         gc.enable()
 
     med = {n: statistics.median(t) for n, t in times.items()}
+    paired = {n: statistics.median(h / o for h, o in zip(times[n], times["ours"])) for n in names}
     print()
-    print(f"{'model':<10} {'median s/step':>13} {'min':>8} {'max':>8} {'tokens/s':>10} {'ours/this':>10}")
+    print(f"{'model':<9} {'median s/step':>13} {'min':>7} {'max':>7} {'tokens/s':>9} "
+          f"{'ours/this (medians)':>20} {'(paired)':>9}")
     for n in names:
         t = times[n]
-        print(f"{n:<10} {med[n]:>13.3f} {min(t):>8.3f} {max(t):>8.3f} {tokens / med[n]:>10.0f} "
-              f"{med[n] / med['ours']:>9.2f}x")
-    ratio_eager = med["hf-eager"] / med["ours"]
-    ratio_sdpa = med["hf-sdpa"] / med["ours"]
-    print(f"\nwall time {time.perf_counter() - t_start:.1f}s ({len(times['ours'])} timed steps per model)")
-    print(f"ratio_vs_eager={ratio_eager:.2f} ratio_vs_sdpa={ratio_sdpa:.2f}")
+        print(f"{n:<9} {med[n]:>13.3f} {min(t):>7.3f} {max(t):>7.3f} {tokens / med[n]:>9.0f} "
+              f"{med[n] / med['ours']:>19.2f}x {paired[n]:>8.2f}x")
+    print("per step s: " + "  ".join(f"{n}=[{' '.join(f'{x:.2f}' for x in times[n])}]" for n in names))
+    print(f"\nwall time {time.perf_counter() - t_start:.1f}s ({args.steps} timed steps per model)")
+    print(f"ratio_vs_eager={paired['hf-eager']:.2f} ratio_vs_sdpa={paired['hf-sdpa']:.2f}")
     return 0
 
 
