@@ -1,0 +1,103 @@
+"""What every checkpoint reader offers the conversion engine: HF-named full tensors, one unit at a time.
+
+A *unit* is the embedding (``EMBED``), one decoder layer (its global index) or the final norm and
+output layer (``FINAL``). Readers turn their format into the HF tensors of a unit; writers consume
+units. Peak memory is therefore a few units, whatever the model size.
+
+Readers are rebuilt inside worker processes from ``reader.reopen_args()`` (path + options), so
+nothing large crosses process boundaries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import torch
+
+from models.common.builder import Architecture
+from models.common.config import ModelConfig
+from models.common.weights import WeightEntry, WeightMap
+
+EMBED = "embed"
+FINAL = "final"
+Unit = Union[int, str]
+
+
+def architectures() -> dict[str, Architecture]:
+    """Registered architectures by HF model_type."""
+    from models.llama import ARCHITECTURE as LLAMA
+    from models.qwen2 import ARCHITECTURE as QWEN2
+
+    return {t: arch for arch in (LLAMA, QWEN2) for t in arch.hf_model_types}
+
+
+def architecture_for(model_type: str | None, where: str) -> Architecture:
+    from models.common.sources import CheckpointError
+
+    archs = architectures()
+    if model_type not in archs:
+        raise CheckpointError(f"{where}: unknown architecture {model_type!r} (supported: {', '.join(sorted(archs))})")
+    return archs[model_type]
+
+
+def conversion_weight_map(arch: Architecture, cfg: ModelConfig) -> WeightMap:
+    """The architecture's weight map for conversion (no TP vocab padding: converters pad per format)."""
+    return arch.weight_map(cfg, cfg.vocab_size)
+
+
+def unit_entries(wmap: WeightMap, unit: Unit) -> list[WeightEntry]:
+    if unit == EMBED:
+        return list(wmap.first_entries)
+    if unit == FINAL:
+        return list(wmap.last_entries)
+    return [e.format(int(unit)) for e in wmap.layer_entries]
+
+
+def all_units(cfg: ModelConfig) -> list[Unit]:
+    return [EMBED, *range(cfg.num_hidden_layers), FINAL]
+
+
+@dataclass
+class ReaderInfo:
+    """Description shown by ``pmz inspect`` and used to plan writes."""
+
+    format: str
+    architecture: str
+    layout: dict[str, Any] = field(default_factory=dict)
+    files: int = 0
+    dtype: torch.dtype = torch.float32
+
+
+class CheckpointReader:
+    """Base class. Subclasses set ``arch``, ``hf_config``, ``cfg``, ``wmap``, ``info``."""
+
+    arch: Architecture
+    hf_config: Any
+    cfg: ModelConfig
+    wmap: WeightMap
+    info: ReaderInfo
+    path: str
+
+    def units(self) -> list[Unit]:
+        return all_units(self.cfg)
+
+    def read_unit(self, unit: Unit) -> dict[str, torch.Tensor]:
+        """HF name -> full tensor for every HF tensor of ``unit``."""
+        raise NotImplementedError
+
+    def validate(self) -> None:
+        """Check every file and tensor the conversion will need, before anything is written."""
+        raise NotImplementedError
+
+    def reopen_args(self) -> tuple:
+        """``(callable, args)`` that rebuilds this reader in another process."""
+        raise NotImplementedError
+
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        from models.common.weights import hf_shapes
+
+        return hf_shapes(self.cfg, self.wmap)
+
+    def close(self) -> None:
+        pass

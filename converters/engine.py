@@ -1,0 +1,211 @@
+"""The conversion engine: detect the source, validate it, write into a temp dir, rename at the end.
+
+Guarantees:
+  * nothing is written before the source validated (every rank file present, shapes consistent,
+    no tensor missing or unused) and the target layout checked against the model;
+  * output goes to ``.<dst>.tmp-<pid>`` beside the destination and is renamed into place only when
+    complete; on any error the temp dir is removed and the exception propagates (CLI: exit 1);
+  * an existing destination is refused unless ``overwrite=True``;
+  * work is split into tasks (output files / stages) run by a pool of worker processes, each
+    rebuilding its own reader; the bytes depend only on the plan, never on timing.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from converters.checkpoint import CheckpointReader
+from models.common.sources import CheckpointError
+
+TARGETS = ("hf", "megatron", "megatron-dist")
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
+
+
+def parse_size(text: str | int) -> int:
+    """'5GB', '500MB', '20KB', or bytes."""
+    if isinstance(text, int):
+        return text
+    s = text.strip().upper()
+    for suffix, mult in (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3),
+                         ("B", 1)):
+        if s.endswith(suffix):
+            try:
+                return int(float(s[: -len(suffix)]) * mult)
+            except ValueError:
+                break
+    try:
+        return int(s)
+    except ValueError as exc:
+        raise ValueError(f"cannot read size {text!r} (use e.g. 5GB, 500MB)") from exc
+
+
+def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    if name.lower() not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r} (choose fp32, bf16 or fp16)")
+    return DTYPES[name.lower()]
+
+
+def detect_format(path: str | os.PathLike) -> str:
+    """'hf', 'megatron' (legacy torch) or 'megatron-dist' (torch_dist); CheckpointError otherwise."""
+    from converters.megatron_files import resolve_iteration_dir
+
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"{p}: no such file or directory")
+    if not p.is_dir():
+        raise CheckpointError(f"{p}: not a checkpoint directory")
+    if (p / "config.json").exists() and (any(p.glob("*.safetensors")) or (p / "model.safetensors.index.json").exists()):
+        return "hf"
+    it_dir = resolve_iteration_dir(p)
+    if (it_dir / "metadata.json").exists():
+        return "megatron-dist"
+    if any(it_dir.glob("mp_rank_*")):
+        return "megatron"
+    raise CheckpointError(f"{p}: not a recognized checkpoint (HF: config.json + *.safetensors; Megatron: "
+                          f"latest_checkpointed_iteration.txt / iter_*/ with mp_rank_* or metadata.json)")
+
+
+def open_reader(path: str | os.PathLike, *, arch: str | None = None, hf_config: str | None = None,
+                vocab_size: int | None = None) -> CheckpointReader:
+    """A reader for any supported checkpoint; Megatron sources take ``arch``/``hf_config``/``vocab_size``."""
+    fmt = detect_format(path)
+    if fmt == "hf":
+        from converters.hf import HFReader
+
+        return HFReader(path)
+    if fmt == "megatron":
+        from converters.megatron_legacy import LegacyReader
+
+        return LegacyReader(path, arch=arch, hf_config_dir=hf_config, vocab_size=vocab_size)
+    from converters.megatron_dist import DistReader
+
+    return DistReader(path, arch=arch, hf_config_dir=hf_config, vocab_size=vocab_size)
+
+
+def _rebuild(reopen: tuple) -> CheckpointReader:
+    factory, args = reopen
+    return factory(*args)
+
+
+def _task_entry(payload: tuple) -> Any:
+    fn, args = payload
+    torch.set_num_threads(1)
+    return fn(*args)
+
+
+def run_tasks(tasks: Sequence[tuple[Callable, tuple]], workers: int, desc: str, progress: bool) -> list:
+    """Run ``fn(*args)`` for each task, in worker processes when ``workers > 1``; results in task order."""
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(tasks), desc=desc, unit="task", file=sys.stderr, leave=False)
+    results = []
+    try:
+        if workers <= 1 or len(tasks) <= 1:
+            for fn, args in tasks:
+                results.append(fn(*args))
+                if bar:
+                    bar.update(1)
+        else:
+            method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+            with mp.get_context(method).Pool(min(workers, len(tasks))) as pool:
+                for result in pool.imap(_task_entry, tasks):
+                    results.append(result)
+                    if bar:
+                        bar.update(1)
+    finally:
+        if bar:
+            bar.close()
+    return results
+
+
+class _Staging:
+    """Temp dir beside ``dst``, renamed over it on success, removed on failure."""
+
+    def __init__(self, dst: Path, overwrite: bool) -> None:
+        self.dst = dst
+        if dst.exists() and not overwrite:
+            raise CheckpointError(f"{dst}: destination exists (pass --overwrite to replace it)")
+        if not dst.parent.exists():
+            raise CheckpointError(f"{dst.parent}: parent directory of the destination does not exist")
+        self.tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
+
+    def __enter__(self) -> Path:
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp)
+        self.tmp.mkdir()
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return
+        old = None
+        if self.dst.exists():
+            old = self.dst.parent / f".{self.dst.name}.old-{os.getpid()}"
+            os.rename(self.dst, old)
+        os.rename(self.tmp, self.dst)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int = 1, pp: int = 1, vpp: int = 1,
+            hf_config: str | None = None, arch: str | None = None, vocab_size: int | None = None,
+            dtype: str | torch.dtype | None = None, overwrite: bool = False, workers: int | None = None,
+            max_shard_size: str | int = "5GB", make_vocab_size_divisible_by: int = 128,
+            progress: bool = False) -> Path:
+    """Convert ``src`` (format detected) to ``to`` in ``dst``; returns the destination path.
+
+    to: "hf", "megatron" (legacy torch, at tp/pp/vpp) or "megatron-dist" (torch_dist; tp/pp/vpp
+    are recorded in its args). Raises CheckpointError/ValueError with nothing left at ``dst``.
+    """
+    if to not in TARGETS:
+        raise ValueError(f"unknown target format {to!r} (choose {', '.join(TARGETS)})")
+    out_dtype = parse_dtype(dtype)
+    shard_bytes = parse_size(max_shard_size)
+    dst_path = Path(dst).resolve()
+    if Path(src).resolve() == dst_path:
+        raise CheckpointError(f"{dst_path}: destination is the source")
+    reader = open_reader(src, arch=arch, hf_config=hf_config, vocab_size=vocab_size)
+    reader.validate()
+    out_dtype = out_dtype or reader.info.dtype
+    workers = workers or min(4, os.cpu_count() or 1)
+    if to == "hf":
+        from converters.hf import hf_plan, write_hf_config, write_index
+
+        plan = hf_plan(reader, out_dtype, shard_bytes)
+        with _Staging(dst_path, overwrite) as tmp:
+            tasks = [(_write_hf_file, (reader.reopen_args(), f, str(tmp), out_dtype)) for f in plan]
+            run_tasks(tasks, workers, "writing HF shards", progress)
+            write_index(plan, str(tmp), out_dtype)
+            write_hf_config(reader, str(tmp), out_dtype, hf_config)
+        return dst_path
+    from converters.megatron_write import plan_megatron_target, write_megatron
+
+    target = plan_megatron_target(reader, tp=tp, pp=pp, vpp=vpp, dtype=out_dtype,
+                                  divisible_by=make_vocab_size_divisible_by)
+    with _Staging(dst_path, overwrite) as tmp:
+        write_megatron(reader, target, str(tmp), fmt=to, workers=workers, progress=progress,
+                       hf_config_dir=hf_config)
+    return dst_path
+
+
+def _write_hf_file(reopen: tuple, plan, directory: str, dtype: torch.dtype) -> int:
+    from converters.hf import write_shard_file
+
+    reader = _rebuild(reopen)
+    try:
+        return write_shard_file(plan, directory, dtype, reader.read_unit)
+    finally:
+        reader.close()

@@ -1,0 +1,178 @@
+"""HuggingFace safetensors: a reader over the architecture's weight map, and a streaming sharded writer.
+
+The writer plans every output file before writing (names, shapes, dtypes and byte offsets are
+known from the config), writes each file's header first and then appends tensors unit by unit,
+so it never holds more than one unit in memory, whatever ``--max-shard-size`` is. Files are
+assigned to workers whole; the plan alone decides the bytes, so output is deterministic.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+
+from converters.checkpoint import (EMBED, FINAL, CheckpointReader, ReaderInfo, Unit, architecture_for,
+                                   conversion_weight_map, unit_entries)
+from models.common.builder import load_hf_config
+from models.common.sources import CheckpointError, SafetensorsSource
+from models.common.weights import validate_source
+from parallel.sharding import Piece
+
+SAFETENSORS_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
+_TORCH_DTYPE = {v: k for k, v in SAFETENSORS_DTYPE.items()}
+
+# Files copied from an --hf-config directory next to the weights (tokenizer, generation config...).
+COPIED_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".py", ".jinja")
+NOT_COPIED = {"config.json", "model.safetensors.index.json"}
+
+
+class HFReader(CheckpointReader):
+    """An HF model directory (``config.json`` + safetensors), read lazily tensor by tensor."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = str(path)
+        self.hf_config = load_hf_config(path)
+        self.arch = architecture_for(getattr(self.hf_config, "model_type", None), self.path)
+        self.cfg = self.arch.model_config(self.hf_config)
+        self.wmap = conversion_weight_map(self.arch, self.cfg)
+        self.source = SafetensorsSource(path)
+        some = next(iter(sorted(self.source.names())), None)
+        dtype = _TORCH_DTYPE.get(self.source.dtype_name(some), torch.float32) if some else torch.float32
+        self.info = ReaderInfo("hf", self.arch.name, {"tp": 1, "pp": 1}, len(self.source.files), dtype)
+
+    def validate(self) -> None:
+        allowed = ("lm_head.weight",) if self.cfg.tie_word_embeddings else ()
+        validate_source(self.source, self.hf_shapes(), self.path, allowed_extra=allowed)
+
+    def read_unit(self, unit: Unit) -> dict[str, torch.Tensor]:
+        out = {}
+        for entry in unit_entries(self.wmap, unit):
+            for name in entry.hf:
+                out[name] = self.source.read(name, Piece(None))
+        return out
+
+    def reopen_args(self) -> tuple:
+        return HFReader, (self.path,)
+
+
+def _nbytes(shape: Iterable[int], dtype: torch.dtype) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class FilePlan:
+    name: str
+    tensors: list[tuple[str, tuple[int, ...]]]  # (hf_name, shape) in write order
+    units: list[Unit]  # units to read, in order
+
+
+def plan_shards(units_and_shapes: list[tuple[Unit, list[tuple[str, tuple[int, ...]]]]], dtype: torch.dtype,
+                max_shard_bytes: int) -> list[FilePlan]:
+    """Assign tensors to files in order, starting a new file when ``max_shard_bytes`` would be passed."""
+    files: list[FilePlan] = []
+    current: FilePlan | None = None
+    size = 0
+    for unit, tensors in units_and_shapes:
+        for name, shape in tensors:
+            nbytes = _nbytes(shape, dtype)
+            if current is None or (size + nbytes > max_shard_bytes and current.tensors):
+                current = FilePlan("", [], [])
+                files.append(current)
+                size = 0
+            current.tensors.append((name, shape))
+            if not current.units or current.units[-1] != unit:
+                current.units.append(unit)
+            size += nbytes
+    n = len(files)
+    for i, f in enumerate(files):
+        f.name = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+    return files
+
+
+def _header(plan: FilePlan, dtype: torch.dtype) -> bytes:
+    tag = SAFETENSORS_DTYPE[dtype]
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in plan.tensors:
+        n = _nbytes(shape, dtype)
+        header[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * ((-len(raw)) % 8)  # data starts 8-byte aligned
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of ``t`` without an extra copy when it is already contiguous."""
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def write_shard_file(plan: FilePlan, directory: str, dtype: torch.dtype,
+                     read_unit: Callable[[Unit], dict[str, torch.Tensor]]) -> int:
+    """Write one planned safetensors file; returns bytes written."""
+    wanted = {name for name, _ in plan.tensors}
+    path = Path(directory) / plan.name
+    with open(path, "wb") as f:
+        f.write(_header(plan, dtype))
+        pending: dict[str, torch.Tensor] = {}
+        order = iter(plan.tensors)
+        next_item = next(order, None)
+        for unit in plan.units:
+            pending.update({k: v for k, v in read_unit(unit).items() if k in wanted})
+            while next_item is not None and next_item[0] in pending:
+                name, shape = next_item
+                t = pending.pop(name)
+                if tuple(t.shape) != tuple(shape):
+                    raise CheckpointError(f"{name}: produced shape {tuple(t.shape)}, planned {tuple(shape)}")
+                f.write(tensor_bytes(t.to(dtype)))
+                next_item = next(order, None)
+        if next_item is not None:
+            raise CheckpointError(f"{plan.name}: tensor {next_item[0]} was never produced by the reader")
+    return path.stat().st_size
+
+
+def write_hf_config(reader: CheckpointReader, directory: str, dtype: torch.dtype, hf_config_dir: str | None) -> None:
+    """config.json (from ``hf_config_dir`` when given, else the reader's config) plus tokenizer files."""
+    config = reader.hf_config
+    if hf_config_dir:
+        config = load_hf_config(hf_config_dir)
+        for item in sorted(Path(hf_config_dir).iterdir()):
+            if item.is_file() and item.name not in NOT_COPIED and item.suffix in COPIED_SUFFIXES \
+                    and not item.name.endswith(".safetensors.index.json"):
+                shutil.copy2(item, Path(directory) / item.name)
+    config = config.__class__.from_dict(config.to_dict())
+    if "dtype" in config.to_dict() or hasattr(config, "dtype"):
+        config.dtype = dtype  # transformers >= 5
+    else:
+        config.torch_dtype = dtype
+    config.save_pretrained(directory)
+
+
+def write_index(files: list[FilePlan], directory: str, dtype: torch.dtype) -> None:
+    if len(files) == 1:
+        return
+    total = sum(_nbytes(shape, dtype) for f in files for _, shape in f.tensors)
+    index = {"metadata": {"total_size": total},
+             "weight_map": {name: f.name for f in files for name, _ in f.tensors}}
+    (Path(directory) / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def hf_plan(reader: CheckpointReader, dtype: torch.dtype, max_shard_bytes: int) -> list[FilePlan]:
+    shapes = reader.hf_shapes()
+    units = []
+    for unit in reader.units():
+        names = [n for e in unit_entries(reader.wmap, unit) for n in e.hf]
+        units.append((unit, [(n, shapes[n]) for n in names]))
+    return plan_shards(units, dtype, max_shard_bytes)
+
+
+__all__ = ["HFReader", "hf_plan", "write_shard_file", "write_index", "write_hf_config", "EMBED", "FINAL"]

@@ -1,0 +1,183 @@
+"""Megatron checkpoint directories and ``args``: locating iterations, rank folders, model configs.
+
+Shared by the legacy (``torch``) and ``torch_dist`` readers and writers:
+
+  <root>/latest_checkpointed_iteration.txt   an integer, or "release"
+  <root>/iter_{it:07d}/  or  <root>/release/
+      legacy:     mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/model_optim_rng.pt
+      torch_dist: metadata.json, .metadata, __*_*.distcp, common.pt
+
+``args`` (Megatron-LM's argparse namespace) becomes a transformers config for the architecture
+(``llama``: no qkv bias; ``qwen2``: ``add_qkv_bias``), or ``--hf-config`` supplies it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+from typing import Any
+
+from models.common.builder import load_hf_config
+from models.common.config import UnsupportedConfigError
+from models.common.sources import CheckpointError
+
+TRACKER = "latest_checkpointed_iteration.txt"
+HF_CONFIG_DIR = "hf_config"  # written by our converters beside the iterations; read back when present
+RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+
+
+def resolve_iteration_dir(path: Path) -> Path:
+    """The folder holding one iteration: ``path`` itself, or what its tracker file names."""
+    tracker = path / TRACKER
+    if not tracker.exists():
+        return path
+    try:
+        text = tracker.read_text().strip()
+    except OSError as exc:
+        raise CheckpointError(f"{tracker}: unreadable ({exc})") from exc
+    if text == "release":
+        it_dir = path / "release"
+    else:
+        try:
+            it_dir = path / f"iter_{int(text):07d}"
+        except ValueError as exc:
+            raise CheckpointError(f"{tracker}: expected an iteration number or 'release', found {text!r}") from exc
+    if not it_dir.is_dir():
+        raise CheckpointError(f"{tracker} names {it_dir.name}, but {it_dir} does not exist")
+    return it_dir
+
+
+def legacy_rank_dir_name(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> str:
+    name = f"mp_rank_{tp_rank:02d}"
+    if pp > 1:
+        name += f"_{pp_rank:03d}"
+    if ep > 1:
+        name += f"_{ep_rank:03d}"
+    return name
+
+
+def _arg(args: Any, name: str, default: Any = None) -> Any:
+    value = getattr(args, name, default)
+    return default if value is None else value
+
+
+def args_layout(args: Any) -> dict[str, int]:
+    """tp/pp/vpp/ep and uneven-stage counts recorded in Megatron args."""
+    return {
+        "tp": int(_arg(args, "tensor_model_parallel_size", 1)),
+        "pp": int(_arg(args, "pipeline_model_parallel_size", 1)),
+        "vpp": int(_arg(args, "virtual_pipeline_model_parallel_size", 1) or 1),
+        "ep": int(_arg(args, "expert_model_parallel_size", 1)),
+        "first": _arg(args, "decoder_first_pipeline_num_layers"),
+        "last": _arg(args, "decoder_last_pipeline_num_layers"),
+    }
+
+
+def detect_arch(args: Any, where: str) -> str:
+    """llama or qwen2 from the args' switches; UnsupportedConfigError for anything else."""
+    problems = []
+    if _arg(args, "normalization", "LayerNorm") != "RMSNorm":
+        problems.append(f"normalization={_arg(args, 'normalization', 'LayerNorm')}")
+    if not _arg(args, "swiglu", False):
+        problems.append("swiglu=False")
+    if _arg(args, "position_embedding_type", "learned_absolute") != "rope":
+        problems.append(f"position_embedding_type={_arg(args, 'position_embedding_type')}")
+    if _arg(args, "num_experts"):
+        problems.append(f"num_experts={_arg(args, 'num_experts')} (MoE)")
+    if problems:
+        raise UnsupportedConfigError(f"{where}: unknown architecture: Megatron args with {', '.join(problems)} "
+                                     f"match neither llama nor qwen2 (pass --arch to force)")
+    # add_bias_linear puts a bias on every linear layer: Llama with attention_bias and mlp_bias.
+    if _arg(args, "add_qkv_bias", False) and not _arg(args, "add_bias_linear", False):
+        return "qwen2"
+    return "llama"
+
+
+def hf_config_from_args(args: Any, *, arch: str | None, hf_config_dir: str | None, vocab_size: int | None,
+                        where: str) -> Any:
+    """The transformers config of a Megatron checkpoint (``--hf-config`` wins over args)."""
+    if not hf_config_dir and not arch and not vocab_size:
+        root = Path(where)
+        for candidate in (root / HF_CONFIG_DIR, root.parent / HF_CONFIG_DIR):
+            if (candidate / "config.json").is_file():
+                hf_config_dir = str(candidate)
+                break
+    if hf_config_dir:
+        config = load_hf_config(hf_config_dir)
+        _check_against_args(config, args, where, hf_config_dir)
+        return config
+    arch = arch or detect_arch(args, where)
+    vocab = vocab_size or _arg(args, "vocab_size")
+    if not vocab:
+        raise CheckpointError(f"{where}: the checkpoint records only the padded vocab "
+                              f"({_arg(args, 'padded_vocab_size')}); pass --hf-config DIR or --vocab-size N")
+    heads = int(args.num_attention_heads)
+    groups = int(_arg(args, "num_query_groups", heads)) if _arg(args, "group_query_attention", False) else heads
+    common = dict(
+        vocab_size=int(vocab),
+        hidden_size=int(args.hidden_size),
+        intermediate_size=int(_arg(args, "ffn_hidden_size", 4 * args.hidden_size)),
+        num_hidden_layers=int(args.num_layers),
+        num_attention_heads=heads,
+        num_key_value_heads=groups,
+        head_dim=int(_arg(args, "kv_channels", args.hidden_size // heads)),
+        max_position_embeddings=int(_arg(args, "max_position_embeddings", _arg(args, "seq_length", 4096))),
+        rms_norm_eps=float(_arg(args, "norm_epsilon", 1e-5)),
+        tie_word_embeddings=not _arg(args, "untie_embeddings_and_output_weights", False),
+    )
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(_arg(args, "rotary_base", 10000))}
+    if _arg(args, "use_rope_scaling", False):
+        rope = {"rope_type": "llama3", "rope_theta": rope["rope_theta"],
+                "factor": float(_arg(args, "rope_scaling_factor", 8.0)), "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    if arch == "qwen2":
+        from transformers import Qwen2Config
+
+        return Qwen2Config(**common, rope_parameters=rope)
+    if arch == "llama":
+        from transformers import LlamaConfig
+
+        all_bias = bool(_arg(args, "add_bias_linear", False))
+        if _arg(args, "add_qkv_bias", False) and not all_bias:
+            raise UnsupportedConfigError(f"{where}: --arch llama cannot hold a bias on q/k/v only (that is qwen2)")
+        return LlamaConfig(**common, rope_parameters=rope, attention_bias=all_bias, mlp_bias=all_bias)
+    raise CheckpointError(f"{where}: unknown architecture {arch!r} (supported: llama, qwen2)")
+
+
+def _check_against_args(config: Any, args: Any, where: str, hf_dir: str) -> None:
+    """--hf-config must describe the same model the checkpoint holds."""
+    pairs = [("num_hidden_layers", "num_layers"), ("hidden_size", "hidden_size"),
+             ("num_attention_heads", "num_attention_heads"), ("intermediate_size", "ffn_hidden_size")]
+    bad = [f"{h}={getattr(config, h, None)} vs {m}={getattr(args, m)}" for h, m in pairs
+           if getattr(args, m, None) is not None and getattr(config, h, None) != getattr(args, m)]
+    if bad:
+        raise CheckpointError(f"{where}: --hf-config {hf_dir} does not match the checkpoint: {'; '.join(bad)}")
+
+
+def args_for_target(hf_config: Any, cfg, *, tp: int, pp: int, vpp: int, padded_vocab: int, dtype, fmt: str,
+                    divisible_by: int, first: int | None = None, last: int | None = None) -> argparse.Namespace:
+    """Megatron-LM-style args for a checkpoint we write (what our readers and Megatron-LM read back)."""
+    import torch
+
+    if not (cfg.o_bias == cfg.mlp_bias and (cfg.qkv_bias or not cfg.o_bias)):
+        raise UnsupportedConfigError(
+            f"Megatron has one switch for all linear biases (add_bias_linear) plus add_qkv_bias; this model has "
+            f"qkv_bias={cfg.qkv_bias}, o_proj bias={cfg.o_bias}, mlp bias={cfg.mlp_bias}, which it cannot express")
+    return argparse.Namespace(
+        num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
+        num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_key_value_heads,
+        group_query_attention=cfg.num_key_value_heads != cfg.num_attention_heads, kv_channels=cfg.head_dim,
+        padded_vocab_size=padded_vocab, vocab_size=cfg.vocab_size, make_vocab_size_divisible_by=divisible_by,
+        max_position_embeddings=cfg.max_position_embeddings, seq_length=min(cfg.max_position_embeddings, 4096),
+        norm_epsilon=cfg.rms_norm_eps, normalization="RMSNorm", rotary_base=cfg.rope.theta, rotary_percent=1.0,
+        use_rope_scaling=cfg.rope.rope_type == "llama3", rope_scaling_factor=cfg.rope.factor,
+        position_embedding_type="rope", swiglu=True, add_bias_linear=cfg.o_bias, add_qkv_bias=cfg.qkv_bias,
+        untie_embeddings_and_output_weights=not cfg.tie_word_embeddings,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, expert_model_parallel_size=1,
+        decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last,
+        num_experts=None, params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        ckpt_format=fmt, use_dist_ckpt=fmt != "torch", transformer_impl="local",
+        hf_model_type=getattr(hf_config, "model_type", None),
+    )

@@ -1,0 +1,163 @@
+"""Megatron tensor layouts as pure functions: HF <-> Megatron "full" tensors <-> Megatron TP shards.
+
+A weight-map entry (models/common/weights.py) names the Megatron tensor and its layout tag; this
+module knows what the tags mean:
+
+  qkv_interleaved  ``linear_qkv`` rows are, per query group g in order, ``[q heads of g, k_g, v_g]``
+                   (``heads/groups`` query heads each ``head_dim`` rows). TP shards are contiguous
+                   dim-0 slices of that full tensor (megatron-core keeps this contiguous split also
+                   when ``groups < tp``).
+  gate_up_stacked  ``linear_fc1`` full tensor is ``[gate; up]`` (torch_dist's global tensor), but a
+                   legacy TP shard is ``[gate_r; up_r]``.
+  vocab_padded     rows padded to Megatron's padded vocab (zeros), TP shards contiguous in dim 0.
+  plain            the HF tensor itself; its TP split follows the HF rule (column: dim 0, row: dim 1
+                   for matrices, replicated for norms and row-parallel biases).
+
+"Full" always means torch_dist's global tensor, so both Megatron formats share the HF conversion.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from models.common.config import ModelConfig
+from models.common.weights import GATE_UP_STACKED, PLAIN, QKV_INTERLEAVED, VOCAB_PADDED, WeightEntry
+from parallel.sharding import Replicated, Split
+
+# How a Megatron full tensor is split over TP ranks in a legacy checkpoint.
+ROW0 = "dim0"  # contiguous slices of dim 0
+COL1 = "dim1"  # contiguous slices of dim 1
+GATE_UP = "gate_up"  # [gate_r; up_r]
+REPLICATED = "replicated"
+
+
+class LayoutError(ValueError):
+    """A Megatron tensor whose size does not fit the layout (sizes named)."""
+
+
+def tp_split_kind(entry: WeightEntry, ndim: int) -> str:
+    """The legacy TP split of ``entry``'s Megatron tensor."""
+    if entry.megatron_layout in (QKV_INTERLEAVED, VOCAB_PADDED):
+        return ROW0
+    if entry.megatron_layout == GATE_UP_STACKED:
+        return GATE_UP
+    rule = entry.rules[0]
+    if isinstance(rule, Replicated):
+        return REPLICATED
+    if isinstance(rule, Split):
+        if rule.dim == 0:
+            return ROW0
+        return COL1 if ndim > 1 else REPLICATED
+    raise LayoutError(f"{entry.megatron}: no Megatron TP split for rule {rule!r}")
+
+
+def split_tp(kind: str, full: torch.Tensor, tp: int, name: str = "") -> list[torch.Tensor]:
+    """Legacy per-rank shards of a Megatron full tensor."""
+    if kind == REPLICATED:
+        return [full] * tp
+    if kind == GATE_UP:
+        if full.shape[0] % (2 * tp):
+            raise LayoutError(f"{name}: linear_fc1 rows {full.shape[0]} not divisible by 2*tp = {2 * tp}")
+        gate, up = full.chunk(2, dim=0)
+        return [torch.cat([g, u], dim=0) for g, u in zip(gate.chunk(tp, dim=0), up.chunk(tp, dim=0))]
+    dim = 0 if kind == ROW0 else 1
+    if full.shape[dim] % tp:
+        raise LayoutError(f"{name}: size {full.shape[dim]} of dim {dim} not divisible by tp={tp}")
+    return [t.contiguous() for t in full.chunk(tp, dim=dim)]
+
+
+def merge_tp(kind: str, shards: Sequence[torch.Tensor], name: str = "") -> torch.Tensor:
+    """Megatron full tensor from legacy per-rank shards (shapes checked equal across ranks)."""
+    shapes = {tuple(s.shape) for s in shards}
+    if len(shapes) != 1:
+        raise LayoutError(f"{name}: TP ranks hold different shapes {[tuple(s.shape) for s in shards]}")
+    if kind == REPLICATED:
+        return shards[0]
+    if kind == GATE_UP:
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(list(shards), dim=0 if kind == ROW0 else 1)
+
+
+def _qkv_dims(cfg: ModelConfig) -> tuple[int, int, int]:
+    nh, ng, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    if nh % ng:
+        raise LayoutError(f"num_attention_heads={nh} not divisible by num_query_groups={ng}")
+    return nh, ng, hd
+
+
+def qkv_interleave(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """HF q/k/v (weights ``[rows, hidden]`` or biases ``[rows]``) -> Megatron ``linear_qkv``."""
+    nh, ng, hd = _qkv_dims(cfg)
+    rest = q.shape[1:]
+    parts = [q.reshape(ng, nh // ng * hd, *rest), k.reshape(ng, hd, *rest), v.reshape(ng, hd, *rest)]
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+
+def qkv_deinterleave(full: torch.Tensor, cfg: ModelConfig) -> list[torch.Tensor]:
+    """Megatron ``linear_qkv`` -> HF [q, k, v]."""
+    nh, ng, hd = _qkv_dims(cfg)
+    expected = (nh + 2 * ng) * hd
+    if full.shape[0] != expected:
+        raise LayoutError(f"linear_qkv has {full.shape[0]} rows, expected (heads + 2*groups)*head_dim = "
+                          f"({nh} + 2*{ng})*{hd} = {expected}")
+    rest = full.shape[1:]
+    grouped = full.reshape(ng, (nh // ng + 2) * hd, *rest)
+    q, k, v = grouped.split([nh // ng * hd, hd, hd], dim=1)
+    return [t.reshape(-1, *rest).contiguous() for t in (q, k, v)]
+
+
+def hf_to_megatron(entry: WeightEntry, tensors: Sequence[torch.Tensor], cfg: ModelConfig,
+                   padded_vocab: int) -> torch.Tensor:
+    """The Megatron full tensor of ``entry`` from its HF tensors (in ``entry.hf`` order)."""
+    layout = entry.megatron_layout
+    if layout == QKV_INTERLEAVED:
+        return qkv_interleave(*tensors, cfg)
+    if layout == GATE_UP_STACKED:
+        return torch.cat(list(tensors), dim=0)
+    if layout == VOCAB_PADDED:
+        t = tensors[0]
+        if padded_vocab < t.shape[0]:
+            raise LayoutError(f"{entry.megatron}: padded vocab {padded_vocab} < vocab {t.shape[0]}")
+        pad = torch.zeros((padded_vocab - t.shape[0], *t.shape[1:]), dtype=t.dtype)
+        return torch.cat([t, pad], dim=0)
+    if layout == PLAIN:
+        return tensors[0]
+    raise LayoutError(f"unknown Megatron layout {layout!r}")
+
+
+def megatron_to_hf(entry: WeightEntry, full: torch.Tensor, cfg: ModelConfig) -> list[torch.Tensor]:
+    """HF tensors (in ``entry.hf`` order) from the Megatron full tensor of ``entry``."""
+    layout = entry.megatron_layout
+    if layout == QKV_INTERLEAVED:
+        return qkv_deinterleave(full, cfg)
+    if layout == GATE_UP_STACKED:
+        if full.shape[0] != 2 * cfg.intermediate_size:
+            raise LayoutError(f"{entry.megatron}: {full.shape[0]} rows, expected 2*ffn = {2 * cfg.intermediate_size}")
+        return [t.contiguous() for t in full.chunk(2, dim=0)]
+    if layout == VOCAB_PADDED:
+        if full.shape[0] < cfg.vocab_size:
+            raise LayoutError(f"{entry.megatron}: {full.shape[0]} rows, fewer than vocab_size={cfg.vocab_size}")
+        return [full[: cfg.vocab_size].contiguous()]
+    if layout == PLAIN:
+        return [full]
+    raise LayoutError(f"unknown Megatron layout {layout!r}")
+
+
+def megatron_full_shape(entry: WeightEntry, hf_shapes: dict[str, tuple[int, ...]], cfg: ModelConfig,
+                        padded_vocab: int) -> tuple[int, ...]:
+    """Shape of ``entry``'s Megatron full tensor, from the HF shapes (no tensors needed)."""
+    first = tuple(hf_shapes[entry.hf[0]])
+    if entry.megatron_layout in (QKV_INTERLEAVED, GATE_UP_STACKED):
+        return (sum(hf_shapes[n][0] for n in entry.hf), *first[1:])
+    if entry.megatron_layout == VOCAB_PADDED:
+        return (padded_vocab, *first[1:])
+    return first
+
+
+def megatron_padded_vocab(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron-LM's padding: a multiple of ``make_vocab_size_divisible_by * tp``."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple

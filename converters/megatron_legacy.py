@@ -1,0 +1,243 @@
+"""Megatron legacy ``torch`` checkpoints: one ``model_optim_rng.pt`` per (TP, PP) rank.
+
+Reading memory-maps each rank file (``torch.load(mmap=True)`` with the restricted unpickler) once
+per unit and drops the mapping after it, so resident memory stays at a few units. Layer numbers in
+a rank file are local to its pipeline stage / virtual chunk (``model`` or ``model0``, ``model1``...);
+``parallel.pipeline_layout.stage_layer_ranges`` maps them to global layers.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from converters.checkpoint import EMBED, FINAL, CheckpointReader, ReaderInfo, Unit, architecture_for, \
+    conversion_weight_map
+from converters.megatron_files import RANK_DIR, args_layout, hf_config_from_args, legacy_rank_dir_name, \
+    resolve_iteration_dir
+from converters.megatron_layout import LayoutError, megatron_to_hf, merge_tp, tp_split_kind
+from converters.safe_pickle import safe_torch_load
+from models.common.sources import CheckpointError
+from models.common.weights import WeightEntry
+from parallel.config import ParallelConfig, ParallelConfigError
+from parallel.pipeline_layout import stage_layer_ranges
+
+RANK_FILE = "model_optim_rng.pt"
+# Transformer-Engine spec keeps the norms inside the following linear layers.
+TE_NORM_ALIASES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+
+
+def load_rank_file(path: Path) -> dict:
+    """A legacy rank file, memory-mapped; CheckpointError naming the file when unreadable."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing rank file")
+    try:
+        data = safe_torch_load(path, mmap=True)
+    except Exception as exc:  # torch raises RuntimeError/EOFError/pickle errors for damaged files
+        raise CheckpointError(f"{path}: unreadable or truncated ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: not a Megatron checkpoint (top level is {type(data).__name__})")
+    return data
+
+
+def chunk_state(data: dict, chunk: int, vpp: int, path: Path) -> dict:
+    key = "model" if vpp == 1 else f"model{chunk}"
+    state = data.get(key)
+    if state is None and vpp == 1:
+        state = data.get("model0")
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: no '{key}' state dict (keys: {sorted(data)})")
+    return state
+
+
+def lookup(state: dict, key: str) -> torch.Tensor | None:
+    """``state[key]``, also under its Transformer-Engine name for fused norms."""
+    if key in state:
+        return state[key]
+    for local, te in TE_NORM_ALIASES.items():
+        if key.endswith(local):
+            alt = key[: -len(local)] + te
+            if alt in state:
+                return state[alt]
+    return None
+
+
+class MegatronLayout:
+    """Where each global layer lives for a (pp, vpp, uneven) layout."""
+
+    def __init__(self, num_layers: int, pp: int, vpp: int, first: int | None, last: int | None, where: str) -> None:
+        try:
+            pconfig = ParallelConfig(pp=pp, vpp=vpp, num_layers_in_first_pipeline_stage=first,
+                                     num_layers_in_last_pipeline_stage=last)
+            self.ranges = stage_layer_ranges(num_layers, pconfig)
+        except ParallelConfigError as exc:
+            raise CheckpointError(f"{where}: {exc}") from exc
+        self.pp, self.vpp = pp, vpp
+        self.where: dict[int, tuple[int, int, int]] = {}
+        for p, chunks in enumerate(self.ranges):
+            for v, layers in enumerate(chunks):
+                for j, i in enumerate(layers):
+                    self.where[i] = (p, v, j)
+
+    def unit_location(self, unit: Unit) -> tuple[int, int]:
+        """(pp rank, chunk) holding a unit."""
+        if unit == EMBED:
+            return 0, 0
+        if unit == FINAL:
+            return self.pp - 1, self.vpp - 1
+        p, v, _ = self.where[int(unit)]
+        return p, v
+
+
+def unit_megatron_keys(reader_wmap, unit: Unit, local_index: int | None) -> list[tuple[WeightEntry, str]]:
+    """(entry with global HF names, Megatron key with the stage-local layer number) for a unit."""
+    if unit == EMBED:
+        return [(e, e.megatron) for e in reader_wmap.first_entries]
+    if unit == FINAL:
+        return [(e, e.megatron) for e in reader_wmap.last_entries]
+    return [(t.format(int(unit)), t.megatron.format(i=local_index)) for t in reader_wmap.layer_entries]
+
+
+class LegacyReader(CheckpointReader):
+    def __init__(self, path: str | os.PathLike, *, arch: str | None = None, hf_config_dir: str | None = None,
+                 vocab_size: int | None = None) -> None:
+        self.path = str(path)
+        self._options = (arch, hf_config_dir, vocab_size)
+        self.it_dir = resolve_iteration_dir(Path(path))
+        names = sorted(p.name for p in self.it_dir.iterdir() if p.is_dir() and RANK_DIR.match(p.name))
+        if not names:
+            raise CheckpointError(f"{self.it_dir}: no mp_rank_* folders")
+        has_pp = any(RANK_DIR.match(n).group(2) for n in names)
+        first_file = self.it_dir / (f"mp_rank_00_000" if has_pp else "mp_rank_00") / RANK_FILE
+        data = load_rank_file(first_file)
+        self.args = data.get("args")
+        if self.args is None:
+            raise CheckpointError(f"{first_file}: no 'args' (not written by Megatron-LM?)")
+        lay = args_layout(self.args)
+        self.tp, self.pp, self.vpp = lay["tp"], lay["pp"], lay["vpp"]
+        if lay["ep"] > 1:
+            raise CheckpointError(f"{self.it_dir}: expert-parallel (ep={lay['ep']}) checkpoints are not supported yet")
+        expected = {legacy_rank_dir_name(t, p, self.pp) for t in range(self.tp) for p in range(self.pp)}
+        missing = sorted(expected - set(names))
+        extra = sorted(set(names) - expected)
+        if missing:
+            raise CheckpointError(f"{self.it_dir}: missing rank folder(s) {', '.join(missing)} for tp={self.tp} pp={self.pp}")
+        if extra:
+            raise CheckpointError(f"{self.it_dir}: unexpected rank folder(s) {', '.join(extra)} for tp={self.tp} pp={self.pp}")
+        self.hf_config = hf_config_from_args(self.args, arch=arch, hf_config_dir=hf_config_dir,
+                                             vocab_size=vocab_size, where=str(self.it_dir))
+        self.arch = architecture_for(self.hf_config.model_type, self.path)
+        self.cfg = self.arch.model_config(self.hf_config)
+        self.wmap = conversion_weight_map(self.arch, self.cfg)
+        self.layout = MegatronLayout(self.cfg.num_hidden_layers, self.pp, self.vpp, lay["first"], lay["last"],
+                                     str(self.it_dir))
+        self.padded_vocab = int(getattr(self.args, "padded_vocab_size", 0) or self.cfg.vocab_size)
+        dtype = next((v.dtype for v in chunk_state(data, 0, self.vpp, first_file).values()
+                      if isinstance(v, torch.Tensor) and v.is_floating_point()), torch.float32)
+        self.info = ReaderInfo("megatron", self.arch.name,
+                               {"tp": self.tp, "pp": self.pp, "vpp": self.vpp, "padded_vocab": self.padded_vocab,
+                                "iteration": getattr(self.args, "iteration", data.get("iteration"))},
+                               self.tp * self.pp, dtype)
+        del data
+
+    def reopen_args(self) -> tuple:
+        arch, hf_dir, vocab = self._options
+        return _reopen_legacy, (self.path, arch, hf_dir, vocab)
+
+    def rank_file(self, t: int, p: int) -> Path:
+        return self.it_dir / legacy_rank_dir_name(t, p, self.pp) / RANK_FILE
+
+    def _expected_keys(self, p: int, v: int) -> list[tuple[Unit, WeightEntry, str]]:
+        out = []
+        if p == 0 and v == 0:
+            out += [(EMBED, e, k) for e, k in unit_megatron_keys(self.wmap, EMBED, None)]
+        for j, i in enumerate(self.layout.ranges[p][v]):
+            out += [(i, e, k) for e, k in unit_megatron_keys(self.wmap, i, j)]
+        if p == self.pp - 1 and v == self.vpp - 1:
+            out += [(FINAL, e, k) for e, k in unit_megatron_keys(self.wmap, FINAL, None)]
+        return out
+
+    def validate(self) -> None:
+        """Every rank file loads; every expected tensor is there, with one shape across TP ranks; nothing unused."""
+        for p in range(self.pp):
+            states = []
+            for t in range(self.tp):
+                path = self.rank_file(t, p)
+                data = load_rank_file(path)
+                states.append([(path, chunk_state(data, v, self.vpp, path)) for v in range(self.vpp)])
+            for v in range(self.vpp):
+                used: set[str] = set()
+                for unit, entry, key in self._expected_keys(p, v):
+                    shapes = []
+                    for t in range(self.tp):
+                        path, state = states[t][v]
+                        tensor = lookup(state, key)
+                        if tensor is None:
+                            raise CheckpointError(f"{path}: missing tensor {key} (chunk {v})")
+                        shapes.append(tuple(tensor.shape))
+                    if len(set(shapes)) != 1:
+                        raise CheckpointError(f"{self.it_dir}: tensor {key} (pp rank {p}, chunk {v}) has different "
+                                              f"shapes across TP ranks: {shapes}")
+                    used.add(key)
+                    self._check_shape(entry, key, shapes[0], p)
+                for t in range(self.tp):
+                    path, state = states[t][v]
+                    unused = sorted(k for k in state if k not in used and not k.endswith("_extra_state")
+                                    and not self._alias_used(k, used) and not self._tied_copy(k, p, v))
+                    if unused:
+                        raise CheckpointError(f"{path}: unused tensor(s) {', '.join(unused[:8])}"
+                                              f"{' ...' if len(unused) > 8 else ''} (not part of a {self.arch.name} model)")
+            del states
+
+    def _alias_used(self, key: str, used: set[str]) -> bool:
+        for local, te in TE_NORM_ALIASES.items():
+            if key.endswith(te) and key[: -len(te)] + local in used:
+                return True
+        return False
+
+    def _tied_copy(self, key: str, p: int, v: int) -> bool:
+        """With tied embeddings and PP > 1 the last stage stores its own copy as output_layer.weight."""
+        return self.cfg.tie_word_embeddings and key == "output_layer.weight" and p == self.pp - 1 and v == self.vpp - 1
+
+    def _check_shape(self, entry: WeightEntry, key: str, shard_shape: tuple, p: int) -> None:
+        from converters.megatron_layout import megatron_full_shape
+
+        full = megatron_full_shape(entry, self.hf_shapes(), self.cfg, self.padded_vocab)
+        kind = tp_split_kind(entry, len(full))
+        expected = list(full)
+        if kind in ("dim0", "gate_up"):
+            expected[0] //= self.tp
+        elif kind == "dim1":
+            expected[1] //= self.tp
+        if tuple(expected) != shard_shape:
+            raise CheckpointError(f"{self.rank_file(0, p).parent.parent}: tensor {key} has shape {shard_shape} per "
+                                  f"TP rank, the model config implies {tuple(expected)} (tp={self.tp})")
+
+    def read_unit(self, unit: Unit) -> dict[str, torch.Tensor]:
+        p, v = self.layout.unit_location(unit)
+        local = None if unit in (EMBED, FINAL) else self.layout.where[int(unit)][2]
+        datas = [load_rank_file(self.rank_file(t, p)) for t in range(self.tp)]
+        states = [chunk_state(d, v, self.vpp, self.rank_file(t, p)) for t, d in enumerate(datas)]
+        out: dict[str, torch.Tensor] = {}
+        for entry, key in unit_megatron_keys(self.wmap, unit, local):
+            shards = [lookup(s, key) for s in states]
+            if any(s is None for s in shards):
+                raise CheckpointError(f"{self.it_dir}: missing tensor {key} on pp rank {p}")
+            try:
+                full = merge_tp(tp_split_kind(entry, shards[0].dim()), shards, key)
+                tensors = megatron_to_hf(entry, full, self.cfg)
+            except LayoutError as exc:
+                raise CheckpointError(f"{self.it_dir}: {exc}") from exc
+            out.update(zip(entry.hf, tensors))
+        del states, datas
+        return out
+
+
+def _reopen_legacy(path: str, arch: Any, hf_dir: Any, vocab: Any) -> LegacyReader:
+    return LegacyReader(path, arch=arch, hf_config_dir=hf_dir, vocab_size=vocab)

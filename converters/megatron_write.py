@@ -1,0 +1,130 @@
+"""Writing Megatron checkpoints (legacy ``torch`` and ``torch_dist``) at any TP/PP/VPP from any reader.
+
+The target layout is validated against the model before anything is written. Legacy output is
+written one pipeline stage per task: a stage's units are read, turned into Megatron full tensors
+(``megatron_layout.hf_to_megatron``), split for every TP rank, and each rank file is saved with
+``torch.save`` (a legacy rank file must be pickled whole, so a task holds one stage's tensors).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from converters.checkpoint import EMBED, FINAL, CheckpointReader, Unit
+from converters.megatron_files import HF_CONFIG_DIR, TRACKER, args_for_target, legacy_rank_dir_name
+from converters.megatron_layout import hf_to_megatron, megatron_padded_vocab, split_tp, tp_split_kind
+from converters.megatron_legacy import RANK_FILE, MegatronLayout, unit_megatron_keys
+from parallel.config import ParallelConfig
+
+
+@dataclass
+class MegatronTarget:
+    tp: int
+    pp: int
+    vpp: int
+    padded_vocab: int
+    dtype: torch.dtype
+    layout: MegatronLayout
+    args: argparse.Namespace
+    iteration: int | None
+
+
+def plan_megatron_target(reader: CheckpointReader, *, tp: int, pp: int, vpp: int, dtype: torch.dtype,
+                         divisible_by: int = 128, first: int | None = None, last: int | None = None,
+                         fmt: str = "torch") -> MegatronTarget:
+    """Validate the target layout for this model (ParallelConfigError names the numbers)."""
+    cfg = reader.cfg
+    pconfig = ParallelConfig(tp=tp, pp=pp, vpp=vpp, num_layers_in_first_pipeline_stage=first,
+                             num_layers_in_last_pipeline_stage=last)
+    pconfig.validate(cfg)
+    padded = megatron_padded_vocab(cfg.vocab_size, tp, divisible_by)
+    args = args_for_target(reader.hf_config, cfg, tp=tp, pp=pp, vpp=vpp, padded_vocab=padded, dtype=dtype, fmt=fmt,
+                           divisible_by=divisible_by, first=first, last=last)
+    layout = MegatronLayout(cfg.num_hidden_layers, pp, vpp, first, last, "target")
+    iteration = reader.info.layout.get("iteration")
+    return MegatronTarget(tp, pp, vpp, padded, dtype, layout, args, iteration if isinstance(iteration, int) else None)
+
+
+def megatron_unit_tensors(reader: CheckpointReader, unit: Unit, local_index: int | None,
+                          padded_vocab: int, dtype: torch.dtype) -> list[tuple[Any, str, torch.Tensor]]:
+    """(entry, Megatron key with local layer number, Megatron full tensor) for one unit."""
+    hf = reader.read_unit(unit)
+    out = []
+    for entry, key in unit_megatron_keys(reader.wmap, unit, local_index):
+        full = hf_to_megatron(entry, [hf[n] for n in entry.hf], reader.cfg, padded_vocab).to(dtype)
+        out.append((entry, key, full))
+    return out
+
+
+def _stage_units(target: MegatronTarget, p: int, v: int) -> list[tuple[Unit, int | None]]:
+    units: list[tuple[Unit, int | None]] = []
+    if p == 0 and v == 0:
+        units.append((EMBED, None))
+    units += [(i, j) for j, i in enumerate(target.layout.ranges[p][v])]
+    if p == target.pp - 1 and v == target.vpp - 1:
+        units.append((FINAL, None))
+    return units
+
+
+def write_legacy_stage(reopen: tuple, target: MegatronTarget, directory: str, p: int) -> int:
+    """All TP rank files of pipeline stage ``p``; returns bytes written."""
+    factory, args = reopen
+    reader = factory(*args)
+    states: list[dict[str, dict[str, torch.Tensor]]] = [{} for _ in range(target.tp)]
+    for v in range(target.vpp):
+        chunk = "model" if target.vpp == 1 else f"model{v}"
+        for t in range(target.tp):
+            states[t][chunk] = {}
+        for unit, local in _stage_units(target, p, v):
+            for entry, key, full in megatron_unit_tensors(reader, unit, local, target.padded_vocab, target.dtype):
+                for t, shard in enumerate(split_tp(tp_split_kind(entry, full.dim()), full, target.tp, key)):
+                    states[t][chunk][key] = shard.clone()
+        if reader.cfg.tie_word_embeddings and target.pp > 1 and p == target.pp - 1 and v == target.vpp - 1:
+            # Megatron's last stage keeps its own copy of the tied embedding as output_layer.weight.
+            entry, key, full = next(x for x in megatron_unit_tensors(reader, EMBED, None, target.padded_vocab,
+                                                                      target.dtype))
+            for t, shard in enumerate(split_tp(tp_split_kind(entry, full.dim()), full, target.tp, key)):
+                states[t][chunk]["output_layer.weight"] = shard.clone()
+    reader.close()
+    written = 0
+    for t in range(target.tp):
+        rank_dir = Path(directory) / legacy_rank_dir_name(t, p, target.pp)
+        rank_dir.mkdir(parents=True, exist_ok=True)
+        payload = {"args": target.args, "checkpoint_version": 3.0, "iteration": target.iteration or 0, **states[t]}
+        torch.save(payload, rank_dir / RANK_FILE)
+        written += (rank_dir / RANK_FILE).stat().st_size
+    return written
+
+
+def iteration_folder(root: Path, iteration: int | None) -> Path:
+    """``iter_XXXXXXX`` for a known iteration, ``release`` otherwise; writes the tracker file."""
+    name = f"iter_{iteration:07d}" if iteration is not None else "release"
+    (root / TRACKER).write_text(str(iteration) if iteration is not None else "release")
+    folder = root / name
+    folder.mkdir()
+    return folder
+
+
+def write_megatron(reader: CheckpointReader, target: MegatronTarget, directory: str, *, fmt: str, workers: int,
+                   progress: bool, hf_config_dir: str | None = None) -> None:
+    from converters.engine import run_tasks
+
+    root = Path(directory)
+    folder = iteration_folder(root, target.iteration)
+    if fmt == "megatron":
+        tasks = [(write_legacy_stage, (reader.reopen_args(), target, str(folder), p)) for p in range(target.pp)]
+        run_tasks(tasks, workers, "writing Megatron stages", progress)
+    else:
+        from converters.megatron_dist import write_dist
+
+        write_dist(reader, target, str(folder), workers=workers, progress=progress)
+    # The HF config beside the iteration folders keeps what Megatron args cannot say (real vocab size,
+    # RoPE scaling, token ids); our readers pick it up, Megatron ignores it.
+    hf_dir = root / HF_CONFIG_DIR
+    hf_dir.mkdir()
+    reader.hf_config.save_pretrained(str(hf_dir))
