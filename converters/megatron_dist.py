@@ -1,0 +1,299 @@
+"""Megatron ``torch_dist`` checkpoints, read and written without torch.distributed or megatron-core.
+
+Layout (megatron-core ``dist_checkpointing`` over ``torch.distributed.checkpoint``):
+  metadata.json  ``{"sharded_backend": "torch_dist", ...}``
+  .metadata      pickled ``torch.distributed.checkpoint.metadata.Metadata``: per key the global
+                 shape and the chunks (offsets, sizes) stored, and where each chunk's bytes are
+  __R_I.distcp   chunk payloads, each one ``torch.save``'d tensor at (offset, length)
+  common.pt      non-tensor state: ``args``, ``checkpoint_version``, ``iteration``
+Tensors are global (unsharded). Uniform layers are stacked: ``decoder.layers.<param>`` has a
+leading ``num_layers`` dim (global layer index, VPP chunks included). Norms carry the
+Transformer-Engine names (``self_attention.linear_qkv.layer_norm_weight``, ...). ``linear_fc1`` is
+``[gate; up]``; ``linear_qkv`` is interleaved per query group.
+
+Reading fetches only the chunks overlapping the requested layer (byte ranges of the .distcp files),
+so memory stays at one unit. Writing streams each unit's chunks to the task's own .distcp file and
+builds ``.metadata`` from the recorded offsets at the end.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from converters.checkpoint import EMBED, FINAL, CheckpointReader, ReaderInfo, Unit, architecture_for, \
+    conversion_weight_map
+from converters.megatron_files import args_layout, hf_config_from_args, resolve_iteration_dir
+from converters.megatron_layout import LayoutError, megatron_full_shape, megatron_to_hf
+from converters.safe_pickle import safe_pickle_load, safe_torch_load
+from models.common.sources import CheckpointError
+
+METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                 "common_backend_version": 1}
+LAYER_PREFIX = "decoder.layers."
+# torch_dist always names the layer norms the Transformer-Engine way.
+TE_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+            "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+def stacked_key(template: str) -> str:
+    """``decoder.layers.{i}.x.weight`` -> ``decoder.layers.x.weight`` with TE norm names."""
+    key = template.replace("layers.{i}.", "layers.")
+    for local, te in TE_NAMES.items():
+        if key == LAYER_PREFIX + local:
+            return LAYER_PREFIX + te
+    return key
+
+
+class DistReader(CheckpointReader):
+    def __init__(self, path: str | os.PathLike, *, arch: str | None = None, hf_config_dir: str | None = None,
+                 vocab_size: int | None = None) -> None:
+        self.path = str(path)
+        self._options = (arch, hf_config_dir, vocab_size)
+        self.it_dir = resolve_iteration_dir(Path(path))
+        meta_json = self.it_dir / "metadata.json"
+        try:
+            backend = json.loads(meta_json.read_text()).get("sharded_backend")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise CheckpointError(f"{meta_json}: unreadable ({exc})") from exc
+        if backend != "torch_dist":
+            raise CheckpointError(f"{meta_json}: sharded_backend={backend!r}, only torch_dist is supported")
+        md_path = self.it_dir / ".metadata"
+        try:
+            with open(md_path, "rb") as f:
+                self.md = safe_pickle_load(f)
+            self.tensors = {k: v for k, v in self.md.state_dict_metadata.items() if hasattr(v, "chunks")}
+        except Exception as exc:
+            raise CheckpointError(f"{md_path}: missing or corrupt ({type(exc).__name__}: {exc})") from exc
+        self.storage = {(idx.fqn, tuple(idx.offset) if idx.offset is not None else None): info
+                        for idx, info in self.md.storage_data.items()}
+        self.args = self._read_args()
+        lay = args_layout(self.args)
+        self.hf_config = hf_config_from_args(self.args, arch=arch, hf_config_dir=hf_config_dir, vocab_size=vocab_size,
+                                             where=str(self.it_dir))
+        self.arch = architecture_for(self.hf_config.model_type, self.path)
+        self.cfg = self.arch.model_config(self.hf_config)
+        self.wmap = conversion_weight_map(self.arch, self.cfg)
+        emb = self.tensors.get("embedding.word_embeddings.weight")
+        self.padded_vocab = int(emb.size[0]) if emb is not None else self.cfg.vocab_size
+        files = sorted({info.relative_path for info in self.storage.values()})
+        dtype = next((v.properties.dtype for v in self.tensors.values()), torch.float32)
+        self.info = ReaderInfo("megatron-dist", self.arch.name,
+                               {"saved_with_tp": lay["tp"], "saved_with_pp": lay["pp"], "saved_with_vpp": lay["vpp"],
+                                "padded_vocab": self.padded_vocab, "iteration": getattr(self.args, "iteration", None)},
+                               len(files), dtype)
+
+    def _read_args(self) -> Any:
+        common = self.it_dir / "common.pt"
+        if common.exists():
+            try:
+                data = safe_torch_load(common, mmap=False)
+            except Exception as exc:
+                raise CheckpointError(f"{common}: unreadable ({type(exc).__name__}: {exc})") from exc
+            if isinstance(data, dict) and data.get("args") is not None:
+                return data["args"]
+        if ("args", None) in self.storage:  # newer Megatron keeps common state inside the checkpoint
+            return safe_torch_load(io.BytesIO(self._read_bytes("args", None)), mmap=False)
+        raise CheckpointError(f"{self.it_dir}: no Megatron args (neither common.pt nor an 'args' item)")
+
+    def reopen_args(self) -> tuple:
+        arch, hf_dir, vocab = self._options
+        return _reopen_dist, (self.path, arch, hf_dir, vocab)
+
+    def _read_bytes(self, fqn: str, offset) -> bytes:
+        info = self.storage.get((fqn, offset))
+        if info is None:
+            raise CheckpointError(f"{self.it_dir}: .metadata lists chunk {offset} of {fqn} but no storage for it")
+        path = self.it_dir / info.relative_path
+        try:
+            with open(path, "rb") as f:
+                f.seek(info.offset)
+                data = f.read(info.length)
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot read ({exc})") from exc
+        if len(data) != info.length:
+            raise CheckpointError(f"{path}: truncated: chunk of {fqn} needs bytes {info.offset}..{info.offset + info.length}")
+        return data
+
+    def _key_for(self, template: str, layer: int | None) -> tuple[str, int | None]:
+        """(torch_dist key, leading index or None) of a weight-map Megatron name."""
+        if layer is None:
+            return template, None
+        per_layer = template.format(i=layer)
+        if per_layer in self.tensors:  # checkpoints saved without layer stacking
+            return per_layer, None
+        return stacked_key(template), layer
+
+    def read_tensor(self, key: str, index: int | None) -> torch.Tensor:
+        """The global tensor ``key`` (or its slice ``[index]`` along dim 0), from overlapping chunks only."""
+        meta = self.tensors.get(key)
+        if meta is None:
+            raise CheckpointError(f"{self.it_dir}: missing tensor {key}")
+        size = tuple(meta.size)
+        lo = [0] * len(size)
+        hi = list(size)
+        if index is not None:
+            lo[0], hi[0] = index, index + 1
+        out = torch.empty([h - l for l, h in zip(lo, hi)], dtype=meta.properties.dtype)
+        covered = 0
+        for chunk in meta.chunks:
+            c_lo = list(chunk.offsets)
+            c_hi = [o + s for o, s in zip(chunk.offsets, chunk.sizes)]
+            o_lo = [max(a, b) for a, b in zip(lo, c_lo)]
+            o_hi = [min(a, b) for a, b in zip(hi, c_hi)]
+            if any(a >= b for a, b in zip(o_lo, o_hi)):
+                continue
+            raw = self._read_bytes(key, tuple(chunk.offsets))
+            try:
+                data = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+            except Exception as exc:
+                raise CheckpointError(f"{self.it_dir}: corrupt chunk {tuple(chunk.offsets)} of {key} ({exc})") from exc
+            src = data[tuple(slice(a - c, b - c) for a, b, c in zip(o_lo, o_hi, c_lo))]
+            out[tuple(slice(a - l, b - l) for a, b, l in zip(o_lo, o_hi, lo))] = src
+            covered += src.numel()
+        if covered != out.numel():
+            raise CheckpointError(f"{self.it_dir}: chunks of {key} cover {covered} of {out.numel()} elements")
+        return out[0] if index is not None else out
+
+    def _expected(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(torch_dist key, global shape) of every tensor a conversion needs."""
+        shapes = self.hf_shapes()
+        L = self.cfg.num_hidden_layers
+        out = []
+        for entry in self.wmap.first_entries + self.wmap.last_entries:
+            out.append((entry.megatron, megatron_full_shape(entry, shapes, self.cfg, self.padded_vocab)))
+        for tmpl in self.wmap.layer_entries:
+            full = megatron_full_shape(tmpl.format(0), shapes, self.cfg, self.padded_vocab)
+            key, idx = self._key_for(tmpl.megatron, 0)
+            if idx is None:
+                out += [(tmpl.megatron.format(i=i), full) for i in range(L)]
+            else:
+                out.append((key, (L, *full)))
+        return out
+
+    def validate(self) -> None:
+        expected = self._expected()
+        problems = []
+        for key, shape in expected:
+            meta = self.tensors.get(key)
+            if meta is None:
+                problems.append(f"missing tensor {key}")
+            elif tuple(meta.size) != tuple(shape):
+                problems.append(f"tensor {key} has global shape {tuple(meta.size)}, the config implies {tuple(shape)}")
+        names = {k for k, _ in expected}
+        tied_copy = {"output_layer.weight"} if self.cfg.tie_word_embeddings else set()
+        unused = sorted(k for k in self.tensors if k not in names and k not in tied_copy and not k.startswith(
+            ("optimizer.", "rng_state", "rerun_state")))
+        if unused:
+            problems.append(f"unused tensor(s) {', '.join(unused[:8])} (not part of a {self.arch.name} model)")
+        for info in {(i.relative_path, i.offset + i.length) for i in self.storage.values()}:
+            path = self.it_dir / info[0]
+            if not path.exists():
+                problems.append(f"missing data file {info[0]}")
+            elif path.stat().st_size < info[1]:
+                problems.append(f"truncated data file {info[0]} ({path.stat().st_size} bytes, needs {info[1]})")
+        if problems:
+            raise CheckpointError(f"{self.it_dir}: " + "; ".join(sorted(set(problems))[:10]))
+
+    def read_unit(self, unit: Unit) -> dict[str, torch.Tensor]:
+        layer = None if unit in (EMBED, FINAL) else int(unit)
+        templates = (self.wmap.first_entries if unit == EMBED else self.wmap.last_entries if unit == FINAL
+                     else self.wmap.layer_entries)
+        out = {}
+        for tmpl in templates:
+            entry = tmpl if layer is None else tmpl.format(layer)
+            key, idx = self._key_for(tmpl.megatron, layer)
+            try:
+                out.update(zip(entry.hf, megatron_to_hf(entry, self.read_tensor(key, idx), self.cfg)))
+            except LayoutError as exc:
+                raise CheckpointError(f"{self.it_dir}: {exc}") from exc
+        return out
+
+
+def _reopen_dist(path: str, arch: Any, hf_dir: Any, vocab: Any) -> DistReader:
+    return DistReader(path, arch=arch, hf_config_dir=hf_dir, vocab_size=vocab)
+
+
+# ---------------------------------------------------------------------------------------------- writing
+
+
+def _torch_save_bytes(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def write_dist_units(reopen: tuple, target, directory: str, units: list, file_name: str) -> list[tuple]:
+    """Write ``units`` into ``file_name``; returns (key, global_shape, dtype, offsets, sizes, storage) records."""
+    from converters.megatron_write import megatron_unit_tensors
+
+    factory, args = reopen
+    reader = factory(*args)
+    L = reader.cfg.num_hidden_layers
+    records = []
+    with open(Path(directory) / file_name, "wb") as f:
+        for unit in units:
+            layer = None if unit in (EMBED, FINAL) else int(unit)
+            for entry, key, full in megatron_unit_tensors(reader, unit, layer, target.padded_vocab, target.dtype):
+                if layer is None:
+                    gkey, gshape, offsets, chunk = key, tuple(full.shape), (0,) * full.dim(), full
+                else:
+                    gkey = stacked_key(key.replace(f"layers.{layer}.", "layers.{i}.", 1))
+                    gshape, offsets, chunk = (L, *full.shape), (layer,) + (0,) * full.dim(), full.unsqueeze(0)
+                raw = _torch_save_bytes(chunk.contiguous())
+                records.append((gkey, gshape, full.dtype, offsets, tuple(chunk.shape), (file_name, f.tell(), len(raw))))
+                f.write(raw)
+            if layer is not None:
+                for module in EXTRA_STATE_MODULES:
+                    raw = _torch_save_bytes([None])
+                    key = f"{LAYER_PREFIX}{module}._extra_state/shard_{layer}_{L}"
+                    records.append((key, None, None, None, None, (file_name, f.tell(), len(raw))))
+                    f.write(raw)
+    reader.close()
+    return records
+
+
+def write_dist(reader: CheckpointReader, target, directory: str, *, workers: int, progress: bool) -> None:
+    """torch_dist checkpoint in ``directory`` (the iteration folder)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, TensorProperties, TensorStorageMetadata)
+
+    from converters.engine import run_tasks
+
+    units = reader.units()
+    n_tasks = max(1, min(workers, len(units)))
+    groups = [units[i::n_tasks] for i in range(n_tasks)]
+    tasks = [(write_dist_units, (reader.reopen_args(), target, directory, g, f"__{i}_0.distcp"))
+             for i, g in enumerate(groups)]
+    results = run_tasks(tasks, workers, "writing torch_dist", progress)
+    state_md: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+    for records in results:
+        for key, gshape, dtype, offsets, sizes, (fname, off, length) in records:
+            if gshape is None:
+                state_md[key] = BytesStorageMetadata()
+                storage[MetadataIndex(key)] = _StorageInfo(fname, off, length)
+                continue
+            meta = state_md.setdefault(key, TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(gshape), []))
+            meta.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+            storage[MetadataIndex(key, torch.Size(offsets))] = _StorageInfo(fname, off, length)
+    for meta in state_md.values():
+        if isinstance(meta, TensorStorageMetadata):
+            meta.chunks.sort(key=lambda c: tuple(c.offsets))
+    metadata = Metadata(state_dict_metadata=dict(sorted(state_md.items())), planner_data=None, storage_data=storage)
+    with open(Path(directory) / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    torch.save({"args": target.args, "checkpoint_version": 3.0, "iteration": target.iteration or 0},
+               Path(directory) / "common.pt")
+    (Path(directory) / "metadata.json").write_text(json.dumps(METADATA_JSON))
+
+
+__all__ = ["DistReader", "write_dist"]
