@@ -1,1 +1,9 @@
-"""Checkpoint formats and conversion (HF, Megatron legacy/torch_dist, vLLM); CPU only, no torch.distributed."""
+"""Checkpoint formats and conversion (HF, Megatron legacy/torch_dist); CPU only, no torch.distributed.
+
+    from converters import convert, open_reader, verify
+    convert("ckpt/megatron", "out/hf", to="hf")
+"""
+
+from converters.engine import convert, detect_format, open_reader
+
+__all__ = ["convert", "detect_format", "open_reader"]

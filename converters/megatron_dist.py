@@ -40,7 +40,6 @@ LAYER_PREFIX = "decoder.layers."
 # torch_dist always names the layer norms the Transformer-Engine way.
 TE_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
             "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
-EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
 
 
 def stacked_key(template: str) -> str:
@@ -232,7 +231,7 @@ def _torch_save_bytes(obj: Any) -> bytes:
 
 def write_dist_units(reopen: tuple, target, directory: str, units: list, file_name: str) -> list[tuple]:
     """Write ``units`` into ``file_name``; returns (key, global_shape, dtype, offsets, sizes, storage) records."""
-    from converters.megatron_write import megatron_unit_tensors
+    from converters.megatron_write import LINEAR_MODULES, megatron_unit_tensors
 
     factory, args = reopen
     reader = factory(*args)
@@ -251,7 +250,7 @@ def write_dist_units(reopen: tuple, target, directory: str, units: list, file_na
                 records.append((gkey, gshape, full.dtype, offsets, tuple(chunk.shape), (file_name, f.tell(), len(raw))))
                 f.write(raw)
             if layer is not None:
-                for module in EXTRA_STATE_MODULES:
+                for module in LINEAR_MODULES:
                     raw = _torch_save_bytes([None])
                     key = f"{LAYER_PREFIX}{module}._extra_state/shard_{layer}_{L}"
                     records.append((key, None, None, None, None, (file_name, f.tell(), len(raw))))

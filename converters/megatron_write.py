@@ -22,6 +22,9 @@ from converters.megatron_legacy import RANK_FILE, MegatronLayout, unit_megatron_
 from parallel.config import ParallelConfig
 
 
+LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+
+
 @dataclass
 class MegatronTarget:
     tp: int
@@ -83,7 +86,12 @@ def write_legacy_stage(reopen: tuple, target: MegatronTarget, directory: str, p:
         for unit, local in _stage_units(target, p, v):
             for entry, key, full in megatron_unit_tensors(reader, unit, local, target.padded_vocab, target.dtype):
                 for t, shard in enumerate(split_tp(tp_split_kind(entry, full.dim()), full, target.tp, key)):
-                    states[t][chunk][key] = shard.clone()
+                    states[t][chunk][key] = shard.clone()  # a view would make torch.save write the whole storage
+            # Megatron-LM saves an (empty) extra state for every linear layer; its strict load expects it.
+            modules = ([f"decoder.layers.{local}.{m}" for m in LINEAR_MODULES] if isinstance(unit, int)
+                       else ["output_layer"] if unit == FINAL else [])
+            for t in range(target.tp):
+                states[t][chunk].update({f"{m}._extra_state": None for m in modules})
         if reader.cfg.tie_word_embeddings and target.pp > 1 and p == target.pp - 1 and v == target.vpp - 1:
             # Megatron's last stage keeps its own copy of the tied embedding as output_layer.weight.
             entry, key, full = next(x for x in megatron_unit_tensors(reader, EMBED, None, target.padded_vocab,
