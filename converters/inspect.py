@@ -1,43 +1,34 @@
-"""``pmz inspect``: what a checkpoint directory holds, read from headers only (no tensor data)."""
+"""``pmz inspect``: what a checkpoint holds, from headers and metadata (tensor data is not read)."""
 
 from __future__ import annotations
 
 import os
-from collections import Counter
 from pathlib import Path
 
-from models.common.builder import load_hf_config
-from models.common.sources import DTYPE_BYTES, CheckpointError, SafetensorsSource
+from converters.engine import open_reader
 
 
-def inspect_checkpoint(path: str | os.PathLike) -> dict:
-    """Format, architecture, parameter count, dtypes and bytes of a checkpoint directory."""
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: no such checkpoint directory")
-    if (path / "config.json").exists() and any(path.glob("*.safetensors*")):
-        hf_config = load_hf_config(path)
-        source = SafetensorsSource(path)
-        dtypes: Counter = Counter()
-        params = size = 0
-        for name in source.names():
-            n = 1
-            for d in source.shape(name):
-                n *= d
-            params += n
-            tag = source.dtype_name(name)
-            dtypes[tag] += n
-            size += n * DTYPE_BYTES[tag]
-        return {
-            "format": "hf-safetensors",
-            "architecture": (getattr(hf_config, "architectures", None) or [hf_config.model_type])[0],
-            "model_type": hf_config.model_type,
-            "layers": getattr(hf_config, "num_hidden_layers", None),
-            "parallel_layout": "unsharded (HF)",
-            "files": len(source.files),
-            "tensors": len(source.names()),
-            "parameters": params,
-            "dtypes": dict(dtypes),
-            "bytes": size,
-        }
-    raise CheckpointError(f"{path}: not a recognized checkpoint (expected config.json + *.safetensors)")
+def inspect_checkpoint(path: str | os.PathLike, *, vocab_size: int | None = None, hf_config: str | None = None) -> dict:
+    """Format, architecture, parallel layout, parameter count, dtype and bytes on disk."""
+    reader = open_reader(path, vocab_size=vocab_size, hf_config=hf_config)
+    shapes = reader.hf_shapes()
+    params = 0
+    for shape in shapes.values():
+        n = 1
+        for d in shape:
+            n *= d
+        params += n
+    cfg = reader.cfg
+    size = sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+    return {
+        "format": reader.info.format,
+        "architecture": reader.arch.name,
+        "model": f"{cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, ffn {cfg.intermediate_size}, "
+                 f"heads {cfg.num_attention_heads} (kv {cfg.num_key_value_heads}, head_dim {cfg.head_dim}), "
+                 f"vocab {cfg.vocab_size}, {'tied' if cfg.tie_word_embeddings else 'untied'} embeddings",
+        "parallel_layout": ", ".join(f"{k}={v}" for k, v in reader.info.layout.items() if v is not None),
+        "files": reader.info.files,
+        "parameters": params,
+        "dtype": str(reader.info.dtype).replace("torch.", ""),
+        "bytes": size,
+    }
