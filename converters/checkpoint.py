@@ -95,9 +95,13 @@ class CheckpointReader:
         raise NotImplementedError
 
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
-        from models.common.weights import hf_shapes
+        """Full HF tensor shapes implied by the config (computed once)."""
+        cached = self.__dict__.get("_hf_shapes")
+        if cached is None:
+            from models.common.weights import hf_shapes
 
-        return hf_shapes(self.cfg, self.wmap)
+            cached = self.__dict__["_hf_shapes"] = hf_shapes(self.cfg, self.wmap)
+        return cached
 
     def close(self) -> None:
         pass
