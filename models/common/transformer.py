@@ -17,11 +17,12 @@ from torch import nn
 from models.common.attention import causal_attention
 from models.common.config import ModelConfig
 from models.common.rope import RotaryEmbedding, apply_rotary
-from models.common.weights import WeightMap, export_hf_state, hf_shapes
+from models.common.weights import WeightEntry, WeightMap, export_hf_state, hf_shapes
 from parallel.collectives import gather_last_dim
 from parallel.cross_entropy import vocab_parallel_cross_entropy
 from parallel.grads import finalize_grads
 from parallel.groups import ParallelGroups
+from parallel.pipeline_layout import stage_layer_ranges
 from parallel.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -99,16 +100,18 @@ class DecoderLayer(nn.Module):
 
 
 class ParallelDecoder(nn.Module):
-    """Embedding, this stage's layers (keyed by global index) and the final norm."""
+    """Embedding (first pipeline stage), this rank's layers keyed by global index, final norm (last stage)."""
 
-    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, layer_ids: range, padded_vocab: int, dtype, device):
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, layer_ids: list[int], padded_vocab: int, dtype,
+                 device, *, has_embedding: bool = True, has_norm: bool = True):
         super().__init__()
         sp = groups.sequence_parallel
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, padded_vocab, cfg.hidden_size,
                                                    tp_group=groups.tp_group, sequence_parallel=sp, dtype=dtype,
-                                                   device=device)
+                                                   device=device) if has_embedding else None
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, groups, dtype, device) for i in layer_ids})
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, sequence_parallel=sp, dtype=dtype, device=device)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, sequence_parallel=sp, dtype=dtype,
+                            device=device) if has_norm else None
 
 
 class ParallelCausalLM(nn.Module):
@@ -121,11 +124,20 @@ class ParallelCausalLM(nn.Module):
         self.weight_map = weight_map  # the architecture's table: HF names, shard rules, Megatron names
         self.groups = groups
         self.padded_vocab_size = groups.config.padded_vocab_size(cfg.vocab_size)
-        self.model = ParallelDecoder(cfg, groups, range(cfg.num_hidden_layers), self.padded_vocab_size, dtype, device)
-        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(cfg.vocab_size, self.padded_vocab_size, cfg.hidden_size, tp_group=groups.tp_group,
-                                      sequence_parallel=groups.sequence_parallel, dtype=dtype, device=device,
-                                      tied_to=tied)
+        # Pipeline stage: this rank's virtual chunks, each a list of global layer indices.
+        self.chunk_layers = [list(r) for r in stage_layer_ranges(cfg.num_hidden_layers, groups.config)[groups.pp_rank]]
+        self.is_first_stage = groups.pp_rank == 0
+        self.is_last_stage = groups.pp_rank == groups.pp_size - 1
+        self.model = ParallelDecoder(cfg, groups, [i for c in self.chunk_layers for i in c], self.padded_vocab_size,
+                                     dtype, device, has_embedding=self.is_first_stage, has_norm=self.is_last_stage)
+        self.lm_head = None
+        if self.is_last_stage:
+            # Tied embeddings share one tensor on a single stage; across stages the last one holds a copy
+            # whose gradient finalize_grads sums with the embedding's (they stay identical).
+            tied = self.model.embed_tokens if cfg.tie_word_embeddings and self.is_first_stage else None
+            self.lm_head = ParallelLMHead(cfg.vocab_size, self.padded_vocab_size, cfg.hidden_size,
+                                          tp_group=groups.tp_group, sequence_parallel=groups.sequence_parallel,
+                                          dtype=dtype, device=device, tied_to=tied)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
         if device is not None:
             self.rotary.to(device)
@@ -180,24 +192,19 @@ class ParallelCausalLM(nn.Module):
         """Padded batch ``input_ids [b, s]`` (optional ``attention_mask [b, s]``, 1 = token), or a packed
         batch ``input_ids [T]``/``[1, T]`` with ``cu_seqlens [n + 1]``. ``labels`` like ``input_ids``;
         shifted inside, ``-100`` ignored (transformers semantics)."""
+        if self.groups.pp_size > 1:
+            raise RuntimeError("with pipeline parallelism use model.forward_backward(...) (stages run in a schedule)")
         ids, pos, mask, labels, cu, seq_len = self._prepare(input_ids, position_ids, attention_mask, labels, cu_seqlens)
         if mask is not None and bool(mask.all()):
             mask = None  # no padding: plain causal kernel
-        dtype = self.model.embed_tokens.weight.dtype
-        cos, sin = self.rotary(pos, dtype)
         h = self.model.embed_tokens(ids.t())  # [s(/tp), b, hidden]
-        for layer in self.model.layers.values():
-            h = layer(h, cos, sin, mask, cu, max_seqlen)
-        h = self.model.norm(h)
-        logits = self.lm_head(h)  # [s, b, V_pad/tp]
+        h = self.run_layers(h, self.layer_ids(), pos, mask, cu, max_seqlen)
+        logits = self.lm_head(self.model.norm(h))  # [s, b, V_pad/tp]
         loss = None
         if labels is not None:
             target = self.shift_labels(labels, cu_seqlens, ids.shape[1]).t()  # [s, b]
-            per_token = vocab_parallel_cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), target.reshape(-1), vocab_start=self.lm_head.vocab_start,
-                valid_columns=self.lm_head.valid_columns, group=self.groups.tp_group, ignore_index=IGNORE_INDEX)
             count = (target != IGNORE_INDEX).sum()
-            loss = per_token.sum() / count.clamp(min=1)
+            loss = self.token_losses(logits, target).sum() / count.clamp(min=1)
         out_logits = None
         if return_logits:
             logits = logits[:seq_len].transpose(0, 1)  # [b, s, V_pad/tp]
@@ -207,10 +214,38 @@ class ParallelCausalLM(nn.Module):
                 out_logits = logits[..., : self.lm_head.valid_columns]
         return CausalLMOutput(loss=loss, logits=out_logits)
 
+    # ------------------------------------------------------------------ pieces (also used by pipeline stages)
+    def run_layers(self, h: torch.Tensor, layer_ids: list[int], position_ids: torch.Tensor,
+                   attention_mask: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                   max_seqlen: int | None = None) -> torch.Tensor:
+        """Decoder layers ``layer_ids`` on hidden states ``h [s(/tp), b, hidden]``."""
+        cos, sin = self.rotary(position_ids, h.dtype)
+        for i in layer_ids:
+            h = self.model.layers[str(i)](h, cos, sin, attention_mask, cu_seqlens, max_seqlen)
+        return h
+
+    def token_losses(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Per-token cross entropy ``[s * b]`` of vocab-sharded ``logits [s, b, V/tp]`` against ``target [s, b]``."""
+        return vocab_parallel_cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), target.reshape(-1), vocab_start=self.lm_head.vocab_start,
+            valid_columns=self.lm_head.valid_columns, group=self.groups.tp_group, ignore_index=IGNORE_INDEX)
+
     # ------------------------------------------------------------------ weights
     def layer_ids(self) -> list[int]:
-        """Global indices of the decoder layers this rank holds."""
+        """Global indices of the decoder layers this rank holds (all its virtual chunks)."""
         return [int(i) for i in self.model.layers.keys()]
+
+    def weight_entries(self) -> list[WeightEntry]:
+        """The weight-map entries of this rank's parameters (what it loads and exports)."""
+        return self.weight_map.entries(self.layer_ids(), first=self.is_first_stage, last=self.is_last_stage)
+
+    def load_entries(self) -> list[WeightEntry]:
+        """``weight_entries`` plus, for tied embeddings split over stages, the last stage's head copy."""
+        entries = self.weight_entries()
+        if self.config.tie_word_embeddings and self.is_last_stage and not self.is_first_stage:
+            embed = self.weight_map.first_entries[0]
+            entries.append(WeightEntry("lm_head.weight", embed.hf, embed.rules))
+        return entries
 
     def iter_hf_weights(self, tensors: dict[str, torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """``(hf_name, full tensor)`` for this rank's layers, gathered over TP with the weight map's rules.
@@ -220,8 +255,7 @@ class ParallelCausalLM(nn.Module):
         """
         wmap = self.weight_map
         tensors = tensors if tensors is not None else dict(self.named_parameters())
-        yield from export_hf_state(tensors, wmap.entries(self.layer_ids()), hf_shapes(self.config, wmap),
-                                   self.groups.tp_group)
+        yield from export_hf_state(tensors, self.weight_entries(), hf_shapes(self.config, wmap), self.groups.tp_group)
 
     # ------------------------------------------------------------------ training
     def finalize_grads(self) -> None:
