@@ -5,7 +5,8 @@ Three reductions, each coalesced into one flat all-reduce per group:
     partial sums over the TP group's sequence shards: summed over TP;
   * packed QKV parameters tagged ``kv_replicas`` (tp > num_kv_heads): the K/V rows of a replicated
     KV head received gradient only from this rank's query heads: summed over the replicas;
-  * every parameter, over the data-parallel group: averaged (each DP rank's loss is a mean).
+  * every parameter, over the data-parallel group: averaged (each DP rank's loss is its own mean)
+    or summed (losses already normalized by the global token count).
 """
 
 from __future__ import annotations
@@ -60,8 +61,13 @@ def _kv_replica_sum(params: list[nn.Parameter], tp_group: Any) -> None:
         p.grad[q_rows:q_rows + 2 * kv_rows].copy_(buf[head])
 
 
-def finalize_grads(params: Iterable[nn.Parameter], *, tp_group: Any = None, dp_group: Any = None) -> None:
-    """Apply the TP (SP and KV-replica) and DP reductions to the ``.grad`` of ``params``."""
+def finalize_grads(params: Iterable[nn.Parameter], *, tp_group: Any = None, dp_group: Any = None,
+                   dp_average: bool = True) -> None:
+    """Apply the TP (SP and KV-replica) and DP reductions to the ``.grad`` of ``params``.
+
+    ``dp_average``: average over DP (each rank's loss is its own mean) or sum (each rank's loss is
+    already divided by the global token count, as in ``forward_backward``).
+    """
     params = [p for p in params if p.requires_grad and p.grad is not None]
     if group_size(tp_group) > 1:
         for grads in _by_dtype(p.grad for p in params if getattr(p, "sequence_parallel", False)):
@@ -70,4 +76,4 @@ def finalize_grads(params: Iterable[nn.Parameter], *, tp_group: Any = None, dp_g
     dp = group_size(dp_group)
     if dp > 1:
         for grads in _by_dtype(p.grad for p in params):
-            _all_reduce_coalesced(grads, dp_group, scale=1.0 / dp)
+            _all_reduce_coalesced(grads, dp_group, scale=1.0 / dp if dp_average else None)

@@ -258,6 +258,27 @@ class ParallelCausalLM(nn.Module):
         yield from export_hf_state(tensors, self.weight_entries(), hf_shapes(self.config, wmap), self.groups.tp_group)
 
     # ------------------------------------------------------------------ training
+    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
+                         num_microbatches: int = 1, schedule: str = "1f1b", forward_only: bool = False,
+                         cu_seqlens: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                         position_ids: torch.Tensor | None = None,
+                         max_tokens_per_microbatch: int | None = None) -> torch.Tensor:
+        """One training step's forward and backward over balanced micro-batches (any pp, same API).
+
+        Returns the loss of the whole batch: the token mean over every non-ignored label of the
+        global batch (all micro-batches and DP ranks), identical on every rank. When it returns,
+        every ``.grad`` is final (TP/SP, replicated KV, tied embedding across stages, DP), so a plain
+        ``optimizer.step()`` follows. ``forward_only=True`` instead returns per-token log-probs of the
+        labels laid out like ``input_ids`` (``out[..., t] = log p(labels[..., t] | tokens < t)``; 0 where
+        ignored), on every rank, in the original sample order. Schedules: "gpipe", "1f1b",
+        "interleaved_1f1b" (chosen for "1f1b" when vpp > 1), "looped_bfs", "interleaved_zero_bubble".
+        """
+        from models.common.training import forward_backward
+
+        return forward_backward(self, input_ids, labels, num_microbatches=num_microbatches, schedule=schedule,
+                                forward_only=forward_only, cu_seqlens=cu_seqlens, attention_mask=attention_mask,
+                                position_ids=position_ids, max_tokens_per_microbatch=max_tokens_per_microbatch)
+
     def finalize_grads(self) -> None:
         """After backward: sum SP-partial and replicated-KV gradients over TP, average over DP."""
         finalize_grads(self.parameters(), tp_group=self.groups.tp_group, dp_group=self.groups.dp_group)

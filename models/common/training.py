@@ -1,0 +1,229 @@
+"""One training (or log-prob) step over micro-batches, with or without pipeline parallelism.
+
+``forward_backward`` takes the whole per-DP-rank batch (padded ``[b, s]`` with an optional
+attention mask, or packed tokens with ``cu_seqlens``), turns it into samples with HF-shifted
+targets, splits them into balanced packed micro-batches, runs them (a plain loop at pp=1, a
+``torch.distributed.pipelining`` schedule at pp>1), and finalizes gradients. The loss is the token
+mean over every non-ignored target of the *global* batch (all micro-batches and DP ranks), the
+exact number transformers computes for the concatenated batch: each micro-batch contributes
+``sum of its token losses / global token count``, and DP gradients are summed, not averaged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from parallel.collectives import group_size
+from parallel.grads import finalize_grads
+from parallel.microbatch import plan_microbatches
+from parallel.pipeline import check_schedule, microbatch_multiple, run_pipeline
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class Sample:
+    ids: torch.Tensor  # [n]
+    positions: torch.Tensor  # [n]
+    targets: torch.Tensor  # [n], target of token t (HF-shifted), -100 = ignored
+
+
+def to_samples(input_ids: torch.Tensor, labels: torch.Tensor | None, attention_mask: torch.Tensor | None,
+               cu_seqlens: torch.Tensor | None, position_ids: torch.Tensor | None = None) -> list[Sample]:
+    """Per-sample tokens, positions and targets with transformers' semantics.
+
+    Padded rows: positions are the row's ``0..s-1`` (as transformers uses them, also with left
+    padding), targets are the row's labels shifted by one; only tokens with mask 1 are kept.
+    Packed: each ``cu_seqlens`` segment is a sample with positions ``0..n-1``.
+    """
+    samples = []
+    if cu_seqlens is not None:
+        flat = input_ids.reshape(-1)
+        lab = labels.reshape(-1) if labels is not None else torch.full_like(flat, IGNORE_INDEX)
+        bounds = cu_seqlens.tolist()
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            targets = torch.full((b - a,), IGNORE_INDEX, dtype=torch.long)
+            targets[:-1] = lab[a + 1:b]
+            pos = position_ids.reshape(-1)[a:b] if position_ids is not None else torch.arange(b - a)
+            samples.append(Sample(flat[a:b], pos, targets))
+        return samples
+    bsz, seq = input_ids.shape
+    for r in range(bsz):
+        targets = torch.full((seq,), IGNORE_INDEX, dtype=torch.long)
+        if labels is not None:
+            targets[:-1] = labels[r, 1:]
+        keep = attention_mask[r].bool() if attention_mask is not None else torch.ones(seq, dtype=torch.bool)
+        pos = position_ids[r] if position_ids is not None else torch.arange(seq)
+        samples.append(Sample(input_ids[r][keep], pos[keep], targets[keep]))
+    return samples
+
+
+def pack(samples: list[Sample], total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids/positions/targets ``[1, total]`` and ``cu_seqlens``; the tail padding is one extra ignored sequence."""
+    used = sum(len(s.ids) for s in samples)
+    pad = total - used
+    ids = torch.cat([s.ids for s in samples] + [torch.zeros(pad, dtype=torch.long)]).reshape(1, -1)
+    pos = torch.cat([s.positions for s in samples] + [torch.zeros(pad, dtype=torch.long)]).reshape(1, -1)
+    tgt = torch.cat([s.targets for s in samples] + [torch.full((pad,), IGNORE_INDEX, dtype=torch.long)]).reshape(1, -1)
+    lengths = [len(s.ids) for s in samples] + ([pad] if pad else [])
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    return ids, pos, tgt, cu
+
+
+class PipelineChunk(nn.Module):
+    """One virtual pipeline stage of a ParallelCausalLM: [embedding] -> layers -> [norm, head].
+
+    Input: token ids ``[1, T]`` (first chunk) or hidden states ``[T(/tp), 1, hidden]``; output:
+    hidden states, or vocab-sharded logits ``[T, 1, V/tp]`` on the last chunk. The language model is
+    held in a list so its parameters are not registered twice under new names.
+    """
+
+    def __init__(self, lm: nn.Module, chunk: int) -> None:
+        super().__init__()
+        self._lm = [lm]
+        self.layer_ids = lm.chunk_layers[chunk]
+        self.first = lm.is_first_stage and chunk == 0
+        self.last = lm.is_last_stage and chunk == len(lm.chunk_layers) - 1
+        # Registered so PipelineStage sees exactly this chunk's parameters.
+        self.layers = nn.ModuleList([lm.model.layers[str(i)] for i in self.layer_ids])
+        self.embed_tokens = lm.model.embed_tokens if self.first else None
+        self.norm = lm.model.norm if self.last else None
+        self.lm_head = lm.lm_head if self.last else None
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        lm = self._lm[0]
+        h = self.embed_tokens(x.t()) if self.first else x
+        h = lm.run_layers(h, self.layer_ids, position_ids, None, cu_seqlens)
+        return self.lm_head(self.norm(h)) if self.last else h
+
+
+def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, num_microbatches: int = 1,
+                     schedule: str = "1f1b", forward_only: bool = False, cu_seqlens: torch.Tensor | None = None,
+                     attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                     max_tokens_per_microbatch: int | None = None) -> torch.Tensor:
+    """See ``ParallelCausalLM.forward_backward``."""
+    groups = lm.groups
+    pp, vpp, tp = groups.pp_size, groups.config.vpp, groups.tp_size
+    if schedule == "1f1b" and vpp > 1:
+        schedule = "interleaved_1f1b"
+    if pp > 1:
+        check_schedule(schedule, vpp, microbatch_multiple(schedule, pp), pp)
+    samples = to_samples(input_ids, labels, attention_mask, cu_seqlens, position_ids)
+    plan = plan_microbatches([len(s.ids) for s in samples], max_tokens_per_microbatch=max_tokens_per_microbatch,
+                             num_microbatches=num_microbatches,
+                             multiple_of=microbatch_multiple(schedule, pp) if pp > 1 else 1)
+    if pp > 1:
+        check_schedule(schedule, vpp, plan.count, pp)
+    # One packed shape for every micro-batch (pipeline buffers are fixed); a multiple of tp under SP.
+    total = max(plan.tokens)
+    if groups.sequence_parallel:
+        total = -(-total // tp) * tp
+    mbs = [pack([samples[i] for i in group], total) for group in plan.groups]
+    local_count = sum(int((s.targets != IGNORE_INDEX).sum()) for s in samples)
+    count = torch.tensor([local_count], dtype=torch.float64)
+    if groups.dp_group is not None:
+        dist.all_reduce(count, group=groups.dp_group)
+    global_count = max(float(count.item()), 1.0)
+
+    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        per_token = lm.token_losses(logits, target.t())  # logits [T, 1, V/tp], target [1, T]
+        return per_token.detach() if forward_only else per_token.sum() / global_count
+
+    if pp == 1:
+        outputs = []
+        for ids, pos, tgt, cu in mbs:
+            with torch.set_grad_enabled(not forward_only):
+                h = lm.model.embed_tokens(ids.t())
+                h = lm.run_layers(h, lm.layer_ids(), pos, None, cu)
+                out = loss_fn(lm.lm_head(lm.model.norm(h)), tgt)
+            if not forward_only:
+                out.backward()
+                out = out.detach()
+            outputs.append(out)
+    else:
+        chunks = [PipelineChunk(lm, v) for v in range(vpp)]
+        device = next(lm.parameters()).device
+        outputs = run_pipeline(
+            chunks, stage_indices=[v * pp + groups.pp_rank for v in range(vpp)], num_stages=pp * vpp,
+            pp_group=groups.pp_group, device=device, schedule=schedule,
+            arg_mbs=[(ids,) if lm.is_first_stage else () for ids, _, _, _ in mbs],
+            kwarg_mbs=[{"position_ids": pos, "cu_seqlens": cu} for _, pos, _, cu in mbs],
+            target_mbs=[tgt for _, _, tgt, _ in mbs] if lm.is_last_stage else None,
+            loss_fn=loss_fn, has_backward=not forward_only)
+    if forward_only:
+        return _logprobs(lm, outputs, plan, samples, input_ids, attention_mask, cu_seqlens, total)
+    loss = torch.stack(outputs).sum() if lm.is_last_stage else torch.zeros((), dtype=torch.float32)
+    loss = _from_last_stage(lm, loss.float().reshape(1)).reshape(())
+    if groups.dp_group is not None:
+        dist.all_reduce(loss, group=groups.dp_group)
+    finalize_pipeline_grads(lm)
+    return loss
+
+
+def _from_last_stage(lm, tensor: torch.Tensor) -> torch.Tensor:
+    """Broadcast a tensor (same shape on every rank) from the last pipeline stage to all stages."""
+    groups = lm.groups
+    if groups.pp_size == 1:
+        return tensor
+    tensor = tensor.contiguous()
+    dist.broadcast(tensor, src=dist.get_global_rank(groups.pp_group, groups.pp_size - 1), group=groups.pp_group)
+    return tensor
+
+
+def finalize_pipeline_grads(lm) -> None:
+    """TP reductions, tied embedding/head copies summed across stages, DP gradients summed."""
+    groups = lm.groups
+    params = [p for p in lm.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    finalize_grads(params, tp_group=groups.tp_group, dp_group=groups.dp_group, dp_average=False)
+    if lm.config.tie_word_embeddings and groups.pp_size > 1:
+        if lm.is_first_stage:
+            grad = lm.model.embed_tokens.weight.grad
+        elif lm.is_last_stage:
+            grad = lm.lm_head.weight.grad
+        else:
+            grad = torch.zeros(lm.padded_vocab_size // groups.tp_size, lm.config.hidden_size,
+                               dtype=next(lm.parameters()).dtype)
+        dist.all_reduce(grad, group=groups.pp_group)
+
+
+def _logprobs(lm, outputs, plan, samples, input_ids, attention_mask, cu_seqlens, total) -> torch.Tensor:
+    """Per-token log-probs of the labels, laid out like ``input_ids``, on every rank.
+
+    ``out[..., t]`` = log p(labels[..., t] | tokens before t); 0 at ignored labels and first tokens.
+    """
+    n_mb = plan.count
+    if lm.is_last_stage:
+        stacked = torch.stack([o.reshape(-1) for o in outputs]).float()  # [n_mb, total] token losses
+    else:
+        stacked = torch.zeros(n_mb, total, dtype=torch.float32)
+    stacked = _from_last_stage(lm, stacked)
+    per_mb = []
+    for m, group in enumerate(plan.groups):
+        offset, res = 0, []
+        for i in group:
+            n = len(samples[i].ids)
+            res.append(-stacked[m, offset:offset + n])
+            offset += n
+        per_mb.append(res)
+    per_sample = plan.restore_order(per_mb)  # per token t: log-prob of target t (= label t+1)
+    if cu_seqlens is not None:
+        out = torch.zeros(input_ids.numel(), dtype=torch.float32)
+        for (a, b), lp in zip(zip(cu_seqlens.tolist()[:-1], cu_seqlens.tolist()[1:]), per_sample):
+            out[a + 1:b] = lp[:-1]
+        return out.reshape(input_ids.shape)
+    bsz, seq = input_ids.shape
+    out = torch.zeros(bsz, seq, dtype=torch.float32)
+    for r, lp in enumerate(per_sample):
+        keep = attention_mask[r].bool() if attention_mask is not None else torch.ones(seq, dtype=torch.bool)
+        row = torch.zeros(seq, dtype=torch.float32)
+        row[keep] = lp
+        out[r, 1:] = row[:-1]
+    return out

@@ -1,0 +1,60 @@
+"""Running stage modules under ``torch.distributed.pipelining`` schedules (architecture-agnostic).
+
+The project computes which layers each stage holds; the schedules themselves (GPipe, 1F1B,
+interleaved 1F1B, looped BFS, interleaved zero-bubble) are torch's. Micro-batches are prepared by
+the caller (variable-length packed batches padded to one shape), so the schedule is driven with
+its per-micro-batch entry point instead of ``step``'s even split of one tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+SINGLE_STAGE = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+MULTI_STAGE = {"interleaved_1f1b": "ScheduleInterleaved1F1B", "looped_bfs": "ScheduleLoopedBFS",
+               "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble"}
+SCHEDULES = tuple(SINGLE_STAGE) + tuple(MULTI_STAGE)
+
+
+class ScheduleError(ValueError):
+    """A schedule that does not fit the layout (named)."""
+
+
+def check_schedule(name: str, vpp: int, num_microbatches: int, pp: int) -> None:
+    if name not in SCHEDULES:
+        raise ScheduleError(f"unknown schedule {name!r} (choose {', '.join(SCHEDULES)})")
+    if name in SINGLE_STAGE and vpp > 1:
+        raise ScheduleError(f"schedule {name!r} runs one stage per rank; vpp={vpp} needs one of {', '.join(MULTI_STAGE)}")
+    if name in MULTI_STAGE and num_microbatches % pp:
+        raise ScheduleError(f"schedule {name!r} needs the micro-batch count ({num_microbatches}) to be a multiple of pp={pp}")
+
+
+def microbatch_multiple(name: str, pp: int) -> int:
+    """What the micro-batch count must be a multiple of for ``name``."""
+    return pp if name in MULTI_STAGE else 1
+
+
+def run_pipeline(chunks: Sequence[nn.Module], *, stage_indices: Sequence[int], num_stages: int, pp_group: Any,
+                 device: torch.device, schedule: str, arg_mbs: list, kwarg_mbs: list, target_mbs: list | None,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], has_backward: bool) -> list:
+    """Run one schedule over this rank's ``chunks``; returns the per-micro-batch loss_fn outputs (last stage)."""
+    from torch.distributed import pipelining as pl
+
+    stages = [pl.PipelineStage(chunk, idx, num_stages, device, group=pp_group)
+              for chunk, idx in zip(chunks, stage_indices)]
+    n = len(arg_mbs)
+    if schedule in SINGLE_STAGE:
+        sched = getattr(pl, SINGLE_STAGE[schedule])(stages[0], n_microbatches=n, loss_fn=loss_fn, scale_grads=False)
+    else:
+        sched = getattr(pl, MULTI_STAGE[schedule])(stages, n_microbatches=n, loss_fn=loss_fn, scale_grads=False)
+    sched._has_backward = has_backward
+    for stage in stages:
+        stage.has_backward = has_backward
+        stage.clear_runtime_states()
+    losses: list = []
+    with torch.set_grad_enabled(has_backward):
+        sched._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs=False)
+    return losses
