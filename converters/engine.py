@@ -109,7 +109,7 @@ def run_tasks(tasks: Sequence[tuple[Callable, tuple]], workers: int, desc: str, 
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(tasks), desc=desc, unit="task", file=sys.stderr, leave=False)
+        bar = tqdm(total=len(tasks), desc=desc, unit="task", file=sys.stderr, leave=False, disable=None)
     results = []
     try:
         if workers <= 1 or len(tasks) <= 1:
@@ -175,8 +175,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
     out_dtype = parse_dtype(dtype)
     shard_bytes = parse_size(max_shard_size)
     dst_path = Path(dst).resolve()
-    if Path(src).resolve() == dst_path:
-        raise CheckpointError(f"{dst_path}: destination is the source")
+    src_path = Path(src).resolve()
+    if src_path == dst_path or dst_path in src_path.parents:
+        raise CheckpointError(f"{dst_path}: destination is the source or contains it ({src_path})")
     reader = open_reader(src, arch=arch, hf_config=hf_config, vocab_size=vocab_size)
     reader.validate()
     out_dtype = out_dtype or reader.info.dtype

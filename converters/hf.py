@@ -75,19 +75,28 @@ class FilePlan:
     units: list[Unit]  # units to read, in order
 
 
+_HEADER_BASE = 8 + 64  # length prefix, {"__metadata__":{"format":"pt"}}, alignment padding
+
+
+def _header_entry_bytes(name: str, shape: tuple[int, ...]) -> int:
+    """Upper bound of one tensor's entry in the JSON header (offsets counted at 20 digits each)."""
+    return len(name) + len(",".join(str(d) for d in shape)) + 80
+
+
 def plan_shards(units_and_shapes: list[tuple[Unit, list[tuple[str, tuple[int, ...]]]]], dtype: torch.dtype,
                 max_shard_bytes: int) -> list[FilePlan]:
-    """Assign tensors to files in order, starting a new file when ``max_shard_bytes`` would be passed."""
+    """Assign tensors to files in order, starting a new file when the file (header included) would
+    pass ``max_shard_bytes``; a single tensor larger than the limit gets a file of its own."""
     files: list[FilePlan] = []
     current: FilePlan | None = None
     size = 0
     for unit, tensors in units_and_shapes:
         for name, shape in tensors:
-            nbytes = _nbytes(shape, dtype)
+            nbytes = _nbytes(shape, dtype) + _header_entry_bytes(name, shape)
             if current is None or (size + nbytes > max_shard_bytes and current.tensors):
                 current = FilePlan("", [], [])
                 files.append(current)
-                size = 0
+                size = _HEADER_BASE
             current.tensors.append((name, shape))
             if not current.units or current.units[-1] != unit:
                 current.units.append(unit)

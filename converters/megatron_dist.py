@@ -37,6 +37,7 @@ from models.common.sources import CheckpointError
 METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                  "common_backend_version": 1}
 LAYER_PREFIX = "decoder.layers."
+DIST_DATA_FILES = 4  # __0_0.distcp .. __3_0.distcp, units dealt round-robin
 # torch_dist always names the layer norms the Transformer-Engine way.
 TE_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
             "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
@@ -268,8 +269,10 @@ def write_dist(reader: CheckpointReader, target, directory: str, *, workers: int
     from converters.engine import run_tasks
 
     units = reader.units()
-    n_tasks = max(1, min(workers, len(units)))
-    groups = [units[i::n_tasks] for i in range(n_tasks)]
+    # The number of data files is part of the plan (not of --workers), so output bytes never depend
+    # on how many processes wrote them.
+    n_files = max(1, min(DIST_DATA_FILES, len(units)))
+    groups = [units[i::n_files] for i in range(n_files)]
     tasks = [(write_dist_units, (reader.reopen_args(), target, directory, g, f"__{i}_0.distcp"))
              for i, g in enumerate(groups)]
     results = run_tasks(tasks, workers, "writing torch_dist", progress)

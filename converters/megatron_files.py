@@ -146,13 +146,32 @@ def hf_config_from_args(args: Any, *, arch: str | None, hf_config_dir: str | Non
 
 
 def _check_against_args(config: Any, args: Any, where: str, hf_dir: str) -> None:
-    """--hf-config must describe the same model the checkpoint holds."""
-    pairs = [("num_hidden_layers", "num_layers"), ("hidden_size", "hidden_size"),
-             ("num_attention_heads", "num_attention_heads"), ("intermediate_size", "ffn_hidden_size")]
-    bad = [f"{h}={getattr(config, h, None)} vs {m}={getattr(args, m)}" for h, m in pairs
-           if getattr(args, m, None) is not None and getattr(config, h, None) != getattr(args, m)]
+    """An HF config (``--hf-config`` or the ``hf_config/`` sidecar) must describe the model the args do."""
+    detected = detect_arch(args, where)
+    if detected != getattr(config, "model_type", None):
+        raise CheckpointError(f"{where}: the Megatron args describe a {detected} model, the HF config at {hf_dir} "
+                              f"a {getattr(config, 'model_type', None)} model")
+    heads = getattr(args, "num_attention_heads", None)
+    groups = _arg(args, "num_query_groups", heads) if _arg(args, "group_query_attention", False) else heads
+    pairs = [("num_hidden_layers", _arg(args, "num_layers"), "num_layers"),
+             ("hidden_size", _arg(args, "hidden_size"), "hidden_size"),
+             ("num_attention_heads", heads, "num_attention_heads"),
+             ("intermediate_size", _arg(args, "ffn_hidden_size"), "ffn_hidden_size"),
+             ("num_key_value_heads", groups, "num_query_groups"),
+             ("head_dim", _arg(args, "kv_channels"), "kv_channels"),
+             ("vocab_size", _arg(args, "vocab_size"), "vocab_size")]
+    bad = []
+    for h, value, m in pairs:
+        ours = getattr(config, h, None)
+        if h == "head_dim" and ours is None and heads:
+            ours = config.hidden_size // config.num_attention_heads
+        if value is not None and ours is not None and ours != value:
+            bad.append(f"{h}={ours} vs {m}={value}")
+    padded = _arg(args, "padded_vocab_size")
+    if padded is not None and getattr(config, "vocab_size", 0) > padded:
+        bad.append(f"vocab_size={config.vocab_size} exceeds the checkpoint's padded vocab {padded}")
     if bad:
-        raise CheckpointError(f"{where}: --hf-config {hf_dir} does not match the checkpoint: {'; '.join(bad)}")
+        raise CheckpointError(f"{where}: HF config {hf_dir} does not match the checkpoint: {'; '.join(bad)}")
 
 
 def args_for_target(hf_config: Any, cfg, *, tp: int, pp: int, vpp: int, padded_vocab: int, dtype, fmt: str,
