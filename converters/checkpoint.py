@@ -86,6 +86,11 @@ class CheckpointReader:
         """HF name -> full tensor for every HF tensor of ``unit``."""
         raise NotImplementedError
 
+    def read_unit_pieces(self, unit: Unit) -> dict[str, list[torch.Tensor]]:
+        """Like ``read_unit``, but each tensor may come as row pieces (views into the source) whose
+        concatenation along dim 0 is the tensor: writers stream them without building it."""
+        return {name: [t] for name, t in self.read_unit(unit).items()}
+
     def validate(self) -> None:
         """Check every file and tensor the conversion will need, before anything is written."""
         raise NotImplementedError

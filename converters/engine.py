@@ -207,6 +207,6 @@ def _write_hf_file(reopen: tuple, plan, directory: str, dtype: torch.dtype) -> i
 
     reader = _rebuild(reopen)
     try:
-        return write_shard_file(plan, directory, dtype, reader.read_unit)
+        return write_shard_file(plan, directory, dtype, reader.read_unit_pieces)
     finally:
         reader.close()

@@ -19,7 +19,7 @@ import torch
 
 from converters.checkpoint import (EMBED, FINAL, CheckpointReader, ReaderInfo, Unit, architecture_for,
                                    conversion_weight_map, unit_entries)
-from models.common.builder import load_hf_config
+from converters.hf_config import read_hf_config
 from models.common.sources import CheckpointError, SafetensorsSource
 from models.common.weights import validate_source
 from parallel.sharding import Piece
@@ -37,7 +37,7 @@ class HFReader(CheckpointReader):
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = str(path)
-        self.hf_config = load_hf_config(path)
+        self.hf_config = read_hf_config(path)
         self.arch = architecture_for(getattr(self.hf_config, "model_type", None), self.path)
         self.cfg = self.arch.model_config(self.hf_config)
         self.wmap = conversion_weight_map(self.arch, self.cfg)
@@ -126,23 +126,26 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def write_shard_file(plan: FilePlan, directory: str, dtype: torch.dtype,
-                     read_unit: Callable[[Unit], dict[str, torch.Tensor]]) -> int:
-    """Write one planned safetensors file; returns bytes written."""
+                     read_unit_pieces: Callable[[Unit], dict[str, list[torch.Tensor]]]) -> int:
+    """Write one planned safetensors file, streaming each tensor's row pieces; returns bytes written."""
     wanted = {name for name, _ in plan.tensors}
     path = Path(directory) / plan.name
     with open(path, "wb") as f:
         f.write(_header(plan, dtype))
-        pending: dict[str, torch.Tensor] = {}
+        pending: dict[str, list[torch.Tensor]] = {}
         order = iter(plan.tensors)
         next_item = next(order, None)
         for unit in plan.units:
-            pending.update({k: v for k, v in read_unit(unit).items() if k in wanted})
+            pending.update({k: v for k, v in read_unit_pieces(unit).items() if k in wanted})
             while next_item is not None and next_item[0] in pending:
                 name, shape = next_item
-                t = pending.pop(name)
-                if tuple(t.shape) != tuple(shape):
-                    raise CheckpointError(f"{name}: produced shape {tuple(t.shape)}, planned {tuple(shape)}")
-                f.write(tensor_bytes(t.to(dtype)))
+                pieces = pending.pop(name)
+                got = (sum(p.shape[0] for p in pieces), *pieces[0].shape[1:])
+                if got != tuple(shape) or any(p.shape[1:] != pieces[0].shape[1:] for p in pieces):
+                    raise CheckpointError(f"{name}: produced shape {got}, planned {tuple(shape)}")
+                for piece in pieces:
+                    f.write(tensor_bytes(piece.to(dtype)))
+                del pieces  # drop views into the source before the next unit is read
                 next_item = next(order, None)
         if next_item is not None:
             raise CheckpointError(f"{plan.name}: tensor {next_item[0]} was never produced by the reader")
@@ -153,17 +156,12 @@ def write_hf_config(reader: CheckpointReader, directory: str, dtype: torch.dtype
     """config.json (from ``hf_config_dir`` when given, else the reader's config) plus tokenizer files."""
     config = reader.hf_config
     if hf_config_dir:
-        config = load_hf_config(hf_config_dir)
+        config = read_hf_config(hf_config_dir)
         for item in sorted(Path(hf_config_dir).iterdir()):
             if item.is_file() and item.name not in NOT_COPIED and item.suffix in COPIED_SUFFIXES \
                     and not item.name.endswith(".safetensors.index.json"):
                 shutil.copy2(item, Path(directory) / item.name)
-    config = config.__class__.from_dict(config.to_dict())
-    if "dtype" in config.to_dict() or hasattr(config, "dtype"):
-        config.dtype = dtype  # transformers >= 5
-    else:
-        config.torch_dtype = dtype
-    config.save_pretrained(directory)
+    config.save(directory, dtype)
 
 
 def write_index(files: list[FilePlan], directory: str, dtype: torch.dtype) -> None:

@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from models.common.builder import load_hf_config
+from converters.hf_config import config_from_fields, read_hf_config
 from models.common.config import UnsupportedConfigError
 from models.common.sources import CheckpointError
 
@@ -104,7 +104,7 @@ def hf_config_from_args(args: Any, *, arch: str | None, hf_config_dir: str | Non
                 hf_config_dir = str(candidate)
                 break
     if hf_config_dir:
-        config = load_hf_config(hf_config_dir)
+        config = read_hf_config(hf_config_dir)
         _check_against_args(config, args, where, hf_config_dir)
         return config
     arch = arch or detect_arch(args, where)
@@ -132,16 +132,12 @@ def hf_config_from_args(args: Any, *, arch: str | None, hf_config_dir: str | Non
                 "factor": float(_arg(args, "rope_scaling_factor", 8.0)), "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     if arch == "qwen2":
-        from transformers import Qwen2Config
-
-        return Qwen2Config(**common, rope_parameters=rope)
+        return config_from_fields("qwen2", **common, rope_parameters=rope)
     if arch == "llama":
-        from transformers import LlamaConfig
-
         all_bias = bool(_arg(args, "add_bias_linear", False))
         if _arg(args, "add_qkv_bias", False) and not all_bias:
             raise UnsupportedConfigError(f"{where}: --arch llama cannot hold a bias on q/k/v only (that is qwen2)")
-        return LlamaConfig(**common, rope_parameters=rope, attention_bias=all_bias, mlp_bias=all_bias)
+        return config_from_fields("llama", **common, rope_parameters=rope, attention_bias=all_bias, mlp_bias=all_bias)
     raise CheckpointError(f"{where}: unknown architecture {arch!r} (supported: llama, qwen2)")
 
 

@@ -146,6 +146,42 @@ def megatron_to_hf(entry: WeightEntry, full: torch.Tensor, cfg: ModelConfig) -> 
     raise LayoutError(f"unknown Megatron layout {layout!r}")
 
 
+def hf_row_ranges(entry: WeightEntry, cfg: ModelConfig, full_rows: int) -> list[list[tuple[int, int]]]:
+    """For dim-0-split layouts: each HF tensor of ``entry`` as row ranges of the Megatron full tensor.
+
+    Lets a reader hand the writer slices of the memory-mapped TP shards instead of building the
+    full tensor and copying the HF tensors out of it.
+    """
+    layout = entry.megatron_layout
+    if layout == QKV_INTERLEAVED:
+        nh, ng, hd = _qkv_dims(cfg)
+        nq = nh // ng * hd
+        group = nq + 2 * hd
+        if full_rows != ng * group:
+            raise LayoutError(f"{entry.megatron}: {full_rows} rows, expected (heads + 2*groups)*head_dim = {ng * group}")
+        return [[(g * group + a, g * group + b) for g in range(ng)] for a, b in ((0, nq), (nq, nq + hd), (nq + hd, group))]
+    if layout == VOCAB_PADDED:
+        if full_rows < cfg.vocab_size:
+            raise LayoutError(f"{entry.megatron}: {full_rows} rows, fewer than vocab_size={cfg.vocab_size}")
+        return [[(0, cfg.vocab_size)]]
+    if layout == PLAIN:
+        return [[(0, full_rows)]]
+    raise LayoutError(f"{entry.megatron}: layout {layout!r} is not a row split")
+
+
+def slices_of_shards(shards: Sequence[torch.Tensor], ranges: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Views into dim-0 TP shards that, concatenated, are rows ``ranges`` of their concatenation."""
+    rows = shards[0].shape[0]
+    out = []
+    for a, b in ranges:
+        while a < b:
+            t, off = divmod(a, rows)
+            stop = min(b, (t + 1) * rows)
+            out.append(shards[t][off:off + stop - a])
+            a = stop
+    return out
+
+
 def megatron_full_shape(entry: WeightEntry, hf_shapes: dict[str, tuple[int, ...]], cfg: ModelConfig,
                         padded_vocab: int) -> tuple[int, ...]:
     """Shape of ``entry``'s Megatron full tensor, from the HF shapes (no tensors needed)."""

@@ -18,7 +18,8 @@ from converters.checkpoint import EMBED, FINAL, CheckpointReader, ReaderInfo, Un
     conversion_weight_map
 from converters.megatron_files import RANK_DIR, args_layout, hf_config_from_args, legacy_rank_dir_name, \
     resolve_iteration_dir
-from converters.megatron_layout import LayoutError, megatron_to_hf, merge_tp, tp_split_kind
+from converters.megatron_layout import LayoutError, hf_row_ranges, megatron_to_hf, merge_tp, slices_of_shards, \
+    tp_split_kind
 from converters.safe_pickle import safe_torch_load
 from models.common.sources import CheckpointError
 from models.common.weights import WeightEntry
@@ -220,22 +221,36 @@ class LegacyReader(CheckpointReader):
                                   f"TP rank, the model config implies {tuple(expected)} (tp={self.tp})")
 
     def read_unit(self, unit: Unit) -> dict[str, torch.Tensor]:
+        return {name: pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+                for name, pieces in self.read_unit_pieces(unit).items()}
+
+    def read_unit_pieces(self, unit: Unit) -> dict[str, list[torch.Tensor]]:
+        """HF tensors as views into the memory-mapped TP shards where the layout allows (no copy);
+        column-split tensors are concatenated, replicated ones copied out of the mapping."""
         p, v = self.layout.unit_location(unit)
         local = None if unit in (EMBED, FINAL) else self.layout.where[int(unit)][2]
-        datas = [load_rank_file(self.rank_file(t, p)) for t in range(self.tp)]
-        states = [chunk_state(d, v, self.vpp, self.rank_file(t, p)) for t, d in enumerate(datas)]
-        out: dict[str, torch.Tensor] = {}
+        states = [chunk_state(load_rank_file(self.rank_file(t, p)), v, self.vpp, self.rank_file(t, p))
+                  for t in range(self.tp)]
+        out: dict[str, list[torch.Tensor]] = {}
         for entry, key in unit_megatron_keys(self.wmap, unit, local):
             shards = [lookup(s, key) for s in states]
             if any(s is None for s in shards):
                 raise CheckpointError(f"{self.it_dir}: missing tensor {key} on pp rank {p}")
+            kind = tp_split_kind(entry, shards[0].dim())
             try:
-                full = merge_tp(tp_split_kind(entry, shards[0].dim()), shards, key)
-                tensors = megatron_to_hf(entry, full, self.cfg)
+                if kind == "dim0":
+                    ranges = hf_row_ranges(entry, self.cfg, shards[0].shape[0] * self.tp)
+                    out.update((n, slices_of_shards(shards, r)) for n, r in zip(entry.hf, ranges))
+                elif kind == "gate_up":
+                    half = shards[0].shape[0] // 2
+                    out.update(zip(entry.hf, ([s[:half] for s in shards], [s[half:] for s in shards])))
+                elif kind == "replicated":
+                    out[entry.hf[0]] = [shards[0].clone()]
+                else:
+                    full = merge_tp(kind, shards, key)
+                    out.update((n, [t]) for n, t in zip(entry.hf, megatron_to_hf(entry, full, self.cfg)))
             except LayoutError as exc:
                 raise CheckpointError(f"{self.it_dir}: {exc}") from exc
-            out.update(zip(entry.hf, tensors))
-        del states, datas
         return out
 
 

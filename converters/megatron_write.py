@@ -135,4 +135,4 @@ def write_megatron(reader: CheckpointReader, target: MegatronTarget, directory: 
     # RoPE scaling, token ids); our readers pick it up, Megatron ignores it.
     hf_dir = root / HF_CONFIG_DIR
     hf_dir.mkdir()
-    reader.hf_config.save_pretrained(str(hf_dir))
+    reader.hf_config.save(hf_dir)
