@@ -183,11 +183,18 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
     out_dtype = out_dtype or reader.info.dtype
     workers = workers or min(4, os.cpu_count() or 1)
     if to == "hf":
-        from converters.hf import hf_plan, write_hf_config, write_index
+        from converters.hf import create_shard_file, hf_plan, split_file_plan, write_hf_config, write_index
 
         plan = hf_plan(reader, out_dtype, shard_bytes)
         with _Staging(dst_path, overwrite) as tmp:
-            tasks = [(_write_hf_file, (reader.reopen_args(), f, str(tmp), out_dtype)) for f in plan]
+            # Files are laid out up front; tasks fill byte ranges of them (a big file is split between
+            # workers). The layout comes from the plan alone, so the bytes never depend on workers.
+            tasks = []
+            for f in plan:
+                create_shard_file(f, str(tmp), out_dtype)
+                parts = max(1, min(workers, len(f.tensors)) * 2 // max(1, len(plan)))
+                tasks += [(_write_hf_range, (reader.reopen_args(), f, str(tmp), out_dtype, lo, hi))
+                          for lo, hi in split_file_plan(f, parts)]
             run_tasks(tasks, workers, "writing HF shards", progress)
             write_index(plan, str(tmp), out_dtype)
             write_hf_config(reader, str(tmp), out_dtype, hf_config)
@@ -202,11 +209,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
     return dst_path
 
 
-def _write_hf_file(reopen: tuple, plan, directory: str, dtype: torch.dtype) -> int:
-    from converters.hf import write_shard_file
+def _write_hf_range(reopen: tuple, plan, directory: str, dtype: torch.dtype, lo: int, hi: int) -> int:
+    from converters.hf import write_shard_range
 
     reader = _rebuild(reopen)
     try:
-        return write_shard_file(plan, directory, dtype, reader.read_unit_pieces)
+        return write_shard_range(plan, directory, dtype, lo, hi, reader.read_unit_pieces)
     finally:
         reader.close()

@@ -125,31 +125,59 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
-def write_shard_file(plan: FilePlan, directory: str, dtype: torch.dtype,
-                     read_unit_pieces: Callable[[Unit], dict[str, list[torch.Tensor]]]) -> int:
-    """Write one planned safetensors file, streaming each tensor's row pieces; returns bytes written."""
-    wanted = {name for name, _ in plan.tensors}
-    path = Path(directory) / plan.name
-    with open(path, "wb") as f:
-        f.write(_header(plan, dtype))
-        pending: dict[str, list[torch.Tensor]] = {}
-        order = iter(plan.tensors)
-        next_item = next(order, None)
+def split_file_plan(plan: FilePlan, parts: int) -> list[tuple[int, int]]:
+    """Contiguous tensor-index ranges of a planned file with about equal bytes (for parallel writers)."""
+    sizes = [_nbytes(shape, torch.uint8) for _, shape in plan.tensors]
+    total = sum(sizes)
+    ranges, start, acc = [], 0, 0
+    for i, n in enumerate(sizes):
+        acc += n
+        if len(ranges) < parts - 1 and acc >= total * (len(ranges) + 1) / parts and i + 1 < len(sizes):
+            ranges.append((start, i + 1))
+            start = i + 1
+    ranges.append((start, len(sizes)))
+    return ranges
+
+
+def create_shard_file(plan: FilePlan, directory: str, dtype: torch.dtype) -> None:
+    """The file with its header, sized to its final length (tensor bytes are written by tasks)."""
+    header = _header(plan, dtype)
+    size = len(header) + sum(_nbytes(shape, dtype) for _, shape in plan.tensors)
+    with open(Path(directory) / plan.name, "wb") as f:
+        f.write(header)
+        f.truncate(size)
+
+
+def write_shard_range(plan: FilePlan, directory: str, dtype: torch.dtype, lo: int, hi: int,
+                      read_unit_pieces: Callable[[Unit], dict[str, list[torch.Tensor]]]) -> int:
+    """Write tensors ``plan.tensors[lo:hi]`` at their planned offsets, streaming row pieces unit by unit."""
+    header_len = len(_header(plan, dtype))
+    offsets, off = {}, header_len
+    for name, shape in plan.tensors:
+        offsets[name] = off
+        off += _nbytes(shape, dtype)
+    todo = plan.tensors[lo:hi]
+    wanted = {name: tuple(shape) for name, shape in todo}
+    written = 0
+    with open(Path(directory) / plan.name, "r+b") as f:
         for unit in plan.units:
-            pending.update({k: v for k, v in read_unit_pieces(unit).items() if k in wanted})
-            while next_item is not None and next_item[0] in pending:
-                name, shape = next_item
-                pieces = pending.pop(name)
+            if not wanted:
+                break
+            pieces_of = read_unit_pieces(unit)
+            for name in [n for n in pieces_of if n in wanted]:
+                pieces = pieces_of.pop(name)
+                shape = wanted.pop(name)
                 got = (sum(p.shape[0] for p in pieces), *pieces[0].shape[1:])
-                if got != tuple(shape) or any(p.shape[1:] != pieces[0].shape[1:] for p in pieces):
-                    raise CheckpointError(f"{name}: produced shape {got}, planned {tuple(shape)}")
+                if got != shape or any(p.shape[1:] != pieces[0].shape[1:] for p in pieces):
+                    raise CheckpointError(f"{name}: produced shape {got}, planned {shape}")
+                f.seek(offsets[name])
                 for piece in pieces:
-                    f.write(tensor_bytes(piece.to(dtype)))
+                    written += f.write(tensor_bytes(piece.to(dtype)))
                 del pieces  # drop views into the source before the next unit is read
-                next_item = next(order, None)
-        if next_item is not None:
-            raise CheckpointError(f"{plan.name}: tensor {next_item[0]} was never produced by the reader")
-    return path.stat().st_size
+            del pieces_of
+    if wanted:
+        raise CheckpointError(f"{plan.name}: tensor(s) {', '.join(sorted(wanted))} never produced by the reader")
+    return written
 
 
 def write_hf_config(reader: CheckpointReader, directory: str, dtype: torch.dtype, hf_config_dir: str | None) -> None:
@@ -182,4 +210,5 @@ def hf_plan(reader: CheckpointReader, dtype: torch.dtype, max_shard_bytes: int) 
     return plan_shards(units, dtype, max_shard_bytes)
 
 
-__all__ = ["HFReader", "hf_plan", "write_shard_file", "write_index", "write_hf_config", "EMBED", "FINAL"]
+__all__ = ["HFReader", "hf_plan", "create_shard_file", "split_file_plan", "write_shard_range", "write_index",
+           "write_hf_config"]
