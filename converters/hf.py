@@ -120,6 +120,42 @@ def _header(plan: FilePlan, dtype: torch.dtype) -> bytes:
     return len(raw).to_bytes(8, "little") + raw
 
 
+def _madvise_dontneed():
+    """``madvise(MADV_DONTNEED)`` on Linux (None elsewhere): lets go of file pages already written out."""
+    import ctypes
+    import mmap
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = mmap.PAGESIZE
+
+    def drop(t: torch.Tensor) -> None:
+        start = t.data_ptr()
+        end = start + t.numel() * t.element_size()
+        a, b = -(-start // page) * page, end // page * page
+        if b > a:
+            fn(a, b - a, 4)  # MADV_DONTNEED: clean file-backed pages are dropped, re-read from the file if touched
+
+    return drop
+
+
+_DROP_PAGES = _madvise_dontneed()
+
+
+def release_mapped(piece: torch.Tensor) -> None:
+    """Drop the resident pages of a piece that is a view into a read-only memory-mapped checkpoint
+    (tagged ``_pmz_mapped`` by its reader), so resident memory holds one piece, not a whole unit."""
+    if _DROP_PAGES is not None and getattr(piece, "_pmz_mapped", False):
+        _DROP_PAGES(piece)
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of ``t`` without an extra copy when it is already contiguous."""
     return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
@@ -173,6 +209,7 @@ def write_shard_range(plan: FilePlan, directory: str, dtype: torch.dtype, lo: in
                 f.seek(offsets[name])
                 for piece in pieces:
                     written += f.write(tensor_bytes(piece.to(dtype)))
+                    release_mapped(piece)
                 del pieces  # drop views into the source before the next unit is read
             del pieces_of
     if wanted:

@@ -145,6 +145,7 @@ class LegacyReader(CheckpointReader):
                                {"tp": self.tp, "pp": self.pp, "vpp": self.vpp, "padded_vocab": self.padded_vocab,
                                 "iteration": getattr(self.args, "iteration", data.get("iteration"))},
                                self.tp * self.pp, dtype)
+        self._buffers: dict[tuple, torch.Tensor] = {}
         del data
 
     def reopen_args(self) -> tuple:
@@ -222,11 +223,15 @@ class LegacyReader(CheckpointReader):
 
     def read_unit(self, unit: Unit) -> dict[str, torch.Tensor]:
         return {name: pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
-                for name, pieces in self.read_unit_pieces(unit).items()}
+                for name, pieces in self.read_unit_pieces(unit, reuse_buffers=False).items()}
 
-    def read_unit_pieces(self, unit: Unit) -> dict[str, list[torch.Tensor]]:
+    def read_unit_pieces(self, unit: Unit, reuse_buffers: bool = True) -> dict[str, list[torch.Tensor]]:
         """HF tensors as views into the memory-mapped TP shards where the layout allows (no copy);
-        column-split tensors are concatenated, replicated ones copied out of the mapping."""
+        column-split tensors are concatenated, replicated ones copied out of the mapping.
+
+        ``reuse_buffers``: column-split tensors are concatenated into buffers reused by the next
+        call (no fresh memory per layer); the caller must be done with this unit's pieces by then.
+        """
         p, v = self.layout.unit_location(unit)
         local = None if unit in (EMBED, FINAL) else self.layout.where[int(unit)][2]
         states = [chunk_state(load_rank_file(self.rank_file(t, p)), v, self.vpp, self.rank_file(t, p))
@@ -240,18 +245,32 @@ class LegacyReader(CheckpointReader):
             try:
                 if kind == "dim0":
                     ranges = hf_row_ranges(entry, self.cfg, shards[0].shape[0] * self.tp)
-                    out.update((n, slices_of_shards(shards, r)) for n, r in zip(entry.hf, ranges))
+                    out.update((n, _mapped(slices_of_shards(shards, r))) for n, r in zip(entry.hf, ranges))
                 elif kind == "gate_up":
                     half = shards[0].shape[0] // 2
-                    out.update(zip(entry.hf, ([s[:half] for s in shards], [s[half:] for s in shards])))
+                    out.update(zip(entry.hf, (_mapped([s[:half] for s in shards]), _mapped([s[half:] for s in shards]))))
                 elif kind == "replicated":
                     out[entry.hf[0]] = [shards[0].clone()]
+                elif reuse_buffers and kind == "dim1" and entry.megatron_layout == "plain":
+                    shape = (shards[0].shape[0], shards[0].shape[1] * self.tp)
+                    buf = self._buffers.get((key.rsplit(".", 2)[-2], shape, shards[0].dtype))
+                    if buf is None:
+                        buf = self._buffers[(key.rsplit(".", 2)[-2], shape, shards[0].dtype)] = \
+                            torch.empty(shape, dtype=shards[0].dtype)
+                    out[entry.hf[0]] = [torch.cat(shards, dim=1, out=buf)]
                 else:
                     full = merge_tp(kind, shards, key)
                     out.update((n, [t]) for n, t in zip(entry.hf, megatron_to_hf(entry, full, self.cfg)))
             except LayoutError as exc:
                 raise CheckpointError(f"{self.it_dir}: {exc}") from exc
         return out
+
+
+def _mapped(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Tag views into the read-only mapping so a writer may drop their pages once written."""
+    for p in pieces:
+        p._pmz_mapped = True
+    return pieces
 
 
 def _reopen_legacy(path: str, arch: Any, hf_dir: Any, vocab: Any) -> LegacyReader:
