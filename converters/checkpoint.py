@@ -79,6 +79,21 @@ class CheckpointReader:
     info: ReaderInfo
     path: str
 
+    def _set_model(self, hf_config: Any, where: str) -> None:
+        """Architecture, model config and weight map from an HF config (shared by every reader)."""
+        self.hf_config = hf_config
+        self.arch = architecture_for(getattr(hf_config, "model_type", None), where)
+        self.cfg = self.arch.model_config(hf_config)
+        self.wmap = conversion_weight_map(self.arch, self.cfg)
+
+    def _remember_args(self, *args: Any, **kwargs: Any) -> None:
+        """Record the constructor arguments, so ``reopen_args`` can rebuild this reader elsewhere."""
+        self._ctor = (type(self), args, kwargs)
+
+    def reopen_args(self) -> tuple:
+        """``(callable, args)`` that rebuilds this reader in another process."""
+        return _construct, self._ctor
+
     def units(self) -> list[Unit]:
         return all_units(self.cfg)
 
@@ -95,10 +110,6 @@ class CheckpointReader:
         """Check every file and tensor the conversion will need, before anything is written."""
         raise NotImplementedError
 
-    def reopen_args(self) -> tuple:
-        """``(callable, args)`` that rebuilds this reader in another process."""
-        raise NotImplementedError
-
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
         """Full HF tensor shapes implied by the config (computed once)."""
         cached = self.__dict__.get("_hf_shapes")
@@ -110,3 +121,7 @@ class CheckpointReader:
 
     def close(self) -> None:
         pass
+
+
+def _construct(cls: type, args: tuple, kwargs: dict) -> CheckpointReader:
+    return cls(*args, **kwargs)

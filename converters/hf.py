@@ -17,8 +17,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from converters.checkpoint import (EMBED, FINAL, CheckpointReader, ReaderInfo, Unit, architecture_for,
-                                   conversion_weight_map, unit_entries)
+from converters.checkpoint import CheckpointReader, ReaderInfo, Unit, unit_entries
 from converters.hf_config import read_hf_config
 from models.common.sources import CheckpointError, SafetensorsSource
 from models.common.weights import validate_source
@@ -37,10 +36,8 @@ class HFReader(CheckpointReader):
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = str(path)
-        self.hf_config = read_hf_config(path)
-        self.arch = architecture_for(getattr(self.hf_config, "model_type", None), self.path)
-        self.cfg = self.arch.model_config(self.hf_config)
-        self.wmap = conversion_weight_map(self.arch, self.cfg)
+        self._remember_args(self.path)
+        self._set_model(read_hf_config(path), self.path)
         self.source = SafetensorsSource(path)
         some = next(iter(sorted(self.source.names())), None)
         dtype = _TORCH_DTYPE.get(self.source.dtype_name(some), torch.float32) if some else torch.float32
@@ -56,9 +53,6 @@ class HFReader(CheckpointReader):
             for name in entry.hf:
                 out[name] = self.source.read(name, Piece(None))
         return out
-
-    def reopen_args(self) -> tuple:
-        return HFReader, (self.path,)
 
 
 def _nbytes(shape: Iterable[int], dtype: torch.dtype) -> int:

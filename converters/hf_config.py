@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from models.common.sources import CheckpointError
+from models.common.sources import CheckpointError, read_config_json
 
 ARCHITECTURE_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -47,14 +47,7 @@ class HFConfig:
 def read_hf_config(directory: str | Path) -> HFConfig:
     """config.json of an HF directory; CheckpointError naming the file when missing or malformed."""
     path = Path(directory) / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"{Path(directory)}: no config.json (is this a HuggingFace model directory?)")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
-    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
-        raise CheckpointError(f"{path}: no 'model_type' (not a transformers config)")
+    data = read_config_json(directory)
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
         if not isinstance(data.get(key), int) or data[key] <= 0:
             raise CheckpointError(f"{path}: '{key}' must be a positive integer, found {data.get(key)!r}")

@@ -27,8 +27,7 @@ from typing import Any
 
 import torch
 
-from converters.checkpoint import EMBED, FINAL, CheckpointReader, ReaderInfo, Unit, architecture_for, \
-    conversion_weight_map
+from converters.checkpoint import EMBED, FINAL, CheckpointReader, ReaderInfo, Unit
 from converters.megatron_files import args_layout, hf_config_from_args, resolve_iteration_dir
 from converters.megatron_layout import LayoutError, megatron_full_shape, megatron_to_hf
 from converters.safe_pickle import safe_pickle_load, safe_torch_load
@@ -56,7 +55,7 @@ class DistReader(CheckpointReader):
     def __init__(self, path: str | os.PathLike, *, arch: str | None = None, hf_config_dir: str | None = None,
                  vocab_size: int | None = None) -> None:
         self.path = str(path)
-        self._options = (arch, hf_config_dir, vocab_size)
+        self._remember_args(self.path, arch=arch, hf_config_dir=hf_config_dir, vocab_size=vocab_size)
         self.it_dir = resolve_iteration_dir(Path(path))
         meta_json = self.it_dir / "metadata.json"
         try:
@@ -76,11 +75,8 @@ class DistReader(CheckpointReader):
                         for idx, info in self.md.storage_data.items()}
         self.args = self._read_args()
         lay = args_layout(self.args)
-        self.hf_config = hf_config_from_args(self.args, arch=arch, hf_config_dir=hf_config_dir, vocab_size=vocab_size,
-                                             where=str(self.it_dir))
-        self.arch = architecture_for(self.hf_config.model_type, self.path)
-        self.cfg = self.arch.model_config(self.hf_config)
-        self.wmap = conversion_weight_map(self.arch, self.cfg)
+        self._set_model(hf_config_from_args(self.args, arch=arch, hf_config_dir=hf_config_dir, vocab_size=vocab_size,
+                                            where=str(self.it_dir)), self.path)
         emb = self.tensors.get("embedding.word_embeddings.weight")
         self.padded_vocab = int(emb.size[0]) if emb is not None else self.cfg.vocab_size
         files = sorted({info.relative_path for info in self.storage.values()})
@@ -102,10 +98,6 @@ class DistReader(CheckpointReader):
         if ("args", None) in self.storage:  # newer Megatron keeps common state inside the checkpoint
             return safe_torch_load(io.BytesIO(self._read_bytes("args", None)), mmap=False)
         raise CheckpointError(f"{self.it_dir}: no Megatron args (neither common.pt nor an 'args' item)")
-
-    def reopen_args(self) -> tuple:
-        arch, hf_dir, vocab = self._options
-        return _reopen_dist, (self.path, arch, hf_dir, vocab)
 
     def _read_bytes(self, fqn: str, offset) -> bytes:
         info = self.storage.get((fqn, offset))
@@ -216,9 +208,6 @@ class DistReader(CheckpointReader):
                 raise CheckpointError(f"{self.it_dir}: {exc}") from exc
         return out
 
-
-def _reopen_dist(path: str, arch: Any, hf_dir: Any, vocab: Any) -> DistReader:
-    return DistReader(path, arch=arch, hf_config_dir=hf_dir, vocab_size=vocab)
 
 
 # ---------------------------------------------------------------------------------------------- writing

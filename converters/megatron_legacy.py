@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+
 
 import torch
 
-from converters.checkpoint import EMBED, FINAL, CheckpointReader, ReaderInfo, Unit, architecture_for, \
-    conversion_weight_map
+from converters.checkpoint import EMBED, FINAL, CheckpointReader, ReaderInfo, Unit
 from converters.megatron_files import RANK_DIR, args_layout, hf_config_from_args, legacy_rank_dir_name, \
     resolve_iteration_dir
 from converters.megatron_layout import LayoutError, hf_row_ranges, megatron_to_hf, merge_tp, slices_of_shards, \
@@ -109,13 +108,13 @@ class LegacyReader(CheckpointReader):
     def __init__(self, path: str | os.PathLike, *, arch: str | None = None, hf_config_dir: str | None = None,
                  vocab_size: int | None = None) -> None:
         self.path = str(path)
-        self._options = (arch, hf_config_dir, vocab_size)
+        self._remember_args(self.path, arch=arch, hf_config_dir=hf_config_dir, vocab_size=vocab_size)
         self.it_dir = resolve_iteration_dir(Path(path))
         names = sorted(p.name for p in self.it_dir.iterdir() if p.is_dir() and RANK_DIR.match(p.name))
         if not names:
             raise CheckpointError(f"{self.it_dir}: no mp_rank_* folders")
         has_pp = any(RANK_DIR.match(n).group(2) for n in names)
-        first_file = self.it_dir / (f"mp_rank_00_000" if has_pp else "mp_rank_00") / RANK_FILE
+        first_file = self.it_dir / ("mp_rank_00_000" if has_pp else "mp_rank_00") / RANK_FILE
         data = load_rank_file(first_file)
         self.args = data.get("args")
         if self.args is None:
@@ -131,11 +130,8 @@ class LegacyReader(CheckpointReader):
             raise CheckpointError(f"{self.it_dir}: missing rank folder(s) {', '.join(missing)} for tp={self.tp} pp={self.pp}")
         if extra:
             raise CheckpointError(f"{self.it_dir}: unexpected rank folder(s) {', '.join(extra)} for tp={self.tp} pp={self.pp}")
-        self.hf_config = hf_config_from_args(self.args, arch=arch, hf_config_dir=hf_config_dir,
-                                             vocab_size=vocab_size, where=str(self.it_dir))
-        self.arch = architecture_for(self.hf_config.model_type, self.path)
-        self.cfg = self.arch.model_config(self.hf_config)
-        self.wmap = conversion_weight_map(self.arch, self.cfg)
+        self._set_model(hf_config_from_args(self.args, arch=arch, hf_config_dir=hf_config_dir, vocab_size=vocab_size,
+                                            where=str(self.it_dir)), self.path)
         self.layout = MegatronLayout(self.cfg.num_hidden_layers, self.pp, self.vpp, lay["first"], lay["last"],
                                      str(self.it_dir))
         self.padded_vocab = int(getattr(self.args, "padded_vocab_size", 0) or self.cfg.vocab_size)
@@ -147,10 +143,6 @@ class LegacyReader(CheckpointReader):
                                self.tp * self.pp, dtype)
         self._buffers: dict[tuple, torch.Tensor] = {}
         del data
-
-    def reopen_args(self) -> tuple:
-        arch, hf_dir, vocab = self._options
-        return _reopen_legacy, (self.path, arch, hf_dir, vocab)
 
     def rank_file(self, t: int, p: int) -> Path:
         return self.it_dir / legacy_rank_dir_name(t, p, self.pp) / RANK_FILE
@@ -272,6 +264,3 @@ def _mapped(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
         p._pmz_mapped = True
     return pieces
 
-
-def _reopen_legacy(path: str, arch: Any, hf_dir: Any, vocab: Any) -> LegacyReader:
-    return LegacyReader(path, arch=arch, hf_config_dir=hf_dir, vocab_size=vocab)

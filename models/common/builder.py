@@ -8,7 +8,6 @@ immediately everywhere instead of hanging the job.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 from models.common.config import ModelConfig
-from models.common.sources import CheckpointError, RandomSource, SafetensorsSource, TensorSource
+from models.common.sources import CheckpointError, RandomSource, SafetensorsSource, TensorSource, read_config_json
 from models.common.transformer import ParallelCausalLM
 from models.common.weights import WeightMap, hf_shapes, load_weights, validate_source
 from parallel.config import ParallelConfig, ParallelConfigError
@@ -36,16 +35,9 @@ class Architecture:
 
 def load_hf_config(directory: str | os.PathLike) -> Any:
     """transformers config from a local directory (never downloads); CheckpointError if unreadable."""
+    read_config_json(directory)  # clear errors before transformers sees the file
     path = Path(directory)
     cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise CheckpointError(f"{path}: no config.json (is this a HuggingFace model directory?)")
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{cfg_file}: not valid JSON ({exc})") from exc
-    if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
-        raise CheckpointError(f"{cfg_file}: no 'model_type' (not a transformers config)")
     from transformers import AutoConfig
 
     try:

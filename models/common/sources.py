@@ -25,6 +25,21 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing, unreadable or inconsistent (files and tensors named)."""
 
 
+def read_config_json(directory: str | os.PathLike) -> dict:
+    """The config.json dict of an HF directory, checked to be a transformers config (CheckpointError
+    naming the file otherwise)."""
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{Path(directory)}: no config.json (is this a HuggingFace model directory?)")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        raise CheckpointError(f"{path}: no 'model_type' (not a transformers config)")
+    return data
+
+
 class TensorSource:
     def names(self) -> set[str]:
         raise NotImplementedError

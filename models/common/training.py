@@ -15,10 +15,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from parallel.collectives import group_size
 from parallel.grads import finalize_grads
 from parallel.microbatch import plan_microbatches
 from parallel.pipeline import check_schedule, microbatch_multiple, run_pipeline
