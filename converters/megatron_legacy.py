@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-
 import torch
 
 from converters.checkpoint import EMBED, FINAL, CheckpointReader, ReaderInfo, Unit
