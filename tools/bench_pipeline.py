@@ -13,8 +13,6 @@ relative to compute, expressed as a share of the step).
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
 import sys
 import time
@@ -28,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models.common.training import PipelineChunk, pack, to_samples  # noqa: E402
 from models.qwen2 import build_parallel_model  # noqa: E402
 from parallel import ParallelConfig  # noqa: E402
+from parallel.launch import run_distributed  # noqa: E402
 
 
 def _standalone_microbatch_time(model, tokens: int, reps: int) -> float:
@@ -84,15 +83,6 @@ def run(args) -> None:
             print(f"{schedule:<18}{vpp:>4}{m:>4}{measured:>17.3f}{theory:>9.3f}{wall:>9.3f}")
 
 
-def _spawned(rank, world, port, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        run(args)
-    finally:
-        dist.destroy_process_group()
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pp", type=int, default=2)
@@ -103,12 +93,7 @@ def main() -> None:
     p.add_argument("--microbatches", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--reps", type=int, default=3)
     args = p.parse_args()
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_spawned, args=(args.pp, port, args), nprocs=args.pp, join=True)
+    run_distributed(args.pp, run, args)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.qwen2 import build_parallel_model  # noqa: E402
 from parallel import ParallelConfig  # noqa: E402
+from parallel.launch import run_distributed  # noqa: E402
 
 
 def write_tiny_qwen2(directory: Path) -> None:
@@ -77,15 +78,6 @@ def run(directory: str, tp: int, steps: int) -> None:
             print(f"[demo]   step {step}: {loss.item():.6f}    {ref_loss.item():.6f}")
 
 
-def _spawned(rank: int, world: int, port: int, directory: str, steps: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        run(directory, world, steps)
-    finally:
-        dist.destroy_process_group()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, default=2)
@@ -105,14 +97,7 @@ def main() -> None:
             dist.destroy_process_group()
             return
         write_tiny_qwen2(directory)
-        import socket
-
-        import torch.multiprocessing as mp
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.spawn(_spawned, args=(args.tp, port, str(directory), args.steps), nprocs=args.tp, join=True)
+        run_distributed(args.tp, run, str(directory), args.tp, args.steps)
 
 
 if __name__ == "__main__":

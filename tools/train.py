@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.qwen2 import build_parallel_model  # noqa: E402
 from parallel import ParallelConfig  # noqa: E402
+from parallel.launch import run_distributed  # noqa: E402
 
 
 def synthetic_batch(step: int, batch: int, max_len: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,16 +85,6 @@ def train(args: argparse.Namespace) -> None:
         print(f"final loss {loss.item():.4f} after {args.steps} steps in {time.perf_counter() - start:.1f}s")
 
 
-def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        train(args)
-    finally:
-        dist.destroy_process_group()
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tp", type=int, default=1)
@@ -122,15 +113,7 @@ def main() -> None:
         finally:
             dist.destroy_process_group()
         return
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    world = args.tp * args.pp * args.dp
-    mp.spawn(_spawned, args=(world, port, args), nprocs=world, join=True)
+    run_distributed(args.tp * args.pp * args.dp, train, args)
 
 
 if __name__ == "__main__":
