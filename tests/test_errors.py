@@ -177,6 +177,20 @@ def test_build_with_sequence_parallel_tp1_raises(qwen2_dir, no_process_groups):
         build_parallel_model(str(qwen2_dir), ParallelConfig(tp=1, sequence_parallel=True))
 
 
+@pytest.mark.parametrize("kw,numbers", [
+    (dict(pp=4), (2, 4)),  # 2 layers cannot fill 4 stages
+    (dict(pp=2, vpp=2), (2, 4)),  # 2 layers over pp*vpp = 4 chunks
+    (dict(pp=2, num_layers_in_first_pipeline_stage=2), (2,)),  # nothing left for the last stage
+    (dict(pp=3, num_layers_in_first_pipeline_stage=1, num_layers_in_last_pipeline_stage=1), (2, 3)),
+])
+def test_invalid_stage_layout_raises_before_any_process_group(qwen2_dir, no_process_groups, kw, numbers):
+    from models.qwen2 import build_parallel_model
+
+    with pytest.raises(ParallelConfigError) as exc:
+        build_parallel_model(str(qwen2_dir), ParallelConfig(**kw))
+    _names(str(exc.value), *numbers)
+
+
 # ------------------------------------------------------------------ checkpoints
 # Every damaged-checkpoint test also requests ``no_process_groups``: the builder promises to check
 # config and safetensors headers (presence and shape of every tensor) before any group is created.
