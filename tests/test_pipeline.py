@@ -1,6 +1,7 @@
 """Pipeline parallelism, the training step and data parallelism against transformers (gloo, CPU).
 
-Layouts: PP=2 (1F1B, GPipe), PP=2 x VPP=2 (interleaved 1F1B), TP=2 x PP=2 with SP, PP=4 with
+Layouts: PP=2 (1F1B, GPipe), PP=2 x VPP=2 (interleaved 1F1B, looped BFS, interleaved zero
+bubble), TP=2 x PP=2 with SP, PP=4 with
 uneven stages, DP=2 with PP and with TP, and PP=1 with micro-batches. Each runs two SGD steps of
 ``forward_backward`` next to transformers on the whole batch (each DP rank gets its share): loss
 and gradients must agree (fp32), forward-only log-probs too, and tied embeddings split over stages
@@ -48,6 +49,7 @@ LAYOUTS = {
         ("llama_untied8", dict(pp=2), "gpipe", 4),
         ("qwen2_tied8", dict(pp=2, vpp=2), "interleaved_1f1b", 2),
         ("llama_untied8", dict(pp=2, vpp=2), "looped_bfs", 4),
+        ("qwen2_tied8", dict(pp=2, vpp=2), "interleaved_zero_bubble", 4),
         ("qwen2_tied8", dict(), "1f1b", 1),  # pp=1, DP=2
     ],
     4: [
