@@ -143,6 +143,76 @@ def _madvise_dontneed():
 _DROP_PAGES = _madvise_dontneed()
 
 
+def _file_offset(piece: torch.Tensor, path: str) -> int | None:
+    """Offset in ``path`` of a view into a memory mapping of that file (from /proc/self/maps)."""
+    ptr = piece.data_ptr()
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                parts = line.split(None, 5)
+                if len(parts) < 6 or parts[5].strip() != path:
+                    continue
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                if lo <= ptr < hi:
+                    return ptr - lo + int(parts[2], 16)
+    except OSError:
+        return None
+    return None
+
+
+class _Copier:
+    """Writes pieces into an output file: ``copy_file_range`` straight from the source checkpoint
+    file when the piece is an untouched view of a memory-mapped source (tagged ``_pmz_source`` by
+    its reader) and needs no dtype change — the bytes never pass through this process — else a
+    normal write of the tensor's bytes."""
+
+    def __init__(self, out) -> None:
+        self.out = out
+        self.sources: dict[str, int] = {}
+        self.fast = hasattr(os, "copy_file_range") and os.path.exists("/proc/self/maps")
+
+    def write(self, piece: torch.Tensor, dtype: torch.dtype) -> int:
+        path = getattr(piece, "_pmz_source", None)
+        if self.fast and path and piece.dtype == dtype and piece.is_contiguous():
+            offset = _file_offset(piece, path)
+            if offset is not None and self._copy(path, offset, piece.numel() * piece.element_size()):
+                return piece.numel() * piece.element_size()
+        n = self.out.write(tensor_bytes(piece.to(dtype)))
+        release_mapped(piece)
+        return n
+
+    def _copy(self, path: str, src: int, count: int) -> bool:
+        """``count`` bytes from ``path`` at ``src`` to the output's current position, in the kernel."""
+        if path not in self.sources:
+            self.sources[path] = os.open(path, os.O_RDONLY)
+        fd, out = self.sources[path], self.out.fileno()
+        self.out.flush()
+        dst = self.out.tell()
+        done = 0
+        try:
+            while done < count:
+                n = os.copy_file_range(fd, out, count - done, src + done, dst + done)
+                if n <= 0:
+                    break
+                done += n
+        except OSError:
+            if done == 0:
+                self.fast = False  # not supported here (e.g. across filesystems): plain writes from now on
+                return False
+        while done < count:  # the kernel stopped short: finish with pread/pwrite
+            chunk = os.pread(fd, min(count - done, 1 << 24), src + done)
+            if not chunk:
+                raise CheckpointError(f"{path}: ends before byte {src + count} of a tensor it holds")
+            done += os.pwrite(out, chunk, dst + done)
+        self.out.seek(dst + count)
+        return True
+
+    def close(self) -> None:
+        for fd in self.sources.values():
+            os.close(fd)
+        self.sources.clear()
+
+
 def release_mapped(piece: torch.Tensor) -> None:
     """Drop the resident pages of a piece that is a view into a read-only memory-mapped checkpoint
     (tagged ``_pmz_mapped`` by its reader), so resident memory holds one piece, not a whole unit."""
@@ -190,6 +260,7 @@ def write_shard_range(plan: FilePlan, directory: str, dtype: torch.dtype, lo: in
     wanted = {name: tuple(shape) for name, shape in todo}
     written = 0
     with open(Path(directory) / plan.name, "r+b") as f:
+        copier = _Copier(f)
         for unit in plan.units:
             if not wanted:
                 break
@@ -202,10 +273,10 @@ def write_shard_range(plan: FilePlan, directory: str, dtype: torch.dtype, lo: in
                     raise CheckpointError(f"{name}: produced shape {got}, planned {shape}")
                 f.seek(offsets[name])
                 for piece in pieces:
-                    written += f.write(tensor_bytes(piece.to(dtype)))
-                    release_mapped(piece)
+                    written += copier.write(piece, dtype)
                 del pieces  # drop views into the source before the next unit is read
             del pieces_of
+        copier.close()
     if wanted:
         raise CheckpointError(f"{plan.name}: tensor(s) {', '.join(sorted(wanted))} never produced by the reader")
     return written

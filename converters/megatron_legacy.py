@@ -212,6 +212,12 @@ class LegacyReader(CheckpointReader):
             raise CheckpointError(f"{self.rank_file(0, p).parent.parent}: tensor {key} has shape {shard_shape} per "
                                   f"TP rank, the model config implies {tuple(expected)} (tp={self.tp})")
 
+    @staticmethod
+    def _shard_of(piece: torch.Tensor, shards: list[torch.Tensor]) -> int:
+        """Which TP shard a row slice was cut from (same storage)."""
+        ptr = piece.untyped_storage().data_ptr()
+        return next(t for t, s in enumerate(shards) if s.untyped_storage().data_ptr() == ptr)
+
     def read_unit(self, unit: Unit) -> dict[str, torch.Tensor]:
         return {name: pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
                 for name, pieces in self.read_unit_pieces(unit, reuse_buffers=False).items()}
@@ -225,8 +231,8 @@ class LegacyReader(CheckpointReader):
         """
         p, v = self.layout.unit_location(unit)
         local = None if unit in (EMBED, FINAL) else self.layout.where[int(unit)][2]
-        states = [chunk_state(load_rank_file(self.rank_file(t, p)), v, self.vpp, self.rank_file(t, p))
-                  for t in range(self.tp)]
+        files = [self.rank_file(t, p).resolve() for t in range(self.tp)]
+        states = [chunk_state(load_rank_file(f), v, self.vpp, f) for f in files]
         out: dict[str, list[torch.Tensor]] = {}
         for entry, key in unit_megatron_keys(self.wmap, unit, local):
             shards = [lookup(s, key) for s in states]
@@ -236,10 +242,13 @@ class LegacyReader(CheckpointReader):
             try:
                 if kind == "dim0":
                     ranges = hf_row_ranges(entry, self.cfg, shards[0].shape[0] * self.tp)
-                    out.update((n, _mapped(slices_of_shards(shards, r))) for n, r in zip(entry.hf, ranges))
+                    for name, r in zip(entry.hf, ranges):
+                        out[name] = [_mapped([piece], files[self._shard_of(piece, shards)])[0]
+                                     for piece in slices_of_shards(shards, r)]
                 elif kind == "gate_up":
                     half = shards[0].shape[0] // 2
-                    out.update(zip(entry.hf, (_mapped([s[:half] for s in shards]), _mapped([s[half:] for s in shards]))))
+                    out.update(zip(entry.hf, ([_mapped([s[:half]], files[t])[0] for t, s in enumerate(shards)],
+                                              [_mapped([s[half:]], files[t])[0] for t, s in enumerate(shards)])))
                 elif kind == "replicated":
                     out[entry.hf[0]] = [shards[0].clone()]
                 elif reuse_buffers and kind == "dim1" and entry.megatron_layout == "plain":
@@ -257,9 +266,11 @@ class LegacyReader(CheckpointReader):
         return out
 
 
-def _mapped(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Tag views into the read-only mapping so a writer may drop their pages once written."""
+def _mapped(pieces: list[torch.Tensor], source: Path) -> list[torch.Tensor]:
+    """Tag views into the read-only mapping of ``source`` so a writer may copy their bytes straight
+    from the file, or drop their pages once written."""
     for p in pieces:
         p._pmz_mapped = True
+        p._pmz_source = str(source)
     return pieces
 
