@@ -37,24 +37,33 @@ def microbatch_multiple(name: str, pp: int) -> int:
     return pp if name in MULTI_STAGE else 1
 
 
-def run_pipeline(chunks: Sequence[nn.Module], *, stage_indices: Sequence[int], num_stages: int, pp_group: Any,
-                 device: torch.device, schedule: str, arg_mbs: list, kwarg_mbs: list, target_mbs: list | None,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], has_backward: bool) -> list:
-    """Run one schedule over this rank's ``chunks``; returns the per-micro-batch loss_fn outputs (last stage)."""
-    from torch.distributed import pipelining as pl
+class PipelineRunner:
+    """A schedule and its ``PipelineStage``s built once for one shape (micro-batch count and tensor
+    sizes) and reused across steps, so shape inference and buffer set-up happen once, not per step."""
 
-    stages = [pl.PipelineStage(chunk, idx, num_stages, device, group=pp_group)
-              for chunk, idx in zip(chunks, stage_indices)]
-    n = len(arg_mbs)
-    if schedule in SINGLE_STAGE:
-        sched = getattr(pl, SINGLE_STAGE[schedule])(stages[0], n_microbatches=n, loss_fn=loss_fn, scale_grads=False)
-    else:
-        sched = getattr(pl, MULTI_STAGE[schedule])(stages, n_microbatches=n, loss_fn=loss_fn, scale_grads=False)
-    sched._has_backward = has_backward
-    for stage in stages:
-        stage.has_backward = has_backward
-        stage.clear_runtime_states()
-    losses: list = []
-    with torch.set_grad_enabled(has_backward):
-        sched._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs=False)
-    return losses
+    def __init__(self, chunks: Sequence[nn.Module], *, stage_indices: Sequence[int], num_stages: int, pp_group: Any,
+                 device: torch.device, schedule: str, n_microbatches: int,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        from torch.distributed import pipelining as pl
+
+        self.chunks = list(chunks)
+        self.loss_fn = loss_fn
+        self.stages = [pl.PipelineStage(chunk, idx, num_stages, device, group=pp_group)
+                       for chunk, idx in zip(self.chunks, stage_indices)]
+        if schedule in SINGLE_STAGE:
+            self.schedule = getattr(pl, SINGLE_STAGE[schedule])(self.stages[0], n_microbatches=n_microbatches,
+                                                                 loss_fn=loss_fn, scale_grads=False)
+        else:
+            self.schedule = getattr(pl, MULTI_STAGE[schedule])(self.stages, n_microbatches=n_microbatches,
+                                                               loss_fn=loss_fn, scale_grads=False)
+
+    def run(self, arg_mbs: list, kwarg_mbs: list, target_mbs: list | None, has_backward: bool) -> list:
+        """One step over the micro-batches; returns the per-micro-batch loss_fn outputs (last stage)."""
+        self.schedule._has_backward = has_backward
+        for stage in self.stages:
+            stage.has_backward = has_backward
+            stage.clear_runtime_states()
+        losses: list = []
+        with torch.set_grad_enabled(has_backward):
+            self.schedule._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs=False)
+        return losses

@@ -19,7 +19,7 @@ from torch import nn
 
 from parallel.grads import finalize_grads
 from parallel.microbatch import plan_microbatches
-from parallel.pipeline import check_schedule, microbatch_multiple, run_pipeline
+from parallel.pipeline import PipelineRunner, check_schedule, microbatch_multiple
 
 IGNORE_INDEX = -100
 
@@ -128,9 +128,8 @@ def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = 
         dist.all_reduce(count, group=groups.dp_group)
     global_count = max(float(count.item()), 1.0)
 
-    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        per_token = lm.token_losses(logits, target.t())  # logits [T, 1, V/tp], target [1, T]
-        return per_token.detach() if forward_only else per_token.sum() / global_count
+    loss_fn = _TokenLoss(lm)
+    loss_fn.forward_only, loss_fn.global_count = forward_only, global_count
 
     if pp == 1:
         outputs = []
@@ -144,15 +143,13 @@ def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = 
                 out = out.detach()
             outputs.append(out)
     else:
-        chunks = [PipelineChunk(lm, v) for v in range(vpp)]
-        device = next(lm.parameters()).device
-        outputs = run_pipeline(
-            chunks, stage_indices=[v * pp + groups.pp_rank for v in range(vpp)], num_stages=pp * vpp,
-            pp_group=groups.pp_group, device=device, schedule=schedule,
+        runner = _runner(lm, schedule, len(mbs), total)
+        runner.loss_fn.forward_only, runner.loss_fn.global_count = forward_only, global_count
+        outputs = runner.run(
             arg_mbs=[(ids,) if lm.is_first_stage else () for ids, _, _, _ in mbs],
             kwarg_mbs=[{"position_ids": pos, "cu_seqlens": cu} for _, pos, _, cu in mbs],
             target_mbs=[tgt for _, _, tgt, _ in mbs] if lm.is_last_stage else None,
-            loss_fn=loss_fn, has_backward=not forward_only)
+            has_backward=not forward_only)
     if forward_only:
         return _logprobs(lm, outputs, plan, samples, input_ids, attention_mask, cu_seqlens, total)
     loss = torch.stack(outputs).sum() if lm.is_last_stage else torch.zeros((), dtype=torch.float32)
@@ -161,6 +158,39 @@ def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = 
         dist.all_reduce(loss, group=groups.dp_group)
     finalize_pipeline_grads(lm)
     return loss
+
+
+class _TokenLoss:
+    """The schedule's loss function: summed token losses over the global token count (training), or
+    the per-token losses themselves (forward-only). Mutable so a cached schedule serves every step."""
+
+    def __init__(self, lm) -> None:
+        self.lm = lm
+        self.forward_only = False
+        self.global_count = 1.0
+
+    def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        per_token = self.lm.token_losses(logits, target.t())  # logits [T, 1, V/tp], target [1, T]
+        return per_token.detach() if self.forward_only else per_token.sum() / self.global_count
+
+
+_RUNNERS_KEPT = 4
+
+
+def _runner(lm, schedule: str, n_microbatches: int, total_tokens: int) -> PipelineRunner:
+    """The cached PipelineRunner for this shape (a few shapes kept, oldest dropped)."""
+    cache = lm.__dict__.setdefault("_pipeline_runners", {})
+    key = (schedule, n_microbatches, total_tokens)
+    if key not in cache:
+        groups = lm.groups
+        pp, vpp = groups.pp_size, groups.config.vpp
+        if len(cache) >= _RUNNERS_KEPT:
+            cache.pop(next(iter(cache)))
+        cache[key] = PipelineRunner(
+            [PipelineChunk(lm, v) for v in range(vpp)], stage_indices=[v * pp + groups.pp_rank for v in range(vpp)],
+            num_stages=pp * vpp, pp_group=groups.pp_group, device=next(lm.parameters()).device, schedule=schedule,
+            n_microbatches=n_microbatches, loss_fn=_TokenLoss(lm))
+    return cache[key]
 
 
 def _from_last_stage(lm, tensor: torch.Tensor) -> torch.Tensor:
