@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (CheckpointError, ParallelConfigError, UnsupportedConfigError, ValueError, FileNotFoundError) as exc:
-        print(f"pmz {args.command}: error: {exc}", file=sys.stderr)
+        message = " ".join(str(exc).split())  # one line, even when a library's message spans several
+        print(f"pmz {args.command}: error: {message}", file=sys.stderr)
         return 1
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
+import random
 import shutil
 from pathlib import Path
 
@@ -24,6 +25,11 @@ from models.common.sources import CheckpointError
 from tests.cases import write_hf_model
 
 VOCAB = 100  # padded to 256 at tp=2 (make_vocab_size_divisible_by 128)
+
+
+def _garbage(n: int, seed: int = 1234) -> bytes:
+    """Reproducible junk bytes (tests must not depend on the run's randomness)."""
+    return random.Random(seed).randbytes(n)
 
 
 def _config():
@@ -150,9 +156,24 @@ def test_corrupt_zip_central_directory(capsys, legacy, tmp_path, rank):
     expect_failure(capsys, legacy, tmp_path / "out" / "hf", names=(f"mp_rank_{rank:02d}", "model_optim_rng.pt"))
 
 
+def test_cli_error_is_one_line_even_for_multiline_messages(capsys, monkeypatch):
+    """Library messages (e.g. pickle's) can span lines; the CLI still prints exactly one."""
+    import converters.engine as engine
+    from converters.cli import main
+    from models.common.sources import CheckpointError
+
+    def boom(*a, **k):
+        raise CheckpointError("first line\nsecond line")
+
+    monkeypatch.setattr(engine, "convert", boom)
+    assert main(["convert", "a", "b", "--to", "hf", "--quiet"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["pmz convert: error: first line second line"]
+
+
 def test_rank_file_replaced_with_garbage(capsys, legacy, tmp_path):
     f = rank_file(legacy, 1)
-    f.write_bytes(os.urandom(4096))
+    f.write_bytes(_garbage(4096))
     expect_failure(capsys, legacy, tmp_path / "out" / "megatron", to="megatron",
                    names=("mp_rank_01", "model_optim_rng.pt"))
 
@@ -221,7 +242,7 @@ def test_corrupt_metadata(capsys, dist, tmp_path, damage):
     f = it_dir(dist) / ".metadata"
     raw = f.read_bytes()
     if damage == "garbage":
-        f.write_bytes(b"\x80\x04" + os.urandom(200))
+        f.write_bytes(b"\x80\x04" + _garbage(200))
     elif damage == "truncated":
         f.write_bytes(raw[: len(raw) // 3])
     else:
