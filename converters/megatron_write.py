@@ -1,9 +1,9 @@
 """Writing Megatron checkpoints (legacy ``torch`` and ``torch_dist``) at any TP/PP/VPP from any reader.
 
 The target layout is validated against the model before anything is written. Legacy output is
-written one pipeline stage per task: a stage's units are read, turned into Megatron full tensors
-(``megatron_layout.hf_to_megatron``), split for every TP rank, and each rank file is saved with
-``torch.save`` (a legacy rank file must be pickled whole, so a task holds one stage's tensors).
+written one rank file per task: the stage's units are read one at a time, turned into Megatron
+full tensors (``megatron_layout.hf_to_megatron``), and only this TP rank's shard is kept; the file
+is saved with ``torch.save`` (a legacy rank file must be pickled whole, so a task holds one file).
 """
 
 from __future__ import annotations
@@ -74,39 +74,40 @@ def _stage_units(target: MegatronTarget, p: int, v: int) -> list[tuple[Unit, int
     return units
 
 
-def write_legacy_stage(reopen: tuple, target: MegatronTarget, directory: str, p: int) -> int:
-    """All TP rank files of pipeline stage ``p``; returns bytes written."""
+def write_legacy_rank(reopen: tuple, target: MegatronTarget, directory: str, p: int, t: int) -> int:
+    """The rank file of TP rank ``t`` in pipeline stage ``p``; returns bytes written.
+
+    One task per rank file: it holds only that file's shards (a legacy file is pickled whole, so
+    this is the least memory a writer can use), reading each unit of the stage once.
+    """
     factory, args = reopen
     reader = factory(*args)
-    states: list[dict[str, dict[str, torch.Tensor]]] = [{} for _ in range(target.tp)]
+
+    def shard_of(entry, key: str, full: torch.Tensor) -> torch.Tensor:
+        # a clone: a view would make torch.save write the whole storage
+        return split_tp(tp_split_kind(entry, full.dim()), full, target.tp, key)[t].clone()
+
+    state: dict[str, dict] = {}
     for v in range(target.vpp):
-        chunk = "model" if target.vpp == 1 else f"model{v}"
-        for t in range(target.tp):
-            states[t][chunk] = {}
+        chunk = state.setdefault("model" if target.vpp == 1 else f"model{v}", {})
         for unit, local in _stage_units(target, p, v):
             for entry, key, full in megatron_unit_tensors(reader, unit, local, target.padded_vocab, target.dtype):
-                for t, shard in enumerate(split_tp(tp_split_kind(entry, full.dim()), full, target.tp, key)):
-                    states[t][chunk][key] = shard.clone()  # a view would make torch.save write the whole storage
+                chunk[key] = shard_of(entry, key, full)
+                del full
             # Megatron-LM saves an (empty) extra state for every linear layer; its strict load expects it.
             modules = ([f"decoder.layers.{local}.{m}" for m in LINEAR_MODULES] if isinstance(unit, int)
                        else ["output_layer"] if unit == FINAL else [])
-            for t in range(target.tp):
-                states[t][chunk].update({f"{m}._extra_state": None for m in modules})
+            chunk.update({f"{m}._extra_state": None for m in modules})
         if reader.cfg.tie_word_embeddings and target.pp > 1 and p == target.pp - 1 and v == target.vpp - 1:
             # Megatron's last stage keeps its own copy of the tied embedding as output_layer.weight.
-            entry, key, full = next(x for x in megatron_unit_tensors(reader, EMBED, None, target.padded_vocab,
-                                                                      target.dtype))
-            for t, shard in enumerate(split_tp(tp_split_kind(entry, full.dim()), full, target.tp, key)):
-                states[t][chunk]["output_layer.weight"] = shard.clone()
+            entry, key, full = megatron_unit_tensors(reader, EMBED, None, target.padded_vocab, target.dtype)[0]
+            chunk["output_layer.weight"] = shard_of(entry, key, full)
     reader.close()
-    written = 0
-    for t in range(target.tp):
-        rank_dir = Path(directory) / legacy_rank_dir_name(t, p, target.pp)
-        rank_dir.mkdir(parents=True, exist_ok=True)
-        payload = {"args": target.args, "checkpoint_version": 3.0, "iteration": target.iteration or 0, **states[t]}
-        torch.save(payload, rank_dir / RANK_FILE)
-        written += (rank_dir / RANK_FILE).stat().st_size
-    return written
+    rank_dir = Path(directory) / legacy_rank_dir_name(t, p, target.pp)
+    rank_dir.mkdir(parents=True, exist_ok=True)
+    torch.save({"args": target.args, "checkpoint_version": 3.0, "iteration": target.iteration or 0, **state},
+               rank_dir / RANK_FILE)
+    return (rank_dir / RANK_FILE).stat().st_size
 
 
 def iteration_folder(root: Path, iteration: int | None) -> Path:
@@ -125,8 +126,9 @@ def write_megatron(reader: CheckpointReader, target: MegatronTarget, directory: 
     root = Path(directory)
     folder = iteration_folder(root, target.iteration)
     if fmt == "megatron":
-        tasks = [(write_legacy_stage, (reader.reopen_args(), target, str(folder), p)) for p in range(target.pp)]
-        run_tasks(tasks, workers, "writing Megatron stages", progress)
+        tasks = [(write_legacy_rank, (reader.reopen_args(), target, str(folder), p, t))
+                 for p in range(target.pp) for t in range(target.tp)]
+        run_tasks(tasks, workers, "writing Megatron rank files", progress)
     else:
         from converters.megatron_dist import write_dist
 
