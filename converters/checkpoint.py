@@ -125,3 +125,9 @@ class CheckpointReader:
 
 def _construct(cls: type, args: tuple, kwargs: dict) -> CheckpointReader:
     return cls(*args, **kwargs)
+
+
+def reopen(reopen_args: tuple) -> CheckpointReader:
+    """Rebuild a reader from ``reader.reopen_args()`` (inside a worker process)."""
+    factory, args = reopen_args
+    return factory(*args)

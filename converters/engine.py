@@ -6,8 +6,9 @@ Guarantees:
   * output goes to ``.<dst>.tmp-<pid>`` beside the destination and is renamed into place only when
     complete; on any error the temp dir is removed and the exception propagates (CLI: exit 1);
   * an existing destination is refused unless ``overwrite=True``;
-  * work is split into tasks (output files / stages) run by a pool of worker processes, each
-    rebuilding its own reader; the bytes depend only on the plan, never on timing.
+  * work is split into tasks (byte ranges of HF files, Megatron rank files, torch_dist data files)
+    run by a pool of worker processes, each rebuilding its own reader; the bytes depend only on the
+    plan, never on timing or the number of workers.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from converters.checkpoint import CheckpointReader
+from converters.checkpoint import CheckpointReader, reopen
 from models.common.sources import CheckpointError
 
 TARGETS = ("hf", "megatron", "megatron-dist")
@@ -90,11 +91,6 @@ def open_reader(path: str | os.PathLike, *, arch: str | None = None, hf_config: 
     from converters.megatron_dist import DistReader
 
     return DistReader(path, arch=arch, hf_config_dir=hf_config, vocab_size=vocab_size)
-
-
-def _rebuild(reopen: tuple) -> CheckpointReader:
-    factory, args = reopen
-    return factory(*args)
 
 
 def _task_entry(payload: tuple) -> Any:
@@ -209,10 +205,10 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
     return dst_path
 
 
-def _write_hf_range(reopen: tuple, plan, directory: str, dtype: torch.dtype, lo: int, hi: int) -> int:
+def _write_hf_range(reopen_args: tuple, plan, directory: str, dtype: torch.dtype, lo: int, hi: int) -> int:
     from converters.hf import write_shard_range
 
-    reader = _rebuild(reopen)
+    reader = reopen(reopen_args)
     try:
         return write_shard_range(plan, directory, dtype, lo, hi, reader.read_unit_pieces)
     finally:

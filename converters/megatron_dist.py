@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from converters.checkpoint import EMBED, FINAL, CheckpointReader, ReaderInfo, Unit
+from converters.checkpoint import EMBED, FINAL, CheckpointReader, ReaderInfo, Unit, reopen
 from converters.megatron_files import args_layout, hf_config_from_args, resolve_iteration_dir
 from converters.megatron_layout import LayoutError, megatron_full_shape, megatron_to_hf
 from converters.safe_pickle import safe_pickle_load, safe_torch_load
@@ -219,12 +219,11 @@ def _torch_save_bytes(obj: Any) -> bytes:
     return buf.getvalue()
 
 
-def write_dist_units(reopen: tuple, target, directory: str, units: list, file_name: str) -> list[tuple]:
+def write_dist_units(reopen_args: tuple, target, directory: str, units: list, file_name: str) -> list[tuple]:
     """Write ``units`` into ``file_name``; returns (key, global_shape, dtype, offsets, sizes, storage) records."""
     from converters.megatron_write import LINEAR_MODULES, megatron_unit_tensors
 
-    factory, args = reopen
-    reader = factory(*args)
+    reader = reopen(reopen_args)
     L = reader.cfg.num_hidden_layers
     records = []
     with open(Path(directory) / file_name, "wb") as f:

@@ -16,11 +16,11 @@ import torch
 from converters.checkpoint import EMBED, FINAL, CheckpointReader, ReaderInfo, Unit
 from converters.megatron_files import RANK_DIR, args_layout, hf_config_from_args, legacy_rank_dir_name, \
     resolve_iteration_dir
-from converters.megatron_layout import LayoutError, hf_row_ranges, megatron_to_hf, merge_tp, slices_of_shards, \
-    tp_split_kind
+from converters.megatron_layout import COL1, GATE_UP, REPLICATED, ROW0, LayoutError, hf_row_ranges, megatron_to_hf, \
+    merge_tp, slices_of_shards, tp_split_kind
 from converters.safe_pickle import safe_torch_load
 from models.common.sources import CheckpointError
-from models.common.weights import WeightEntry
+from models.common.weights import PLAIN, WeightEntry
 from parallel.config import ParallelConfig, ParallelConfigError
 from parallel.pipeline_layout import stage_layer_ranges
 
@@ -204,9 +204,9 @@ class LegacyReader(CheckpointReader):
         full = megatron_full_shape(entry, self.hf_shapes(), self.cfg, self.padded_vocab)
         kind = tp_split_kind(entry, len(full))
         expected = list(full)
-        if kind in ("dim0", "gate_up"):
+        if kind in (ROW0, GATE_UP):
             expected[0] //= self.tp
-        elif kind == "dim1":
+        elif kind == COL1:
             expected[1] //= self.tp
         if tuple(expected) != shard_shape:
             raise CheckpointError(f"{self.rank_file(0, p).parent.parent}: tensor {key} has shape {shard_shape} per "
@@ -240,18 +240,18 @@ class LegacyReader(CheckpointReader):
                 raise CheckpointError(f"{self.it_dir}: missing tensor {key} on pp rank {p}")
             kind = tp_split_kind(entry, shards[0].dim())
             try:
-                if kind == "dim0":
+                if kind == ROW0:
                     ranges = hf_row_ranges(entry, self.cfg, shards[0].shape[0] * self.tp)
                     for name, r in zip(entry.hf, ranges):
-                        out[name] = [_mapped([piece], files[self._shard_of(piece, shards)])[0]
+                        out[name] = [_mapped(piece, files[self._shard_of(piece, shards)])
                                      for piece in slices_of_shards(shards, r)]
-                elif kind == "gate_up":
+                elif kind == GATE_UP:
                     half = shards[0].shape[0] // 2
-                    out.update(zip(entry.hf, ([_mapped([s[:half]], files[t])[0] for t, s in enumerate(shards)],
-                                              [_mapped([s[half:]], files[t])[0] for t, s in enumerate(shards)])))
-                elif kind == "replicated":
+                    out.update(zip(entry.hf, ([_mapped(s[:half], files[t]) for t, s in enumerate(shards)],
+                                              [_mapped(s[half:], files[t]) for t, s in enumerate(shards)])))
+                elif kind == REPLICATED:
                     out[entry.hf[0]] = [shards[0].clone()]
-                elif reuse_buffers and kind == "dim1" and entry.megatron_layout == "plain":
+                elif reuse_buffers and kind == COL1 and entry.megatron_layout == PLAIN:
                     shape = (shards[0].shape[0], shards[0].shape[1] * self.tp)
                     buf = self._buffers.get((key.rsplit(".", 2)[-2], shape, shards[0].dtype))
                     if buf is None:
@@ -266,11 +266,10 @@ class LegacyReader(CheckpointReader):
         return out
 
 
-def _mapped(pieces: list[torch.Tensor], source: Path) -> list[torch.Tensor]:
-    """Tag views into the read-only mapping of ``source`` so a writer may copy their bytes straight
-    from the file, or drop their pages once written."""
-    for p in pieces:
-        p._pmz_mapped = True
-        p._pmz_source = str(source)
-    return pieces
+def _mapped(piece: torch.Tensor, source: Path) -> torch.Tensor:
+    """Tag a view into the read-only mapping of ``source`` so a writer may copy its bytes straight
+    from the file, or drop its pages once written."""
+    piece._pmz_mapped = True
+    piece._pmz_source = str(source)
+    return piece
 

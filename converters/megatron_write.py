@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from converters.checkpoint import EMBED, FINAL, CheckpointReader, Unit
+from converters.checkpoint import EMBED, FINAL, CheckpointReader, Unit, reopen
 from converters.megatron_files import HF_CONFIG_DIR, TRACKER, args_for_target, legacy_rank_dir_name
 from converters.megatron_layout import hf_to_megatron, megatron_padded_vocab, split_tp, tp_split_kind
 from converters.megatron_legacy import RANK_FILE, MegatronLayout, unit_megatron_keys
@@ -74,14 +74,13 @@ def _stage_units(target: MegatronTarget, p: int, v: int) -> list[tuple[Unit, int
     return units
 
 
-def write_legacy_rank(reopen: tuple, target: MegatronTarget, directory: str, p: int, t: int) -> int:
+def write_legacy_rank(reopen_args: tuple, target: MegatronTarget, directory: str, p: int, t: int) -> int:
     """The rank file of TP rank ``t`` in pipeline stage ``p``; returns bytes written.
 
     One task per rank file: it holds only that file's shards (a legacy file is pickled whole, so
     this is the least memory a writer can use), reading each unit of the stage once.
     """
-    factory, args = reopen
-    reader = factory(*args)
+    reader = reopen(reopen_args)
 
     def shard_of(entry, key: str, full: torch.Tensor) -> torch.Tensor:
         # a clone: a view would make torch.save write the whole storage

@@ -109,14 +109,12 @@ def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = 
     pp, vpp, tp = groups.pp_size, groups.config.vpp, groups.tp_size
     if schedule == "1f1b" and vpp > 1:
         schedule = "interleaved_1f1b"
-    if pp > 1:
+    if pp > 1:  # name and vpp; the planner below makes the count a multiple of what the schedule needs
         check_schedule(schedule, vpp, microbatch_multiple(schedule, pp), pp)
     samples = to_samples(input_ids, labels, attention_mask, cu_seqlens, position_ids)
     plan = plan_microbatches([len(s.ids) for s in samples], max_tokens_per_microbatch=max_tokens_per_microbatch,
                              num_microbatches=num_microbatches,
                              multiple_of=microbatch_multiple(schedule, pp) if pp > 1 else 1)
-    if pp > 1:
-        check_schedule(schedule, vpp, plan.count, pp)
     # One packed shape for every micro-batch (pipeline buffers are fixed); a multiple of tp under SP.
     total = max(plan.tokens)
     if groups.sequence_parallel:
