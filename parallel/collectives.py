@@ -40,7 +40,8 @@ def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
     return x
 
 
-def _all_gather_dim0(x: torch.Tensor, group: Any) -> torch.Tensor:
+def all_gather_dim0(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Plain (no autograd) all-gather concatenating every rank's ``x`` along dim 0."""
     n = group_size(group)
     x = x.contiguous()
     out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -94,14 +95,14 @@ class _ScatterToSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_dim0(grad, ctx.group), None
+        return all_gather_dim0(grad, ctx.group), None
 
 
 class _GatherFromSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _all_gather_dim0(x, group)
+        return all_gather_dim0(x, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -116,7 +117,7 @@ class _ReduceScatterToSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_dim0(grad, ctx.group), None
+        return all_gather_dim0(grad, ctx.group), None
 
 
 class _GatherLastDim(torch.autograd.Function):
@@ -124,7 +125,7 @@ class _GatherLastDim(torch.autograd.Function):
     def forward(ctx, x, group):
         ctx.group = group
         moved = x.movedim(-1, 0)
-        return _all_gather_dim0(moved, group).movedim(0, -1).contiguous()
+        return all_gather_dim0(moved, group).movedim(0, -1).contiguous()
 
     @staticmethod
     def backward(ctx, grad):

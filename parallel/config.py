@@ -1,15 +1,21 @@
 """ParallelConfig: the parallel layout of a job, validated before any process group exists.
 
 The layout follows Megatron's conventions so that checkpoints and rank numbering line up:
-ranks are laid out with tensor-parallel fastest, then context-parallel, then data-parallel,
-then pipeline-parallel (Megatron's default order ``tp-cp-dp-pp``). ``dp`` is not set by the
-caller: it is whatever the world size leaves after ``tp * cp * pp``.
+ranks are laid out with tensor-parallel fastest, then Ulysses, then context-parallel, then
+data-parallel, then pipeline-parallel (Megatron's default order ``tp-cp-dp-pp`` with the Ulysses
+axis, which Megatron does not have, next to TP so its all-to-alls stay on the fastest links).
+``dp`` is not set by the caller: it is whatever the world size leaves after
+``tp * ulysses * cp * pp``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+
+CP_COMM = ("ring", "allgather")
+RECOMPUTE = ("none", "full")
 
 
 class ParallelConfigError(ValueError):
@@ -40,6 +46,15 @@ class ParallelConfig:
         splits (Megatron's flags of the same names); None = even split.
     vocab_padding_multiple: the vocabulary is padded to a multiple of this (vLLM uses 64) and
         then, if needed, further so that every TP rank holds an equal slice.
+    ulysses: Ulysses (DeepSpeed) sequence-parallel size: the sequence is split over it everywhere
+        except inside attention, where an all-to-all trades the sequence split for a head split.
+    cp_comm: how context-parallel attention moves keys/values: "ring" (P2P ring, each step's
+        transfer overlapped with the previous block's compute) or "allgather" (one all-gather of
+        K/V, gradients returned with one all-to-all).
+    fsdp: shard parameters, gradients and optimizer state over the data-parallel ranks (and the
+        cp/ulysses ranks, which hold the same parameters) with ``torch.distributed.fsdp.fully_shard``.
+    recompute: activation recomputation: "none", or "full" (each decoder layer keeps only its
+        input and reruns its forward in backward; ``torch.utils.checkpoint``).
     """
 
     tp: int = 1
@@ -51,9 +66,13 @@ class ParallelConfig:
     num_layers_in_first_pipeline_stage: int | None = None
     num_layers_in_last_pipeline_stage: int | None = None
     vocab_padding_multiple: int = 64
+    ulysses: int = 1
+    cp_comm: str = "ring"
+    fsdp: bool = False
+    recompute: str = "none"
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "vpp", "cp", "ep", "vocab_padding_multiple"):
+        for name in ("tp", "pp", "vpp", "cp", "ep", "vocab_padding_multiple", "ulysses"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ParallelConfigError(f"ParallelConfig.{name} must be a positive integer, got {value!r}")
@@ -65,18 +84,35 @@ class ParallelConfig:
                 raise ParallelConfigError(
                     f"ParallelConfig.{name}={value} needs pp > 1 and a positive layer count (pp={self.pp})"
                 )
+        if self.cp_comm not in CP_COMM:
+            raise ParallelConfigError(f"ParallelConfig.cp_comm={self.cp_comm!r}: choose one of {', '.join(CP_COMM)}")
+        if self.recompute not in RECOMPUTE:
+            raise ParallelConfigError(f"ParallelConfig.recompute={self.recompute!r}: choose one of {', '.join(RECOMPUTE)}")
+        if not isinstance(self.fsdp, bool):
+            raise ParallelConfigError(f"ParallelConfig.fsdp must be True or False, got {self.fsdp!r}")
+        if self.fsdp and self.pp > 1:
+            raise ParallelConfigError(f"fsdp=True with pp={self.pp} is not supported (FSDP2 here shards "
+                                      f"whole-model replicas; use pp=1, or pp without fsdp)")
+        if self.ep > 1 and self.ulysses > 1:
+            raise ParallelConfigError(f"ep={self.ep} with ulysses={self.ulysses} is not supported "
+                                      f"(expert groups are carved from dp*cp)")
 
     @property
     def model_parallel_size(self) -> int:
-        """Ranks that together hold one full replica of the model: ``tp * cp * pp``."""
-        return self.tp * self.cp * self.pp
+        """Ranks that together hold one model replica's work: ``tp * ulysses * cp * pp``."""
+        return self.tp * self.ulysses * self.cp * self.pp
+
+    @property
+    def sequence_split(self) -> int:
+        """Ranks the sequence is split over outside TP: ``cp * ulysses`` (1 = whole sequences per rank)."""
+        return self.cp * self.ulysses
 
     def dp_for(self, world_size: int) -> int:
         """Data-parallel size implied by ``world_size``; raises if the world does not divide."""
         if world_size % self.model_parallel_size != 0:
             raise ParallelConfigError(
-                f"world size {world_size} is not divisible by tp*cp*pp = "
-                f"{self.tp}*{self.cp}*{self.pp} = {self.model_parallel_size}"
+                f"world size {world_size} is not divisible by tp*ulysses*cp*pp = "
+                f"{self.tp}*{self.ulysses}*{self.cp}*{self.pp} = {self.model_parallel_size}"
             )
         return world_size // self.model_parallel_size
 
@@ -124,6 +160,17 @@ class ParallelConfig:
                 problems.append(f"ep={self.ep} needs an MoE model, but the config has no experts")
             elif num_experts % self.ep:
                 problems.append(f"num_experts={num_experts} is not divisible by ep={self.ep}")
+        if self.ulysses > 1 and heads is not None and kv_heads is not None and not heads % tp:
+            local_heads, local_kv = heads // tp, max(1, kv_heads // tp)
+            if local_heads % self.ulysses:
+                problems.append(
+                    f"ulysses={self.ulysses} needs the attention heads per TP rank (num_attention_heads={heads} "
+                    f"/ tp={tp} = {local_heads}) to be divisible by it")
+            if local_kv % self.ulysses and self.ulysses % local_kv:
+                problems.append(
+                    f"ulysses={self.ulysses} and {local_kv} KV heads per TP rank (num_key_value_heads={kv_heads}, "
+                    f"tp={tp}): one must divide the other (KV heads are split, or repeated "
+                    f"ulysses/kv_heads times)")
         if self.sequence_parallel and tp == 1:
             problems.append("sequence_parallel=True needs tp > 1 (it shards activations over the TP group)")
         if layers is not None:
@@ -150,7 +197,15 @@ class ParallelConfig:
             parts.append(f"vpp={self.vpp}")
         if self.cp > 1:
             parts.append(f"cp={self.cp}")
+            if self.cp_comm != "ring":
+                parts.append(f"cp_comm={self.cp_comm}")
+        if self.ulysses > 1:
+            parts.append(f"ulysses={self.ulysses}")
         if self.ep > 1:
             parts.append(f"ep={self.ep}")
         parts.append(f"sp={'on' if self.sequence_parallel else 'off'}")
+        if self.fsdp:
+            parts.append("fsdp")
+        if self.recompute != "none":
+            parts.append(f"recompute={self.recompute}")
         return "(" + " ".join(parts) + ")"

@@ -14,8 +14,12 @@ import torch.distributed as dist
 
 from parallel.config import ParallelConfig, ParallelConfigError
 
-# Mesh axis order, slowest to fastest: Megatron's default rank order "tp-cp-dp-pp" read backwards.
-MESH_AXES = ("pp", "dp", "cp", "tp")
+# Mesh axis order, slowest to fastest: Megatron's default rank order "tp-cp-dp-pp" read backwards,
+# with the Ulysses axis (absent in Megatron) between cp and tp.
+MESH_AXES = ("pp", "dp", "cp", "ulysses", "tp")
+# The ranks that hold the same parameters (same tp/pp coordinates): gradients of replicated
+# parameters are reduced over them, and FSDP shards over them.
+REPLICA_AXES = ("dp", "cp", "ulysses")
 
 
 @dataclass
@@ -24,6 +28,11 @@ class ParallelGroups:
 
     ``*_group`` is None when the axis has a single rank (collectives over it are no-ops), which
     keeps single-process use free of any process group.
+
+    ``replica_group`` spans the dp, cp and ulysses ranks of this rank's tp/pp slot: the ranks that
+    hold identical parameters. Gradients are summed over its cp/ulysses part (each of those ranks
+    saw a different part of the same sequences) and summed or averaged over dp. ``replica_mesh`` is
+    the same set as a 1-D DeviceMesh (what FSDP2 shards over).
     """
 
     config: ParallelConfig
@@ -32,13 +41,17 @@ class ParallelGroups:
     dp_group: Any = None
     cp_group: Any = None
     ep_group: Any = None
+    ulysses_group: Any = None
+    replica_group: Any = None
     tp_rank: int = 0
     pp_rank: int = 0
     dp_rank: int = 0
     cp_rank: int = 0
     ep_rank: int = 0
+    ulysses_rank: int = 0
     dp_size: int = 1
     mesh: Any = field(default=None, repr=False)
+    replica_mesh: Any = field(default=None, repr=False)
 
     @property
     def tp_size(self) -> int:
@@ -55,6 +68,15 @@ class ParallelGroups:
     @property
     def ep_size(self) -> int:
         return self.config.ep
+
+    @property
+    def ulysses_size(self) -> int:
+        return self.config.ulysses
+
+    @property
+    def sequence_split(self) -> bool:
+        """The sequence is split over cp and/or ulysses ranks (the model slices its inputs)."""
+        return self.config.cp > 1 or self.config.ulysses > 1
 
     @property
     def sequence_parallel(self) -> bool:
@@ -93,14 +115,19 @@ def build_groups(config: ParallelConfig, device: torch.device | str | None = Non
     dp = config.dp_for(world)
     from torch.distributed.device_mesh import init_device_mesh
 
-    shape = (config.pp, dp, config.cp, config.tp)
+    shape = (config.pp, dp, config.cp, config.ulysses, config.tp)
     mesh = init_device_mesh(_device_type(device), shape, mesh_dim_names=MESH_AXES)
     coords = mesh.get_coordinate()
     assert coords is not None
-    pp_rank, dp_rank, cp_rank, tp_rank = coords
+    pp_rank, dp_rank, cp_rank, ulysses_rank, tp_rank = coords
 
     def group(axis: str, size: int) -> Any:
         return mesh.get_group(axis) if size > 1 else None
+
+    replicas = dp * config.cp * config.ulysses
+    replica_mesh = None
+    if replicas > 1 or config.fsdp:
+        replica_mesh = mesh[REPLICA_AXES]._flatten("replica")
 
     groups = ParallelGroups(
         config=config,
@@ -108,12 +135,16 @@ def build_groups(config: ParallelConfig, device: torch.device | str | None = Non
         pp_group=group("pp", config.pp),
         dp_group=group("dp", dp),
         cp_group=group("cp", config.cp),
+        ulysses_group=group("ulysses", config.ulysses),
+        replica_group=replica_mesh.get_group() if replicas > 1 else None,
         tp_rank=tp_rank,
         pp_rank=pp_rank,
         dp_rank=dp_rank,
         cp_rank=cp_rank,
+        ulysses_rank=ulysses_rank,
         dp_size=dp,
         mesh=mesh,
+        replica_mesh=replica_mesh,
     )
     if config.ep > 1:
         # Experts are split over a sub-axis of the flattened (dp, cp) ranks of one TP/PP slot, as
@@ -147,6 +178,8 @@ def groups_from_megatron(config: ParallelConfig | None = None) -> ParallelGroups
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
     ep = ps.get_expert_model_parallel_world_size()
     derived = ParallelConfig(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, sequence_parallel=bool(config and config.sequence_parallel))
+    if config is not None and (config.ulysses > 1 or config.fsdp):
+        raise ParallelConfigError(f"{config.describe()}: megatron-core groups have no Ulysses axis and no FSDP mesh")
     if config is not None and (config.tp, config.pp, config.cp, config.ep) != (tp, pp, cp, ep):
         raise ParallelConfigError(
             f"ParallelConfig {config.describe()} disagrees with megatron-core parallel_state "
@@ -160,6 +193,7 @@ def groups_from_megatron(config: ParallelConfig | None = None) -> ParallelGroups
         pp_group=ps.get_pipeline_model_parallel_group() if pp > 1 else None,
         dp_group=ps.get_data_parallel_group() if dp > 1 else None,
         cp_group=ps.get_context_parallel_group() if cp > 1 else None,
+        replica_group=ps.get_data_parallel_group(with_context_parallel=True) if dp * cp > 1 else None,
         ep_group=ps.get_expert_model_parallel_group() if ep > 1 else None,
         tp_rank=ps.get_tensor_model_parallel_rank(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),

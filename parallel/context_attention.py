@@ -1,0 +1,261 @@
+"""Context-parallel causal attention over the CP group: ring (P2P) and all-gather variants.
+
+Each CP rank holds the queries, keys and values of its local tokens (``SequencePlan`` layout:
+per sequence an early and a late chunk). Attention against another rank's keys is a list of
+blocks (``SequencePlan.segments``), each computed by a flash-style kernel that also returns the
+log-sum-exp of its scores; partial results are merged with the online-softmax rule
+``lse = logaddexp(lse_a, lse_b)``, ``out = out_a * e^(lse_a - lse) + out_b * e^(lse_b - lse)``.
+
+Backward recomputes each block from the saved local q/k/v, the final output and the final
+log-sum-exp (flash-attention's backward needs nothing else), so the memory saved per rank is that
+of single-rank attention on its own tokens: q, k, v, out and lse, never a score matrix and never
+another rank's keys.
+
+* ``ring``: keys/values travel around the ring with ``isend``/``irecv`` (step ``t`` computes on the
+  block received at ``t - 1`` while block ``t + 1`` is in flight). In backward the key/value
+  gradients travel with their block and arrive at the owner after one last hop.
+* ``allgather``: one all-gather of the keys/values, one all-to-all bringing every rank's key/value
+  gradient contributions back to their owner (summed there). Simpler; holds all keys/values of
+  the sequence at once while the layer runs (not saved for backward: gathered again there).
+
+Kernels: on CPU ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (what
+SDPA itself runs); elsewhere an exact matmul/softmax form of the same computation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from parallel.collectives import all_gather_dim0, group_rank, group_size
+from parallel.sequence_layout import Segment, SequencePlan
+
+_KV_TAG, _DKV_TAG = 17, 18
+
+
+# ---------------------------------------------------------------------- one block
+def acc_dtype(x: torch.Tensor) -> torch.dtype:
+    """Accumulation dtype of outputs, log-sum-exps and gradients: fp64 for fp64 inputs, else fp32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """KV heads ``[n, hkv, d]`` -> ``[n, hkv * groups, d]`` (query head h uses KV head h // groups)."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def _block_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [nq, h, d]``, ``k/v [nk, h, d]`` -> ``out [nq, h, d]``, ``lse [h, nq]`` (fp32)."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], 0.0, causal, scale=scale)
+        return out[0].transpose(0, 1), lse[0]
+    acc = acc_dtype(q)
+    scores = torch.einsum("qhd,khd->hqk", q.to(acc), k.to(acc)) * scale
+    if causal:
+        mask = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.einsum("hqk,khd->qhd", torch.exp(scores - lse[..., None]), v.to(acc))
+    return out.to(q.dtype), lse
+
+
+def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """Gradients of one block given the *final* out/lse of its query rows (flash backward)."""
+    if q.device.type == "cpu":
+        t = lambda x: x.transpose(0, 1)[None]  # noqa: E731
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            t(dout), t(q), t(k), t(v), t(out), lse[None], 0.0, causal, scale=scale)
+        return dq[0].transpose(0, 1), dk[0].transpose(0, 1), dv[0].transpose(0, 1)
+    acc = acc_dtype(q)
+    qf, kf, vf, of, df = q.to(acc), k.to(acc), v.to(acc), out.to(acc), dout.to(acc)
+    scores = torch.einsum("qhd,khd->hqk", qf, kf) * scale
+    if causal:
+        mask = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+    p = torch.exp(scores - lse[..., None])
+    dv = torch.einsum("hqk,qhd->khd", p, df)
+    dp = torch.einsum("qhd,khd->hqk", df, vf)
+    delta = (df * of).sum(-1).transpose(0, 1)  # [h, q]
+    ds = p * (dp - delta[..., None]) * scale
+    dq = torch.einsum("hqk,khd->qhd", ds, kf)
+    dk = torch.einsum("hqk,qhd->khd", ds, qf)
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------- lists of blocks
+def attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[Segment], scale: float,
+                    out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Add the blocks ``segments`` of ``q [Lq, hq, d]`` against ``k/v [Lk, hkv, d]`` into the fp32
+    accumulators ``out [Lq, hq, d]`` and ``lse [hq, Lq]`` (online softmax; -inf = nothing yet)."""
+    groups = q.shape[1] // k.shape[1]
+    for s in segments:
+        qa, qb, ka, kb = s.q_start, s.q_start + s.q_len, s.k_start, s.k_start + s.k_len
+        o, l = _block_forward(q[qa:qb], _expand(k[ka:kb], groups), _expand(v[ka:kb], groups), s.causal, scale)
+        old = lse[:, qa:qb]
+        new = torch.logaddexp(old, l)
+        out[qa:qb] = out[qa:qb] * torch.exp(old - new).t()[..., None] + o.to(out.dtype) * torch.exp(l - new).t()[..., None]
+        lse[:, qa:qb] = new
+
+
+def segments_backward(dout, q, k, v, out, lse, segments: list[Segment], scale: float, dq: torch.Tensor,
+                      dkv: torch.Tensor) -> None:
+    """Accumulate the blocks' gradients into ``dq [Lq, hq, d]`` and ``dkv [2, Lk, hkv, d]`` (fp32)."""
+    hkv = k.shape[1]
+    groups = q.shape[1] // hkv
+    for s in segments:
+        qa, qb, ka, kb = s.q_start, s.q_start + s.q_len, s.k_start, s.k_start + s.k_len
+        gq, gk, gv = _block_backward(dout[qa:qb], q[qa:qb], _expand(k[ka:kb], groups), _expand(v[ka:kb], groups),
+                                     out[qa:qb], lse[:, qa:qb].contiguous(), s.causal, scale)
+        dq[qa:qb] += gq.to(dq.dtype)
+        n = kb - ka
+        dkv[0, ka:kb] += gk.to(dkv.dtype).reshape(n, hkv, groups, -1).sum(2)
+        dkv[1, ka:kb] += gv.to(dkv.dtype).reshape(n, hkv, groups, -1).sum(2)
+
+
+# ---------------------------------------------------------------------- communication
+def _peer(group: Any, rank: int) -> int:
+    return dist.get_global_rank(group, rank % group_size(group))
+
+
+def _shift(send: torch.Tensor, recv: torch.Tensor | None, group: Any, tag: int) -> list:
+    """Start sending ``send`` to the next ring rank and receiving ``recv`` from the previous one."""
+    r, n = group_rank(group), group_size(group)
+    works = [dist.isend(send, dst=_peer(group, r + 1), group=group, tag=tag)]
+    if recv is not None:
+        works.append(dist.irecv(recv, src=_peer(group, r - 1), group=group, tag=tag))
+    return works
+
+
+def _wait(works: list) -> None:
+    for w in works:
+        w.wait()
+
+
+# ---------------------------------------------------------------------- autograd functions
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan: SequencePlan, group, scale: float):
+        n, r = group_size(group), group_rank(group)
+        out = torch.zeros(q.shape, dtype=acc_dtype(q), device=q.device)
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc_dtype(q), device=q.device)
+        cur = torch.stack([k, v]).contiguous()  # [2, L, hkv, d]: one message per step
+        for step in range(n):
+            nxt = torch.empty_like(cur) if step < n - 1 else None
+            works = _shift(cur, nxt, group, _KV_TAG) if nxt is not None else []
+            attend_segments(q, cur[0], cur[1], plan.segments(r, (r - step) % n), scale, out, lse)
+            _wait(works)
+            cur = nxt if nxt is not None else cur
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.group, ctx.scale = plan, group, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan, group, scale = ctx.plan, ctx.group, ctx.scale
+        n, r = group_size(group), group_rank(group)
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=acc_dtype(q), device=q.device)
+        cur = torch.stack([k, v]).contiguous()
+        pending: list = []  # sends of travelling gradient accumulators (kept alive until waited)
+        for step in range(n):
+            nxt = torch.empty_like(cur) if step < n - 1 else None
+            kv_works = _shift(cur, nxt, group, _KV_TAG) if nxt is not None else []
+            incoming = None
+            if step > 0:  # the accumulated gradient of the block we hold, from the ranks before us
+                incoming = torch.empty((2, *k.shape), dtype=acc_dtype(q), device=k.device)
+                in_work = dist.irecv(incoming, src=_peer(group, r - 1), group=group, tag=_DKV_TAG)
+            dkv = torch.zeros((2, *k.shape), dtype=acc_dtype(q), device=k.device)
+            segments_backward(dout, q, cur[0], cur[1], out, lse, plan.segments(r, (r - step) % n), scale, dq, dkv)
+            if incoming is not None:
+                in_work.wait()
+                dkv += incoming
+            pending.append((dist.isend(dkv, dst=_peer(group, r + 1), group=group, tag=_DKV_TAG), dkv))
+            _wait(kv_works)
+            cur = nxt if nxt is not None else cur
+        own = torch.empty((2, *k.shape), dtype=acc_dtype(q), device=k.device)
+        dist.irecv(own, src=_peer(group, r - 1), group=group, tag=_DKV_TAG).wait()
+        _wait([w for w, _ in pending])
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None
+
+
+def _all_gather_kv(k: torch.Tensor, v: torch.Tensor, group: Any) -> torch.Tensor:
+    kv = torch.stack([k, v])
+    return all_gather_dim0(kv, group).view(group_size(group), *kv.shape)  # [cp, 2, L, hkv, d]
+
+
+class _AllGatherAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan: SequencePlan, group, scale: float):
+        n, r = group_size(group), group_rank(group)
+        kv = _all_gather_kv(k, v, group)
+        out = torch.zeros(q.shape, dtype=acc_dtype(q), device=q.device)
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc_dtype(q), device=q.device)
+        for j in range(n):
+            attend_segments(q, kv[j, 0], kv[j, 1], plan.segments(r, j), scale, out, lse)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)  # local k/v only: gathered again in backward
+        ctx.plan, ctx.group, ctx.scale = plan, group, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan, group, scale = ctx.plan, ctx.group, ctx.scale
+        n, r = group_size(group), group_rank(group)
+        dout = dout.contiguous()
+        kv = _all_gather_kv(k, v, group)
+        dq = torch.zeros(q.shape, dtype=acc_dtype(q), device=q.device)
+        dkv = torch.zeros((n, 2, *k.shape), dtype=acc_dtype(q), device=k.device)
+        for j in range(n):
+            segments_backward(dout, q, kv[j, 0], kv[j, 1], out, lse, plan.segments(r, j), scale, dq, dkv[j])
+        del kv
+        received = torch.empty_like(dkv)
+        dist.all_to_all_single(received, dkv, group=group)  # received[j] = rank j's share for my block
+        own = received.sum(0)
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None
+
+
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SequencePlan, group: Any,
+                               comm: str = "ring", scale: float | None = None) -> torch.Tensor:
+    """Causal attention of this CP rank's local tokens against the whole sequences.
+
+    ``q [L, hq, d]``, ``k/v [L, hkv, d]`` (GQA: hq a multiple of hkv), ``L = plan.local_len``;
+    returns ``[L, hq, d]`` (zeros at padding). Collective over ``group`` (the CP group, size
+    ``plan.cp``): every member calls it with the same plan.
+    """
+    if group_size(group) != plan.cp:
+        raise ValueError(f"the plan is for cp={plan.cp} but the group has {group_size(group)} ranks")
+    if q.shape[0] != plan.local_len or k.shape[0] != plan.local_len:
+        raise ValueError(f"q/k hold {q.shape[0]}/{k.shape[0]} tokens, the plan {plan.local_len} per rank")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if plan.cp == 1:
+        return _SingleRankAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, scale)
+    fn = {"ring": _RingAttention, "allgather": _AllGatherAttention}[comm]
+    return fn.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, group, scale)
+
+
+class _SingleRankAttention(torch.autograd.Function):
+    """cp == 1 through the same block kernels (used by tests as the segment-kernel reference)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan: SequencePlan, scale: float):
+        out = torch.zeros(q.shape, dtype=acc_dtype(q), device=q.device)
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc_dtype(q), device=q.device)
+        attend_segments(q, k, v, plan.segments(0, 0), scale, out, lse)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.scale = plan, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq = torch.zeros(q.shape, dtype=acc_dtype(q), device=q.device)
+        dkv = torch.zeros((2, *k.shape), dtype=acc_dtype(q), device=k.device)
+        segments_backward(dout.contiguous(), q, k, v, out, lse, ctx.plan.segments(0, 0), ctx.scale, dq, dkv)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
