@@ -9,6 +9,8 @@ pay nothing. Sequence functions split/gather along dim 0 (activations are ``[seq
   gather_from_sequence         fwd: all-gather        bwd: reduce-scatter    (input of column-parallel under SP)
   reduce_scatter_to_sequence   fwd: reduce-scatter    bwd: all-gather        (output of row-parallel under SP)
   gather_last_dim              fwd: all-gather        bwd: keep own chunk    (gather vocab-sharded logits)
+  gather_for_replicas          fwd: all-gather dim 0  bwd: keep own chunk    (sequence-split outputs that every
+                                                                              rank then uses identically)
 """
 
 from __future__ import annotations
@@ -132,6 +134,17 @@ class _GatherLastDim(torch.autograd.Function):
         return _own_chunk(grad, ctx.group, grad.dim() - 1), None
 
 
+class _GatherForReplicas(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_dim0(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _own_chunk(grad, ctx.group, 0), None
+
+
 def _wrap(fn: type[torch.autograd.Function]):
     def apply(x: torch.Tensor, group: Any) -> torch.Tensor:
         if group_size(group) == 1:
@@ -148,3 +161,4 @@ scatter_to_sequence = _wrap(_ScatterToSequence)
 gather_from_sequence = _wrap(_GatherFromSequence)
 reduce_scatter_to_sequence = _wrap(_ReduceScatterToSequence)
 gather_last_dim = _wrap(_GatherLastDim)
+gather_for_replicas = _wrap(_GatherForReplicas)

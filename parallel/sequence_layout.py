@@ -112,6 +112,12 @@ class SequencePlan:
         valid &= nxt < ends[seq.clamp(min=0)]
         return torch.where(valid, nxt, torch.full_like(index, -1))
 
+    def positions(self, index: torch.Tensor) -> torch.Tensor:
+        """Position of the tokens at global ``index`` within their sequence (0 for padding)."""
+        starts = torch.tensor(self.starts, dtype=torch.long)
+        seq = (torch.searchsorted(starts, index, right=True) - 1).clamp(min=0)
+        return torch.where(index >= 0, index - starts[seq] if len(self.starts) else index, torch.zeros_like(index))
+
     def local_cu_seqlens(self, cp_rank: int) -> torch.Tensor:
         """cu_seqlens of CP rank ``cp_rank``'s local tokens read as whole sequences (cp == 1 only:
         then every sequence is local; the tail padding forms one more, ignored, sequence)."""

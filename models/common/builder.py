@@ -84,8 +84,6 @@ def build_model(arch: Architecture, source: Any, parallel_config: ParallelConfig
     cfg = arch.model_config(hf_config)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     parallel_config.validate(cfg, world_size=world)
-    if parallel_config.cp > 1:
-        raise ParallelConfigError(f"{parallel_config.describe()}: context parallelism is not built yet")
     wmap = arch.weight_map(cfg, parallel_config.padded_vocab_size(cfg.vocab_size))
     if isinstance(source, (str, os.PathLike)):
         tensor_source = SafetensorsSource(source)
@@ -97,8 +95,13 @@ def build_model(arch: Architecture, source: Any, parallel_config: ParallelConfig
 
     if groups is None:
         groups = build_groups(parallel_config, device)
-    elif (groups.config.tp, groups.config.pp) != (parallel_config.tp, parallel_config.pp):
+    elif (groups.config.tp, groups.config.pp, groups.config.cp, groups.config.ulysses) != (
+            parallel_config.tp, parallel_config.pp, parallel_config.cp, parallel_config.ulysses):
         raise ParallelConfigError(f"groups were built for {groups.config.describe()}, not {parallel_config.describe()}")
     model = ParallelCausalLM(cfg, groups, wmap, dtype=dtype, device=device)
     load_weights(dict(model.named_parameters()), model.load_entries(), tensor_source, groups.tp_rank, groups.tp_size)
+    if parallel_config.fsdp:
+        from parallel.fsdp import shard_model
+
+        shard_model(model, groups)
     return model

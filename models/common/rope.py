@@ -62,10 +62,13 @@ class RotaryEmbedding(torch.nn.Module):
         self.max_position_embeddings = max_position_embeddings
         self.register_buffer("inv_freq", inv_freq(rope, head_dim, max_position_embeddings), persistent=False)
 
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype,
+                seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``seq_len`` (dynamic NTK only): the batch's ``max(position) + 1`` when ``position_ids`` is
+        only a slice of it (context/Ulysses parallel); default: computed from ``position_ids``."""
         freq = self.inv_freq
         if self.rope.rope_type == "dynamic":
-            seq_len = int(position_ids.max()) + 1
+            seq_len = int(position_ids.max()) + 1 if seq_len is None else seq_len
             if seq_len > self.max_position_embeddings:
                 freq = inv_freq(self.rope, self.head_dim, self.max_position_embeddings, seq_len, position_ids.device)
         angles = position_ids.t().unsqueeze(-1).float() * freq.to(position_ids.device)  # [s, b, hd/2]

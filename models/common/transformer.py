@@ -17,10 +17,14 @@ from torch import nn
 from models.common.attention import causal_attention
 from models.common.config import ModelConfig
 from models.common.rope import RotaryEmbedding, apply_rotary
+from models.common.sequence_parallel import SequenceShard
 from models.common.weights import WeightEntry, WeightMap, export_hf_state, hf_shapes
 from parallel.collectives import gather_last_dim
+from parallel.context_attention import context_parallel_attention
 from parallel.cross_entropy import vocab_parallel_cross_entropy
 from parallel.grads import finalize_grads
+from parallel.sequence_layout import SequencePlan
+from parallel.ulysses import heads_to_seq, qkv_to_heads
 from parallel.groups import ParallelGroups
 from parallel.pipeline_layout import stage_layer_ranges
 from parallel.layers import (
@@ -57,7 +61,7 @@ class ParallelAttention(nn.Module):
                                         tp_group=groups.tp_group, sequence_parallel=sp, dtype=dtype, device=device)
         self.head_dim = cfg.head_dim
 
-    def forward(self, x, cos, sin, attention_mask, cu_seqlens, max_seqlen):
+    def forward(self, x, cos, sin, attention_mask, cu_seqlens, max_seqlen, seq: SequenceShard | None = None):
         qkv = self.qkv_proj(x)  # [s, b, (hq + 2 hkv) * d]
         s, b, _ = qkv.shape
         q_size, kv_size, _ = self.qkv_proj.local_sizes()
@@ -65,8 +69,25 @@ class ParallelAttention(nn.Module):
         q = apply_rotary(q.view(s, b, -1, self.head_dim), cos, sin)
         k = apply_rotary(k.view(s, b, -1, self.head_dim), cos, sin)
         v = v.view(s, b, -1, self.head_dim)
-        out = causal_attention(q, k, v, attention_mask=attention_mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        if seq is None:
+            out = causal_attention(q, k, v, attention_mask=attention_mask, cu_seqlens=cu_seqlens,
+                                   max_seqlen=max_seqlen)
+        else:
+            out = self._split_sequence_attention(q, k, v, seq)
         return self.o_proj(out)
+
+    @staticmethod
+    def _split_sequence_attention(q, k, v, seq: SequenceShard) -> torch.Tensor:
+        """Ulysses all-to-all to all tokens of a head group, then causal attention over this CP
+        rank's tokens (ring / all-gather across CP ranks), then back. ``[s, 1, h, d] -> [s, 1, h*d]``."""
+        s, b, hq, d = q.shape
+        q, k, v = qkv_to_heads(q, k, v, seq.ulysses_group)  # [L, 1, h/u, d]
+        if seq.plan.cp > 1:
+            out = context_parallel_attention(q[:, 0], k[:, 0], v[:, 0], seq.plan, seq.cp_group, comm=seq.cp_comm)
+            out = out[:, None]
+        else:
+            out = causal_attention(q, k, v, cu_seqlens=seq.local_cu_seqlens()).view(q.shape)
+        return heads_to_seq(out, seq.ulysses_group).reshape(s, b, hq * d)
 
 
 class ParallelMLP(nn.Module):
@@ -94,8 +115,8 @@ class DecoderLayer(nn.Module):
                                                 device=device)
         self.mlp = ParallelMLP(cfg, groups, dtype, device)
 
-    def forward(self, x, cos, sin, attention_mask=None, cu_seqlens=None, max_seqlen=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention_mask, cu_seqlens, max_seqlen)
+    def forward(self, x, cos, sin, attention_mask=None, cu_seqlens=None, max_seqlen=None, seq=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention_mask, cu_seqlens, max_seqlen, seq)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -188,12 +209,25 @@ class ParallelCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 gather_logits: bool = False, cu_seqlens: torch.Tensor | None = None,
-                max_seqlen: int | None = None, return_logits: bool = True) -> CausalLMOutput:
+                max_seqlen: int | None = None, return_logits: bool = True,
+                sequence_plan: SequencePlan | None = None, targets: torch.Tensor | None = None) -> CausalLMOutput:
         """Padded batch ``input_ids [b, s]`` (optional ``attention_mask [b, s]``, 1 = token), or a packed
         batch ``input_ids [T]``/``[1, T]`` with ``cu_seqlens [n + 1]``. ``labels`` like ``input_ids``;
-        shifted inside, ``-100`` ignored (transformers semantics)."""
+        shifted inside, ``-100`` ignored (transformers semantics).
+
+        With context/Ulysses parallelism every rank of the group passes the same full batch (the
+        model takes its own tokens; logits come back whole), or, with ``sequence_plan``, only its own
+        tokens (``plan.token_index``) and their ``targets`` (HF-shifted labels, ``-100`` ignored);
+        logits then stay local. See ``models/common/sequence_parallel.py``."""
         if self.groups.pp_size > 1:
             raise RuntimeError("with pipeline parallelism use model.forward_backward(...) (stages run in a schedule)")
+        if self.groups.sequence_split or sequence_plan is not None:
+            from models.common.sequence_parallel import split_sequence_forward
+
+            return split_sequence_forward(self, input_ids, position_ids, attention_mask, labels, cu_seqlens,
+                                          gather_logits, return_logits, sequence_plan, targets)
+        if targets is not None:
+            raise ValueError("targets= is for already-sliced inputs (with sequence_plan=); pass labels= instead")
         ids, pos, mask, labels, cu, seq_len = self._prepare(input_ids, position_ids, attention_mask, labels, cu_seqlens)
         if mask is not None and bool(mask.all()):
             mask = None  # no padding: plain causal kernel
@@ -217,11 +251,22 @@ class ParallelCausalLM(nn.Module):
     # ------------------------------------------------------------------ pieces (also used by pipeline stages)
     def run_layers(self, h: torch.Tensor, layer_ids: list[int], position_ids: torch.Tensor,
                    attention_mask: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
-                   max_seqlen: int | None = None) -> torch.Tensor:
-        """Decoder layers ``layer_ids`` on hidden states ``h [s(/tp), b, hidden]``."""
-        cos, sin = self.rotary(position_ids, h.dtype)
+                   max_seqlen: int | None = None, seq: SequenceShard | None = None) -> torch.Tensor:
+        """Decoder layers ``layer_ids`` on hidden states ``h [s(/tp), b, hidden]``.
+
+        ``seq``: this rank's share of a sequence-split batch (``position_ids`` are its tokens').
+        With ``recompute="full"`` each layer keeps only its input for backward and reruns itself
+        (collectives included: every rank of a group recomputes the same layers in the same order).
+        """
+        cos, sin = self.rotary(position_ids, h.dtype, seq_len=seq.rope_seq_len if seq is not None else None)
+        recompute = self.groups.config.recompute == "full" and torch.is_grad_enabled()
         for i in layer_ids:
-            h = self.model.layers[str(i)](h, cos, sin, attention_mask, cu_seqlens, max_seqlen)
+            layer = self.model.layers[str(i)]
+            if recompute:
+                h = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, attention_mask, cu_seqlens, max_seqlen, seq,
+                                                      use_reentrant=False)
+            else:
+                h = layer(h, cos, sin, attention_mask, cu_seqlens, max_seqlen, seq)
         return h
 
     def token_losses(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -255,6 +300,7 @@ class ParallelCausalLM(nn.Module):
         """
         wmap = self.weight_map
         tensors = tensors if tensors is not None else dict(self.named_parameters())
+        tensors = {name: _unsharded(t) for name, t in tensors.items()}  # FSDP2 shards -> this TP rank's tensor
         yield from export_hf_state(tensors, self.weight_entries(), hf_shapes(self.config, wmap), self.groups.tp_group)
 
     # ------------------------------------------------------------------ training
@@ -280,5 +326,28 @@ class ParallelCausalLM(nn.Module):
                                 position_ids=position_ids, max_tokens_per_microbatch=max_tokens_per_microbatch)
 
     def finalize_grads(self) -> None:
-        """After backward: sum SP-partial and replicated-KV gradients over TP, average over DP."""
-        finalize_grads(self.parameters(), tp_group=self.groups.tp_group, dp_group=self.groups.dp_group)
+        """After ``model(...).loss.backward()``: sum SP-partial and replicated-KV gradients over TP, sum
+        over cp/ulysses ranks, average over DP (FSDP2 already reduced over the replicas)."""
+        groups = self.groups
+        finalize_grads(self.parameters(), tp_group=groups.tp_group, replica_group=groups.replica_group,
+                       replica_scale=1.0 / groups.dp_size, replicas_reduced=groups.config.fsdp)
+
+    # ------------------------------------------------------------------ sequence split (cp / ulysses)
+    def plan_sequences(self, lengths, total: int | None = None) -> SequencePlan:
+        """The token layout of packed sequences of ``lengths`` over this job's cp/ulysses ranks (the
+        same on every rank, computed from lengths alone): for callers passing already-sliced input,
+        ``plan.token_index(*self.sequence_coordinates)`` says which global tokens this rank takes."""
+        from models.common.sequence_parallel import plan_for
+
+        return plan_for(self.groups, list(lengths), total)
+
+    @property
+    def sequence_coordinates(self) -> tuple[int, int]:
+        """This rank's ``(cp_rank, ulysses_rank)``."""
+        return self.groups.cp_rank, self.groups.ulysses_rank
+
+
+def _unsharded(t: torch.Tensor) -> torch.Tensor:
+    """A FSDP2 (DTensor) parameter or gradient as this TP rank's whole tensor; plain tensors as they are."""
+    full = getattr(t, "full_tensor", None)
+    return full() if full is not None else t

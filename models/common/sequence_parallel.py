@@ -1,0 +1,229 @@
+"""Sequence-split forward glue (context parallel and Ulysses): the model slices its own inputs.
+
+Every rank of a CP/Ulysses group receives the same full batch. The batch becomes packed sequences
+(a padded batch loses its padding: only real tokens are computed, unlike Megatron's per-sequence
+padding), each rank takes its tokens by the ``SequencePlan`` (``parallel/sequence_layout.py``),
+runs the layers on them, and outputs that every caller expects whole (logits, per-token
+log-probs) are gathered back into the caller's layout. Position ids and HF-shifted targets are
+computed on the whole batch first and sliced the same way, so no rank needs another rank's
+positions (RoPE is applied before the Ulysses all-to-all) and the last token of a chunk still
+predicts the first token of the next chunk.
+
+A model that cannot see the whole batch up front (Qwen2-VL: image features exist only after the
+vision tower) slices after embedding with the same ``SequenceShard.take``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from parallel.collectives import gather_for_replicas, group_size
+from parallel.groups import ParallelGroups
+from parallel.sequence_layout import SequencePlan, plan_sequences
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class FlatBatch:
+    """A batch as packed real tokens: ``ids/positions/targets [T]``, sequences of ``lengths``.
+
+    ``keep`` (padded input only): the flat ``b*s`` position of each real token, to put per-token
+    outputs back into the caller's ``[b, s]`` layout (``shape``).
+    """
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    targets: torch.Tensor | None
+    lengths: list[int]
+    shape: tuple[int, int]
+    keep: torch.Tensor | None
+
+    @property
+    def total(self) -> int:
+        return int(self.ids.numel())
+
+
+def flatten_batch(input_ids: torch.Tensor, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
+                  labels: torch.Tensor | None, cu_seqlens: torch.Tensor | None) -> FlatBatch:
+    """Packed (``cu_seqlens``) or padded (``[b, s]`` + optional mask) input -> ``FlatBatch``.
+
+    Targets follow transformers: token t predicts label t+1 of its own row/sequence; padded rows
+    keep only real tokens (mask 1), so predictions made *from* padding are not scored (as in
+    ``forward_backward``); a real token's target may still be a label at a padded position.
+    """
+    device = input_ids.device
+    if cu_seqlens is not None:
+        if attention_mask is not None:
+            raise ValueError("packed input (cu_seqlens) takes no attention_mask")
+        ids = input_ids.reshape(-1)
+        total = ids.numel()
+        cu = cu_seqlens.to(device=device, dtype=torch.long)
+        if cu[0] != 0 or cu[-1] != total or bool((cu[1:] < cu[:-1]).any()):
+            raise ValueError(f"cu_seqlens must rise from 0 to the token count {total}, got {cu.tolist()}")
+        lengths = (cu[1:] - cu[:-1]).tolist()
+        starts = torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1])
+        positions = position_ids.reshape(-1) if position_ids is not None else torch.arange(total, device=device) - starts
+        targets = None
+        if labels is not None:
+            flat = labels.reshape(-1)
+            targets = torch.full_like(ids, IGNORE_INDEX)
+            targets[:-1] = flat[1:]
+            targets[(cu[1:] - 1)[cu[1:] > cu[:-1]]] = IGNORE_INDEX
+        return FlatBatch(ids, positions, targets, lengths, (1, total), None)
+    bsz, seq = input_ids.shape
+    keep = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+    pos = position_ids if position_ids is not None else torch.arange(seq, device=device).expand(bsz, seq)
+    flat_keep = keep.reshape(-1).nonzero().reshape(-1)
+    targets = None
+    if labels is not None:
+        shifted = torch.full_like(input_ids, IGNORE_INDEX)
+        shifted[:, :-1] = labels[:, 1:]
+        targets = shifted.reshape(-1)[flat_keep]
+    return FlatBatch(input_ids.reshape(-1)[flat_keep], pos.reshape(-1)[flat_keep], targets,
+                     keep.sum(1).tolist(), (bsz, seq), flat_keep)
+
+
+def unflatten(values: torch.Tensor, batch: FlatBatch) -> torch.Tensor:
+    """Per-token ``values [T, ...]`` back into the caller's layout ``[b, s, ...]`` (0 at padding)."""
+    if batch.keep is None:
+        return values.reshape(1, batch.total, *values.shape[1:])
+    b, s = batch.shape
+    out = values.new_zeros((b * s, *values.shape[1:]))
+    out[batch.keep] = values
+    return out.reshape(b, s, *values.shape[1:])
+
+
+@dataclass
+class SequenceShard:
+    """This rank's tokens of one packed batch and the groups that attention needs.
+
+    ``index``: global flat token index of each local token (-1 = padding), ``plan.local_len /
+    ulysses`` of them. ``rope_seq_len``: the whole batch's ``max(position) + 1`` (dynamic-NTK RoPE
+    must see the global length, not the local one).
+    """
+
+    plan: SequencePlan
+    index: torch.Tensor
+    cp_group: Any
+    ulysses_group: Any
+    cp_comm: str
+    rope_seq_len: int | None = None
+
+    def take(self, values: torch.Tensor, fill: float | int = 0) -> torch.Tensor:
+        """This rank's rows of ``values [T, ...]`` (``fill`` at padding)."""
+        index = self.index.to(values.device)
+        picked = values[index.clamp(min=0)]
+        pad = (index < 0).reshape(-1, *([1] * (values.dim() - 1)))
+        return picked.masked_fill(pad, fill) if bool(pad.any()) else picked
+
+    def local_cu_seqlens(self) -> torch.Tensor:
+        """cp == 1: whole sequences are local; their cu_seqlens over the Ulysses-gathered tokens."""
+        return self.plan.local_cu_seqlens(0).to(self.index.device)
+
+
+def plan_for(groups: ParallelGroups, lengths: list[int], total: int | None = None) -> SequencePlan:
+    """The plan of this job's layout for sequences of ``lengths`` (same on every rank)."""
+    multiple = groups.tp_size if groups.sequence_parallel else 1
+    return plan_sequences(lengths, cp=groups.cp_size, ulysses=groups.ulysses_size, multiple=multiple, total=total)
+
+
+def shard_of(groups: ParallelGroups, plan: SequencePlan, rope_seq_len: int | None = None) -> SequenceShard:
+    """This rank's ``SequenceShard`` of ``plan``."""
+    if (plan.cp, plan.ulysses) != (groups.cp_size, groups.ulysses_size):
+        raise ValueError(f"the sequence plan is for cp={plan.cp} ulysses={plan.ulysses}, the model runs "
+                         f"cp={groups.cp_size} ulysses={groups.ulysses_size}")
+    return SequenceShard(plan, plan.token_index(groups.cp_rank, groups.ulysses_rank), groups.cp_group,
+                         groups.ulysses_group, groups.config.cp_comm, rope_seq_len)
+
+
+def gather_tokens(local: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
+    """Every rank's local rows ``[L/u, ...]`` -> ``[T, ...]`` in global token order, on every rank.
+
+    Differentiable: the gradient of the result (identical on every rank) flows back to each
+    rank's own rows.
+    """
+    x = gather_for_replicas(local.contiguous(), shard.ulysses_group)  # [L, ...] this CP rank's tokens
+    x = gather_for_replicas(x, shard.cp_group)  # [cp * L, ...]
+    plan = shard.plan
+    return plan.restore(x.reshape(plan.cp, plan.local_len, *local.shape[1:]))
+
+
+def sum_over_sequence_groups(x: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
+    """Sum a per-rank partial (e.g. of token losses) over the cp and ulysses ranks; the gradient
+    each rank receives is that of its own part (identity backward)."""
+    from parallel.collectives import reduce_from_group
+
+    for group in (groups.cp_group, groups.ulysses_group):
+        if group_size(group) > 1:
+            x = reduce_from_group(x, group)
+    return x
+
+
+def _rope_seq_len(lm, positions: torch.Tensor, groups: ParallelGroups, reduce: bool) -> int | None:
+    """``max(position) + 1`` of the whole batch, for dynamic-NTK RoPE only (None otherwise)."""
+    if lm.config.rope.rope_type != "dynamic":
+        return None
+    top = positions.max().reshape(1).to(torch.long) if positions.numel() else torch.zeros(1, dtype=torch.long)
+    if reduce:
+        import torch.distributed as dist
+
+        for group in (groups.cp_group, groups.ulysses_group):
+            if group_size(group) > 1:
+                dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    return int(top) + 1
+
+
+def split_sequence_forward(lm, input_ids, position_ids, attention_mask, labels, cu_seqlens, gather_logits: bool,
+                           return_logits: bool, plan: SequencePlan | None, targets: torch.Tensor | None):
+    """``ParallelCausalLM.forward`` when the sequence is split over cp/ulysses ranks (see module doc)."""
+    from models.common.transformer import CausalLMOutput
+
+    groups = lm.groups
+    presliced = plan is not None
+    if not presliced:
+        if targets is not None:
+            raise ValueError("targets= is for already-sliced inputs (with sequence_plan=); pass labels= instead")
+        batch = flatten_batch(input_ids, position_ids, attention_mask, labels, cu_seqlens)
+        plan = plan_for(groups, batch.lengths, batch.total)
+        shard = shard_of(groups, plan, _rope_seq_len(lm, batch.positions, groups, reduce=False))
+        ids, pos = shard.take(batch.ids), shard.take(batch.positions)
+        tgt = shard.take(batch.targets, IGNORE_INDEX) if batch.targets is not None else None
+        count = (batch.targets != IGNORE_INDEX).sum() if batch.targets is not None else None
+    else:
+        if labels is not None or attention_mask is not None or cu_seqlens is not None:
+            raise ValueError("with sequence_plan= pass this rank's tokens, their targets= (HF-shifted labels) and "
+                             "optionally position_ids=; labels=, attention_mask= and cu_seqlens= describe a whole batch")
+        shard = shard_of(groups, plan)
+        ids = input_ids.reshape(-1)
+        if ids.numel() != shard.index.numel():
+            raise ValueError(f"this rank takes {shard.index.numel()} tokens of the plan (plan.token_index"
+                             f"{lm.sequence_coordinates}), got {ids.numel()}")
+        pos = position_ids.reshape(-1) if position_ids is not None else plan.positions(shard.index).to(ids.device)
+        shard.rope_seq_len = (max(plan.lengths, default=1) if position_ids is None and lm.config.rope.rope_type == "dynamic"
+                              else _rope_seq_len(lm, pos, groups, reduce=True))
+        tgt = targets.reshape(-1) if targets is not None else None
+        count = None
+        if tgt is not None:
+            count = sum_over_sequence_groups((tgt != IGNORE_INDEX).sum().to(torch.float64), groups).detach()
+    h = lm.model.embed_tokens(ids[:, None])  # [n(/tp), 1, hidden]
+    h = lm.run_layers(h, lm.layer_ids(), pos[None], seq=shard)
+    logits = lm.lm_head(lm.model.norm(h))  # [n, 1, V_pad/tp]
+    loss = None
+    if tgt is not None:
+        local_sum = lm.token_losses(logits, tgt[:, None]).sum()
+        loss = sum_over_sequence_groups(local_sum, groups) / count.clamp(min=1).to(local_sum.dtype)
+    out_logits = None
+    if return_logits:
+        from parallel.collectives import gather_last_dim
+
+        local = logits[:, 0]
+        if gather_logits:
+            local = gather_last_dim(local, groups.tp_group)[..., : lm.config.vocab_size]
+        else:
+            local = local[..., : lm.lm_head.valid_columns]
+        out_logits = local[None] if presliced else unflatten(gather_tokens(local, shard), batch)
+    return CausalLMOutput(loss=loss, logits=out_logits)
