@@ -7,6 +7,10 @@ targets, splits them into balanced packed micro-batches, runs them (a plain loop
 mean over every non-ignored target of the *global* batch (all micro-batches and DP ranks), the
 exact number transformers computes for the concatenated batch: each micro-batch contributes
 ``sum of its token losses / global token count``, and DP gradients are summed, not averaged.
+
+With context/Ulysses parallelism every micro-batch is laid out over the cp/ulysses ranks
+(``SequencePlan``) after packing: each rank runs its tokens, the token losses of all ranks add up
+to the micro-batch's, and gradients are summed over those ranks like over DP.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from models.common.sequence_parallel import SequenceShard, gather_tokens, plan_for, shard_of
 from parallel.grads import finalize_grads
 from parallel.microbatch import plan_microbatches
 from parallel.pipeline import PipelineRunner, check_schedule, microbatch_multiple
@@ -93,10 +98,11 @@ class PipelineChunk(nn.Module):
         self.norm = lm.model.norm if self.last else None
         self.lm_head = lm.lm_head if self.last else None
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                seq: SequenceShard | None = None) -> torch.Tensor:
         lm = self._lm[0]
         h = self.embed_tokens(x.t()) if self.first else x
-        h = lm.run_layers(h, self.layer_ids, position_ids, None, cu_seqlens)
+        h = lm.run_layers(h, self.layer_ids, position_ids, None, None if seq is not None else cu_seqlens, seq=seq)
         return self.lm_head(self.norm(h)) if self.last else h
 
 
@@ -120,6 +126,14 @@ def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = 
     if groups.sequence_parallel:
         total = -(-total // tp) * tp
     mbs = [pack([samples[i] for i in group], total) for group in plan.groups]
+    shards: list[SequenceShard | None] = [None] * len(mbs)
+    if groups.sequence_split:  # each micro-batch laid out over the cp/ulysses ranks: keep this rank's tokens
+        for m, group in enumerate(plan.groups):
+            ids, pos, tgt, cu = mbs[m]
+            rope_len = int(pos.max()) + 1 if lm.config.rope.rope_type == "dynamic" else None
+            shard = shard_of(groups, plan_for(groups, [len(samples[i].ids) for i in group], total), rope_len)
+            shards[m] = shard
+            mbs[m] = (shard.take(ids[0])[None], shard.take(pos[0])[None], shard.take(tgt[0], IGNORE_INDEX)[None], cu)
     local_count = sum(int((s.targets != IGNORE_INDEX).sum()) for s in samples)
     count = torch.tensor([local_count], dtype=torch.float64)
     if groups.dp_group is not None:
@@ -129,13 +143,15 @@ def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = 
     loss_fn = _TokenLoss(lm)
     loss_fn.forward_only, loss_fn.global_count = forward_only, global_count
 
+    if groups.config.fsdp:
+        from parallel.fsdp import set_replica_scale
+
+        set_replica_scale(lm, None)  # losses are already over the global token count: sum
     if pp == 1:
         outputs = []
-        for ids, pos, tgt, cu in mbs:
+        for (ids, pos, tgt, cu), shard in zip(mbs, shards):
             with torch.set_grad_enabled(not forward_only):
-                h = lm.model.embed_tokens(ids.t())
-                h = lm.run_layers(h, lm.layer_ids(), pos, None, cu)
-                out = loss_fn(lm.lm_head(lm.model.norm(h)), tgt)
+                out = loss_fn(lm.packed_logits(ids, pos, cu, shard), tgt)
             if not forward_only:
                 out.backward()
                 out = out.detach()
@@ -145,15 +161,17 @@ def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = 
         runner.loss_fn.forward_only, runner.loss_fn.global_count = forward_only, global_count
         outputs = runner.run(
             arg_mbs=[(ids,) if lm.is_first_stage else () for ids, _, _, _ in mbs],
-            kwarg_mbs=[{"position_ids": pos, "cu_seqlens": cu} for _, pos, _, cu in mbs],
+            kwarg_mbs=[{"position_ids": pos, "cu_seqlens": cu, "seq": shard} for (_, pos, _, cu), shard in zip(mbs, shards)],
             target_mbs=[tgt for _, _, tgt, _ in mbs] if lm.is_last_stage else None,
             has_backward=not forward_only)
     if forward_only:
+        if groups.sequence_split and lm.is_last_stage:  # every rank's token losses, in packed order
+            outputs = [gather_tokens(o.reshape(-1), shard) for o, shard in zip(outputs, shards)]
         return _logprobs(lm, outputs, plan, samples, input_ids, attention_mask, cu_seqlens, total)
     loss = torch.stack(outputs).sum() if lm.is_last_stage else torch.zeros((), dtype=torch.float32)
     loss = _from_last_stage(lm, loss.float().reshape(1)).reshape(())
-    if groups.dp_group is not None:
-        dist.all_reduce(loss, group=groups.dp_group)
+    if groups.replica_group is not None:  # dp ranks' batches and cp/ulysses ranks' tokens add up
+        dist.all_reduce(loss, group=groups.replica_group)
     finalize_pipeline_grads(lm)
     return loss
 
@@ -208,7 +226,8 @@ def finalize_pipeline_grads(lm) -> None:
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    finalize_grads(params, tp_group=groups.tp_group, dp_group=groups.dp_group, dp_average=False)
+    finalize_grads(params, tp_group=groups.tp_group, replica_group=groups.replica_group,
+                   replicas_reduced=groups.config.fsdp)
     if lm.config.tie_word_embeddings and groups.pp_size > 1:
         if lm.is_first_stage:
             grad = lm.model.embed_tokens.weight.grad

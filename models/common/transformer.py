@@ -221,6 +221,10 @@ class ParallelCausalLM(nn.Module):
         logits then stay local. See ``models/common/sequence_parallel.py``."""
         if self.groups.pp_size > 1:
             raise RuntimeError("with pipeline parallelism use model.forward_backward(...) (stages run in a schedule)")
+        if self.groups.config.fsdp:
+            from parallel.fsdp import set_replica_scale
+
+            set_replica_scale(self, self.groups.dp_size)  # each DP rank's loss is its own mean
         if self.groups.sequence_split or sequence_plan is not None:
             from models.common.sequence_parallel import split_sequence_forward
 
@@ -249,6 +253,15 @@ class ParallelCausalLM(nn.Module):
         return CausalLMOutput(loss=loss, logits=out_logits)
 
     # ------------------------------------------------------------------ pieces (also used by pipeline stages)
+    def packed_logits(self, ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                      seq: SequenceShard | None = None) -> torch.Tensor:
+        """One packed micro-batch ``ids [1, T]`` (this rank's tokens under cp/ulysses) through the whole
+        model: vocab-sharded logits ``[T, 1, V_pad/tp]`` (a forward method FSDP2 knows about)."""
+        h = self.model.embed_tokens(ids.t())
+        h = self.run_layers(h, self.layer_ids(), position_ids, None, None if seq is not None else cu_seqlens, seq=seq)
+        return self.lm_head(self.model.norm(h))
+
+
     def run_layers(self, h: torch.Tensor, layer_ids: list[int], position_ids: torch.Tensor,
                    attention_mask: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
                    max_seqlen: int | None = None, seq: SequenceShard | None = None) -> torch.Tensor:
