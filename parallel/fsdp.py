@@ -34,7 +34,7 @@ def shard_model(model: nn.Module, groups: ParallelGroups, *, layers_attr: str = 
     layers = model.get_submodule(layers_attr)
     for layer in layers.values() if isinstance(layers, nn.ModuleDict) else layers:
         fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
     for name in forward_methods:
         register_fsdp_forward_method(model, name)
     for name, p in model.named_parameters():

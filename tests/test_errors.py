@@ -191,6 +191,49 @@ def test_invalid_stage_layout_raises_before_any_process_group(qwen2_dir, no_proc
     _names(str(exc.value), *numbers)
 
 
+# ------------------------------------------------------------------ long-context layouts
+
+
+def test_long_context_layouts_pass():
+    cfg = _llama_config(num_attention_heads=8, num_key_value_heads=2, hidden_size=64)
+    ParallelConfig(cp=2, ulysses=2).validate(cfg, world_size=8)
+    ParallelConfig(ulysses=8).validate(cfg, world_size=8)  # 2 KV heads repeated 4 times
+    ParallelConfig(tp=2, ulysses=4).validate(cfg, world_size=8)  # 4 heads and 1 KV head per TP rank
+    ParallelConfig(tp=2, sequence_parallel=True, cp=2, fsdp=True, recompute="full").validate(cfg, world_size=8)
+
+
+@pytest.mark.parametrize("kw,cfg_kw,numbers,needle", [
+    (dict(ulysses=4), dict(num_attention_heads=6, num_key_value_heads=6, hidden_size=48), (6, 4), "ulysses"),
+    (dict(tp=2, ulysses=4), dict(num_attention_heads=4, num_key_value_heads=4), (2, 4), "ulysses"),
+    (dict(ulysses=2), dict(num_attention_heads=12, num_key_value_heads=3, hidden_size=48), (3, 2), "KV heads"),
+    (dict(ulysses=2, cp=2), dict(), (6, 4), "world size"),
+])
+def test_invalid_long_context_layouts(kw, cfg_kw, numbers, needle):
+    with pytest.raises(ParallelConfigError) as exc:
+        ParallelConfig(**kw).validate(_llama_config(**cfg_kw), world_size=6 if needle == "world size" else None)
+    msg = str(exc.value)
+    assert needle in msg, msg
+    _names(msg, *numbers)
+
+
+@pytest.mark.parametrize("kw,needle", [(dict(cp=2, cp_comm="p2p"), "cp_comm"), (dict(recompute="selective"), "recompute"),
+                                       (dict(fsdp=True, pp=2), "fsdp"), (dict(ulysses=0), "ulysses"),
+                                       (dict(ep=2, ulysses=2), "ulysses=2"), (dict(fsdp="yes"), "fsdp")])
+def test_invalid_long_context_options(kw, needle):
+    with pytest.raises(ParallelConfigError, match=needle):
+        ParallelConfig(**kw)
+
+
+@pytest.mark.parametrize("kw,numbers", [(dict(cp=2), (1, 2)), (dict(ulysses=3), (3,)), (dict(cp=2, ulysses=2), (1, 4))])
+def test_long_context_build_without_distributed_raises_before_any_process_group(qwen2_dir, no_process_groups, kw,
+                                                                              numbers):
+    from models.qwen2 import build_parallel_model
+
+    with pytest.raises(ParallelConfigError) as exc:
+        build_parallel_model(str(qwen2_dir), ParallelConfig(**kw))
+    _names(str(exc.value), *numbers)
+
+
 # ------------------------------------------------------------------ checkpoints
 # Every damaged-checkpoint test also requests ``no_process_groups``: the builder promises to check
 # config and safetensors headers (presence and shape of every tensor) before any group is created.
