@@ -51,7 +51,8 @@ def all_gather_dim0(x: torch.Tensor, group: Any) -> torch.Tensor:
     return out
 
 
-def _reduce_scatter_dim0(x: torch.Tensor, group: Any) -> torch.Tensor:
+def reduce_scatter_dim0(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Plain (no autograd) reduce-scatter: the sum over ranks of ``x``, this rank's dim-0 chunk."""
     n = group_size(group)
     if x.shape[0] % n:
         raise ValueError(f"reduce-scatter along dim 0: size {x.shape[0]} is not divisible by group size {n}")
@@ -108,14 +109,14 @@ class _GatherFromSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter_dim0(grad, ctx.group), None
+        return reduce_scatter_dim0(grad, ctx.group), None
 
 
 class _ReduceScatterToSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _reduce_scatter_dim0(x, group)
+        return reduce_scatter_dim0(x, group)
 
     @staticmethod
     def backward(ctx, grad):

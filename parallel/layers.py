@@ -18,14 +18,45 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel.collectives import (
+    all_gather_dim0,
     copy_to_group,
-    gather_from_sequence,
     group_rank,
     group_size,
     reduce_from_group,
+    reduce_scatter_dim0,
     reduce_scatter_to_sequence,
 )
 from parallel.sharding import KVHeads, Vocab
+
+
+class _SequenceGatherLinear(torch.autograd.Function):
+    """``linear(all_gather(x), W, b)`` saving only the local sequence shard ``x`` (Megatron's way).
+
+    A plain ``gather -> F.linear`` would save the gathered ``[s, b, in]`` input of every
+    column-parallel layer under SP: tp times the activation memory SP exists to save. Backward
+    gathers ``x`` again for the weight gradient and reduce-scatters the input gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return F.linear(all_gather_dim0(x, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        total = all_gather_dim0(x, ctx.group)
+        grad_input = reduce_scatter_dim0(grad.matmul(weight), ctx.group)
+        grad2d = grad.reshape(-1, grad.shape[-1])
+        grad_weight = grad2d.t().matmul(total.reshape(-1, total.shape[-1]))
+        grad_bias = grad2d.sum(0) if ctx.has_bias else None
+        return grad_input, grad_weight, grad_bias, None
+
+
+def sequence_gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Any) -> torch.Tensor:
+    """Column-parallel matmul of a sequence-sharded ``x [s/tp, b, in]`` -> ``[s, b, out/tp]`` (see above)."""
+    return _SequenceGatherLinear.apply(x, weight, bias, group)
 
 
 def _divide(a: int, b: int, what: str) -> int:
@@ -56,10 +87,8 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            x = gather_from_sequence(x, self.tp_group)
-        else:
-            x = copy_to_group(x, self.tp_group)
-        return F.linear(x, self.weight, self.bias)
+            return sequence_gather_linear(x, self.weight, self.bias, self.tp_group)
+        return F.linear(copy_to_group(x, self.tp_group), self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, local_out={self.weight.shape[0]}, tp={self.tp_size}, sp={self.sequence_parallel}"
@@ -212,10 +241,8 @@ class ParallelLMHead(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            h = gather_from_sequence(h, self.tp_group)
-        else:
-            h = copy_to_group(h, self.tp_group)
-        return F.linear(h, self.shared_weight)
+            return sequence_gather_linear(h, self.shared_weight, None, self.tp_group)
+        return F.linear(copy_to_group(h, self.tp_group), self.shared_weight)
 
 
 class RMSNorm(nn.Module):
