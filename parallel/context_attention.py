@@ -7,19 +7,23 @@ log-sum-exp of its scores; partial results are merged with the online-softmax ru
 ``lse = logaddexp(lse_a, lse_b)``, ``out = out_a * e^(lse_a - lse) + out_b * e^(lse_b - lse)``.
 
 Backward recomputes each block from the saved local q/k/v, the final output and the final
-log-sum-exp (flash-attention's backward needs nothing else), so the memory saved per rank is that
-of single-rank attention on its own tokens: q, k, v, out and lse, never a score matrix and never
-another rank's keys.
+log-sum-exp (flash-attention's backward needs nothing else), so the memory saved for backward per
+rank is that of single-rank attention on its own tokens: q, k, v, out and lse, never a score
+matrix and never another rank's keys.
 
-* ``ring``: keys/values travel around the ring with ``isend``/``irecv`` (step ``t`` computes on the
-  block received at ``t - 1`` while block ``t + 1`` is in flight). In backward the key/value
-  gradients travel with their block and arrive at the owner after one last hop.
+* ``ring``: keys/values travel around the ring (step ``t`` computes on the block received at
+  ``t - 1`` while block ``t + 1`` is in flight). In backward the key/value gradient accumulators
+  travel one step behind their block and arrive at the owner after one last hop. Every exchange
+  is one ``batch_isend_irecv`` of a send to the next rank and a receive from the previous one,
+  posted in the same order on every rank, so messages match in order even where tags are ignored
+  (NCCL) and paired sends/receives cannot block each other.
 * ``allgather``: one all-gather of the keys/values, one all-to-all bringing every rank's key/value
   gradient contributions back to their owner (summed there). Simpler; holds all keys/values of
   the sequence at once while the layer runs (not saved for backward: gathered again there).
 
 Kernels: on CPU ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (what
-SDPA itself runs); elsewhere an exact matmul/softmax form of the same computation.
+SDPA itself runs); elsewhere an exact matmul/softmax form of the same computation, which
+materializes each block's score matrix transiently (a flash-attn varlen kernel is not wired in yet).
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ def _block_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, t
         scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.einsum("hqk,khd->qhd", torch.exp(scores - lse[..., None]), v.to(acc))
-    return out.to(q.dtype), lse
+    return out, lse  # kept in the accumulation dtype for the merge
 
 
 def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
@@ -120,13 +124,12 @@ def _peer(group: Any, rank: int) -> int:
     return dist.get_global_rank(group, rank % group_size(group))
 
 
-def _shift(send: torch.Tensor, recv: torch.Tensor | None, group: Any, tag: int) -> list:
-    """Start sending ``send`` to the next ring rank and receiving ``recv`` from the previous one."""
-    r, n = group_rank(group), group_size(group)
-    works = [dist.isend(send, dst=_peer(group, r + 1), group=group, tag=tag)]
-    if recv is not None:
-        works.append(dist.irecv(recv, src=_peer(group, r - 1), group=group, tag=tag))
-    return works
+def _shift(send: torch.Tensor, recv: torch.Tensor, group: Any, tag: int) -> list:
+    """Start sending ``send`` to the next ring rank and receiving ``recv`` from the previous one
+    (one batched pair, the same on every rank)."""
+    r = group_rank(group)
+    return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, _peer(group, r + 1), group, tag),
+                                   dist.P2POp(dist.irecv, recv, _peer(group, r - 1), group, tag)])
 
 
 def _wait(works: list) -> None:
@@ -161,26 +164,22 @@ class _RingAttention(torch.autograd.Function):
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=acc_dtype(q), device=q.device)
         cur = torch.stack([k, v]).contiguous()
-        pending: list = []  # sends of travelling gradient accumulators (kept alive until waited)
+        # incoming: the gradient accumulated so far (by the ranks before us) of the block we hold now
+        incoming, dkv_works, sending = None, [], None
         for step in range(n):
             nxt = torch.empty_like(cur) if step < n - 1 else None
             kv_works = _shift(cur, nxt, group, _KV_TAG) if nxt is not None else []
-            incoming = None
-            if step > 0:  # the accumulated gradient of the block we hold, from the ranks before us
-                incoming = torch.empty((2, *k.shape), dtype=acc_dtype(q), device=k.device)
-                in_work = dist.irecv(incoming, src=_peer(group, r - 1), group=group, tag=_DKV_TAG)
             dkv = torch.zeros((2, *k.shape), dtype=acc_dtype(q), device=k.device)
             segments_backward(dout, q, cur[0], cur[1], out, lse, plan.segments(r, (r - step) % n), scale, dq, dkv)
+            _wait(dkv_works)  # the previous exchange: its receive is this block's accumulator
             if incoming is not None:
-                in_work.wait()
                 dkv += incoming
-            pending.append((dist.isend(dkv, dst=_peer(group, r + 1), group=group, tag=_DKV_TAG), dkv))
+            sending, incoming = dkv, torch.empty_like(dkv)
+            dkv_works = _shift(sending, incoming, group, _DKV_TAG)  # on to the block's next holder
             _wait(kv_works)
             cur = nxt if nxt is not None else cur
-        own = torch.empty((2, *k.shape), dtype=acc_dtype(q), device=k.device)
-        dist.irecv(own, src=_peer(group, r - 1), group=group, tag=_DKV_TAG).wait()
-        _wait([w for w, _ in pending])
-        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None
+        _wait(dkv_works)  # after n hops the accumulator received is our own block's gradient
+        return dq.to(q.dtype), incoming[0].to(k.dtype), incoming[1].to(v.dtype), None, None, None
 
 
 def _all_gather_kv(k: torch.Tensor, v: torch.Tensor, group: Any) -> torch.Tensor:
@@ -240,7 +239,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 class _SingleRankAttention(torch.autograd.Function):
-    """cp == 1 through the same block kernels (used by tests as the segment-kernel reference)."""
+    """cp == 1 through the same block kernels (a plan of one rank: the early and late halves of
+    each sequence as blocks). The model uses ``causal_attention`` at cp == 1; this path lets the
+    block kernels and their merge be checked in one process."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan: SequencePlan, scale: float):

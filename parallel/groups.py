@@ -127,6 +127,7 @@ def build_groups(config: ParallelConfig, device: torch.device | str | None = Non
     replicas = dp * config.cp * config.ulysses
     replica_mesh = None
     if replicas > 1 or config.fsdp:
+        # DeviceMesh._flatten (torch >= 2.5; private but what torchtitan uses for its dp_shard_cp mesh)
         replica_mesh = mesh[REPLICA_AXES]._flatten("replica")
 
     groups = ParallelGroups(

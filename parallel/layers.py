@@ -46,11 +46,14 @@ class _SequenceGatherLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        total = all_gather_dim0(x, ctx.group)
-        grad_input = reduce_scatter_dim0(grad.matmul(weight), ctx.group)
+        grad_input = reduce_scatter_dim0(grad.matmul(weight), ctx.group) if ctx.needs_input_grad[0] else None
         grad2d = grad.reshape(-1, grad.shape[-1])
-        grad_weight = grad2d.t().matmul(total.reshape(-1, total.shape[-1]))
-        grad_bias = grad2d.sum(0) if ctx.has_bias else None
+        grad_weight = grad_bias = None
+        if ctx.needs_input_grad[1]:
+            total = all_gather_dim0(x, ctx.group)
+            grad_weight = grad2d.t().matmul(total.reshape(-1, total.shape[-1]))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad2d.sum(0)
         return grad_input, grad_weight, grad_bias, None
 
 

@@ -67,6 +67,7 @@ class SequencePlan:
     local_len: int
     chunk_sizes: tuple[tuple[int, ...], ...]  # [sequence][chunk 0 .. 2cp-1]
     starts: tuple[int, ...] = field(repr=False)  # first global token of each sequence
+    _segments: dict = field(default_factory=dict, repr=False, compare=False)  # (q_rank, kv_rank) -> list
 
     # ------------------------------------------------------------------ per CP rank
     def chunk_range(self, seq: int, chunk: int) -> tuple[int, int]:
@@ -78,10 +79,6 @@ class SequencePlan:
     def _rank_chunks(self, seq: int, rank: int) -> tuple[int, int]:
         sizes = self.chunk_sizes[seq]
         return sizes[rank], sizes[2 * self.cp - 1 - rank]
-
-    def real_tokens(self, cp_rank: int) -> int:
-        """Real (non-padding) tokens CP rank ``cp_rank`` holds."""
-        return sum(sum(self._rank_chunks(i, cp_rank)) for i in range(len(self.lengths)))
 
     def cp_index(self, cp_rank: int) -> torch.Tensor:
         """Global flat token index of each of CP rank ``cp_rank``'s ``local_len`` tokens (-1 = padding)."""
@@ -105,6 +102,8 @@ class SequencePlan:
     def target_index(self, index: torch.Tensor) -> torch.Tensor:
         """For tokens at global ``index``: the global index of the next token of the same sequence,
         -1 for each sequence's last token and for padding (the HF-shifted label position)."""
+        if not self.lengths:
+            return torch.full_like(index, -1)
         ends = torch.tensor(self.starts, dtype=torch.long) + torch.tensor(self.lengths, dtype=torch.long)
         seq = torch.searchsorted(torch.tensor(self.starts, dtype=torch.long), index, right=True) - 1
         nxt = index + 1
@@ -129,7 +128,14 @@ class SequencePlan:
 
     # ------------------------------------------------------------------ attention blocks
     def segments(self, q_rank: int, kv_rank: int) -> list[Segment]:
-        """Attention blocks between CP rank ``q_rank``'s queries and ``kv_rank``'s keys (local offsets)."""
+        """Attention blocks between CP rank ``q_rank``'s queries and ``kv_rank``'s keys (local offsets);
+        computed once per pair (every layer's forward and backward asks again)."""
+        key = (q_rank, kv_rank)
+        if key not in self._segments:
+            self._segments[key] = self._compute_segments(q_rank, kv_rank)
+        return self._segments[key]
+
+    def _compute_segments(self, q_rank: int, kv_rank: int) -> list[Segment]:
         cp = self.cp
         out: list[Segment] = []
         q_off = k_off = 0

@@ -1,7 +1,8 @@
-"""Train a tiny Qwen2 on synthetic data with any TP/PP/VPP/DP layout (torchrun-ready, CPU or GPU).
+"""Train a tiny Qwen2 on synthetic data with any TP/PP/VPP/CP/Ulysses/DP layout (torchrun-ready).
 
     torchrun --nproc-per-node 4 tools/train.py --tp 2 --pp 2 --steps 20
-    python tools/train.py --pp 2 --vpp 2 --dp 1          # spawns tp*pp*dp gloo processes itself
+    python tools/train.py --pp 2 --vpp 2 --dp 1          # spawns tp*ulysses*cp*pp*dp gloo processes itself
+    python tools/train.py --cp 2 --ulysses 2 --fsdp --dp 1 --recompute full
 
 Each step: the global batch (``--batch`` samples of random lengths, a learnable synthetic task:
 the next token is (token * 3 + 1) mod vocab) is split over DP ranks, ``forward_backward`` runs it
@@ -46,7 +47,8 @@ def train(args: argparse.Namespace) -> None:
     from transformers import Qwen2Config
 
     rank = dist.get_rank()
-    pconfig = ParallelConfig(tp=args.tp, pp=args.pp, vpp=args.vpp, sequence_parallel=args.tp > 1)
+    pconfig = ParallelConfig(tp=args.tp, pp=args.pp, vpp=args.vpp, sequence_parallel=args.tp > 1, cp=args.cp,
+                             ulysses=args.ulysses, cp_comm=args.cp_comm, fsdp=args.fsdp, recompute=args.recompute)
     config = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 2,
                          num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=1024, tie_word_embeddings=True)
@@ -90,6 +92,11 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--vpp", type=int, default=1)
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size (ring attention)")
+    p.add_argument("--cp-comm", default="ring", choices=["ring", "allgather"])
+    p.add_argument("--ulysses", type=int, default=1, help="Ulysses sequence-parallel size")
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 over the dp x cp x ulysses ranks")
+    p.add_argument("--recompute", default="none", choices=["none", "full"])
     p.add_argument("--dp", type=int, default=1, help="data-parallel size when spawning (torchrun: derived)")
     p.add_argument("--schedule", default="1f1b")
     p.add_argument("--microbatches", type=int, default=4)
@@ -113,7 +120,7 @@ def main() -> None:
         finally:
             dist.destroy_process_group()
         return
-    run_distributed(args.tp * args.pp * args.dp, train, args)
+    run_distributed(args.tp * args.ulysses * args.cp * args.pp * args.dp, train, args)
 
 
 if __name__ == "__main__":

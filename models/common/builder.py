@@ -95,9 +95,11 @@ def build_model(arch: Architecture, source: Any, parallel_config: ParallelConfig
 
     if groups is None:
         groups = build_groups(parallel_config, device)
-    elif (groups.config.tp, groups.config.pp, groups.config.cp, groups.config.ulysses) != (
-            parallel_config.tp, parallel_config.pp, parallel_config.cp, parallel_config.ulysses):
+    elif groups.config != parallel_config:  # modules read fsdp/recompute/cp_comm/SP from groups.config
         raise ParallelConfigError(f"groups were built for {groups.config.describe()}, not {parallel_config.describe()}")
+    if parallel_config.fsdp and groups.replica_mesh is None:
+        raise ParallelConfigError(f"{parallel_config.describe()}: fsdp needs groups with a replica DeviceMesh "
+                                  f"(build them with parallel.build_groups, not groups_from_megatron)")
     model = ParallelCausalLM(cfg, groups, wmap, dtype=dtype, device=device)
     load_weights(dict(model.named_parameters()), model.load_entries(), tensor_source, groups.tp_rank, groups.tp_size)
     if parallel_config.fsdp:

@@ -32,7 +32,8 @@ class FlatBatch:
     """A batch as packed real tokens: ``ids/positions/targets [T]``, sequences of ``lengths``.
 
     ``keep`` (padded input only): the flat ``b*s`` position of each real token, to put per-token
-    outputs back into the caller's ``[b, s]`` layout (``shape``).
+    outputs back into the caller's ``[b, s]`` layout (``shape``). ``max_position``: over every
+    position given, padding included (what transformers' dynamic-NTK RoPE scales by).
     """
 
     ids: torch.Tensor
@@ -41,6 +42,7 @@ class FlatBatch:
     lengths: list[int]
     shape: tuple[int, int]
     keep: torch.Tensor | None
+    max_position: int = 0
 
     @property
     def total(self) -> int:
@@ -73,7 +75,8 @@ def flatten_batch(input_ids: torch.Tensor, position_ids: torch.Tensor | None, at
             targets = torch.full_like(ids, IGNORE_INDEX)
             targets[:-1] = flat[1:]
             targets[(cu[1:] - 1)[cu[1:] > cu[:-1]]] = IGNORE_INDEX
-        return FlatBatch(ids, positions, targets, lengths, (1, total), None)
+        return FlatBatch(ids, positions, targets, lengths, (1, total), None,
+                         int(positions.max()) if total else 0)
     bsz, seq = input_ids.shape
     keep = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
     pos = position_ids if position_ids is not None else torch.arange(seq, device=device).expand(bsz, seq)
@@ -84,7 +87,7 @@ def flatten_batch(input_ids: torch.Tensor, position_ids: torch.Tensor | None, at
         shifted[:, :-1] = labels[:, 1:]
         targets = shifted.reshape(-1)[flat_keep]
     return FlatBatch(input_ids.reshape(-1)[flat_keep], pos.reshape(-1)[flat_keep], targets,
-                     keep.sum(1).tolist(), (bsz, seq), flat_keep)
+                     keep.sum(1).tolist(), (bsz, seq), flat_keep, int(pos.max()) if pos.numel() else 0)
 
 
 def unflatten(values: torch.Tensor, batch: FlatBatch) -> torch.Tensor:
@@ -116,6 +119,8 @@ class SequenceShard:
     def take(self, values: torch.Tensor, fill: float | int = 0) -> torch.Tensor:
         """This rank's rows of ``values [T, ...]`` (``fill`` at padding)."""
         index = self.index.to(values.device)
+        if values.shape[0] == 0:  # nothing real in the batch: every local slot is padding
+            return torch.full((index.numel(), *values.shape[1:]), fill, dtype=values.dtype, device=values.device)
         picked = values[index.clamp(min=0)]
         pad = (index < 0).reshape(-1, *([1] * (values.dim() - 1)))
         return picked.masked_fill(pad, fill) if bool(pad.any()) else picked
@@ -163,17 +168,16 @@ def sum_over_sequence_groups(x: torch.Tensor, groups: ParallelGroups) -> torch.T
     return x
 
 
-def _rope_seq_len(lm, positions: torch.Tensor, groups: ParallelGroups, reduce: bool) -> int | None:
-    """``max(position) + 1`` of the whole batch, for dynamic-NTK RoPE only (None otherwise)."""
+def _global_rope_seq_len(lm, positions: torch.Tensor, groups: ParallelGroups) -> int | None:
+    """``max(position) + 1`` over every rank's tokens, for dynamic-NTK RoPE only (None otherwise)."""
     if lm.config.rope.rope_type != "dynamic":
         return None
-    top = positions.max().reshape(1).to(torch.long) if positions.numel() else torch.zeros(1, dtype=torch.long)
-    if reduce:
-        import torch.distributed as dist
+    import torch.distributed as dist
 
-        for group in (groups.cp_group, groups.ulysses_group):
-            if group_size(group) > 1:
-                dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    top = positions.max().reshape(1).to(torch.long) if positions.numel() else torch.zeros(1, dtype=torch.long)
+    for group in (groups.cp_group, groups.ulysses_group):
+        if group_size(group) > 1:
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
     return int(top) + 1
 
 
@@ -189,7 +193,8 @@ def split_sequence_forward(lm, input_ids, position_ids, attention_mask, labels, 
             raise ValueError("targets= is for already-sliced inputs (with sequence_plan=); pass labels= instead")
         batch = flatten_batch(input_ids, position_ids, attention_mask, labels, cu_seqlens)
         plan = plan_for(groups, batch.lengths, batch.total)
-        shard = shard_of(groups, plan, _rope_seq_len(lm, batch.positions, groups, reduce=False))
+        rope_len = batch.max_position + 1 if lm.config.rope.rope_type == "dynamic" else None
+        shard = shard_of(groups, plan, rope_len)
         ids, pos = shard.take(batch.ids), shard.take(batch.positions)
         tgt = shard.take(batch.targets, IGNORE_INDEX) if batch.targets is not None else None
         count = (batch.targets != IGNORE_INDEX).sum() if batch.targets is not None else None
@@ -204,7 +209,7 @@ def split_sequence_forward(lm, input_ids, position_ids, attention_mask, labels, 
                              f"{lm.sequence_coordinates}), got {ids.numel()}")
         pos = position_ids.reshape(-1) if position_ids is not None else plan.positions(shard.index).to(ids.device)
         shard.rope_seq_len = (max(plan.lengths, default=1) if position_ids is None and lm.config.rope.rope_type == "dynamic"
-                              else _rope_seq_len(lm, pos, groups, reduce=True))
+                              else _global_rope_seq_len(lm, pos, groups))
         tgt = targets.reshape(-1) if targets is not None else None
         count = None
         if tgt is not None:
