@@ -1,8 +1,9 @@
 """Context parallel, Ulysses and FSDP2 against transformers on the whole batch (gloo, CPU, fp32).
 
 Layouts: cp=2 (ring and all-gather), cp=4, ulysses=2/4 with 1, 2 and 4 KV heads (repeated when
-fewer than Ulysses ranks), tp2+sp+cp2, ulysses2 x cp2, cp2 x pp2, ulysses2 x pp2, ulysses2 with
-FSDP2 over dp2, tp2+sp with FSDP2 and replicated KV heads, tp2 x ulysses2, recomputation. Each runs
+fewer than Ulysses ranks), tp2+sp+cp2, ulysses2 x cp2, cp2 x pp2, ulysses2 x pp2, cp2 x dp2,
+FSDP2 with ulysses2 x dp2, cp2 x dp2 and tp2+sp (replicated KV heads), tp2 x ulysses2,
+recomputation, dynamic-NTK RoPE past its base length. Each runs
 ``model(...)`` on padded (odd, unequal, left and right padding) and packed batches (unequal
 lengths, one of length 1), one ``model(...)`` backward, already-sliced input, two SGD steps of
 ``forward_backward`` and forward-only log-probs; logits and loss within 1e-5, gradients 1e-4
@@ -42,6 +43,7 @@ LAYOUTS = {
         ("qwen2_tied_kv1", dict(tp=2, sequence_parallel=True, fsdp=True, recompute="full")),  # dp=2
         ("llama_llama3", dict(tp=2, ulysses=2)),
         ("qwen2_untied", dict(cp=2, cp_comm="allgather")),  # dp=2 without FSDP
+        ("llama_llama3", dict(cp=2, fsdp=True)),  # FSDP2 over dp2 x cp2
     ],
 }
 
