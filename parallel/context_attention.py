@@ -138,12 +138,25 @@ def _wait(works: list) -> None:
 
 
 # ---------------------------------------------------------------------- autograd functions
+def _accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty online-softmax state for ``q [L, h, d]``: ``out`` zeros, ``lse [h, L]`` -inf."""
+    out = torch.zeros(q.shape, dtype=acc_dtype(q), device=q.device)
+    return out, torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc_dtype(q), device=q.device)
+
+
+def _save(ctx, q, k, v, out, lse, plan: SequencePlan, group, scale: float) -> torch.Tensor:
+    """What backward needs (this rank's q/k/v, the final output and log-sum-exp); returns the output."""
+    out = out.to(q.dtype)
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.plan, ctx.group, ctx.scale = plan, group, scale
+    return out
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: SequencePlan, group, scale: float):
         n, r = group_size(group), group_rank(group)
-        out = torch.zeros(q.shape, dtype=acc_dtype(q), device=q.device)
-        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc_dtype(q), device=q.device)
+        out, lse = _accumulators(q)
         cur = torch.stack([k, v]).contiguous()  # [2, L, hkv, d]: one message per step
         for step in range(n):
             nxt = torch.empty_like(cur) if step < n - 1 else None
@@ -151,10 +164,7 @@ class _RingAttention(torch.autograd.Function):
             attend_segments(q, cur[0], cur[1], plan.segments(r, (r - step) % n), scale, out, lse)
             _wait(works)
             cur = nxt if nxt is not None else cur
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.group, ctx.scale = plan, group, scale
-        return out
+        return _save(ctx, q, k, v, out, lse, plan, group, scale)
 
     @staticmethod
     def backward(ctx, dout):
@@ -192,14 +202,10 @@ class _AllGatherAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, plan: SequencePlan, group, scale: float):
         n, r = group_size(group), group_rank(group)
         kv = _all_gather_kv(k, v, group)
-        out = torch.zeros(q.shape, dtype=acc_dtype(q), device=q.device)
-        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc_dtype(q), device=q.device)
+        out, lse = _accumulators(q)
         for j in range(n):
             attend_segments(q, kv[j, 0], kv[j, 1], plan.segments(r, j), scale, out, lse)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)  # local k/v only: gathered again in backward
-        ctx.plan, ctx.group, ctx.scale = plan, group, scale
-        return out
+        return _save(ctx, q, k, v, out, lse, plan, group, scale)  # local k/v only: gathered again in backward
 
     @staticmethod
     def backward(ctx, dout):
@@ -245,13 +251,9 @@ class _SingleRankAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, plan: SequencePlan, scale: float):
-        out = torch.zeros(q.shape, dtype=acc_dtype(q), device=q.device)
-        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc_dtype(q), device=q.device)
+        out, lse = _accumulators(q)
         attend_segments(q, k, v, plan.segments(0, 0), scale, out, lse)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.scale = plan, scale
-        return out
+        return _save(ctx, q, k, v, out, lse, plan, None, scale)
 
     @staticmethod
     def backward(ctx, dout):

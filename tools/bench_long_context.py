@@ -33,7 +33,9 @@ from parallel import ParallelConfig  # noqa: E402
 from parallel.launch import run_distributed  # noqa: E402
 
 LAYOUTS = {"cp": lambda n: dict(cp=n), "ulysses": lambda n: dict(ulysses=n),
-           "tp+sp": lambda n: dict(tp=n, sequence_parallel=True)}
+           "tp+sp": lambda n: dict(tp=n, sequence_parallel=True),
+           "cp-allgather": lambda n: dict(cp=n, cp_comm="allgather")}
+DEFAULT_LAYOUTS = ("cp", "ulysses", "tp+sp")
 
 
 def model_config():
@@ -110,6 +112,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--only", choices=["memory", "speed"], help="run one part")
+    parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(DEFAULT_LAYOUTS))
     parser.add_argument("--json", help="write all figures here")
     parser.add_argument("--plot", help="write the memory plot (PNG) here")
     args = parser.parse_args()
@@ -133,7 +136,8 @@ def memory_part(args, figures: dict) -> None:
     print("\n(a) activation bytes saved for backward per rank (max over ranks); ratio to single rank x N (ideal 1.00)")
     print(f"{'layout':<12}" + "".join(f"{n:>16}" for n in args.lengths))
     print(f"{'single':<12}" + "".join(f"{b / 2**20:>13.1f}MiB" for b in single))
-    for name, make in LAYOUTS.items():
+    for name in args.layouts:
+        make = LAYOUTS[name]
         for n in args.ranks:
             per_rank = run_distributed(n, memory_body, make(n), args.lengths)
             worst = [max(r[i] for r in per_rank) for i in range(len(args.lengths))]
@@ -148,7 +152,8 @@ def speed_part(args, figures: dict, cores: int) -> None:
     figures["speed"]["single"] = base
     print(f"{'layout':<12}" + "".join(f"{n:>22}" for n in args.speed_lengths))
     print(f"{'single':<12}" + "".join(f"{n / t:>12.0f} tok/s     " for n, t in zip(args.speed_lengths, base)))
-    for name, make in LAYOUTS.items():
+    for name in args.layouts:
+        make = LAYOUTS[name]
         for n in args.ranks:
             if n > cores:
                 continue
