@@ -89,3 +89,18 @@ def _describe(kw: dict) -> str:
     from parallel import ParallelConfig
 
     return ParallelConfig(**kw).describe()
+
+
+# bf16: measured worst 0.84% of max |logit|, |Δloss| 9e-4, error vs fp32 0.92x transformers-bf16's
+# (docs/numerics.md); bounds about twice that.
+BF16_BOUNDS = {"bf16_logits_rel": 0.02, "bf16_loss": 5e-3, "bf16_vs_fp32_ratio": 1.5}
+
+
+def test_bf16_context_parallel_and_ulysses_within_documented_tolerance(hf_dirs):
+    from tests.workers_long_context import bf16_suite
+
+    layouts = [dict(cp=2), dict(cp=2, cp_comm="allgather"), dict(ulysses=2)]
+    records = [r for rank in run_distributed(2, bf16_suite, hf_dirs["qwen2_untied"], layouts) for r in rank]
+    assert len({r[1] for r in records}) == len(layouts)
+    bad = [f"{r[1]} {r[2]}={r[3]:.3g}" for r in records if not r[3] <= BF16_BOUNDS[r[2]]]
+    assert not bad, "\n".join(bad)

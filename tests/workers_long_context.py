@@ -129,3 +129,23 @@ def long_context_suite(cases: list[tuple]) -> list[tuple]:
             records += model_call_checks(model, hf, tag)
         records += training_checks(model, hf, tag)
     return records
+
+
+def bf16_suite(path: str, layouts: list[dict]) -> list[tuple]:
+    """bf16 model under cp/ulysses against transformers in bf16 and fp32 on the same weights."""
+    hf, exact_model = load_hf(path, dtype=torch.bfloat16), load_hf(path)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, hf.config.vocab_size, (2, 40), generator=gen)
+    ref, exact = hf(ids, labels=ids), exact_model(ids, labels=ids)
+    scale = exact.logits.abs().max().item()
+    ref_error = (ref.logits.float() - exact.logits).abs().max().item()
+    records = []
+    for kwargs in layouts:
+        model = build("qwen2", path, ParallelConfig(**kwargs), dtype=torch.bfloat16)
+        out = model(ids, labels=ids, gather_logits=True)
+        out.loss.backward()  # the bf16 backward kernels run (values checked in fp32 elsewhere)
+        tag = ("qwen2_untied", ParallelConfig(**kwargs).describe())
+        records += [(*tag, "bf16_logits_rel", (out.logits.float() - ref.logits.float()).abs().max().item() / scale),
+                    (*tag, "bf16_loss", abs(out.loss.item() - ref.loss.item())),
+                    (*tag, "bf16_vs_fp32_ratio", (out.logits.float() - exact.logits).abs().max().item() / ref_error)]
+    return records
