@@ -316,6 +316,14 @@ class ParallelCausalLM(nn.Module):
         tensors = {name: _unsharded(t) for name, t in tensors.items()}  # FSDP2 shards -> this TP rank's tensor
         yield from export_hf_state(tensors, self.weight_entries(), hf_shapes(self.config, wmap), self.groups.tp_group)
 
+    def iter_export(self, format: str = "hf", *, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = None):
+        """Collective over every rank of the job: the whole model as flat buckets of full HF tensors
+        (``ExportBucket``: ``.buffer``, ``.metas``, ``.tensors()``), the same on every rank, for any
+        tp/pp/vpp/dp/fsdp layout. See ``models/common/export.py``."""
+        from models.common.export import iter_export
+
+        return iter_export(self, format, bucket_bytes=bucket_bytes, dtype=dtype)
+
     # ------------------------------------------------------------------ training
     def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
                          num_microbatches: int = 1, schedule: str = "1f1b", forward_only: bool = False,

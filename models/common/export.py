@@ -1,0 +1,154 @@
+"""Live export of a running parallel model as flat buckets of full HF tensors (any tp/pp/vpp/dp/fsdp).
+
+``iter_export(model, format="hf", bucket_bytes=..., dtype=None)`` is a collective iterator: every
+rank of the job calls it and receives the same sequence of ``ExportBucket``s, each one contiguous
+buffer of one dtype plus the names, shapes and offsets of the HF tensors in it (``.tensors()``
+gives ``(name, view)`` pairs; a receiver can hand the buffer to an inference engine in one copy).
+
+How a bucket is built: the bucket plan is pure arithmetic on the config and the layout (the same
+on every rank). A bucket only holds tensors of one pipeline stage; that stage's ranks gather each
+parameter over TP with the weight map's merge rules (``export_hf_state``: the one definition of
+the HF layout used by loading, export and conversion) straight into the bucket buffer, then the
+buffer is broadcast from that stage to the other stages over the PP group. Every data-parallel
+replica (dp/cp/ulysses ranks) does this on its own, so each tensor crosses the job once per
+receiving rank and no DP traffic is needed; under FSDP2 a parameter is first un-sharded
+(``full_tensor``). Tied embeddings appear once, as HF stores them. Per rank, memory beyond the
+model is the bucket being filled plus one parameter's TP shards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from models.common.weights import WeightEntry, export_hf_state, hf_shapes
+from parallel.pipeline_layout import stage_layer_ranges
+
+FORMATS = ("hf",)
+DEFAULT_BUCKET_BYTES = 512 << 20
+
+
+class ExportError(ValueError):
+    """An export that cannot be done as asked (numbers and names given); raised before any collective."""
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Where one HF tensor sits in a bucket's buffer: elements ``[offset, offset + numel)``."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """One bucket: the weight-map entries of pipeline stage ``stage`` it gathers, and their tensors."""
+
+    stage: int
+    entries: tuple[WeightEntry, ...]
+    metas: tuple[TensorMeta, ...]
+    numel: int
+
+
+@dataclass
+class ExportBucket:
+    """A flat ``buffer`` (one dtype) holding the full HF tensors described by ``metas``."""
+
+    buffer: torch.Tensor
+    metas: tuple[TensorMeta, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """``(hf_name, tensor)`` views into the buffer (no copies)."""
+        return [(m.name, self.buffer[m.offset:m.offset + m.numel].view(m.shape)) for m in self.metas]
+
+
+def plan_buckets(model, bucket_bytes: int, element_size: int) -> list[BucketPlan]:
+    """Buckets in export order (stage by stage, in the weight map's order within a stage).
+
+    A bucket holds whole parameters (all HF tensors packed into one parameter travel together) of
+    one stage, at most ``bucket_bytes`` - except a single parameter larger than that, which gets a
+    bucket of its own.
+    """
+    if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise ExportError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
+    cfg, groups = model.config, model.groups
+    shapes = hf_shapes(cfg, model.weight_map)
+    ranges = stage_layer_ranges(cfg.num_hidden_layers, groups.config)
+    plans: list[BucketPlan] = []
+    for stage, chunks in enumerate(ranges):
+        layers = sorted(i for r in chunks for i in r)
+        entries = model.weight_map.entries(layers, first=stage == 0, last=stage == groups.pp_size - 1)
+        current: list[WeightEntry] = []
+        metas: list[TensorMeta] = []
+        offset = 0
+
+        def close() -> None:
+            nonlocal current, metas, offset
+            if current:
+                plans.append(BucketPlan(stage, tuple(current), tuple(metas), offset))
+            current, metas, offset = [], [], 0
+
+        for entry in entries:
+            sizes = [(name, tuple(shapes[name])) for name in entry.hf]
+            numel = sum(TensorMeta(n, s, 0).numel for n, s in sizes)
+            if current and (offset + numel) * element_size > bucket_bytes:
+                close()
+            for name, shape in sizes:
+                metas.append(TensorMeta(name, shape, offset))
+                offset += TensorMeta(name, shape, 0).numel
+            current.append(entry)
+        close()
+    return plans
+
+
+class _Unsharded(dict):
+    """Parameters by internal name, FSDP2 shards gathered back to this TP rank's tensor on access."""
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = super().__getitem__(name)
+        full = getattr(t, "full_tensor", None)
+        return full() if full is not None else t
+
+
+@torch.no_grad()
+def iter_export(model, format: str = "hf", *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                dtype: torch.dtype | None = None) -> Iterator[ExportBucket]:
+    """Collective over every rank: yields the same ``ExportBucket``s everywhere (see module doc).
+
+    ``dtype``: the exported dtype (default: the parameters'). Every rank must iterate to the end.
+    """
+    if format not in FORMATS:
+        raise ExportError(f"unknown export format {format!r} (choose {', '.join(FORMATS)})")
+    groups = model.groups
+    params = list(model.parameters())
+    dtype = dtype or params[0].dtype
+    device = params[0].device if params[0].device.type != "meta" else None
+    element_size = torch.empty((), dtype=dtype).element_size()
+    plans = plan_buckets(model, bucket_bytes, element_size)
+    shapes = hf_shapes(model.config, model.weight_map)
+    named = _Unsharded(model.named_parameters())
+    for plan in plans:
+        buffer = torch.empty(plan.numel, dtype=dtype, device=device)
+        if groups.pp_rank == plan.stage:
+            positions = {m.name: m for m in plan.metas}
+            for name, full in export_hf_state(named, list(plan.entries), shapes, groups.tp_group):
+                meta = positions[name]
+                buffer[meta.offset:meta.offset + meta.numel].copy_(full.reshape(-1))
+        if groups.pp_size > 1:
+            dist.broadcast(buffer, src=dist.get_global_rank(groups.pp_group, plan.stage), group=groups.pp_group)
+        yield ExportBucket(buffer, plan.metas)

@@ -1,0 +1,62 @@
+"""Rank bodies for the live-export tests: train next to transformers, then export and compare."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from parallel import ParallelConfig
+from tests.cases import build, load_hf
+from tests.workers_pipeline import batch
+
+
+def _parameter_of(hf_name: str) -> str:
+    """The packed parameter an HF tensor belongs to (q/k/v and gate/up are packed together)."""
+    for part, packed in ((".q_proj.", ".qkv."), (".k_proj.", ".qkv."), (".v_proj.", ".qkv."),
+                         (".gate_proj.", ".gate_up."), (".up_proj.", ".gate_up.")):
+        hf_name = hf_name.replace(part, packed)
+    return hf_name
+
+
+def export_case(case: str, path: str, kwargs: dict, bucket_bytes: int, steps: int = 2, lr: float = 0.5) -> list[tuple]:
+    config = ParallelConfig(**kwargs)
+    model = build(case, path, config)
+    hf = load_hf(path)
+    groups = model.groups
+    ids, mask, labels = batch(hf.config.vocab_size)
+    share = slice(groups.dp_rank * 4 // groups.dp_size, (groups.dp_rank + 1) * 4 // groups.dp_size)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=lr), torch.optim.SGD(hf.parameters(), lr=lr)
+    for _ in range(steps):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        model.forward_backward(ids[share], labels[share], attention_mask=mask[share], num_microbatches=2)
+        hf(ids, attention_mask=mask, labels=labels).loss.backward()
+        opt.step()
+        ref_opt.step()
+    tag = (case, config.describe(), bucket_bytes)
+    buckets = list(model.iter_export("hf", bucket_bytes=bucket_bytes))
+    exported = {name: t for b in buckets for name, t in b.tensors()}
+    ref = hf.state_dict()
+    expected = set(ref) - ({"lm_head.weight"} if hf.config.tie_word_embeddings else set())
+    # a bucket over the bound must hold a single parameter's tensors (q/k/v or gate/up travel together)
+    oversize = [b for b in buckets if b.nbytes > bucket_bytes and len({_parameter_of(m.name) for m in b.metas}) > 1]
+    names_in_order = [m.name for b in buckets for m in b.metas]
+    checksum = torch.stack([t.double().sum() for t in exported.values()]).sum()
+    checksums = [torch.zeros_like(checksum) for _ in range(dist.get_world_size())]
+    dist.all_gather(checksums, checksum)
+    bf16 = {name: t for b in model.iter_export("hf", bucket_bytes=bucket_bytes, dtype=torch.bfloat16)
+            for name, t in b.tensors()}
+    return [(*tag, "names_mismatch", float(len(set(exported) ^ expected) + len(names_in_order) - len(set(names_in_order)))),
+            (*tag, "vs_transformers", max((exported[n] - ref[n]).abs().max().item() for n in expected & set(exported))),
+            (*tag, "oversize_buckets", float(len(oversize))),
+            (*tag, "buckets", float(len(buckets))),
+            (*tag, "ranks_differ", float(len({c.item() for c in checksums}) - 1)),
+            (*tag, "bf16_not_cast", float(sum(not torch.equal(bf16[n], exported[n].to(torch.bfloat16)) for n in exported))),
+            (*tag, "bf16_dtype", float(any(t.dtype != torch.bfloat16 for t in bf16.values())))]
+
+
+def export_suite(cases: list[tuple]) -> list[tuple]:
+    records = []
+    for case, path, kwargs, bucket_bytes in cases:
+        records += export_case(case, path, kwargs, bucket_bytes)
+    return records
