@@ -23,29 +23,12 @@ from typing import Any, Callable, Sequence
 import torch
 
 from converters.checkpoint import CheckpointReader, reopen
+from models.common.sizes import parse_size  # noqa: F401 (part of this module's API)
 from models.common.sources import CheckpointError
 
 TARGETS = ("hf", "megatron", "megatron-dist")
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
-
-
-def parse_size(text: str | int) -> int:
-    """'5GB', '500MB', '20KB', or bytes."""
-    if isinstance(text, int):
-        return text
-    s = text.strip().upper()
-    for suffix, mult in (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3),
-                         ("B", 1)):
-        if s.endswith(suffix):
-            try:
-                return int(float(s[: -len(suffix)]) * mult)
-            except ValueError:
-                break
-    try:
-        return int(s)
-    except ValueError as exc:
-        raise ValueError(f"cannot read size {text!r} (use e.g. 5GB, 500MB)") from exc
 
 
 def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:

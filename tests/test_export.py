@@ -22,10 +22,10 @@ LAYOUTS = {
 
 
 @functools.lru_cache(maxsize=None)
-def _run(world: int, dirs_key: tuple):
+def _run(world: int, dirs_key: tuple, out_root: str):
     dirs = dict(dirs_key)
     cases = [(case, dirs[case], kw, b) for case, kw, b in LAYOUTS[world]]
-    return [r for rank in run_distributed(world, export_suite, cases) for r in rank]
+    return [r for rank in run_distributed(world, export_suite, cases, out_root) for r in rank]
 
 
 @pytest.fixture(scope="module")
@@ -38,17 +38,57 @@ def export_dirs(tmp_path_factory):
 
 
 BOUNDS = {"names_mismatch": 0.0, "vs_transformers": 1e-5, "oversize_buckets": 0.0, "ranks_differ": 0.0,
-          "bf16_not_cast": 0.0, "bf16_dtype": 0.0}
+          "bf16_not_cast": 0.0, "bf16_dtype": 0.0, "saved_vs_exported_not_bitwise": 0.0,
+          "saved_logprobs_vs_ours": 1e-5, "bf16_saved_not_cast": 0.0}
+
+
+@pytest.fixture(scope="module")
+def out_root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("saved"))
+
+
+def _records(world, export_dirs, out_root):
+    import os
+
+    os.makedirs(f"{out_root}/w{world}", exist_ok=True)
+    return _run(world, tuple(sorted(export_dirs.items())), f"{out_root}/w{world}")
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_iter_export_matches_transformers_after_training(world, export_dirs):
-    records = _run(world, tuple(sorted(export_dirs.items())))
+def test_save_pretrained_loads_in_transformers_and_equals_export(world, export_dirs, out_root):
+    records = [r for r in _records(world, export_dirs, out_root) if r[3].startswith(("saved", "bf16_saved"))]
+    assert len({r[1] for r in records}) == len(LAYOUTS[world])
+    assert any(r[3] == "saved_files" and r[4] > 1 for r in records)  # sharded with an index
+    bad = [f"{r[0]} {r[1]} {r[3]}={r[4]:.3g}" for r in records if r[3] in BOUNDS and not r[4] <= BOUNDS[r[3]]]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_iter_export_matches_transformers_after_training(world, export_dirs, out_root):
+    records = _records(world, export_dirs, out_root)
     assert {(r[0], r[1]) for r in records} and len({r[1] for r in records}) == len(LAYOUTS[world])
     small = [r for r in records if r[3] == "buckets" and r[2] == SMALL]
     assert small and all(r[4] > 3 for r in small)  # the small bound really splits the model
     bad = [f"{r[0]} {r[1]} bucket={r[2]} {r[3]}={r[4]:.3g}" for r in records if r[3] in BOUNDS and not r[4] <= BOUNDS[r[3]]]
     assert not bad, "\n".join(bad)
+
+
+def test_save_pretrained_refuses_existing_destination_before_writing(tmp_path):
+    from models.common.export import ExportError
+    from models.qwen2 import build_parallel_model
+    from tests.test_pipeline import _configs
+
+    model = build_parallel_model(_configs()["qwen2_tied8"])
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    with pytest.raises(ExportError, match="already exists"):
+        model.save_pretrained(tmp_path / "out")
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
+    with pytest.raises(ExportError, match="parent directory does not exist"):
+        model.save_pretrained(tmp_path / "missing" / "out")
+    model.save_pretrained(tmp_path / "fresh")  # control: one process, whole model
+    assert sorted(p.name for p in (tmp_path / "fresh").iterdir()) == ["config.json", "model.safetensors"]
+    assert not list(tmp_path.glob(".*pmz-tmp"))
 
 
 def test_unknown_format_and_bad_bucket_size_refused():

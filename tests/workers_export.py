@@ -18,7 +18,8 @@ def _parameter_of(hf_name: str) -> str:
     return hf_name
 
 
-def export_case(case: str, path: str, kwargs: dict, bucket_bytes: int, steps: int = 2, lr: float = 0.5) -> list[tuple]:
+def export_case(case: str, path: str, kwargs: dict, bucket_bytes: int, steps: int = 2, lr: float = 0.5,
+                out_dir: str | None = None) -> list[tuple]:
     config = ParallelConfig(**kwargs)
     model = build(case, path, config)
     hf = load_hf(path)
@@ -46,7 +47,8 @@ def export_case(case: str, path: str, kwargs: dict, bucket_bytes: int, steps: in
     dist.all_gather(checksums, checksum)
     bf16 = {name: t for b in model.iter_export("hf", bucket_bytes=bucket_bytes, dtype=torch.bfloat16)
             for name, t in b.tensors()}
-    return [(*tag, "names_mismatch", float(len(set(exported) ^ expected) + len(names_in_order) - len(set(names_in_order)))),
+    records = save_checks(model, tag, out_dir, bucket_bytes) if out_dir else []
+    return records + [(*tag, "names_mismatch", float(len(set(exported) ^ expected) + len(names_in_order) - len(set(names_in_order)))),
             (*tag, "vs_transformers", max((exported[n] - ref[n]).abs().max().item() for n in expected & set(exported))),
             (*tag, "oversize_buckets", float(len(oversize))),
             (*tag, "buckets", float(len(buckets))),
@@ -55,8 +57,37 @@ def export_case(case: str, path: str, kwargs: dict, bucket_bytes: int, steps: in
             (*tag, "bf16_dtype", float(any(t.dtype != torch.bfloat16 for t in bf16.values())))]
 
 
-def export_suite(cases: list[tuple]) -> list[tuple]:
+def save_checks(model, tag, out_dir: str, bucket_bytes: int) -> list[tuple]:
+    """``save_pretrained`` (small shards) loads in transformers with our logits; its files hold exactly
+    the exported buckets' tensors, bitwise; a bf16 save stores bf16."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model.save_pretrained(out_dir, max_shard_size=bucket_bytes)
+    model.save_pretrained(out_dir + "-bf16", dtype=torch.bfloat16)
+    files = sorted(Path(out_dir).glob("*.safetensors"))
+    on_disk = {k: v for f in files for k, v in load_file(str(f)).items()}
+    exported = {name: t for b in model.iter_export("hf", bucket_bytes=bucket_bytes) for name, t in b.tensors()}
+    bf16 = {k: v for f in Path(out_dir + "-bf16").glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    loaded = AutoModelForCausalLM.from_pretrained(out_dir).eval()
+    ids = torch.randint(0, loaded.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref_logits = loaded(ids).logits
+        ours = model.forward_backward(ids, ids, forward_only=True, num_microbatches=2)
+        ref_lp = torch.zeros_like(ours)
+        ref_lp[:, 1:] = torch.log_softmax(ref_logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    return [(*tag, "saved_files", float(len(files))),
+            (*tag, "saved_vs_exported_not_bitwise", float(set(on_disk) != set(exported)
+                                                          or any(not torch.equal(on_disk[k], exported[k]) for k in exported))),
+            (*tag, "saved_logprobs_vs_ours", (ours - ref_lp).abs().max().item()),
+            (*tag, "bf16_saved_not_cast", float(any(not torch.equal(bf16[k], exported[k].to(torch.bfloat16))
+                                                    for k in exported)))]
+
+
+def export_suite(cases: list[tuple], out_root: str) -> list[tuple]:
     records = []
-    for case, path, kwargs, bucket_bytes in cases:
-        records += export_case(case, path, kwargs, bucket_bytes)
+    for n, (case, path, kwargs, bucket_bytes) in enumerate(cases):
+        records += export_case(case, path, kwargs, bucket_bytes, out_dir=f"{out_root}/save{n}")
     return records

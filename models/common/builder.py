@@ -101,6 +101,7 @@ def build_model(arch: Architecture, source: Any, parallel_config: ParallelConfig
         raise ParallelConfigError(f"{parallel_config.describe()}: fsdp needs groups with a replica DeviceMesh "
                                   f"(build them with parallel.build_groups, not groups_from_megatron)")
     model = ParallelCausalLM(cfg, groups, wmap, dtype=dtype, device=device)
+    model.hf_config = hf_config  # what save_pretrained writes as config.json
     load_weights(dict(model.named_parameters()), model.load_entries(), tensor_source, groups.tp_rank, groups.tp_size)
     if parallel_config.fsdp:
         from parallel.fsdp import shard_model

@@ -152,3 +152,82 @@ def iter_export(model, format: str = "hf", *, bucket_bytes: int = DEFAULT_BUCKET
         if groups.pp_size > 1:
             dist.broadcast(buffer, src=dist.get_global_rank(groups.pp_group, plan.stage), group=groups.pp_group)
         yield ExportBucket(buffer, plan.metas)
+
+
+def _file_names(count: int) -> list[str]:
+    if count == 1:
+        return ["model.safetensors"]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, max_shard_size: str | int = "5GB") -> None:
+    """Collective over every rank: write an HF checkpoint directory that transformers loads unchanged.
+
+    Files are planned from the config alone (the same on every rank); each file holds tensors of one
+    pipeline stage and is written once, by that stage's first replica's TP rank 0, from tensors
+    gathered over TP. Everything goes to a temporary sibling directory that global rank 0 renames to
+    ``directory`` at the end (a crash leaves no half-written ``directory``; a stale temporary one
+    is removed by the next run). Needs a filesystem every writing rank sees at the same path.
+    """
+    import json
+    import os
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from models.common.sizes import parse_size
+
+    target = Path(directory)
+    if target.exists():
+        raise ExportError(f"{target}: already exists (choose a new directory; nothing was written)")
+    if not target.parent.is_dir():
+        raise ExportError(f"{target.parent}: the parent directory does not exist")
+    if not os.access(target.parent, os.W_OK):
+        raise ExportError(f"{target.parent}: not writable")
+    hf_config = getattr(model, "hf_config", None)
+    if hf_config is None:
+        raise ExportError("the model has no transformers config to save (build it with build_parallel_model)")
+    limit = parse_size(max_shard_size)
+    if limit < 1:
+        raise ExportError(f"max_shard_size={max_shard_size!r} must be positive")
+    groups = model.groups
+    dtype = dtype or next(model.parameters()).dtype
+    element_size = torch.empty((), dtype=dtype).element_size()
+    plans = plan_buckets(model, limit, element_size)
+    names = _file_names(len(plans))
+    tmp = target.parent / f".{target.name}.pmz-tmp"
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    _barrier()
+    writer = groups.tp_rank == 0 and groups.dp_rank == 0 and groups.cp_rank == 0 and groups.ulysses_rank == 0
+    shapes = hf_shapes(model.config, model.weight_map)
+    named = _Unsharded(model.named_parameters())
+    for plan, file_name in zip(plans, names):
+        if groups.pp_rank != plan.stage:
+            continue
+        tensors = {name: full.to(dtype).contiguous()
+                   for name, full in export_hf_state(named, list(plan.entries), shapes, groups.tp_group)}
+        if writer:
+            save_file(tensors, str(tmp / file_name), metadata={"format": "pt"})
+        del tensors
+    _barrier()
+    if rank == 0:
+        import copy
+
+        saved_config = copy.deepcopy(hf_config)
+        saved_config.dtype = dtype  # what the tensors are stored in (transformers' dtype="auto" reads it)
+        saved_config.save_pretrained(str(tmp))
+        if len(plans) > 1:
+            index = {"metadata": {"total_size": sum(p.numel for p in plans) * element_size},
+                     "weight_map": {m.name: file_name for plan, file_name in zip(plans, names) for m in plan.metas}}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, target)
+    _barrier()
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()

@@ -324,6 +324,13 @@ class ParallelCausalLM(nn.Module):
 
         return iter_export(self, format, bucket_bytes=bucket_bytes, dtype=dtype)
 
+    def save_pretrained(self, directory, *, dtype: torch.dtype | None = None, max_shard_size: str | int = "5GB") -> None:
+        """Collective over every rank: an HF checkpoint directory (config.json, safetensors shards and
+        index) that transformers loads unchanged; atomic. See ``models/common/export.py``."""
+        from models.common.export import save_pretrained
+
+        save_pretrained(self, directory, dtype=dtype, max_shard_size=max_shard_size)
+
     # ------------------------------------------------------------------ training
     def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
                          num_microbatches: int = 1, schedule: str = "1f1b", forward_only: bool = False,
