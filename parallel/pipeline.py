@@ -37,6 +37,11 @@ def microbatch_multiple(name: str, pp: int) -> int:
     return pp if name in MULTI_STAGE else 1
 
 
+def microbatch_minimum(name: str, pp: int) -> int:
+    """The fewest micro-batches ``name`` runs with (torch's 1F1B needs at least one per stage)."""
+    return pp if name == "1f1b" else 1
+
+
 class PipelineRunner:
     """A schedule and its ``PipelineStage``s built once for one shape (micro-batch count and tensor
     sizes) and reused across steps, so shape inference and buffer set-up happen once, not per step."""

@@ -6,7 +6,7 @@ rate: the ceiling for moving the model once), (c) ``iter_hf_weights`` (the TP-on
 existed before: each rank gets only its own stage's tensors), per byte it delivers. Ratios are
 against (b) measured on the same rank.
 
-    .venv/bin/python tools/bench_export.py [--hidden 2048 --layers 12]   # ~1 GB fp32 by default
+    .venv/bin/python tools/bench_export.py [--hidden 1024 --layers 16]   # ~1 GB fp32 by default
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ def body(hidden: int, layers: int, buckets_mb: list[int], repeats: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--buckets-mb", type=int, nargs="+", default=[16, 64, 256, 512])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()

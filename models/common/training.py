@@ -24,7 +24,7 @@ from torch import nn
 from models.common.sequence_parallel import SequenceShard, gather_tokens, plan_for, shard_of
 from parallel.grads import finalize_grads
 from parallel.microbatch import plan_microbatches
-from parallel.pipeline import PipelineRunner, check_schedule, microbatch_multiple
+from parallel.pipeline import PipelineRunner, check_schedule, microbatch_minimum, microbatch_multiple
 
 IGNORE_INDEX = -100
 
@@ -118,6 +118,8 @@ def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = 
     if pp > 1:  # name and vpp; the planner below makes the count a multiple of what the schedule needs
         check_schedule(schedule, vpp, microbatch_multiple(schedule, pp), pp)
     samples = to_samples(input_ids, labels, attention_mask, cu_seqlens, position_ids)
+    if pp > 1:  # the loss is the same for any split, so the count may rise to what the schedule needs
+        num_microbatches = max(num_microbatches, microbatch_minimum(schedule, pp))
     plan = plan_microbatches([len(s.ids) for s in samples], max_tokens_per_microbatch=max_tokens_per_microbatch,
                              num_microbatches=num_microbatches,
                              multiple_of=microbatch_multiple(schedule, pp) if pp > 1 else 1)
