@@ -39,7 +39,7 @@ def export_dirs(tmp_path_factory):
 
 BOUNDS = {"names_mismatch": 0.0, "vs_transformers": 1e-5, "oversize_buckets": 0.0, "ranks_differ": 0.0,
           "bf16_not_cast": 0.0, "bf16_dtype": 0.0, "saved_vs_exported_not_bitwise": 0.0,
-          "saved_logprobs_vs_ours": 1e-5, "bf16_saved_not_cast": 0.0}
+          "saved_logprobs_vs_ours": 1e-5, "bf16_saved_not_cast": 0.0, "bf16_saved_config_wrong": 0.0}
 
 
 @pytest.fixture(scope="module")
@@ -86,9 +86,31 @@ def test_save_pretrained_refuses_existing_destination_before_writing(tmp_path):
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
     with pytest.raises(ExportError, match="parent directory does not exist"):
         model.save_pretrained(tmp_path / "missing" / "out")
+    stale = tmp_path / ".fresh.pmz-tmp-0123456789ab"  # left by a killed earlier run
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"partial")
     model.save_pretrained(tmp_path / "fresh")  # control: one process, whole model
     assert sorted(p.name for p in (tmp_path / "fresh").iterdir()) == ["config.json", "model.safetensors"]
-    assert not list(tmp_path.glob(".*pmz-tmp"))
+    assert not list(tmp_path.glob(".*pmz-tmp*"))
+
+
+def test_save_pretrained_failure_leaves_nothing(tmp_path, monkeypatch):
+    """A write that fails (here: the safetensors writer, as on a full disk) ends in one ExportError
+    and leaves neither the destination nor a temporary directory."""
+    import safetensors.torch
+
+    from models.common.export import ExportError
+    from models.qwen2 import build_parallel_model
+    from tests.test_pipeline import _configs
+
+    def full_disk(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    model = build_parallel_model(_configs()["qwen2_tied8"])
+    with pytest.raises(ExportError, match="No space left on device"):
+        model.save_pretrained(tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_unknown_format_and_bad_bucket_size_refused():

@@ -60,6 +60,7 @@ def export_case(case: str, path: str, kwargs: dict, bucket_bytes: int, steps: in
 def save_checks(model, tag, out_dir: str, bucket_bytes: int) -> list[tuple]:
     """``save_pretrained`` (small shards) loads in transformers with our logits; its files hold exactly
     the exported buckets' tensors, bitwise; a bf16 save stores bf16."""
+    import json
     from pathlib import Path
 
     from safetensors.torch import load_file
@@ -71,6 +72,8 @@ def save_checks(model, tag, out_dir: str, bucket_bytes: int) -> list[tuple]:
     on_disk = {k: v for f in files for k, v in load_file(str(f)).items()}
     exported = {name: t for b in model.iter_export("hf", bucket_bytes=bucket_bytes) for name, t in b.tensors()}
     bf16 = {k: v for f in Path(out_dir + "-bf16").glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    bf16_config = json.loads((Path(out_dir + "-bf16") / "config.json").read_text())
+    bf16_loaded = AutoModelForCausalLM.from_pretrained(out_dir + "-bf16", dtype="auto")
     loaded = AutoModelForCausalLM.from_pretrained(out_dir).eval()
     ids = torch.randint(0, loaded.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -83,7 +86,10 @@ def save_checks(model, tag, out_dir: str, bucket_bytes: int) -> list[tuple]:
                                                           or any(not torch.equal(on_disk[k], exported[k]) for k in exported))),
             (*tag, "saved_logprobs_vs_ours", (ours - ref_lp).abs().max().item()),
             (*tag, "bf16_saved_not_cast", float(any(not torch.equal(bf16[k], exported[k].to(torch.bfloat16))
-                                                    for k in exported)))]
+                                                    for k in exported))),
+            (*tag, "bf16_saved_config_wrong", float(bf16_config.get("dtype") != "bfloat16"
+                                                    or bf16_loaded.dtype != torch.bfloat16
+                                                    or not bf16_config.get("architectures")))]
 
 
 def export_suite(cases: list[tuple], out_root: str) -> list[tuple]:

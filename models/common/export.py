@@ -7,13 +7,14 @@ gives ``(name, view)`` pairs; a receiver can hand the buffer to an inference eng
 
 How a bucket is built: the bucket plan is pure arithmetic on the config and the layout (the same
 on every rank). A bucket only holds tensors of one pipeline stage; that stage's ranks gather each
-parameter over TP with the weight map's merge rules (``export_hf_state``: the one definition of
-the HF layout used by loading, export and conversion) straight into the bucket buffer, then the
-buffer is broadcast from that stage to the other stages over the PP group. Every data-parallel
-replica (dp/cp/ulysses ranks) does this on its own, so each tensor crosses the job once per
-receiving rank and no DP traffic is needed; under FSDP2 a parameter is first un-sharded
-(``full_tensor``). Tied embeddings appear once, as HF stores them. Per rank, memory beyond the
-model is the bucket being filled plus one parameter's TP shards.
+parameter over TP and merge it with the weight map's sharding rules (``export_hf_state``; the same
+entries and rules that loading and the converters use) into the bucket buffer, then the buffer is
+broadcast from that stage to the other stages over the PP group. Every data-parallel replica
+(dp/cp/ulysses ranks) does this on its own, so each tensor crosses the job once per receiving rank
+and no DP traffic is needed - except under FSDP2, where a parameter is first un-sharded over the
+replica mesh (``full_tensor``). Tied embeddings appear once, as HF stores them. Per rank, memory
+beyond the model is the bucket being filled plus one parameter in flight (its gathered TP
+shards and the merged tensors; under FSDP2 also its un-sharded copy).
 """
 
 from __future__ import annotations
@@ -160,18 +161,76 @@ def _file_names(count: int) -> list[str]:
     return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
+CAUSAL_LM_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+class _Failure:
+    """Collects a rank's error so that all ranks learn of it together (no rank left waiting)."""
+
+    def __init__(self) -> None:
+        self.message: str | None = None
+
+    def run(self, fn, *args, **kwargs):
+        if self.message is None:
+            try:
+                return fn(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - reported to every rank by agree()
+                self.message = f"{type(exc).__name__}: {exc}"
+        return None
+
+    def agree(self) -> str | None:
+        """Collective: the first failing rank's message on every rank (None when all succeeded)."""
+        if not dist.is_initialized():
+            return self.message
+        flags = [None] * dist.get_world_size()
+        dist.all_gather_object(flags, self.message)
+        failed = [(r, m) for r, m in enumerate(flags) if m is not None]
+        return f"rank {failed[0][0]}: {failed[0][1]}" if failed else None
+
+
+def _check_destination(target) -> None:
+    import os
+
+    if target.exists():
+        raise ExportError(f"{target}: already exists (choose a new directory; nothing was written)")
+    if not target.parent.is_dir():
+        raise ExportError(f"{target.parent}: the parent directory does not exist")
+    if not os.access(target.parent, os.W_OK):
+        raise ExportError(f"{target.parent}: not writable")
+
+
+def _saved_config(hf_config, dtype: torch.dtype):
+    """A copy of the config recording the stored dtype (``dtype`` on transformers 5, ``torch_dtype``
+    before) and the model class (vLLM and SGLang read ``architectures``)."""
+    import copy
+
+    saved = copy.deepcopy(hf_config)
+    if isinstance(getattr(type(saved), "torch_dtype", None), property):
+        saved.dtype = dtype
+    else:
+        saved.torch_dtype = dtype
+    if not getattr(saved, "architectures", None) and saved.model_type in CAUSAL_LM_CLASSES:
+        saved.architectures = [CAUSAL_LM_CLASSES[saved.model_type]]
+    return saved
+
+
 def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, max_shard_size: str | int = "5GB") -> None:
     """Collective over every rank: write an HF checkpoint directory that transformers loads unchanged.
 
     Files are planned from the config alone (the same on every rank); each file holds tensors of one
-    pipeline stage and is written once, by that stage's first replica's TP rank 0, from tensors
-    gathered over TP. Everything goes to a temporary sibling directory that global rank 0 renames to
-    ``directory`` at the end (a crash leaves no half-written ``directory``; a stale temporary one
-    is removed by the next run). Needs a filesystem every writing rank sees at the same path.
+    pipeline stage and is written once, by one TP rank of that stage's first replica (files dealt
+    round-robin over the TP ranks), from tensors gathered over TP (ranks that do not write drop
+    them as they come). Everything goes to a temporary sibling directory
+    (``.<name>.pmz-tmp-<id>``) that global rank 0 renames to ``directory`` at the end. Any rank's
+    failure (bad destination, full disk, ...) is agreed on by all ranks at the next step, the
+    temporary directory is removed, and every rank raises ``ExportError`` naming the failing rank:
+    no half-written ``directory``, no rank left waiting. Stale temporary directories of earlier
+    killed runs are removed first. Needs a filesystem every writing rank sees at the same path.
     """
     import json
     import os
     import shutil
+    import uuid
     from pathlib import Path
 
     from safetensors.torch import save_file
@@ -179,55 +238,74 @@ def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, max_s
     from models.common.sizes import parse_size
 
     target = Path(directory)
-    if target.exists():
-        raise ExportError(f"{target}: already exists (choose a new directory; nothing was written)")
-    if not target.parent.is_dir():
-        raise ExportError(f"{target.parent}: the parent directory does not exist")
-    if not os.access(target.parent, os.W_OK):
-        raise ExportError(f"{target.parent}: not writable")
+    failure = _Failure()
+    failure.run(_check_destination, target)
     hf_config = getattr(model, "hf_config", None)
     if hf_config is None:
-        raise ExportError("the model has no transformers config to save (build it with build_parallel_model)")
-    limit = parse_size(max_shard_size)
-    if limit < 1:
-        raise ExportError(f"max_shard_size={max_shard_size!r} must be positive")
+        failure.run(_raise, "the model has no transformers config to save (build it with build_parallel_model)")
+    limit = failure.run(parse_size, max_shard_size)
+    if limit is not None and limit < 1:
+        failure.run(_raise, f"max_shard_size={max_shard_size!r} must be positive")
+    problem = failure.agree()
+    if problem:
+        raise ExportError(f"save_pretrained({target}): {problem}")
+
     groups = model.groups
     dtype = dtype or next(model.parameters()).dtype
     element_size = torch.empty((), dtype=dtype).element_size()
     plans = plan_buckets(model, limit, element_size)
     names = _file_names(len(plans))
-    tmp = target.parent / f".{target.name}.pmz-tmp"
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+    tmp_name = [f".{target.name}.pmz-tmp-{uuid.uuid4().hex[:12]}"]
+    if dist.is_initialized():
+        dist.broadcast_object_list(tmp_name, src=0)
+    tmp = target.parent / tmp_name[0]
+
+    def prepare() -> None:
+        for stale in target.parent.glob(f".{target.name}.pmz-tmp-*"):
+            shutil.rmtree(stale)
         tmp.mkdir()
-    _barrier()
-    writer = groups.tp_rank == 0 and groups.dp_rank == 0 and groups.cp_rank == 0 and groups.ulysses_rank == 0
+        tmp.chmod(0o755)
+
+    if rank == 0:
+        failure.run(prepare)
+    problem = failure.agree()
+    if problem:
+        raise ExportError(f"save_pretrained({target}): {problem}")
+    first_replica = groups.dp_rank == 0 and groups.cp_rank == 0 and groups.ulysses_rank == 0
     shapes = hf_shapes(model.config, model.weight_map)
     named = _Unsharded(model.named_parameters())
-    for plan, file_name in zip(plans, names):
+    for index, (plan, file_name) in enumerate(zip(plans, names)):
         if groups.pp_rank != plan.stage:
             continue
-        tensors = {name: full.to(dtype).contiguous()
-                   for name, full in export_hf_state(named, list(plan.entries), shapes, groups.tp_group)}
+        writer = first_replica and groups.tp_rank == index % groups.tp_size
+        tensors = {}
+        for name, full in export_hf_state(named, list(plan.entries), shapes, groups.tp_group):
+            if writer:
+                tensors[name] = full.to(device="cpu", dtype=dtype).contiguous()
         if writer:
-            save_file(tensors, str(tmp / file_name), metadata={"format": "pt"})
+            failure.run(save_file, tensors, str(tmp / file_name), metadata={"format": "pt"})
         del tensors
-    _barrier()
-    if rank == 0:
-        import copy
 
-        saved_config = copy.deepcopy(hf_config)
-        saved_config.dtype = dtype  # what the tensors are stored in (transformers' dtype="auto" reads it)
-        saved_config.save_pretrained(str(tmp))
+    def finish() -> None:
+        _saved_config(hf_config, dtype).save_pretrained(str(tmp))
         if len(plans) > 1:
             index = {"metadata": {"total_size": sum(p.numel for p in plans) * element_size},
                      "weight_map": {m.name: file_name for plan, file_name in zip(plans, names) for m in plan.metas}}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, target)
-    _barrier()
+        if target.exists():
+            raise ExportError(f"{target}: appeared while saving (left untouched)")
+        os.rename(tmp, target)
+
+    problem = failure.agree()  # every file written?
+    if rank == 0 and problem is None:
+        failure.run(finish)
+    problem = failure.agree()
+    if problem:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise ExportError(f"save_pretrained({target}): {problem}")
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+def _raise(message: str) -> None:
+    raise ExportError(message)

@@ -119,6 +119,7 @@ def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = 
         check_schedule(schedule, vpp, microbatch_multiple(schedule, pp), pp)
     samples = to_samples(input_ids, labels, attention_mask, cu_seqlens, position_ids)
     if pp > 1:  # the loss is the same for any split, so the count may rise to what the schedule needs
+        # (torch's 1F1B runs at least one micro-batch per stage: a batch needs >= pp samples then)
         num_microbatches = max(num_microbatches, microbatch_minimum(schedule, pp))
     plan = plan_microbatches([len(s.ids) for s in samples], max_tokens_per_microbatch=max_tokens_per_microbatch,
                              num_microbatches=num_microbatches,
