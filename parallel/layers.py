@@ -87,11 +87,14 @@ class ColumnParallelLinear(nn.Module):
         local = local_out_features if local_out_features is not None else _divide(out_features, self.tp_size, "ColumnParallelLinear out_features / tp")
         self.weight = nn.Parameter(torch.empty(local, in_features, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.zeros(local, dtype=dtype, device=device)) if bias else None
+        self.lora = None  # a parallel.lora.ColumnLoRA when LoRA adapts this layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            return sequence_gather_linear(x, self.weight, self.bias, self.tp_group)
-        return F.linear(copy_to_group(x, self.tp_group), self.weight, self.bias)
+            y = sequence_gather_linear(x, self.weight, self.bias, self.tp_group)
+        else:
+            y = F.linear(copy_to_group(x, self.tp_group), self.weight, self.bias)
+        return y if self.lora is None else y + self.lora(x)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, local_out={self.weight.shape[0]}, tp={self.tp_size}, sp={self.sequence_parallel}"
@@ -165,6 +168,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
         if self.bias is not None and self.sequence_parallel:
             self.bias.sequence_parallel = True
+        self.lora = None  # a parallel.lora.RowLoRA when LoRA adapts this layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
@@ -172,7 +176,8 @@ class RowParallelLinear(nn.Module):
             y = reduce_scatter_to_sequence(y, self.tp_group)
         else:
             y = reduce_from_group(y, self.tp_group)
-        return y + self.bias if self.bias is not None else y
+        y = y + self.bias if self.bias is not None else y
+        return y if self.lora is None else y + self.lora(x)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, local_in={self.weight.shape[1]}, tp={self.tp_size}, sp={self.sequence_parallel}"

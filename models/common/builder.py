@@ -58,7 +58,7 @@ def random_source(arch: Architecture, cfg: ModelConfig, pconfig: ParallelConfig,
 
 def build_model(arch: Architecture, source: Any, parallel_config: ParallelConfig | None = None, *,
                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                groups: ParallelGroups | None = None, seed: int = 0) -> ParallelCausalLM:
+                groups: ParallelGroups | None = None, seed: int = 0, lora: Any = None) -> ParallelCausalLM:
     """Build this rank's part of the model and fill it from ``source``.
 
     source: an HF model directory (config.json + safetensors), a transformers config (deterministic
@@ -66,6 +66,8 @@ def build_model(arch: Architecture, source: Any, parallel_config: ParallelConfig
         ``TensorSource`` together with a transformers config as ``(hf_config, tensor_source)``.
     parallel_config: the layout (default: everything 1). Call after ``init_process_group`` when
         any size is > 1. ``groups`` reuses already-built groups (e.g. ``groups_from_megatron()``).
+    lora: a ``peft.LoraConfig``: LoRA factors on the targeted modules, base weights frozen
+        (``models/common/lora.py``); fill them from an adapter with ``model.load_lora_adapter``.
     """
     parallel_config = parallel_config or (groups.config if groups is not None else ParallelConfig())
     tensor_source: TensorSource | None = None
@@ -85,6 +87,11 @@ def build_model(arch: Architecture, source: Any, parallel_config: ParallelConfig
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     parallel_config.validate(cfg, world_size=world)
     wmap = arch.weight_map(cfg, parallel_config.padded_vocab_size(cfg.vocab_size))
+    lora_targets = None
+    if lora is not None:
+        from models.common.lora import check_lora_config
+
+        lora_targets = check_lora_config(cfg, wmap, lora, parallel_config, hf_shapes(cfg, wmap))
     if isinstance(source, (str, os.PathLike)):
         tensor_source = SafetensorsSource(source)
     if tensor_source is not None:
@@ -103,6 +110,10 @@ def build_model(arch: Architecture, source: Any, parallel_config: ParallelConfig
     model = ParallelCausalLM(cfg, groups, wmap, dtype=dtype, device=device)
     model.hf_config = hf_config  # what save_pretrained writes as config.json
     load_weights(dict(model.named_parameters()), model.load_entries(), tensor_source, groups.tp_rank, groups.tp_size)
+    if lora is not None:
+        from models.common.lora import apply_lora
+
+        apply_lora(model, lora, lora_targets, seed=seed)
     if parallel_config.fsdp:
         from parallel.fsdp import shard_model
 

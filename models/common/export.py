@@ -127,11 +127,23 @@ class _Unsharded(dict):
 
 
 @torch.no_grad()
+def _source_tensors(model, merge_lora: bool) -> dict:
+    """Internal name -> tensor to export: the parameters, or with ``merge_lora`` the LoRA-merged weights."""
+    if merge_lora:
+        if getattr(model, "lora_config", None) is None:
+            raise ExportError("merge_lora=True but the model has no LoRA adapter")
+        from models.common.lora import merged_parameters
+
+        return merged_parameters(model)
+    return _Unsharded(model.named_parameters())
+
+
 def iter_export(model, format: str = "hf", *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                dtype: torch.dtype | None = None) -> Iterator[ExportBucket]:
+                dtype: torch.dtype | None = None, merge_lora: bool = False) -> Iterator[ExportBucket]:
     """Collective over every rank: yields the same ``ExportBucket``s everywhere (see module doc).
 
-    ``dtype``: the exported dtype (default: the parameters'). Every rank must iterate to the end.
+    ``dtype``: the exported dtype (default: the parameters'); ``merge_lora``: weights with the LoRA
+    adapter merged in (the adapter alone: ``lora_state``). Every rank must iterate to the end.
     """
     if format not in FORMATS:
         raise ExportError(f"unknown export format {format!r} (choose {', '.join(FORMATS)})")
@@ -142,7 +154,7 @@ def iter_export(model, format: str = "hf", *, bucket_bytes: int = DEFAULT_BUCKET
     element_size = torch.empty((), dtype=dtype).element_size()
     plans = plan_buckets(model, bucket_bytes, element_size)
     shapes = hf_shapes(model.config, model.weight_map)
-    named = _Unsharded(model.named_parameters())
+    named = _source_tensors(model, merge_lora)
     for plan in plans:
         buffer = torch.empty(plan.numel, dtype=dtype, device=device)
         if groups.pp_rank == plan.stage:
@@ -214,7 +226,8 @@ def _saved_config(hf_config, dtype: torch.dtype):
     return saved
 
 
-def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, max_shard_size: str | int = "5GB") -> None:
+def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, max_shard_size: str | int = "5GB",
+                    merge_lora: bool = False) -> None:
     """Collective over every rank: write an HF checkpoint directory that transformers loads unchanged.
 
     Files are planned from the config alone (the same on every rank); each file holds tensors of one
@@ -246,6 +259,8 @@ def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, max_s
     limit = failure.run(parse_size, max_shard_size)
     if limit is not None and limit < 1:
         failure.run(_raise, f"max_shard_size={max_shard_size!r} must be positive")
+    if merge_lora and getattr(model, "lora_config", None) is None:
+        failure.run(_raise, "merge_lora=True but the model has no LoRA adapter")
     problem = failure.agree()
     if problem:
         raise ExportError(f"save_pretrained({target}): {problem}")
@@ -274,7 +289,7 @@ def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, max_s
         raise ExportError(f"save_pretrained({target}): {problem}")
     first_replica = groups.dp_rank == 0 and groups.cp_rank == 0 and groups.ulysses_rank == 0
     shapes = hf_shapes(model.config, model.weight_map)
-    named = _Unsharded(model.named_parameters())
+    named = _source_tensors(model, merge_lora)
     for index, (plan, file_name) in enumerate(zip(plans, names)):
         if groups.pp_rank != plan.stage:
             continue

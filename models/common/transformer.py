@@ -316,20 +316,36 @@ class ParallelCausalLM(nn.Module):
         tensors = {name: _unsharded(t) for name, t in tensors.items()}  # FSDP2 shards -> this TP rank's tensor
         yield from export_hf_state(tensors, self.weight_entries(), hf_shapes(self.config, wmap), self.groups.tp_group)
 
-    def iter_export(self, format: str = "hf", *, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = None):
+    def iter_export(self, format: str = "hf", *, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = None,
+                    merge_lora: bool = False):
         """Collective over every rank of the job: the whole model as flat buckets of full HF tensors
         (``ExportBucket``: ``.buffer``, ``.metas``, ``.tensors()``), the same on every rank, for any
-        tp/pp/vpp/dp/fsdp layout. See ``models/common/export.py``."""
+        tp/pp/vpp/dp/fsdp layout; ``merge_lora``: with the LoRA adapter merged. See
+        ``models/common/export.py``."""
         from models.common.export import iter_export
 
-        return iter_export(self, format, bucket_bytes=bucket_bytes, dtype=dtype)
+        return iter_export(self, format, bucket_bytes=bucket_bytes, dtype=dtype, merge_lora=merge_lora)
 
-    def save_pretrained(self, directory, *, dtype: torch.dtype | None = None, max_shard_size: str | int = "5GB") -> None:
+    def save_pretrained(self, directory, *, dtype: torch.dtype | None = None, max_shard_size: str | int = "5GB",
+                        merge_lora: bool = False) -> None:
         """Collective over every rank: an HF checkpoint directory (config.json, safetensors shards and
-        index) that transformers loads unchanged; atomic. See ``models/common/export.py``."""
+        index) that transformers loads unchanged; atomic; ``merge_lora``: LoRA merged into the
+        weights. See ``models/common/export.py``."""
         from models.common.export import save_pretrained
 
-        save_pretrained(self, directory, dtype=dtype, max_shard_size=max_shard_size)
+        save_pretrained(self, directory, dtype=dtype, max_shard_size=max_shard_size, merge_lora=merge_lora)
+
+    def load_lora_adapter(self, directory) -> None:
+        """Fill the LoRA factors (model built with ``lora=``) from a peft adapter directory."""
+        from models.common.lora import load_lora_adapter
+
+        load_lora_adapter(self, directory)
+
+    def save_lora_adapter(self, directory) -> None:
+        """Collective: write the LoRA adapter as a peft adapter directory (global rank 0 writes)."""
+        from models.common.lora import save_lora_adapter
+
+        save_lora_adapter(self, directory)
 
     # ------------------------------------------------------------------ training
     def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,

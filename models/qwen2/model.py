@@ -17,10 +17,11 @@ ARCHITECTURE = Architecture("qwen2", config.HF_MODEL_TYPES, config.model_config,
 
 def build_parallel_model(source: Any, parallel_config: ParallelConfig | None = None, *,
                          dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                         groups: ParallelGroups | None = None, seed: int = 0) -> ParallelCausalLM:
+                         groups: ParallelGroups | None = None, seed: int = 0, lora: Any = None) -> ParallelCausalLM:
     """Build this rank's Qwen2 shard from an HF directory or a transformers config (random weights).
 
     Call after ``torch.distributed.init_process_group`` when the layout uses more than one rank.
     See ``models.common.builder.build_model`` for the arguments.
     """
-    return build_model(ARCHITECTURE, source, parallel_config, dtype=dtype, device=device, groups=groups, seed=seed)
+    return build_model(ARCHITECTURE, source, parallel_config, dtype=dtype, device=device, groups=groups, seed=seed,
+                       lora=lora)

@@ -1,0 +1,294 @@
+"""LoRA on the shared decoder with peft's semantics: targets, initialisation, adapter files, merging.
+
+``build_parallel_model(..., lora=peft.LoraConfig(r=, lora_alpha=, target_modules=[...]))`` adds
+A/B factors (``parallel/lora.py``) to the parallel layers holding the targeted HF modules (HF
+module names: ``q_proj`` ... ``down_proj``), sharded like those layers, and freezes every base
+parameter. As in peft: ``delta = B A dropout(x) * lora_alpha / r`` (``/ sqrt(r)`` with
+``use_rslora``), A initialised Kaiming-uniform (a = sqrt(5)), B zeros, so a fresh adapter changes
+nothing. A is drawn from a seed and the HF module name and then sliced, so every TP layout holds
+the same adapter.
+
+Which rows/columns of A and B a rank holds follows from the weight map: the rule of the adapted
+HF tensor (``Split(0)``/``KVHeads`` for column layers: B takes it, A is whole; ``Split(1)`` for
+row layers: A takes it, B is whole). Adapter files use peft's names
+(``base_model.model.<hf module>.lora_A.weight``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from parallel.config import ParallelConfigError
+from parallel.lora import ColumnLoRA, RowLoRA
+from parallel.sharding import KVHeads, Replicated, Rule, Split
+
+PEFT_PREFIX = "base_model.model."
+ADAPTER_FILE = "adapter_model.safetensors"
+
+
+class LoraError(ValueError):
+    """A LoRA configuration or adapter that does not fit the model (names given)."""
+
+
+@dataclass(frozen=True)
+class LoraTarget:
+    """One adapted HF module: the parallel layer holding it and how its A/B are sharded."""
+
+    layer: str  # internal module path of the parallel layer, e.g. model.layers.3.self_attn.qkv_proj
+    hf_module: str  # e.g. model.layers.3.self_attn.q_proj
+    leaf: str  # e.g. q_proj
+    column: bool
+    a_rule: Rule
+    b_rule: Rule
+    a_shape: tuple[int, int]  # full [r, in]
+    b_shape: tuple[int, int]  # full [out, r]
+
+    @property
+    def a_param(self) -> str:
+        return f"{self.layer}.lora.lora_A_{self.leaf}"
+
+    @property
+    def b_param(self) -> str:
+        return f"{self.layer}.lora.lora_B_{self.leaf}"
+
+    @property
+    def peft_a(self) -> str:
+        return f"{PEFT_PREFIX}{self.hf_module}.lora_A.weight"
+
+    @property
+    def peft_b(self) -> str:
+        return f"{PEFT_PREFIX}{self.hf_module}.lora_B.weight"
+
+
+def _targets_of(lora_config: Any) -> set[str] | str:
+    targets = lora_config.target_modules
+    if targets is None:
+        raise LoraError("LoraConfig.target_modules is empty: name the HF modules to adapt (e.g. ['q_proj', 'v_proj'])")
+    if isinstance(targets, str):
+        return targets  # "all-linear" or a regular expression over module names (peft's rules)
+    return set(targets)
+
+
+def _selected(leaf: str, hf_module: str, targets) -> bool:
+    if isinstance(targets, str):
+        import re
+
+        return targets == "all-linear" or re.fullmatch(targets, hf_module) is not None
+    return leaf in targets
+
+
+def lora_targets(cfg, weight_map, lora_config: Any, shapes: dict, layers=None) -> list[LoraTarget]:
+    """The adapted modules of ``layers`` (default: all); LoraError for names the architecture lacks."""
+    r = int(lora_config.r)
+    targets = _targets_of(lora_config)
+    entries = weight_map.entries(range(cfg.num_hidden_layers) if layers is None else layers, first=False, last=False)
+    leaves = set()
+    found: list[LoraTarget] = []
+    for entry in entries:
+        if not entry.param.endswith(".weight"):
+            continue
+        layer = entry.param[: -len(".weight")]
+        for hf_name, rule in zip(entry.hf, entry.rules):
+            hf_module = hf_name[: -len(".weight")]
+            leaf = hf_module.rsplit(".", 1)[1]
+            column = isinstance(rule, KVHeads) or (isinstance(rule, Split) and rule.dim == 0)
+            row = isinstance(rule, Split) and rule.dim == 1
+            if not (column or row):
+                continue
+            leaves.add(leaf)
+            if not _selected(leaf, hf_module, targets):
+                continue
+            out_f, in_f = shapes[hf_name]
+            found.append(LoraTarget(layer, hf_module, leaf, column, Replicated() if column else Split(1),
+                                    rule if column else Replicated(), (r, in_f), (out_f, r)))
+    if isinstance(targets, set):
+        unknown = sorted(targets - leaves)
+        if unknown:
+            raise LoraError(f"LoRA target module(s) {', '.join(unknown)} not in this architecture "
+                            f"(its linear modules: {', '.join(sorted(leaves))})")
+    if not found:
+        raise LoraError(f"LoRA target_modules={lora_config.target_modules!r} matches no module")
+    return found
+
+
+def check_lora_config(cfg, weight_map, lora_config: Any, pconfig, shapes: dict) -> list[LoraTarget]:
+    """Everything that can be refused before any process group exists."""
+    if int(lora_config.r) < 1:
+        raise LoraError(f"LoRA r={lora_config.r} must be positive")
+    if getattr(lora_config, "bias", "none") != "none":
+        raise LoraError(f"LoRA bias={lora_config.bias!r} is not supported (only 'none')")
+    targets = lora_targets(cfg, weight_map, lora_config, shapes)
+    replicated = {t.leaf for t in targets if isinstance(t.b_rule, KVHeads) and t.b_rule.replicas(pconfig.tp) > 1}
+    if replicated:
+        raise ParallelConfigError(f"LoRA on {', '.join(sorted(replicated))} with tp={pconfig.tp} > "
+                                  f"num_key_value_heads={cfg.num_key_value_heads} (replicated KV heads) is not supported")
+    return targets
+
+
+def scaling(lora_config: Any) -> float:
+    r = int(lora_config.r)
+    return float(lora_config.lora_alpha) / (math.sqrt(r) if getattr(lora_config, "use_rslora", False) else r)
+
+
+def _init_a(name: str, shape: tuple[int, int], seed: int) -> torch.Tensor:
+    """peft's A init (Kaiming uniform, a = sqrt(5)) of the full tensor, from the seed and the name."""
+    import hashlib
+
+    digest = hashlib.sha256(f"lora:{seed}:{name}".encode()).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    bound = 1.0 / math.sqrt(shape[1])  # kaiming_uniform_(a=sqrt(5)): gain sqrt(2/6), bound gain*sqrt(3/fan_in)
+    return (torch.rand(shape, generator=gen) * 2 - 1) * bound
+
+
+def apply_lora(model, lora_config: Any, targets: list[LoraTarget], seed: int = 0) -> None:
+    """Add the LoRA modules of this rank's layers, initialise them as peft does, freeze the base."""
+    groups = model.groups
+    mine = set(model.layer_ids())
+    by_layer: dict[str, list[LoraTarget]] = {}
+    for t in targets:
+        if int(t.layer.split(".")[2]) in mine:
+            by_layer.setdefault(t.layer, []).append(t)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    s, dropout = scaling(lora_config), float(getattr(lora_config, "lora_dropout", 0.0) or 0.0)
+    dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
+    for layer_name, layer_targets in by_layer.items():
+        layer = model.get_submodule(layer_name)
+        if layer_targets[0].column:
+            leaves = {t.leaf: t for t in layer_targets}
+            parts = _packed_parts(layer, layer_targets[0])
+            layer.lora = ColumnLoRA(layer.in_features, [(leaf if leaf in leaves else None, rows) for leaf, rows in parts],
+                                    r=int(lora_config.r), scaling=s, dropout=dropout, tp_group=groups.tp_group,
+                                    sequence_parallel=layer.sequence_parallel, dtype=dtype, device=device)
+        else:
+            t = layer_targets[0]
+            layer.lora = RowLoRA(t.leaf, layer.weight.shape[1], layer.out_features, r=int(lora_config.r), scaling=s,
+                                 dropout=dropout, tp_group=groups.tp_group, sequence_parallel=layer.sequence_parallel,
+                                 dtype=dtype, device=device)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for t in targets:
+            if t.a_param in params:
+                full = _init_a(t.hf_module, t.a_shape, seed)
+                params[t.a_param].copy_(t.a_rule.split(full, groups.tp_rank, groups.tp_size))
+    model.lora_config, model.lora_targets = lora_config, [t for t in targets if t.a_param in params]
+
+
+def _packed_parts(layer, target: LoraTarget) -> list[tuple[str, int]]:
+    """(HF leaf, local rows) of each projection packed in a column-parallel layer, in order."""
+    prefix = target.hf_module.rsplit(".", 1)[0]
+    if hasattr(layer, "local_sizes"):  # packed q/k/v
+        q, k, v = layer.local_sizes()
+        return [("q_proj", q), ("k_proj", k), ("v_proj", v)] if prefix.endswith("self_attn") else []
+    if hasattr(layer, "local_out_sizes"):  # packed gate/up
+        return list(zip(("gate_proj", "up_proj"), layer.local_out_sizes))
+    return [(target.leaf, layer.weight.shape[0])]
+
+
+# ---------------------------------------------------------------------- adapters on disk
+def _local(t: torch.Tensor) -> torch.Tensor:
+    full = getattr(t, "full_tensor", None)
+    return full() if full is not None else t
+
+
+def load_lora_adapter(model, directory) -> None:
+    """Fill this rank's A/B slices from a peft adapter directory (every rank reads only its slices)."""
+    from safetensors import safe_open
+
+    from parallel.sharding import read_piece
+
+    path = Path(directory) / ADAPTER_FILE
+    if not path.is_file():
+        raise LoraError(f"{path}: no adapter file")
+    groups = model.groups
+    params = dict(model.named_parameters())
+    with safe_open(str(path), framework="pt") as f:
+        names = set(f.keys())
+        missing = [k for t in model.lora_targets for k in (t.peft_a, t.peft_b) if k not in names]
+        if missing:
+            raise LoraError(f"{path}: {len(missing)} LoRA tensor(s) missing, e.g. {missing[0]} "
+                            f"(the adapter's target modules or r differ from the model's LoraConfig?)")
+        with torch.no_grad():
+            for t in model.lora_targets:
+                for key, rule, param, shape in ((t.peft_a, t.a_rule, t.a_param, t.a_shape),
+                                                (t.peft_b, t.b_rule, t.b_param, t.b_shape)):
+                    sl = f.get_slice(key)
+                    if tuple(sl.get_shape()) != tuple(shape):
+                        raise LoraError(f"{path}: {key} has shape {tuple(sl.get_shape())}, the model expects {shape}")
+                    piece = read_piece(lambda idx: sl[idx], shape, rule.piece(shape, groups.tp_rank, groups.tp_size))
+                    params[param].copy_(piece.to(params[param].dtype))
+
+
+def lora_state(model) -> dict[str, torch.Tensor]:
+    """Collective over TP (and FSDP): the adapter's full tensors under peft's names, on every rank.
+    With pp > 1 each stage returns its own layers' tensors."""
+    groups = model.groups
+    params = dict(model.named_parameters())
+    out = {}
+    for t in model.lora_targets:
+        for key, rule, param in ((t.peft_a, t.a_rule, t.a_param), (t.peft_b, t.b_rule, t.b_param)):
+            shard = _local(params[param]).detach().contiguous()
+            if groups.tp_size > 1:
+                shards = [torch.empty_like(shard) for _ in range(groups.tp_size)]
+                dist.all_gather(shards, shard, group=groups.tp_group)
+            else:
+                shards = [shard]
+            out[key] = rule.merge(shards)
+    return out
+
+
+def save_lora_adapter(model, directory) -> None:
+    """Collective: a peft adapter directory (adapter_config.json with the real r / lora_alpha /
+    target_modules, adapter_model.safetensors with peft's keys) written by global rank 0."""
+    from safetensors.torch import save_file
+
+    from models.common.export import ExportError
+
+    target = Path(directory)
+    if target.exists():
+        raise ExportError(f"{target}: already exists (choose a new directory; nothing was written)")
+    state = lora_state(model)
+    groups = model.groups
+    if groups.pp_size > 1:  # every stage's layers to global rank 0
+        parts = [None] * groups.pp_size
+        dist.all_gather_object(parts, {k: v.cpu() for k, v in state.items()}, group=groups.pp_group)
+        state = {k: v for part in parts for k, v in part.items()}
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        target.mkdir(parents=True)
+        config = model.lora_config
+        if getattr(config, "base_model_name_or_path", None) is None and getattr(model, "hf_config", None) is not None:
+            config.base_model_name_or_path = getattr(model.hf_config, "_name_or_path", None) or None
+        config.save_pretrained(str(target))
+        save_file({k: v.contiguous() for k, v in sorted(state.items())}, str(target / ADAPTER_FILE),
+                  metadata={"format": "pt"})
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def merged_parameters(model) -> dict[str, torch.Tensor]:
+    """This rank's parameters with ``scaling * B A`` added to each adapted weight (local shards)."""
+    params = {n: _local(p).detach() for n, p in model.named_parameters() if ".lora." not in n}
+    s = scaling(model.lora_config)
+    for layer_name in {t.layer for t in model.lora_targets}:
+        layer = model.get_submodule(layer_name)
+        name = f"{layer_name}.weight"
+        weight = params[name].clone()
+        lora = layer.lora
+        if isinstance(lora, ColumnLoRA):
+            row = 0
+            for leaf, rows in lora.parts:
+                if leaf is not None:
+                    a, b = getattr(lora, f"lora_A_{leaf}").detach(), getattr(lora, f"lora_B_{leaf}").detach()
+                    weight[row:row + rows] += s * (b @ a)
+                row += rows
+        else:
+            a, b = getattr(lora, f"lora_A_{lora.name}").detach(), getattr(lora, f"lora_B_{lora.name}").detach()
+            weight += s * (b @ a)
+        params[name] = weight
+    return params

@@ -1,0 +1,56 @@
+"""LoRA on the parallel layers against peft (a real client) on the same adapter: logits, LoRA
+gradients (and none on the frozen base), our saved adapter loading into peft with r / lora_alpha
+kept, merged weights equal to peft's ``merge_and_unload``; at TP=1 and TP=2 with SP, plain and
+rsLoRA scaling; bad target modules refused before any process group."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from tests.distributed import run_distributed
+from tests.workers_lora import TARGETS, lora_suite, make_adapter
+
+
+@pytest.fixture(scope="module")
+def adapters(hf_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    out = {}
+    for case, targets, rslora in (("qwen2_untied", TARGETS, False), ("llama_llama3", ["q_proj", "v_proj", "down_proj"], True)):
+        path = root / case / "adapter"
+        make_adapter(hf_dirs[case], str(path), targets, rslora=rslora)
+        out[case] = str(path)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _run(world: int, key: tuple):
+    hf_dirs, adapters = dict(key[0]), dict(key[1])
+    kwargs = dict(tp=world, sequence_parallel=world > 1)
+    cases = [(case, hf_dirs[case], adapters[case], kwargs) for case in sorted(adapters)]
+    return [r for rank in run_distributed(world, lora_suite, cases) for r in rank]
+
+
+BOUNDS = {"logits_vs_peft": 1e-5, "lora_grads_vs_peft": 1e-4, "base_params_with_grad": 0.0,
+          "lora_grads_count_mismatch": 0.0, "saved_adapter_logits": 1e-5, "saved_config_differs": 0.0,
+          "merged_vs_peft": 1e-6, "merged_export_vs_saved": 0.0}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_lora_matches_peft(world, hf_dirs, adapters):
+    records = _run(world, (tuple(sorted(hf_dirs.items())), tuple(sorted(adapters.items()))))
+    assert {r[0] for r in records} == set(adapters) and {r[2] for r in records} == {True, False}
+    assert {r[3] for r in records} == set(BOUNDS)
+    bad = [f"{r[0]} {r[1]} rslora={r[2]} {r[3]}={r[4]:.3g}" for r in records if not r[4] <= BOUNDS[r[3]]]
+    assert not bad, "\n".join(bad)
+
+
+def test_unknown_lora_target_refused(hf_dirs):
+    from peft import LoraConfig
+
+    from models.common.lora import LoraError
+    from models.qwen2 import build_parallel_model
+
+    with pytest.raises(LoraError, match="foo_proj"):
+        build_parallel_model(hf_dirs["qwen2_untied"], lora=LoraConfig(r=4, target_modules=["q_proj", "foo_proj"]))
