@@ -1,6 +1,6 @@
 """LoRA on the parallel layers against peft (a real client) on the same adapter: logits, LoRA
 gradients (and none on the frozen base), our saved adapter loading into peft with r / lora_alpha
-kept, merged weights equal to peft's ``merge_and_unload``; at TP=1 and TP=2 with SP, plain and
+kept, merged weights equal to peft's ``merge_and_unload``; at TP=1 and TP=2 with and without SP, plain and
 rsLoRA scaling; bad target modules refused before any process group."""
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ def adapters(hf_dirs, tmp_path_factory):
 @functools.lru_cache(maxsize=None)
 def _run(world: int, key: tuple):
     hf_dirs, adapters = dict(key[0]), dict(key[1])
-    kwargs = dict(tp=world, sequence_parallel=world > 1)
-    cases = [(case, hf_dirs[case], adapters[case], kwargs) for case in sorted(adapters)]
+    layouts = [dict(tp=world)] + ([dict(tp=world, sequence_parallel=True)] if world > 1 else [])
+    cases = [(case, hf_dirs[case], adapters[case], kw) for kw in layouts for case in sorted(adapters)]
     return [r for rank in run_distributed(world, lora_suite, cases) for r in rank]
 
 
