@@ -1,7 +1,8 @@
 """LoRA on the parallel layers against peft (a real client) on the same adapter: logits, LoRA
 gradients (and none on the frozen base), our saved adapter loading into peft with r / lora_alpha
 kept, merged weights equal to peft's ``merge_and_unload``; at TP=1 and TP=2 with and without SP, plain and
-rsLoRA scaling; bad target modules refused before any process group."""
+rsLoRA scaling; two SGD steps of ``forward_backward`` with PP, FSDP2 and TP+SP+CP next to peft;
+bad target modules refused before any process group."""
 
 from __future__ import annotations
 
@@ -54,3 +55,15 @@ def test_unknown_lora_target_refused(hf_dirs):
 
     with pytest.raises(LoraError, match="foo_proj"):
         build_parallel_model(hf_dirs["qwen2_untied"], lora=LoraConfig(r=4, target_modules=["q_proj", "foo_proj"]))
+
+
+@pytest.mark.parametrize("world,layouts", [(2, [dict(pp=2), dict(fsdp=True)]),
+                                           (4, [dict(tp=2, sequence_parallel=True, cp=2)])])
+def test_lora_training_matches_peft_across_layouts(world, layouts, hf_dirs, adapters):
+    from tests.workers_lora import lora_training_suite
+
+    records = [r for rank in run_distributed(world, lora_training_suite, hf_dirs["qwen2_untied"],
+                                             adapters["qwen2_untied"], layouts) for r in rank]
+    assert len({r[1] for r in records}) == len(layouts)
+    bad = [f"{r[1]} {r[2]}={r[3]:.3g}" for r in records if not r[3] <= 1e-5]
+    assert not bad, "\n".join(bad)

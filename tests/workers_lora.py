@@ -104,3 +104,41 @@ def lora_suite(cases: list[tuple]) -> list[tuple]:
 
 def cases_root(adapter: str) -> str:
     return str(Path(adapter).parent)
+
+
+def lora_training_suite(path: str, adapter: str, layouts: list[dict]) -> list[tuple]:
+    """Two SGD steps of ``forward_backward`` on LoRA parameters only, next to peft on the whole batch:
+    losses per step and the LoRA weights afterwards (gathered like the adapter), merged export too."""
+    from peft import LoraConfig, PeftModel
+
+    from models.common.lora import lora_state
+    from tests.workers_pipeline import batch
+
+    records = []
+    for kwargs in layouts:
+        config = LoraConfig.from_pretrained(adapter)
+        model = build("qwen2_untied", path, ParallelConfig(**kwargs), lora=config)
+        model.load_lora_adapter(adapter)
+        peft_model = PeftModel.from_pretrained(load_hf(path), adapter, is_trainable=True)
+        groups = model.groups
+        tag = ("qwen2_untied", ParallelConfig(**kwargs).describe())
+        ids, mask, labels = batch(peft_model.config.vocab_size)
+        share = slice(groups.dp_rank * 4 // groups.dp_size, (groups.dp_rank + 1) * 4 // groups.dp_size)
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+        ref_opt = torch.optim.SGD([p for p in peft_model.parameters() if p.requires_grad], lr=0.5)
+        for step in range(2):
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            loss = model.forward_backward(ids[share], labels[share], attention_mask=mask[share], num_microbatches=2)
+            ref = peft_model(input_ids=ids, attention_mask=mask, labels=labels)
+            ref.loss.backward()
+            records.append((*tag, f"loss_step{step}", abs(loss.item() - ref.loss.item())))
+            opt.step()
+            ref_opt.step()
+        ours = lora_state(model)
+        ref_params = {n.replace(".default", ""): p for n, p in peft_model.named_parameters() if "lora_" in n}
+        records.append((*tag, "lora_after_steps", max((v - ref_params[k]).abs().max().item() for k, v in ours.items())))
+        merged = {n: t for b in model.iter_export("hf", merge_lora=True) for n, t in b.tensors()}
+        ref_merged = peft_model.merge_and_unload().state_dict()
+        records.append((*tag, "merged_after_steps", max((t - ref_merged[n]).abs().max().item() for n, t in merged.items())))
+    return records

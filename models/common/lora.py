@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.config import ParallelConfigError
+from parallel.grads import local_rows
 from parallel.lora import ColumnLoRA, RowLoRA
 from parallel.sharding import KVHeads, Replicated, Rule, Split
 
@@ -222,7 +223,8 @@ def load_lora_adapter(model, directory) -> None:
                     if tuple(sl.get_shape()) != tuple(shape):
                         raise LoraError(f"{path}: {key} has shape {tuple(sl.get_shape())}, the model expects {shape}")
                     piece = read_piece(lambda idx: sl[idx], shape, rule.piece(shape, groups.tp_rank, groups.tp_size))
-                    params[param].copy_(piece.to(params[param].dtype))
+                    local, offset = local_rows(params[param])  # FSDP2: this rank's rows of the TP shard
+                    local.copy_(piece[offset:offset + local.shape[0]].to(local.dtype))
 
 
 def lora_state(model) -> dict[str, torch.Tensor]:
@@ -275,7 +277,7 @@ def merged_parameters(model) -> dict[str, torch.Tensor]:
     """This rank's parameters with ``scaling * B A`` added to each adapted weight (local shards)."""
     params = {n: _local(p).detach() for n, p in model.named_parameters() if ".lora." not in n}
     s = scaling(model.lora_config)
-    for layer_name in {t.layer for t in model.lora_targets}:
+    for layer_name in sorted({t.layer for t in model.lora_targets}):  # same order on every rank (collectives)
         layer = model.get_submodule(layer_name)
         name = f"{layer_name}.weight"
         weight = params[name].clone()
@@ -284,11 +286,11 @@ def merged_parameters(model) -> dict[str, torch.Tensor]:
             row = 0
             for leaf, rows in lora.parts:
                 if leaf is not None:
-                    a, b = getattr(lora, f"lora_A_{leaf}").detach(), getattr(lora, f"lora_B_{leaf}").detach()
+                    a, b = _local(getattr(lora, f"lora_A_{leaf}")).detach(), _local(getattr(lora, f"lora_B_{leaf}")).detach()
                     weight[row:row + rows] += s * (b @ a)
                 row += rows
         else:
-            a, b = getattr(lora, f"lora_A_{lora.name}").detach(), getattr(lora, f"lora_B_{lora.name}").detach()
+            a, b = _local(getattr(lora, f"lora_A_{lora.name}")).detach(), _local(getattr(lora, f"lora_B_{lora.name}")).detach()
             weight += s * (b @ a)
         params[name] = weight
     return params
