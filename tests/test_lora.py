@@ -67,3 +67,45 @@ def test_lora_training_matches_peft_across_layouts(world, layouts, hf_dirs, adap
     assert len({r[1] for r in records}) == len(layouts)
     bad = [f"{r[1]} {r[2]}={r[3]:.3g}" for r in records if not r[3] <= 1e-5]
     assert not bad, "\n".join(bad)
+
+
+def test_lora_configs_and_adapters_that_do_not_fit_are_refused(hf_dirs, adapters):
+    from peft import LoraConfig
+
+    from models.common.lora import LoraError
+    from models.qwen2 import build_parallel_model
+    from parallel import ParallelConfigError
+    from tests.workers_lora import TARGETS
+
+    path = hf_dirs["qwen2_untied"]
+    with pytest.raises(LoraError, match="use_dora"):
+        build_parallel_model(path, lora=LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    model = build_parallel_model(path, lora=LoraConfig(r=4, lora_alpha=99, target_modules=TARGETS))
+    from models.common.lora import check_lora_config
+    from models.common.weights import hf_shapes
+    from parallel import ParallelConfig
+
+    dropout = LoraConfig(r=4, target_modules=["q_proj"], lora_dropout=0.1)
+    with pytest.raises(ParallelConfigError, match="lora_dropout"):  # TP ranks would drop different inputs
+        check_lora_config(model.config, model.weight_map, dropout, ParallelConfig(tp=2),
+                          hf_shapes(model.config, model.weight_map))
+    check_lora_config(model.config, model.weight_map, dropout, ParallelConfig(tp=2, sequence_parallel=True),
+                      hf_shapes(model.config, model.weight_map))  # control: with SP each rank drops its own tokens
+    with pytest.raises(LoraError, match="lora_alpha"):  # the adapter was made with lora_alpha=16
+        model.load_lora_adapter(adapters["qwen2_untied"])
+    fewer = build_parallel_model(path, lora=LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj"]))
+    with pytest.raises(LoraError, match="target_modules"):
+        fewer.load_lora_adapter(adapters["qwen2_untied"])
+
+
+def test_lora_with_tied_embeddings_split_over_stages():
+    """The frozen tied embedding/head pair takes no cross-stage gradient sum (it used to crash);
+    the loss equals the single-stage model's on the same LoRA initialisation."""
+    from tests.test_pipeline import _configs
+    from tests.workers_lora import tied_pipeline_lora
+
+    cfg = _configs()["qwen2_tied8"]
+    staged = run_distributed(2, tied_pipeline_lora, cfg)
+    single = run_distributed(1, tied_pipeline_lora, cfg)
+    assert staged[0] == staged[1]
+    assert abs(staged[0] - single[0]) <= 1e-5

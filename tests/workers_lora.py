@@ -142,3 +142,15 @@ def lora_training_suite(path: str, adapter: str, layouts: list[dict]) -> list[tu
         ref_merged = peft_model.merge_and_unload().state_dict()
         records.append((*tag, "merged_after_steps", max((t - ref_merged[n]).abs().max().item() for n, t in merged.items())))
     return records
+
+
+def tied_pipeline_lora(hf_config) -> float:
+    """LoRA (embedding frozen) on a tied-embedding model split over 2 stages: one training step."""
+    from peft import LoraConfig
+
+    from models.qwen2 import build_parallel_model
+
+    model = build_parallel_model(hf_config, ParallelConfig(pp=dist.get_world_size()), seed=2,
+                                 lora=LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "down_proj"]))
+    ids = torch.randint(0, hf_config.vocab_size, (4, 9), generator=torch.Generator().manual_seed(0))
+    return model.forward_backward(ids, ids, num_microbatches=2).item()

@@ -126,18 +126,18 @@ class _Unsharded(dict):
         return full() if full is not None else t
 
 
-@torch.no_grad()
 def _source_tensors(model, merge_lora: bool) -> dict:
     """Internal name -> tensor to export: the parameters, or with ``merge_lora`` the LoRA-merged weights."""
     if merge_lora:
         if getattr(model, "lora_config", None) is None:
             raise ExportError("merge_lora=True but the model has no LoRA adapter")
-        from models.common.lora import merged_parameters
+        from models.common.lora import MergedParameters
 
-        return merged_parameters(model)
+        return MergedParameters(model)
     return _Unsharded(model.named_parameters())
 
 
+@torch.no_grad()
 def iter_export(model, format: str = "hf", *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                 dtype: torch.dtype | None = None, merge_lora: bool = False) -> Iterator[ExportBucket]:
     """Collective over every rank: yields the same ``ExportBucket``s everywhere (see module doc).

@@ -118,12 +118,29 @@ def lora_targets(cfg, weight_map, lora_config: Any, shapes: dict, layers=None) -
     return found
 
 
+# LoraConfig fields whose non-default values would change the model in ways not built here.
+_UNSUPPORTED = {"alpha_pattern": {}, "rank_pattern": {}, "use_dora": False, "modules_to_save": None,
+                "layers_to_transform": None, "layers_pattern": None, "exclude_modules": None, "lora_bias": False,
+                "target_parameters": None}
+
+
 def check_lora_config(cfg, weight_map, lora_config: Any, pconfig, shapes: dict) -> list[LoraTarget]:
     """Everything that can be refused before any process group exists."""
     if int(lora_config.r) < 1:
         raise LoraError(f"LoRA r={lora_config.r} must be positive")
     if getattr(lora_config, "bias", "none") != "none":
         raise LoraError(f"LoRA bias={lora_config.bias!r} is not supported (only 'none')")
+    for name, default in _UNSUPPORTED.items():
+        value = getattr(lora_config, name, default)
+        if value not in (default, None, {}, [], False):
+            raise LoraError(f"LoraConfig.{name}={value!r} is not supported here")
+    if getattr(lora_config, "init_lora_weights", True) is not True:
+        raise LoraError(f"LoraConfig.init_lora_weights={lora_config.init_lora_weights!r} is not supported "
+                        f"(only peft's default Kaiming-uniform A, zero B)")
+    if float(getattr(lora_config, "lora_dropout", 0.0) or 0.0) > 0 and pconfig.tp > 1 and not pconfig.sequence_parallel:
+        raise ParallelConfigError(f"lora_dropout={lora_config.lora_dropout} with tp={pconfig.tp} needs "
+                                  f"sequence_parallel=True (each rank then drops out only its own tokens; "
+                                  f"without SP the TP ranks' masks would differ on the same tokens)")
     targets = lora_targets(cfg, weight_map, lora_config, shapes)
     replicated = {t.leaf for t in targets if isinstance(t.b_rule, KVHeads) and t.b_rule.replicas(pconfig.tp) > 1}
     if replicated:
@@ -179,6 +196,7 @@ def apply_lora(model, lora_config: Any, targets: list[LoraTarget], seed: int = 0
                 full = _init_a(t.hf_module, t.a_shape, seed)
                 params[t.a_param].copy_(t.a_rule.split(full, groups.tp_rank, groups.tp_size))
     model.lora_config, model.lora_targets = lora_config, [t for t in targets if t.a_param in params]
+    model.all_lora_targets = targets  # every stage's (adapter files hold all of them)
 
 
 def _packed_parts(layer, target: LoraTarget) -> list[tuple[str, int]]:
@@ -207,6 +225,7 @@ def load_lora_adapter(model, directory) -> None:
     path = Path(directory) / ADAPTER_FILE
     if not path.is_file():
         raise LoraError(f"{path}: no adapter file")
+    _check_adapter_config(model.lora_config, Path(directory))
     groups = model.groups
     params = dict(model.named_parameters())
     with safe_open(str(path), framework="pt") as f:
@@ -215,6 +234,10 @@ def load_lora_adapter(model, directory) -> None:
         if missing:
             raise LoraError(f"{path}: {len(missing)} LoRA tensor(s) missing, e.g. {missing[0]} "
                             f"(the adapter's target modules or r differ from the model's LoraConfig?)")
+        everything = {k for t in model.all_lora_targets for k in (t.peft_a, t.peft_b)}
+        unexpected = sorted(names - everything)
+        if unexpected:
+            raise LoraError(f"{path}: {len(unexpected)} tensor(s) this LoRA model does not have, e.g. {unexpected[0]}")
         with torch.no_grad():
             for t in model.lora_targets:
                 for key, rule, param, shape in ((t.peft_a, t.a_rule, t.a_param, t.a_shape),
@@ -225,6 +248,25 @@ def load_lora_adapter(model, directory) -> None:
                     piece = read_piece(lambda idx: sl[idx], shape, rule.piece(shape, groups.tp_rank, groups.tp_size))
                     local, offset = local_rows(params[param])  # FSDP2: this rank's rows of the TP shard
                     local.copy_(piece[offset:offset + local.shape[0]].to(local.dtype))
+
+
+def _check_adapter_config(config: Any, directory: Path) -> None:
+    """The adapter's own config must give the same model (r, alpha, rsLoRA, targets) as the model's."""
+    file = directory / "adapter_config.json"
+    if not file.is_file():
+        return
+    import json
+
+    saved = json.loads(file.read_text())
+    ours = {"r": int(config.r), "lora_alpha": config.lora_alpha, "use_rslora": bool(getattr(config, "use_rslora", False)),
+            "target_modules": sorted(config.target_modules) if not isinstance(config.target_modules, str)
+            else config.target_modules}
+    theirs = {"r": saved.get("r"), "lora_alpha": saved.get("lora_alpha"), "use_rslora": bool(saved.get("use_rslora")),
+              "target_modules": sorted(saved["target_modules"]) if isinstance(saved.get("target_modules"), list)
+              else saved.get("target_modules")}
+    differ = [f"{k}: adapter {theirs[k]!r}, model {ours[k]!r}" for k in ours if ours[k] != theirs[k]]
+    if differ:
+        raise LoraError(f"{file}: the adapter was made with another LoraConfig ({'; '.join(differ)})")
 
 
 def lora_state(model) -> dict[str, torch.Tensor]:
@@ -252,45 +294,80 @@ def save_lora_adapter(model, directory) -> None:
 
     from models.common.export import ExportError
 
+    import copy
+    import shutil
+
+    from models.common.export import _Failure
+
     target = Path(directory)
-    if target.exists():
-        raise ExportError(f"{target}: already exists (choose a new directory; nothing was written)")
+    failure = _Failure()
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        failure.run(lambda: target.exists() and _raise_export(f"{target}: already exists (choose a new directory; "
+                                                              f"nothing was written)"))
+    problem = failure.agree()
+    if problem:
+        raise ExportError(f"save_lora_adapter({target}): {problem}")
     state = lora_state(model)
     groups = model.groups
     if groups.pp_size > 1:  # every stage's layers to global rank 0
         parts = [None] * groups.pp_size
         dist.all_gather_object(parts, {k: v.cpu() for k, v in state.items()}, group=groups.pp_group)
         state = {k: v for part in parts for k, v in part.items()}
-    if not dist.is_initialized() or dist.get_rank() == 0:
+
+    def write() -> None:
         target.mkdir(parents=True)
-        config = model.lora_config
+        config = copy.deepcopy(model.lora_config)
         if getattr(config, "base_model_name_or_path", None) is None and getattr(model, "hf_config", None) is not None:
             config.base_model_name_or_path = getattr(model.hf_config, "_name_or_path", None) or None
         config.save_pretrained(str(target))
         save_file({k: v.contiguous() for k, v in sorted(state.items())}, str(target / ADAPTER_FILE),
                   metadata={"format": "pt"})
-    if dist.is_initialized():
-        dist.barrier()
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        failure.run(write)
+        if failure.message is not None:
+            shutil.rmtree(target, ignore_errors=True)
+    problem = failure.agree()
+    if problem:
+        raise ExportError(f"save_lora_adapter({target}): {problem}")
 
 
-def merged_parameters(model) -> dict[str, torch.Tensor]:
-    """This rank's parameters with ``scaling * B A`` added to each adapted weight (local shards)."""
-    params = {n: _local(p).detach() for n, p in model.named_parameters() if ".lora." not in n}
+def _raise_export(message: str) -> None:
+    from models.common.export import ExportError
+
+    raise ExportError(message)
+
+
+class MergedParameters(dict):
+    """Internal name -> this rank's tensor with ``scaling * B A`` added to each adapted weight,
+    computed when read (one merged weight alive at a time; FSDP2 shards un-sharded on access, so
+    readers must read in the same order on every rank - the export plan's order)."""
+
+    def __init__(self, model) -> None:
+        super().__init__((n, p) for n, p in model.named_parameters() if ".lora." not in n)
+        self.model = model
+        self.adapted = {f"{t.layer}.weight": t.layer for t in model.lora_targets}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        base = _local(super().__getitem__(name)).detach()
+        if name not in self.adapted:
+            return base
+        return _merge_layer(self.model, self.adapted[name], base)
+
+
+def _merge_layer(model, layer_name: str, base: torch.Tensor) -> torch.Tensor:
     s = scaling(model.lora_config)
-    for layer_name in sorted({t.layer for t in model.lora_targets}):  # same order on every rank (collectives)
-        layer = model.get_submodule(layer_name)
-        name = f"{layer_name}.weight"
-        weight = params[name].clone()
-        lora = layer.lora
-        if isinstance(lora, ColumnLoRA):
-            row = 0
-            for leaf, rows in lora.parts:
-                if leaf is not None:
-                    a, b = _local(getattr(lora, f"lora_A_{leaf}")).detach(), _local(getattr(lora, f"lora_B_{leaf}")).detach()
-                    weight[row:row + rows] += s * (b @ a)
-                row += rows
-        else:
-            a, b = _local(getattr(lora, f"lora_A_{lora.name}")).detach(), _local(getattr(lora, f"lora_B_{lora.name}")).detach()
-            weight += s * (b @ a)
-        params[name] = weight
-    return params
+    layer = model.get_submodule(layer_name)
+    weight = base.clone()
+    lora = layer.lora
+    if isinstance(lora, ColumnLoRA):
+        row = 0
+        for leaf, rows in lora.parts:
+            if leaf is not None:
+                a, b = _local(getattr(lora, f"lora_A_{leaf}")).detach(), _local(getattr(lora, f"lora_B_{leaf}")).detach()
+                weight[row:row + rows] += s * (b @ a)
+            row += rows
+    else:
+        a, b = _local(getattr(lora, f"lora_A_{lora.name}")).detach(), _local(getattr(lora, f"lora_B_{lora.name}")).detach()
+        weight += s * (b @ a)
+    return weight

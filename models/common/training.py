@@ -231,7 +231,7 @@ def finalize_pipeline_grads(lm) -> None:
             p.grad = torch.zeros_like(p)
     finalize_grads(params, tp_group=groups.tp_group, replica_group=groups.replica_group,
                    replicas_reduced=groups.config.fsdp)
-    if lm.config.tie_word_embeddings and groups.pp_size > 1:
+    if lm.config.tie_word_embeddings and groups.pp_size > 1 and not _embedding_frozen(lm):
         if lm.is_first_stage:
             grad = lm.model.embed_tokens.weight.grad
         elif lm.is_last_stage:
@@ -240,6 +240,11 @@ def finalize_pipeline_grads(lm) -> None:
             grad = torch.zeros(lm.padded_vocab_size // groups.tp_size, lm.config.hidden_size,
                                dtype=next(lm.parameters()).dtype)
         dist.all_reduce(grad, group=groups.pp_group)
+
+
+def _embedding_frozen(lm) -> bool:
+    """The tied embedding takes no gradient (e.g. LoRA froze it): the same answer on every stage."""
+    return not any(p.requires_grad for p in lm.parameters()) or getattr(lm, "lora_config", None) is not None
 
 
 def _logprobs(lm, outputs, plan, samples, input_ids, attention_mask, cu_seqlens, total) -> torch.Tensor:
