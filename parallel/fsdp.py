@@ -55,3 +55,10 @@ def set_replica_scale(model: nn.Module, divide_by: float | None) -> None:
     """Gradients are summed over the replica ranks, then divided by ``divide_by`` (None = 1)."""
     for module in _fsdp_modules(model):
         module.set_gradient_divide_factor(float(divide_by or 1))
+
+
+def unshard(t):
+    """A FSDP2 (DTensor) parameter or gradient as this TP rank's whole tensor (a collective over the
+    replica mesh); plain tensors are returned as they are."""
+    full = getattr(t, "full_tensor", None)
+    return full() if full is not None else t

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from models.common.weights import WeightEntry, export_hf_state, hf_shapes
+from parallel.fsdp import unshard
 from parallel.pipeline_layout import stage_layer_ranges
 
 FORMATS = ("hf",)
@@ -121,9 +122,7 @@ class _Unsharded(dict):
     """Parameters by internal name, FSDP2 shards gathered back to this TP rank's tensor on access."""
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        t = super().__getitem__(name)
-        full = getattr(t, "full_tensor", None)
-        return full() if full is not None else t
+        return unshard(super().__getitem__(name))
 
 
 def _source_tensors(model, merge_lora: bool) -> dict:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.config import ParallelConfigError
+from parallel.fsdp import unshard
 from parallel.grads import local_rows
 from parallel.lora import ColumnLoRA, RowLoRA
 from parallel.sharding import KVHeads, Replicated, Rule, Split
@@ -211,11 +212,6 @@ def _packed_parts(layer, target: LoraTarget) -> list[tuple[str, int]]:
 
 
 # ---------------------------------------------------------------------- adapters on disk
-def _local(t: torch.Tensor) -> torch.Tensor:
-    full = getattr(t, "full_tensor", None)
-    return full() if full is not None else t
-
-
 def load_lora_adapter(model, directory) -> None:
     """Fill this rank's A/B slices from a peft adapter directory (every rank reads only its slices)."""
     from safetensors import safe_open
@@ -277,7 +273,7 @@ def lora_state(model) -> dict[str, torch.Tensor]:
     out = {}
     for t in model.lora_targets:
         for key, rule, param in ((t.peft_a, t.a_rule, t.a_param), (t.peft_b, t.b_rule, t.b_param)):
-            shard = _local(params[param]).detach().contiguous()
+            shard = unshard(params[param]).detach().contiguous()
             if groups.tp_size > 1:
                 shards = [torch.empty_like(shard) for _ in range(groups.tp_size)]
                 dist.all_gather(shards, shard, group=groups.tp_group)
@@ -349,7 +345,7 @@ class MergedParameters(dict):
         self.adapted = {f"{t.layer}.weight": t.layer for t in model.lora_targets}
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        base = _local(super().__getitem__(name)).detach()
+        base = unshard(super().__getitem__(name)).detach()
         if name not in self.adapted:
             return base
         return _merge_layer(self.model, self.adapted[name], base)
@@ -364,10 +360,10 @@ def _merge_layer(model, layer_name: str, base: torch.Tensor) -> torch.Tensor:
         row = 0
         for leaf, rows in lora.parts:
             if leaf is not None:
-                a, b = _local(getattr(lora, f"lora_A_{leaf}")).detach(), _local(getattr(lora, f"lora_B_{leaf}")).detach()
+                a, b = unshard(getattr(lora, f"lora_A_{leaf}")).detach(), unshard(getattr(lora, f"lora_B_{leaf}")).detach()
                 weight[row:row + rows] += s * (b @ a)
             row += rows
     else:
-        a, b = _local(getattr(lora, f"lora_A_{lora.name}")).detach(), _local(getattr(lora, f"lora_B_{lora.name}")).detach()
+        a, b = unshard(getattr(lora, f"lora_A_{lora.name}")).detach(), unshard(getattr(lora, f"lora_B_{lora.name}")).detach()
         weight += s * (b @ a)
     return weight

@@ -22,6 +22,7 @@ from models.common.weights import WeightEntry, WeightMap, export_hf_state, hf_sh
 from parallel.collectives import gather_last_dim
 from parallel.context_attention import context_parallel_attention
 from parallel.cross_entropy import vocab_parallel_cross_entropy
+from parallel.fsdp import unshard
 from parallel.grads import finalize_grads
 from parallel.sequence_layout import SequencePlan
 from parallel.ulysses import heads_to_seq, qkv_to_heads
@@ -313,7 +314,7 @@ class ParallelCausalLM(nn.Module):
         """
         wmap = self.weight_map
         tensors = tensors if tensors is not None else dict(self.named_parameters())
-        tensors = {name: _unsharded(t) for name, t in tensors.items()}  # FSDP2 shards -> this TP rank's tensor
+        tensors = {name: unshard(t) for name, t in tensors.items()}  # FSDP2 shards -> this TP rank's tensor
         yield from export_hf_state(tensors, self.weight_entries(), hf_shapes(self.config, wmap), self.groups.tp_group)
 
     def iter_export(self, format: str = "hf", *, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = None,
@@ -390,8 +391,3 @@ class ParallelCausalLM(nn.Module):
         """This rank's ``(cp_rank, ulysses_rank)``."""
         return self.groups.cp_rank, self.groups.ulysses_rank
 
-
-def _unsharded(t: torch.Tensor) -> torch.Tensor:
-    """A FSDP2 (DTensor) parameter or gradient as this TP rank's whole tensor; plain tensors as they are."""
-    full = getattr(t, "full_tensor", None)
-    return full() if full is not None else t
