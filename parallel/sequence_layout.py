@@ -23,6 +23,7 @@ causally when ``i == j`` and not at all when ``i < j``.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
@@ -208,6 +209,5 @@ def plan_sequences(lengths: Sequence[int], *, cp: int = 1, ulysses: int = 1, mul
         turn = (turn + extra) % cp
         sizes.append(tuple(row))
     local_len = _round_up(max(math.ceil(total / cp), 1), ulysses * multiple)
-    starts = tuple(int(x) for x in torch.tensor([0, *lengths[:-1]], dtype=torch.long).cumsum(0).tolist()) \
-        if lengths else ()
+    starts = tuple(itertools.accumulate(lengths[:-1], initial=0)) if lengths else ()
     return SequencePlan(lengths, total, cp, ulysses, multiple, local_len, tuple(sizes), starts)

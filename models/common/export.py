@@ -19,6 +19,7 @@ shards and the merged tensors; under FSDP2 also its un-sharded copy).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -47,10 +48,7 @@ class TensorMeta:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -106,13 +104,12 @@ def plan_buckets(model, bucket_bytes: int, element_size: int) -> list[BucketPlan
             current, metas, offset = [], [], 0
 
         for entry in entries:
-            sizes = [(name, tuple(shapes[name])) for name in entry.hf]
-            numel = sum(TensorMeta(n, s, 0).numel for n, s in sizes)
+            numel = sum(math.prod(shapes[name]) for name in entry.hf)
             if current and (offset + numel) * element_size > bucket_bytes:
                 close()
-            for name, shape in sizes:
-                metas.append(TensorMeta(name, shape, offset))
-                offset += TensorMeta(name, shape, 0).numel
+            for name in entry.hf:
+                metas.append(TensorMeta(name, tuple(shapes[name]), offset))
+                offset += metas[-1].numel
             current.append(entry)
         close()
     return plans

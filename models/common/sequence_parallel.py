@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from parallel.collectives import gather_for_replicas, group_size
+from parallel.collectives import gather_for_replicas, group_size, reduce_from_group
 from parallel.groups import ParallelGroups
 from parallel.sequence_layout import SequencePlan, plan_sequences
 
@@ -160,8 +160,6 @@ def gather_tokens(local: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
 def sum_over_sequence_groups(x: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
     """Sum a per-rank partial (e.g. of token losses) over the cp and ulysses ranks; the gradient
     each rank receives is that of its own part (identity backward)."""
-    from parallel.collectives import reduce_from_group
-
     for group in (groups.cp_group, groups.ulysses_group):
         if group_size(group) > 1:
             x = reduce_from_group(x, group)
