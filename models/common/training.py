@@ -231,7 +231,7 @@ def finalize_pipeline_grads(lm) -> None:
             p.grad = torch.zeros_like(p)
     finalize_grads(params, tp_group=groups.tp_group, replica_group=groups.replica_group,
                    replicas_reduced=groups.config.fsdp)
-    if lm.config.tie_word_embeddings and groups.pp_size > 1 and not _embedding_frozen(lm):
+    if lm.config.tie_word_embeddings and groups.pp_size > 1 and _tied_pair_trains(lm):
         if lm.is_first_stage:
             grad = lm.model.embed_tokens.weight.grad
         elif lm.is_last_stage:
@@ -242,9 +242,14 @@ def finalize_pipeline_grads(lm) -> None:
         dist.all_reduce(grad, group=groups.pp_group)
 
 
-def _embedding_frozen(lm) -> bool:
-    """The tied embedding takes no gradient (e.g. LoRA froze it): the same answer on every stage."""
-    return not any(p.requires_grad for p in lm.parameters()) or getattr(lm, "lora_config", None) is not None
+def _tied_pair_trains(lm) -> bool:
+    """Whether the tied embedding/head copies take gradients (not when frozen, e.g. under LoRA),
+    agreed over the PP group: the middle stages hold neither copy and cannot tell by themselves."""
+    groups = lm.groups
+    owner = lm.model.embed_tokens if lm.is_first_stage else lm.lm_head if lm.is_last_stage else None
+    frozen = torch.tensor([1.0 if owner is not None and not owner.weight.requires_grad else 0.0])
+    dist.all_reduce(frozen, op=dist.ReduceOp.MAX, group=groups.pp_group)
+    return frozen.item() == 0.0
 
 
 def _logprobs(lm, outputs, plan, samples, input_ids, attention_mask, cu_seqlens, total) -> torch.Tensor:
