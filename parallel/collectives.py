@@ -123,27 +123,19 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return all_gather_dim0(grad, ctx.group), None
 
 
-class _GatherLastDim(torch.autograd.Function):
+class _GatherKeepOwnGrad(torch.autograd.Function):
+    """All-gather along ``dim``; backward keeps this rank's chunk (every rank uses the result alike)."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        moved = x.movedim(-1, 0)
-        return all_gather_dim0(moved, group).movedim(0, -1).contiguous()
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        if dim == 0:
+            return all_gather_dim0(x, group)
+        return all_gather_dim0(x.movedim(dim, 0), group).movedim(0, dim).contiguous()
 
     @staticmethod
     def backward(ctx, grad):
-        return _own_chunk(grad, ctx.group, grad.dim() - 1), None
-
-
-class _GatherForReplicas(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather_dim0(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _own_chunk(grad, ctx.group, 0), None
+        return _own_chunk(grad, ctx.group, ctx.dim % grad.dim()), None, None
 
 
 def _wrap(fn: type[torch.autograd.Function]):
@@ -161,5 +153,13 @@ reduce_from_group = _wrap(_ReduceFromGroup)
 scatter_to_sequence = _wrap(_ScatterToSequence)
 gather_from_sequence = _wrap(_GatherFromSequence)
 reduce_scatter_to_sequence = _wrap(_ReduceScatterToSequence)
-gather_last_dim = _wrap(_GatherLastDim)
-gather_for_replicas = _wrap(_GatherForReplicas)
+
+
+def gather_last_dim(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """fwd: all-gather along the last dim; bwd: keep own chunk."""
+    return x if group_size(group) == 1 else _GatherKeepOwnGrad.apply(x, group, -1)
+
+
+def gather_for_replicas(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """fwd: all-gather along dim 0; bwd: keep own chunk."""
+    return x if group_size(group) == 1 else _GatherKeepOwnGrad.apply(x, group, 0)

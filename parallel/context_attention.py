@@ -144,6 +144,13 @@ def _accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out, torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc_dtype(q), device=q.device)
 
 
+def _restore(ctx, dout: torch.Tensor):
+    """Backward's view of ``_save``: q, k, v, out, lse, plan, group, scale, contiguous dout, empty dq."""
+    q, k, v, out, lse = ctx.saved_tensors
+    dq = torch.zeros(q.shape, dtype=acc_dtype(q), device=q.device)
+    return q, k, v, out, lse, ctx.plan, ctx.group, ctx.scale, dout.contiguous(), dq
+
+
 def _save(ctx, q, k, v, out, lse, plan: SequencePlan, group, scale: float) -> torch.Tensor:
     """What backward needs (this rank's q/k/v, the final output and log-sum-exp); returns the output."""
     out = out.to(q.dtype)
@@ -168,11 +175,8 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        plan, group, scale = ctx.plan, ctx.group, ctx.scale
+        q, k, v, out, lse, plan, group, scale, dout, dq = _restore(ctx, dout)
         n, r = group_size(group), group_rank(group)
-        dout = dout.contiguous()
-        dq = torch.zeros(q.shape, dtype=acc_dtype(q), device=q.device)
         cur = torch.stack([k, v]).contiguous()
         # incoming: the gradient accumulated so far (by the ranks before us) of the block we hold now
         incoming, dkv_works, sending = None, [], None
@@ -209,12 +213,9 @@ class _AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        plan, group, scale = ctx.plan, ctx.group, ctx.scale
+        q, k, v, out, lse, plan, group, scale, dout, dq = _restore(ctx, dout)
         n, r = group_size(group), group_rank(group)
-        dout = dout.contiguous()
         kv = _all_gather_kv(k, v, group)
-        dq = torch.zeros(q.shape, dtype=acc_dtype(q), device=q.device)
         dkv = torch.zeros((n, 2, *k.shape), dtype=acc_dtype(q), device=k.device)
         for j in range(n):
             segments_backward(dout, q, kv[j, 0], kv[j, 1], out, lse, plan.segments(r, j), scale, dq, dkv[j])
@@ -257,8 +258,7 @@ class _SingleRankAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq = torch.zeros(q.shape, dtype=acc_dtype(q), device=q.device)
+        q, k, v, out, lse, plan, _, scale, dout, dq = _restore(ctx, dout)
         dkv = torch.zeros((2, *k.shape), dtype=acc_dtype(q), device=k.device)
-        segments_backward(dout.contiguous(), q, k, v, out, lse, ctx.plan.segments(0, 0), ctx.scale, dq, dkv)
+        segments_backward(dout, q, k, v, out, lse, plan.segments(0, 0), scale, dq, dkv)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None

@@ -41,26 +41,17 @@ def _heads_to_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
     return recv.permute(1, 2, 0, 3, 4).reshape(s // u, b, u * h, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _Exchange(torch.autograd.Function):
+    """``to_heads``: seq -> heads, else heads -> seq; backward is the opposite exchange."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_to_heads(x, group)
+    def forward(ctx, x, group, to_heads: bool):
+        ctx.group, ctx.to_heads = group, to_heads
+        return (_seq_to_heads if to_heads else _heads_to_seq)(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_seq(grad.contiguous(), ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _heads_to_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_heads(grad.contiguous(), ctx.group), None
+        return (_heads_to_seq if ctx.to_heads else _seq_to_heads)(grad.contiguous(), ctx.group), None, None
 
 
 def seq_to_heads(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -69,7 +60,7 @@ def seq_to_heads(x: torch.Tensor, group: Any) -> torch.Tensor:
         return x
     if x.shape[2] % group_size(group):
         raise ValueError(f"{x.shape[2]} heads cannot be split over {group_size(group)} Ulysses ranks")
-    return _SeqToHeads.apply(x, group)
+    return _Exchange.apply(x, group, True)
 
 
 def heads_to_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -78,7 +69,7 @@ def heads_to_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
         return x
     if x.shape[0] % group_size(group):
         raise ValueError(f"{x.shape[0]} tokens cannot be split over {group_size(group)} Ulysses ranks")
-    return _HeadsToSeq.apply(x, group)
+    return _Exchange.apply(x, group, False)
 
 
 def kv_repeats(num_kv_heads: int, ulysses: int) -> int:

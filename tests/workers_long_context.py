@@ -8,8 +8,7 @@ import torch
 
 from parallel import ParallelConfig
 from tests.cases import build, load_hf
-from tests.workers_pipeline import batch as pipeline_batch
-from tests.workers_pipeline import ref_logprobs
+from tests.workers_pipeline import train_next_to_transformers
 
 LENGTHS = [7, 1, 12, 5]  # packed: unequal, one of length 1, none a multiple of 2*cp
 
@@ -87,34 +86,14 @@ def model_call_checks(model, hf, tag) -> list[tuple]:
     return records
 
 
-def training_checks(model, hf, tag, steps: int = 2, lr: float = 0.5) -> list[tuple]:
-    """``forward_backward`` for two SGD steps (loss, gradients) and forward-only log-probs; each DP
-    rank takes its share of the 4-sample batch, transformers sees it whole."""
-    groups = model.groups
-    ids, mask, labels = pipeline_batch(hf.config.vocab_size)
-    share = slice(groups.dp_rank * 4 // groups.dp_size, (groups.dp_rank + 1) * 4 // groups.dp_size)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    ref_opt = torch.optim.SGD(hf.parameters(), lr=lr)
-    records = []
-    for step in range(steps):
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        loss = model.forward_backward(ids[share], labels[share], attention_mask=mask[share], num_microbatches=2)
-        ref = hf(ids, attention_mask=mask, labels=labels)
-        ref.loss.backward()
-        records += [(*tag, f"loss_step{step}", abs(loss.item() - ref.loss.item())),
-                    (*tag, f"grads_step{step}", _rel(_grads(model), dict(hf.named_parameters())))]
-        opt.step()
-        ref_opt.step()
-    exported = dict(model.iter_hf_weights())  # full HF tensors also from FSDP2 shards
+def training_checks(model, hf, tag) -> list[tuple]:
+    """Two SGD steps of ``forward_backward`` and log-probs next to transformers (shared with the
+    pipeline tests), then the weights exported after the steps (full HF tensors, also from FSDP2)."""
+    records = train_next_to_transformers(model, hf, tag, num_microbatches=2)
+    exported = dict(model.iter_hf_weights())
     ref_params = dict(hf.named_parameters())
-    records.append((*tag, "export_after_steps", max((t - ref_params[k]).abs().max().item() for k, t in exported.items())))
-    lp = model.forward_backward(ids[share], labels[share], attention_mask=mask[share], num_microbatches=2,
-                                forward_only=True)
-    with torch.no_grad():
-        ref_lp = ref_logprobs(hf(ids, attention_mask=mask).logits, labels)[share]
-    records.append((*tag, "logprobs", (lp - ref_lp).abs().max().item()))
-    return records
+    return records + [(*tag, "export_after_steps",
+                       max((t - ref_params[k]).abs().max().item() for k, t in exported.items()))]
 
 
 def long_context_suite(cases: list[tuple]) -> list[tuple]:

@@ -45,12 +45,11 @@ def _tied_copies_equal(model) -> float:
     return 0.0
 
 
-def pipeline_case(case: str, path: str, pconfig: ParallelConfig, schedule: str, num_microbatches: int,
-                  steps: int = 2, lr: float = 0.5) -> list[tuple]:
-    model = build(case, path, pconfig)
-    hf = load_hf(path)
+def train_next_to_transformers(model, hf, tag: tuple, *, num_microbatches: int, schedule: str = "1f1b",
+                               steps: int = 2, lr: float = 0.5) -> list[tuple]:
+    """SGD steps of ``forward_backward`` next to transformers on the whole batch (loss and gradients
+    per step), then forward-only log-probs; each DP rank takes its share of the 4-sample batch."""
     groups = model.groups
-    tag = (case, pconfig.describe(), f"dp={groups.dp_size}", schedule)
     ids, mask, labels = batch(hf.config.vocab_size)
     # Each DP rank takes its share of the global batch; transformers sees the whole batch.
     share = slice(groups.dp_rank * 4 // groups.dp_size, (groups.dp_rank + 1) * 4 // groups.dp_size)
@@ -77,8 +76,15 @@ def pipeline_case(case: str, path: str, pconfig: ParallelConfig, schedule: str, 
     with torch.no_grad():
         ref_lp = ref_logprobs(hf(ids, attention_mask=mask).logits, labels)[share]
     records.append((*tag, "logprobs", (lp - ref_lp).abs().max().item()))
-    records.append((*tag, "tied_copies_differ", _tied_copies_equal(model)))
     return records
+
+
+def pipeline_case(case: str, path: str, pconfig: ParallelConfig, schedule: str, num_microbatches: int) -> list[tuple]:
+    model = build(case, path, pconfig)
+    tag = (case, pconfig.describe(), f"dp={model.groups.dp_size}", schedule)
+    records = train_next_to_transformers(model, load_hf(path), tag, num_microbatches=num_microbatches,
+                                         schedule=schedule)
+    return records + [(*tag, "tied_copies_differ", _tied_copies_equal(model))]
 
 
 def pipeline_suite(cases: list[tuple]) -> list[tuple]:
