@@ -68,7 +68,7 @@ class SequencePlan:
     local_len: int
     chunk_sizes: tuple[tuple[int, ...], ...]  # [sequence][chunk 0 .. 2cp-1]
     starts: tuple[int, ...] = field(repr=False)  # first global token of each sequence
-    _segments: dict = field(default_factory=dict, repr=False, compare=False)  # (q_rank, kv_rank) -> list
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)  # memo: segments, rank indices
 
     # ------------------------------------------------------------------ per CP rank
     def chunk_range(self, seq: int, chunk: int) -> tuple[int, int]:
@@ -82,8 +82,15 @@ class SequencePlan:
         return sizes[rank], sizes[2 * self.cp - 1 - rank]
 
     def cp_index(self, cp_rank: int) -> torch.Tensor:
-        """Global flat token index of each of CP rank ``cp_rank``'s ``local_len`` tokens (-1 = padding)."""
+        """Global flat token index of each of CP rank ``cp_rank``'s ``local_len`` tokens (-1 = padding);
+        computed once per rank (taking tokens and restoring outputs ask again every forward)."""
         self._check_rank(cp_rank, self.cp, "cp")
+        key = ("index", cp_rank)
+        if key not in self._memo:
+            self._memo[key] = self._compute_cp_index(cp_rank)
+        return self._memo[key]
+
+    def _compute_cp_index(self, cp_rank: int) -> torch.Tensor:
         parts = []
         for i in range(len(self.lengths)):
             for chunk in (cp_rank, 2 * self.cp - 1 - cp_rank):
@@ -132,9 +139,9 @@ class SequencePlan:
         """Attention blocks between CP rank ``q_rank``'s queries and ``kv_rank``'s keys (local offsets);
         computed once per pair (every layer's forward and backward asks again)."""
         key = (q_rank, kv_rank)
-        if key not in self._segments:
-            self._segments[key] = self._compute_segments(q_rank, kv_rank)
-        return self._segments[key]
+        if key not in self._memo:
+            self._memo[key] = self._compute_segments(q_rank, kv_rank)
+        return self._memo[key]
 
     def _compute_segments(self, q_rank: int, kv_rank: int) -> list[Segment]:
         cp = self.cp
