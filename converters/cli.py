@@ -62,16 +62,17 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--hf-config", metavar="DIR", help="HF directory whose config (and tokenizer files) describe the model")
         p.add_argument("--vocab-size", type=int, help="real vocabulary size when a Megatron checkpoint records only the padded one")
 
-    p = sub.add_parser("convert", help="convert between hf, megatron (legacy torch) and megatron-dist (torch_dist)")
+    p = sub.add_parser("convert", help="convert between hf, megatron (legacy torch) and megatron-dist (torch_dist); "
+                                       "write vllm (sharded_state)")
     p.add_argument("src")
     p.add_argument("dst")
-    p.add_argument("--to", required=True, choices=["hf", "megatron", "megatron-dist"])
-    p.add_argument("--tp", type=int, default=1, help="target tensor-parallel size (Megatron targets)")
-    p.add_argument("--pp", type=int, default=1, help="target pipeline-parallel size (Megatron targets)")
+    p.add_argument("--to", required=True, choices=["hf", "megatron", "megatron-dist", "vllm"])
+    p.add_argument("--tp", type=int, default=1, help="target tensor-parallel size (Megatron and vLLM targets)")
+    p.add_argument("--pp", type=int, default=1, help="target pipeline-parallel size (Megatron and vLLM targets)")
     p.add_argument("--vpp", type=int, default=1, help="target virtual pipeline chunks per stage (Megatron targets)")
     p.add_argument("--arch", choices=["llama", "qwen2"], help="architecture of a Megatron source (default: from its args)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="output dtype (default: the source's)")
-    p.add_argument("--max-shard-size", default="5GB", help="largest HF safetensors file (default 5GB)")
+    p.add_argument("--max-shard-size", default="5GB", help="largest HF safetensors file / vLLM part (default 5GB)")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="Megatron vocab padding unit (multiplied by tp), default 128")
     p.add_argument("--workers", type=int, help="worker processes (default min(4, cores))")

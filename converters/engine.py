@@ -26,7 +26,7 @@ from converters.checkpoint import CheckpointReader, reopen
 from models.common.sizes import parse_size  # noqa: F401 (part of this module's API)
 from models.common.sources import CheckpointError
 
-TARGETS = ("hf", "megatron", "megatron-dist")
+TARGETS = ("hf", "megatron", "megatron-dist", "vllm")
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
 
@@ -146,8 +146,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
             progress: bool = False) -> Path:
     """Convert ``src`` (format detected) to ``to`` in ``dst``; returns the destination path.
 
-    to: "hf", "megatron" (legacy torch, at tp/pp/vpp) or "megatron-dist" (torch_dist; tp/pp/vpp
-    are recorded in its args). Raises CheckpointError/ValueError with nothing left at ``dst``.
+    to: "hf", "megatron" (legacy torch, at tp/pp/vpp), "megatron-dist" (torch_dist; tp/pp/vpp
+    are recorded in its args) or "vllm" (vLLM ``sharded_state`` for an engine with TP ``tp`` and
+    PP ``pp``). Raises CheckpointError/ValueError with nothing left at ``dst``.
     """
     if to not in TARGETS:
         raise ValueError(f"unknown target format {to!r} (choose {', '.join(TARGETS)})")
@@ -161,6 +162,21 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
     reader.validate()
     out_dtype = out_dtype or reader.info.dtype
     workers = workers or min(4, os.cpu_count() or 1)
+    if to == "vllm":
+        from converters.hf import write_hf_config
+        from converters.vllm import write_vllm
+        from models.common.vllm_format import check_layout
+
+        if vpp != 1:
+            raise ValueError(f"vLLM has no virtual pipeline stages (got --vpp {vpp})")
+        check_layout(reader.cfg, tp, pp)
+        with _Staging(dst_path, overwrite) as tmp:
+            write_vllm(reader, str(tmp), tp=tp, pp=pp, dtype=out_dtype, max_shard_bytes=shard_bytes,
+                       workers=workers, progress=progress)
+            # config.json plus tokenizer files: from --hf-config, else from an HF source's own directory
+            files_from = hf_config or (str(src_path) if isinstance(reader, _hf_reader_type()) else None)
+            write_hf_config(reader, str(tmp), out_dtype, files_from)
+        return dst_path
     if to == "hf":
         from converters.hf import create_shard_file, hf_plan, split_file_plan, write_hf_config, write_index
 
@@ -186,6 +202,12 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
         write_megatron(reader, target, str(tmp), fmt=to, workers=workers, progress=progress,
                        hf_config_dir=hf_config)
     return dst_path
+
+
+def _hf_reader_type() -> type:
+    from converters.hf import HFReader
+
+    return HFReader
 
 
 def _write_hf_range(reopen_args: tuple, plan, directory: str, dtype: torch.dtype, lo: int, hi: int) -> int:

@@ -109,6 +109,7 @@ def build_model(arch: Architecture, source: Any, parallel_config: ParallelConfig
                                   f"(build them with parallel.build_groups, not groups_from_megatron)")
     model = ParallelCausalLM(cfg, groups, wmap, dtype=dtype, device=device)
     model.hf_config = hf_config  # what save_pretrained writes as config.json
+    model.source_dir = str(source) if isinstance(source, (str, os.PathLike)) else None  # tokenizer files for exports
     load_weights(dict(model.named_parameters()), model.load_entries(), tensor_source, groups.tp_rank, groups.tp_size)
     if lora is not None:
         from models.common.lora import apply_lora

@@ -26,11 +26,12 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from models.common import vllm_format
 from models.common.weights import WeightEntry, export_hf_state, hf_shapes
 from parallel.fsdp import unshard
 from parallel.pipeline_layout import stage_layer_ranges
 
-FORMATS = ("hf",)
+FORMATS = ("hf", "vllm")
 DEFAULT_BUCKET_BYTES = 512 << 20
 
 
@@ -77,41 +78,61 @@ class ExportBucket:
         return [(m.name, self.buffer[m.offset:m.offset + m.numel].view(m.shape)) for m in self.metas]
 
 
-def plan_buckets(model, bucket_bytes: int, element_size: int) -> list[BucketPlan]:
+def _hf_items(model, stage_entries: list[WeightEntry]) -> list[tuple[WeightEntry, list[tuple[str, tuple[int, ...]]]]]:
+    shapes = hf_shapes(model.config, model.weight_map)
+    return [(entry, [(name, tuple(shapes[name])) for name in entry.hf]) for entry in stage_entries]
+
+
+def _stage_entries(model) -> list[list[WeightEntry]]:
+    """The weight-map entries each training pipeline stage owns (all layers of its virtual chunks)."""
+    cfg, groups = model.config, model.groups
+    ranges = stage_layer_ranges(cfg.num_hidden_layers, groups.config)
+    return [model.weight_map.entries(sorted(i for r in chunks for i in r), first=stage == 0,
+                                     last=stage == groups.pp_size - 1) for stage, chunks in enumerate(ranges)]
+
+
+def _vllm_items(model, target_tp: int) -> list[list[tuple[WeightEntry, list[tuple[str, tuple[int, ...]]]]]]:
+    """Per training stage: (vLLM entry, [(vLLM key, shard shape at target_tp)]) for the tensors it owns."""
+    cfg = model.config
+    vmap = vllm_format.vllm_weight_map(model.weight_map, cfg)
+    shapes = hf_shapes(cfg, vmap)
+    owner = {e.param: stage for stage, entries in enumerate(_stage_entries(model)) for e in entries}
+    items: list[list] = [[] for _ in range(model.groups.pp_size)]
+    for t in vllm_format.stage_tensors(vmap, cfg, 0, 1, scales=False, head_alias=False):
+        items[owner[t.entry.param]].append((t.entry, [(t.key, vllm_format.shard_shape(t.entry, shapes, target_tp))]))
+    return items
+
+
+def plan_buckets(model, bucket_bytes: int, element_size: int, format: str = "hf",
+                 target_tp: int = 1) -> list[BucketPlan]:
     """Buckets in export order (stage by stage, in the weight map's order within a stage).
 
     A bucket holds whole parameters (all HF tensors packed into one parameter travel together) of
     one stage, at most ``bucket_bytes`` - except a single parameter larger than that, which gets a
-    bucket of its own.
+    bucket of its own. ``format="vllm"``: one tensor per parameter, vLLM rank shards at ``target_tp``.
     """
     if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise ExportError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
-    cfg, groups = model.config, model.groups
-    shapes = hf_shapes(cfg, model.weight_map)
-    ranges = stage_layer_ranges(cfg.num_hidden_layers, groups.config)
+    if format == "vllm":
+        per_stage = _vllm_items(model, target_tp)
+    else:
+        per_stage = [_hf_items(model, entries) for entries in _stage_entries(model)]
     plans: list[BucketPlan] = []
-    for stage, chunks in enumerate(ranges):
-        layers = sorted(i for r in chunks for i in r)
-        entries = model.weight_map.entries(layers, first=stage == 0, last=stage == groups.pp_size - 1)
+    for stage, items in enumerate(per_stage):
         current: list[WeightEntry] = []
         metas: list[TensorMeta] = []
         offset = 0
-
-        def close() -> None:
-            nonlocal current, metas, offset
-            if current:
-                plans.append(BucketPlan(stage, tuple(current), tuple(metas), offset))
-            current, metas, offset = [], [], 0
-
-        for entry in entries:
-            numel = sum(math.prod(shapes[name]) for name in entry.hf)
+        for entry, tensors in items:
+            numel = sum(math.prod(shape) for _, shape in tensors)
             if current and (offset + numel) * element_size > bucket_bytes:
-                close()
-            for name in entry.hf:
-                metas.append(TensorMeta(name, tuple(shapes[name]), offset))
+                plans.append(BucketPlan(stage, tuple(current), tuple(metas), offset))
+                current, metas, offset = [], [], 0
+            for name, shape in tensors:
+                metas.append(TensorMeta(name, shape, offset))
                 offset += metas[-1].numel
             current.append(entry)
-        close()
+        if current:
+            plans.append(BucketPlan(stage, tuple(current), tuple(metas), offset))
     return plans
 
 
@@ -133,34 +154,117 @@ def _source_tensors(model, merge_lora: bool) -> dict:
     return _Unsharded(model.named_parameters())
 
 
-@torch.no_grad()
-def iter_export(model, format: str = "hf", *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                dtype: torch.dtype | None = None, merge_lora: bool = False) -> Iterator[ExportBucket]:
-    """Collective over every rank: yields the same ``ExportBucket``s everywhere (see module doc).
-
-    ``dtype``: the exported dtype (default: the parameters'); ``merge_lora``: weights with the LoRA
-    adapter merged in (the adapter alone: ``lora_state``). Every rank must iterate to the end.
-    """
+def _check_export_args(model, format, target_tp, target_rank, bucket_bytes) -> None:
     if format not in FORMATS:
         raise ExportError(f"unknown export format {format!r} (choose {', '.join(FORMATS)})")
+    if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 1:
+        raise ExportError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
+    if format == "hf":
+        if target_tp is not None or target_rank is not None:
+            raise ExportError("target_tp/target_rank apply to format='vllm' only (HF tensors are whole)")
+        return
+    if target_tp is None or target_rank is None:
+        raise ExportError("format='vllm' needs target_tp (the vLLM engine's TP) and target_rank (its rank)")
+    try:
+        vllm_format.check_layout(model.config, target_tp)
+    except vllm_format.VllmLayoutError as exc:
+        raise ExportError(str(exc)) from None
+    if not isinstance(target_rank, int) or isinstance(target_rank, bool) or not 0 <= target_rank < target_tp:
+        raise ExportError(f"target_rank={target_rank!r} is out of range for target_tp={target_tp}")
+
+
+@torch.no_grad()
+def iter_export(model, format: str = "hf", *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                dtype: torch.dtype | None = None, merge_lora: bool = False, target_tp: int | None = None,
+                target_rank: int | None = None) -> Iterator[ExportBucket]:
+    """Collective over every rank: yields the same ``ExportBucket``s everywhere (see module doc).
+
+    ``format="hf"``: full tensors under HF names. ``format="vllm"``: the shards vLLM rank
+    ``target_rank`` of an engine with TP ``target_tp`` holds, under vLLM's parameter names (any
+    ``target_tp`` the heads, KV heads, MLP width and vLLM's padded vocabulary divide into; it need
+    not equal the training TP); each shard is assembled from only the training shards that overlap
+    it. ``dtype``: the exported dtype (default: the parameters'); ``merge_lora``: weights with the
+    LoRA adapter merged in (the adapter alone: ``lora_state``). Arguments are checked and agreed on
+    by every rank before any data moves (ExportError on every rank otherwise). Every rank must
+    iterate to the end.
+    """
+    failure = _Failure()
+    failure.run(_check_export_args, model, format, target_tp, target_rank, bucket_bytes)
+    if merge_lora and getattr(model, "lora_config", None) is None:
+        failure.run(_raise, "merge_lora=True but the model has no LoRA adapter")
+    problem = failure.agree(same=(format, target_tp, target_rank, bucket_bytes, str(dtype), merge_lora))
+    if problem:
+        raise ExportError(f"iter_export: {problem}")
     groups = model.groups
     params = list(model.parameters())
     dtype = dtype or params[0].dtype
     device = params[0].device if params[0].device.type != "meta" else None
     element_size = torch.empty((), dtype=dtype).element_size()
-    plans = plan_buckets(model, bucket_bytes, element_size)
+    plans = plan_buckets(model, bucket_bytes, element_size, format, target_tp or 1)
     shapes = hf_shapes(model.config, model.weight_map)
     named = _source_tensors(model, merge_lora)
     for plan in plans:
-        buffer = torch.empty(plan.numel, dtype=dtype, device=device)
+        if format == "vllm":
+            buffer = torch.zeros(plan.numel, dtype=dtype, device=device)  # vocabulary padding stays zero
+        else:
+            buffer = torch.empty(plan.numel, dtype=dtype, device=device)
         if groups.pp_rank == plan.stage:
-            positions = {m.name: m for m in plan.metas}
-            for name, full in export_hf_state(named, list(plan.entries), shapes, groups.tp_group):
-                meta = positions[name]
-                buffer[meta.offset:meta.offset + meta.numel].copy_(full.reshape(-1))
+            if format == "vllm":
+                _fill_vllm(buffer, plan, named, model, target_tp, target_rank)
+            else:
+                positions = {m.name: m for m in plan.metas}
+                for name, full in export_hf_state(named, list(plan.entries), shapes, groups.tp_group):
+                    meta = positions[name]
+                    buffer[meta.offset:meta.offset + meta.numel].copy_(full.reshape(-1))
         if groups.pp_size > 1:
             dist.broadcast(buffer, src=dist.get_global_rank(groups.pp_group, plan.stage), group=groups.pp_group)
         yield ExportBucket(buffer, plan.metas)
+
+
+def _fill_vllm(buffer: torch.Tensor, plan: BucketPlan, named, model, target_tp: int, target_rank: int) -> None:
+    """Fill a vLLM bucket on the owning stage: each training TP rank sends, in one broadcast per
+    bucket, only the rows of its shards that target rank ``target_rank`` holds; replicated tensors
+    come from every rank's own copy."""
+    groups = model.groups
+    tp, me = groups.tp_size, groups.tp_rank
+    shapes = hf_shapes(model.config, model.weight_map)
+    src_entries = {e.param: e for e in model.weight_map.entries(model.layer_ids(), first=model.is_first_stage,
+                                                                 last=model.is_last_stage)}
+    moves: list[list[tuple[torch.Tensor, callable]]] = [[] for _ in range(tp)]  # per source rank
+
+    def region(tensor: torch.Tensor, row0: int, rows: int, dim: int | None, offset: int, length: int) -> torch.Tensor:
+        part = tensor.narrow(0, row0, rows)
+        return part if dim is None else part.narrow(dim, offset, length)
+
+    for entry, meta in zip(plan.entries, plan.metas):
+        src_entry = src_entries[entry.param]
+        target = buffer[meta.offset:meta.offset + meta.numel].view(meta.shape)
+        local = named[entry.param]
+        dst_rows = [rule.shard_shape(shapes[n], target_tp)[0] for n, rule in zip(entry.hf, entry.rules)]
+        src_rows = [rule.shard_shape(shapes[n], tp)[0] for n, rule in zip(src_entry.hf, src_entry.rules)]
+        if len(entry.hf) == 1:  # unpacked: the whole shard is the part (row-parallel splits along dim 1)
+            dst_rows, src_rows = [meta.shape[0]], [local.shape[0]]
+        for move in vllm_format.transfers(entry, src_entry.rules, shapes, tp, target_rank, target_tp):
+            d0, s0 = sum(dst_rows[:move.part]), sum(src_rows[:move.part])
+            n = move.stop - move.start
+            dst = region(target, d0, dst_rows[move.part], move.dim, move.dst_offset, n)
+            if move.source < 0:  # replicated in training: every rank copies its own
+                dst.copy_(region(local, s0, src_rows[move.part], move.dim, move.src_offset, n))
+                continue
+            src = region(local, s0, src_rows[move.part], move.dim, move.src_offset, n) if move.source == me else None
+            moves[move.source].append((dst, src))
+    for source, items in enumerate(moves):
+        if not items:
+            continue
+        sizes = [dst.numel() for dst, _ in items]
+        if source == me:
+            flat = torch.cat([src.to(buffer.dtype).reshape(-1) for _, src in items])
+        else:
+            flat = torch.empty(sum(sizes), dtype=buffer.dtype, device=buffer.device)
+        if tp > 1:
+            dist.broadcast(flat, src=dist.get_global_rank(groups.tp_group, source), group=groups.tp_group)
+        for (dst, _), piece in zip(items, torch.split(flat, sizes)):
+            dst.copy_(piece.view(dst.shape))
 
 
 def _file_names(count: int) -> list[str]:
@@ -186,19 +290,27 @@ class _Failure:
                 self.message = f"{type(exc).__name__}: {exc}"
         return None
 
-    def agree(self) -> str | None:
-        """Collective: the first failing rank's message on every rank (None when all succeeded)."""
+    def agree(self, same=None) -> str | None:
+        """Collective: the first failing rank's message on every rank (None when all succeeded).
+
+        ``same``: a value every rank must have passed identically (e.g. the call's arguments);
+        a rank that differs from rank 0 counts as failed."""
         if not dist.is_initialized():
             return self.message
         flags = [None] * dist.get_world_size()
-        dist.all_gather_object(flags, self.message)
-        failed = [(r, m) for r, m in enumerate(flags) if m is not None]
+        dist.all_gather_object(flags, (self.message, same))
+        failed = [(r, m) for r, (m, _) in enumerate(flags) if m is not None]
+        failed += [(r, f"called with {v!r}, rank 0 with {flags[0][1]!r} (every rank must pass the same arguments)")
+                   for r, (m, v) in enumerate(flags) if m is None and v != flags[0][1]]
+        failed.sort()
         return f"rank {failed[0][0]}: {failed[0][1]}" if failed else None
 
 
 def _check_destination(target) -> None:
     import os
+    from pathlib import Path
 
+    target = Path(target)
     if target.exists():
         raise ExportError(f"{target}: already exists (choose a new directory; nothing was written)")
     if not target.parent.is_dir():
@@ -222,6 +334,88 @@ def _saved_config(hf_config, dtype: torch.dtype):
     return saved
 
 
+class _StagedDirectory:
+    """A collective write into a temporary sibling ``.<name>.pmz-tmp-<id>`` that global rank 0 renames
+    to ``target`` at the end; any rank's failure is agreed on by all ranks, the temporary directory
+    is removed and every rank raises ``ExportError`` naming the failing rank. Stale temporary
+    directories of earlier killed runs are removed first."""
+
+    def __init__(self, target, what: str) -> None:
+        import uuid
+        from pathlib import Path
+
+        self.target, self.what = Path(target), what
+        self.failure = _Failure()
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        name = [f".{self.target.name}.pmz-tmp-{uuid.uuid4().hex[:12]}"]
+        if dist.is_initialized():
+            dist.broadcast_object_list(name, src=0)
+        self.tmp = self.target.parent / name[0]
+
+    def check(self, *checks) -> None:
+        """Run ``(fn, *args)`` checks on every rank and agree (before anything is written)."""
+        self.failure.run(_check_destination, self.target)
+        for fn, *args in checks:
+            self.failure.run(fn, *args)
+        self.raise_if_failed()
+
+    def open(self) -> None:
+        import shutil
+
+        def prepare() -> None:
+            for stale in self.target.parent.glob(f".{self.target.name}.pmz-tmp-*"):
+                shutil.rmtree(stale)
+            self.tmp.mkdir()
+            self.tmp.chmod(0o755)
+
+        if self.rank == 0:
+            self.failure.run(prepare)
+        self.raise_if_failed()
+
+    def run(self, fn, *args, **kwargs):
+        """Run a write step on this rank; a failure is reported at the next agreement."""
+        return self.failure.run(fn, *args, **kwargs)
+
+    def commit(self, finish) -> None:
+        """Agree that every rank's files are written, let rank 0 run ``finish(tmp)`` and rename."""
+        import os
+
+        def done() -> None:
+            finish(self.tmp)
+            if self.target.exists():
+                raise ExportError(f"{self.target}: appeared while saving (left untouched)")
+            os.rename(self.tmp, self.target)
+
+        if self.failure.agree() is None and self.rank == 0:
+            self.failure.run(done)
+        self.raise_if_failed()
+
+    def raise_if_failed(self) -> None:
+        import shutil
+
+        problem = self.failure.agree()
+        if problem:
+            if self.rank == 0:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            raise ExportError(f"{self.what}({self.target}): {problem}")
+
+
+def _check_saveable(model, merge_lora: bool) -> None:
+    if getattr(model, "hf_config", None) is None:
+        raise ExportError("the model has no transformers config to save (build it with build_parallel_model)")
+    if merge_lora and getattr(model, "lora_config", None) is None:
+        raise ExportError("merge_lora=True but the model has no LoRA adapter")
+
+
+def _parse_shard_size(max_shard_size) -> int:
+    from models.common.sizes import parse_size
+
+    limit = parse_size(max_shard_size)
+    if limit < 1:
+        raise ExportError(f"max_shard_size={max_shard_size!r} must be positive")
+    return limit
+
+
 def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, max_shard_size: str | int = "5GB",
                     merge_lora: bool = False) -> None:
     """Collective over every rank: write an HF checkpoint directory that transformers loads unchanged.
@@ -229,93 +423,156 @@ def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, max_s
     Files are planned from the config alone (the same on every rank); each file holds tensors of one
     pipeline stage and is written once, by one TP rank of that stage's first replica (files dealt
     round-robin over the TP ranks), from tensors gathered over TP (ranks that do not write drop
-    them as they come). Everything goes to a temporary sibling directory
-    (``.<name>.pmz-tmp-<id>``) that global rank 0 renames to ``directory`` at the end. Any rank's
-    failure (bad destination, full disk, ...) is agreed on by all ranks at the next step, the
-    temporary directory is removed, and every rank raises ``ExportError`` naming the failing rank:
-    no half-written ``directory``, no rank left waiting. Stale temporary directories of earlier
-    killed runs are removed first. Needs a filesystem every writing rank sees at the same path.
+    them as they come). Atomic and failure-agreeing (``_StagedDirectory``): no half-written
+    ``directory``, no rank left waiting. Needs a filesystem every writing rank sees at the same path.
     """
     import json
-    import os
-    import shutil
-    import uuid
-    from pathlib import Path
 
     from safetensors.torch import save_file
 
-    from models.common.sizes import parse_size
-
-    target = Path(directory)
-    failure = _Failure()
-    failure.run(_check_destination, target)
-    hf_config = getattr(model, "hf_config", None)
-    if hf_config is None:
-        failure.run(_raise, "the model has no transformers config to save (build it with build_parallel_model)")
-    limit = failure.run(parse_size, max_shard_size)
-    if limit is not None and limit < 1:
-        failure.run(_raise, f"max_shard_size={max_shard_size!r} must be positive")
-    if merge_lora and getattr(model, "lora_config", None) is None:
-        failure.run(_raise, "merge_lora=True but the model has no LoRA adapter")
-    problem = failure.agree()
-    if problem:
-        raise ExportError(f"save_pretrained({target}): {problem}")
-
+    staged = _StagedDirectory(directory, "save_pretrained")
+    staged.check((_check_saveable, model, merge_lora))
+    limit = _parse_shard_size(max_shard_size)
+    hf_config = model.hf_config
     groups = model.groups
     dtype = dtype or next(model.parameters()).dtype
     element_size = torch.empty((), dtype=dtype).element_size()
     plans = plan_buckets(model, limit, element_size)
     names = _file_names(len(plans))
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    tmp_name = [f".{target.name}.pmz-tmp-{uuid.uuid4().hex[:12]}"]
-    if dist.is_initialized():
-        dist.broadcast_object_list(tmp_name, src=0)
-    tmp = target.parent / tmp_name[0]
-
-    def prepare() -> None:
-        for stale in target.parent.glob(f".{target.name}.pmz-tmp-*"):
-            shutil.rmtree(stale)
-        tmp.mkdir()
-        tmp.chmod(0o755)
-
-    if rank == 0:
-        failure.run(prepare)
-    problem = failure.agree()
-    if problem:
-        raise ExportError(f"save_pretrained({target}): {problem}")
-    first_replica = groups.dp_rank == 0 and groups.cp_rank == 0 and groups.ulysses_rank == 0
+    staged.open()
     shapes = hf_shapes(model.config, model.weight_map)
     named = _source_tensors(model, merge_lora)
     for index, (plan, file_name) in enumerate(zip(plans, names)):
         if groups.pp_rank != plan.stage:
             continue
-        writer = first_replica and groups.tp_rank == index % groups.tp_size
+        writer = _first_replica(groups) and groups.tp_rank == index % groups.tp_size
         tensors = {}
         for name, full in export_hf_state(named, list(plan.entries), shapes, groups.tp_group):
             if writer:
                 tensors[name] = full.to(device="cpu", dtype=dtype).contiguous()
         if writer:
-            failure.run(save_file, tensors, str(tmp / file_name), metadata={"format": "pt"})
+            staged.run(save_file, tensors, str(staged.tmp / file_name), metadata={"format": "pt"})
         del tensors
 
-    def finish() -> None:
+    def finish(tmp) -> None:
         _saved_config(hf_config, dtype).save_pretrained(str(tmp))
+        _copy_source_files(model, tmp)
         if len(plans) > 1:
             index = {"metadata": {"total_size": sum(p.numel for p in plans) * element_size},
                      "weight_map": {m.name: file_name for plan, file_name in zip(plans, names) for m in plan.metas}}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        if target.exists():
-            raise ExportError(f"{target}: appeared while saving (left untouched)")
-        os.rename(tmp, target)
 
-    problem = failure.agree()  # every file written?
-    if rank == 0 and problem is None:
-        failure.run(finish)
-    problem = failure.agree()
-    if problem:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise ExportError(f"save_pretrained({target}): {problem}")
+    staged.commit(finish)
+
+
+def _first_replica(groups) -> bool:
+    return groups.dp_rank == 0 and groups.cp_rank == 0 and groups.ulysses_rank == 0
+
+
+# Files copied beside exported weights from the directory a model was built from (tokenizer, chat template...).
+COPIED_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja")
+NOT_COPIED = {"config.json", "model.safetensors.index.json", "generation_config.json"}
+
+
+def _copy_source_files(model, directory) -> None:
+    """Tokenizer and generation files of the model's source directory (when it was built from one)."""
+    import shutil
+    from pathlib import Path
+
+    source = getattr(model, "source_dir", None)
+    if not source or not Path(source).is_dir():
+        return
+    for item in sorted(Path(source).iterdir()):
+        if (item.is_file() and item.suffix in COPIED_SUFFIXES and item.name not in NOT_COPIED
+                and not item.name.endswith(".safetensors.index.json") and not (directory / item.name).exists()):
+            shutil.copy2(item, directory / item.name)
+    generation = Path(source) / "generation_config.json"
+    if generation.is_file() and not (directory / generation.name).exists():
+        shutil.copy2(generation, directory / generation.name)
+
+
+def vllm_file_name(tp_rank: int, part: int, pp_rank: int = 0, pp: int = 1) -> str:
+    """vLLM ``ShardedStateLoader``'s default file names."""
+    if pp > 1:
+        return f"model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors"
+    return f"model-rank-{tp_rank}-part-{part}.safetensors"
+
+
+def save_vllm_sharded_state(model, directory, *, tp: int, pp: int = 1, dtype: torch.dtype | None = None,
+                            max_shard_size: str | int = "5GB", merge_lora: bool = False,
+                            bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+    """Collective over every rank: vLLM's ``sharded_state`` directory for an engine with TP ``tp`` and
+    PP ``pp`` (``LLM(model=directory, load_format="sharded_state", tensor_parallel_size=tp,
+    pipeline_parallel_size=pp)``), plus config.json and the source's tokenizer files.
+
+    The tensors of vLLM TP rank r come from ``iter_export("vllm", target_tp=tp, target_rank=r)``
+    (assembled from the overlapping training shards, never a full gather) and are written by global
+    rank ``r % world_size``, one file per vLLM pipeline stage and part of at most ``max_shard_size``
+    (vLLM's own ``save_sharded_state`` rule), with the four attention scale scalars vLLM's strict
+    loader expects. Atomic like ``save_pretrained``.
+    """
+    from safetensors.torch import save_file
+
+    staged = _StagedDirectory(directory, "save_vllm_sharded_state")
+
+    def check_layout() -> None:
+        try:
+            vllm_format.check_layout(model.config, tp, pp)
+        except vllm_format.VllmLayoutError as exc:
+            raise ExportError(str(exc)) from None
+
+    staged.check((_check_saveable, model, merge_lora), (check_layout,))
+    limit = _parse_shard_size(max_shard_size)
+    cfg = model.config
+    dtype = dtype or next(model.parameters()).dtype
+    vmap = vllm_format.vllm_weight_map(model.weight_map, cfg)
+    stage_keys = [vllm_format.stage_tensors(vmap, cfg, p, pp) for p in range(pp)]
+    # exported key (a parameter name) -> [(vLLM stage, key in that stage's files)]
+    placement: dict[str, list[tuple[int, str]]] = {}
+    for p, tensors in enumerate(stage_keys):
+        for t in tensors:
+            if t.entry is not None:
+                placement.setdefault(t.entry.param, []).append((p, t.key))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    staged.open()
+    for r in range(tp):
+        writer = staged.rank == r % world
+        pending: list[dict[str, torch.Tensor]] = [{} for _ in range(pp)]
+        sizes, parts = [0] * pp, [0] * pp
+
+        def flush(p: int) -> None:
+            if pending[p]:
+                staged.run(save_file, pending[p], str(staged.tmp / vllm_file_name(r, parts[p], p, pp)),
+                           metadata={"format": "pt"})
+                parts[p] += 1
+                pending[p], sizes[p] = {}, 0
+
+        def add(p: int, key: str, tensor: torch.Tensor) -> None:
+            nbytes = tensor.numel() * tensor.element_size()
+            if pending[p] and sizes[p] + nbytes > limit:
+                flush(p)
+            pending[p][key] = tensor
+            sizes[p] += nbytes
+
+        for bucket in iter_export(model, "vllm", bucket_bytes=bucket_bytes, dtype=dtype, merge_lora=merge_lora,
+                                  target_tp=tp, target_rank=r):
+            if not writer:
+                continue
+            for name, tensor in bucket.tensors():
+                for p, key in placement[name]:
+                    add(p, key, tensor.to("cpu").clone())
+                    if name.endswith("self_attn.o_proj.weight"):  # the layer's attention scales follow it
+                        for scale in vllm_format.ATTENTION_SCALES:
+                            add(p, name.replace("o_proj.weight", f"attn.{scale}"), torch.ones((), dtype=torch.float32))
+        if writer:
+            for p in range(pp):
+                flush(p)
+
+    def finish(tmp) -> None:
+        _saved_config(model.hf_config, dtype).save_pretrained(str(tmp))
+        _copy_source_files(model, tmp)
+
+    staged.commit(finish)
 
 
 def _raise(message: str) -> None:

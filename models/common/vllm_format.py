@@ -1,0 +1,185 @@
+"""vLLM's internal weight layout, derived from the architecture's weight map (no second table).
+
+vLLM (0.32) holds, per tensor-parallel rank, parameters under the names our models use internally
+(``qkv_proj`` = ``[q_r | k_r | v_r]``, ``gate_up_proj`` = ``[gate_r | up_r]``), so a vLLM shard of
+rank ``r`` of ``N`` is the weight map's ``Packed`` rules applied at size ``N`` - with one change:
+vLLM pads the vocabulary to a multiple of 64 (``ParallelLMHead``/``VocabParallelEmbedding``) and
+then splits it evenly over TP, whatever padding the training job used. KV heads follow the same
+``KVHeads`` rule (replicated ``N / kv`` times when ``N > kv``), row-parallel biases are whole.
+
+Names in ``sharded_state`` files: vLLM's loader matches the keys of ``model.state_dict()`` after
+dropping tensors that share memory with another (keeping the alphabetically smaller key). With tied
+embeddings the stage holding the LM head therefore expects ``lm_head.weight`` (not
+``model.embed_tokens.weight``); a first stage without the head keeps ``model.embed_tokens.weight``.
+Each attention layer also carries four fp32 scalars (``self_attn.attn._k_scale``, ``_v_scale``,
+``_q_scale``, ``_prob_scale``; 1.0 for unquantized KV caches) that the strict loader requires.
+
+Pipeline stages follow ``vllm.distributed.utils.get_pp_indices`` (without the
+``VLLM_PP_LAYER_PARTITION`` override): equal layer counts, the remainder given one each to the
+stages before the last.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+from models.common.config import ModelConfig
+from models.common.weights import WeightEntry, WeightMap
+from parallel.sharding import ShardingError, Vocab
+
+VOCAB_MULTIPLE = 64
+ATTENTION_SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
+TIED_HEAD_KEY = "lm_head.weight"
+
+
+class VllmLayoutError(ValueError):
+    """A vLLM layout (tp, pp) this model cannot take; the numbers are named in the message."""
+
+
+def padded_vocab(vocab_size: int) -> int:
+    """vLLM's padded vocabulary: the next multiple of 64."""
+    return math.ceil(vocab_size / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+def with_vocab_padding(wmap: WeightMap, padded: int) -> WeightMap:
+    """The same weight map with every ``Vocab`` rule padding to ``padded`` rows."""
+
+    def fix(entry: WeightEntry) -> WeightEntry:
+        rules = tuple(Vocab(r.vocab_size, padded) if isinstance(r, Vocab) else r for r in entry.rules)
+        return replace(entry, rules=rules)
+
+    return WeightMap(tuple(map(fix, wmap.layer_entries)), tuple(map(fix, wmap.first_entries)),
+                     tuple(map(fix, wmap.last_entries)))
+
+
+def vllm_weight_map(wmap: WeightMap, cfg: ModelConfig) -> WeightMap:
+    return with_vocab_padding(wmap, padded_vocab(cfg.vocab_size))
+
+
+def pp_layer_ranges(num_layers: int, pp: int) -> list[range]:
+    """Layers of each vLLM pipeline stage (``get_pp_indices``)."""
+    sizes = [num_layers // pp] * pp
+    for i in range(2, num_layers % pp + 2):
+        sizes[-i] += 1
+    starts = [sum(sizes[:p]) for p in range(pp)]
+    return [range(s, s + n) for s, n in zip(starts, sizes)]
+
+
+def check_layout(cfg: ModelConfig, tp: int, pp: int = 1) -> None:
+    """Refuse a (tp, pp) vLLM would refuse or that the weights cannot be split into (before any work)."""
+    for name, value in (("tp", tp), ("pp", pp)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise VllmLayoutError(f"vLLM {name} must be a positive integer, got {value!r}")
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    problems = []
+    if heads % tp:
+        problems.append(f"num_attention_heads={heads} is not divisible by tp={tp}")
+    if kv % tp and tp % kv:
+        problems.append(f"num_key_value_heads={kv} and tp={tp}: one must divide the other")
+    if cfg.intermediate_size % tp:
+        problems.append(f"intermediate_size={cfg.intermediate_size} is not divisible by tp={tp}")
+    vocab = padded_vocab(cfg.vocab_size)
+    if vocab % tp:
+        problems.append(f"vLLM's padded vocabulary {vocab} (vocab_size={cfg.vocab_size} rounded up to a multiple "
+                        f"of {VOCAB_MULTIPLE}) is not divisible by tp={tp}")
+    if pp > cfg.num_hidden_layers:
+        problems.append(f"pp={pp} exceeds num_hidden_layers={cfg.num_hidden_layers}")
+    if problems:
+        raise VllmLayoutError("vLLM layout tp=%d pp=%d: %s" % (tp, pp, "; ".join(problems)))
+
+
+@dataclass(frozen=True)
+class VllmTensor:
+    """One tensor of a vLLM rank's state: its key and, for weights, the weight-map entry it packs."""
+
+    key: str
+    entry: WeightEntry | None  # None: an attention scale scalar (fp32, 1.0)
+
+
+def stage_tensors(wmap: WeightMap, cfg: ModelConfig, pp_rank: int, pp: int, *, scales: bool = True,
+                  head_alias: bool = True) -> list[VllmTensor]:
+    """Keys of vLLM pipeline stage ``pp_rank`` in state-dict order, with the entry each packs.
+
+    ``wmap`` must already carry vLLM's vocabulary padding (``vllm_weight_map``). ``scales``: include
+    the attention scale scalars (``sharded_state`` files need them). ``head_alias``: with tied
+    embeddings, the stage holding the LM head names the shared tensor ``lm_head.weight`` as
+    ``sharded_state`` expects; without it, by its parameter name (``model.embed_tokens.weight``, as
+    ``named_parameters()`` of a single-stage vLLM model has it).
+    """
+    layers = pp_layer_ranges(cfg.num_hidden_layers, pp)[pp_rank]
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    out: list[VllmTensor] = []
+    embed = wmap.first_entries[0]
+    if first and not (last and cfg.tie_word_embeddings and head_alias):
+        out.append(VllmTensor(embed.param, embed))
+    for i in layers:
+        for entry in wmap.layer_entries:
+            entry = entry.format(i)
+            out.append(VllmTensor(entry.param, entry))
+            if scales and entry.param.endswith("self_attn.o_proj.weight"):
+                out += [VllmTensor(f"model.layers.{i}.self_attn.attn.{s}", None) for s in ATTENTION_SCALES]
+    if last:
+        out += [VllmTensor(e.param, e) for e in wmap.last_entries]
+        if cfg.tie_word_embeddings and (head_alias or not first):
+            out.append(VllmTensor(TIED_HEAD_KEY, embed))
+    return out
+
+
+def shard_shape(entry: WeightEntry, shapes: dict[str, Sequence[int]], size: int) -> tuple[int, ...]:
+    """Shape of one rank's packed shard of ``entry`` at TP ``size``."""
+    parts = [rule.shard_shape(shapes[name], size) for name, rule in zip(entry.hf, entry.rules)]
+    if len(parts) == 1:
+        return tuple(parts[0])
+    return (sum(p[0] for p in parts), *parts[0][1:])
+
+
+def pack(entry: WeightEntry, full: Sequence, rank: int, size: int):
+    """Rank ``rank``'s packed shard at TP ``size`` from the full HF tensors of ``entry`` (converters)."""
+    return entry.packed.pack(list(full), rank, size)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Rows ``[start, stop)`` along ``dim`` of HF part ``part`` of an entry, held by training TP rank
+    ``source``: at ``src_offset`` along ``dim`` in that rank's part shard, at ``dst_offset`` in the
+    target rank's part shard. ``dim`` None: the whole part (replicated), taken from every rank's own copy."""
+
+    part: int
+    source: int
+    dim: int | None
+    start: int
+    stop: int
+    src_offset: int
+    dst_offset: int
+
+
+def transfers(entry: WeightEntry, src_rules: Sequence, shapes: dict[str, Sequence[int]], src_size: int,
+              dst_rank: int, dst_size: int) -> list[Transfer]:
+    """Which training TP ranks (rules ``src_rules`` at ``src_size``) hold which rows of target rank
+    ``dst_rank``'s shard (rules ``entry.rules`` at ``dst_size``): only the rows it needs, each from
+    the lowest rank holding it. Rows past the real tensor (vocabulary padding) have no source: zeros."""
+    out = []
+    for part, (name, dst_rule, src_rule) in enumerate(zip(entry.hf, entry.rules, src_rules)):
+        shape = shapes[name]
+        want = dst_rule.piece(shape, dst_rank, dst_size)
+        if want.dim is None:
+            out.append(Transfer(part, -1, None, 0, 0, 0, 0))
+            continue
+        length = shape[want.dim]
+        lo, hi = want.start, min(want.stop, length)
+        covered = []
+        for t in range(src_size):
+            have = src_rule.piece(shape, t, src_size)
+            if have.dim is None:  # not split in training: take it from this rank's own copy
+                out.append(Transfer(part, -1, want.dim, lo, hi, lo, 0))
+                break
+            if have.dim != want.dim:
+                raise ShardingError(f"{name}: split along dim {have.dim} in training, dim {want.dim} in the target")
+            s, e = max(lo, have.start), min(hi, have.stop, length)
+            if s >= e or any(cs <= s and e <= ce for cs, ce in covered):
+                continue
+            covered.append((s, e))
+            out.append(Transfer(part, t, want.dim, s, e, s - have.start, s - want.start))
+    return out
