@@ -1,0 +1,70 @@
+"""Rank bodies for the vLLM tests: train a parallel model, then write everything vLLM is checked on.
+
+Per case (on every rank of a gloo job): two SGD steps next to transformers, then
+  hf/                          save_pretrained (the HF weights vLLM's own loaders are run on)
+  export-tp{N}.rank{r}.safetensors   iter_export("vllm", target_tp=N, target_rank=r), written by rank 0
+  sharded-tp{N}/               save_vllm_sharded_state(tp=N)
+  ours.json                    our prompt log-probs (forward_only) and transformers' trained-weight drift
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from parallel import ParallelConfig
+from tests.cases import build, load_hf
+from tests.workers_pipeline import batch
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [40, 7, 300, 12, 5]]
+
+
+def prompt_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """PROMPTS right-padded into one batch, with its attention mask."""
+    width = max(map(len, PROMPTS))
+    ids = torch.zeros(len(PROMPTS), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(PROMPTS):
+        ids[i, :len(p)] = torch.tensor(p)
+        mask[i, :len(p)] = 1
+    return ids, mask
+
+
+def vllm_case(case: str, path: str, kwargs: dict, out: str, export_tps: list[int], sharded_tps: list[int]) -> list:
+    from safetensors.torch import save_file
+
+    model = build(case, path, ParallelConfig(**kwargs))
+    hf = load_hf(path)
+    ids, mask, labels = batch(hf.config.vocab_size)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(hf.parameters(), lr=0.5)
+    for _ in range(2):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=2)
+        hf(ids, attention_mask=mask, labels=labels).loss.backward()
+        opt.step()
+        ref_opt.step()
+    root = Path(out)
+    model.save_pretrained(root / "hf")
+    rank = dist.get_rank()
+    for n in export_tps:
+        for r in range(n):
+            tensors = {name: t.clone() for b in model.iter_export("vllm", target_tp=n, target_rank=r, bucket_bytes=20000)
+                       for name, t in b.tensors()}
+            if rank == 0:
+                save_file(tensors, str(root / f"export-tp{n}.rank{r}.safetensors"))
+    for n in sharded_tps:
+        model.save_vllm_sharded_state(root / f"sharded-tp{n}", tp=n, max_shard_size=100_000)
+    ids, mask = prompt_batch()
+    lp = model.forward_backward(ids, ids, attention_mask=mask, forward_only=True)
+    ours = [lp[i, :len(p)].tolist() for i, p in enumerate(PROMPTS)]
+    if rank == 0:
+        (root / "ours.json").write_text(json.dumps({"logprobs": ours}))
+    return [(case, rank)]
+
+
+def vllm_suite(cases: list[tuple]) -> list:
+    return [r for case in cases for r in vllm_case(*case)]
