@@ -123,3 +123,18 @@ def test_unknown_format_and_bad_bucket_size_refused():
         next(model.iter_export("gguf"))
     with pytest.raises(ExportError, match="bucket_bytes"):
         next(model.iter_export("hf", bucket_bytes=0))
+
+
+def test_shared_memory_transport_equals_collectives(export_dirs):
+    """iter_export(transport="shm") gives the collective transport's buckets bitwise (HF and vLLM
+    targets; TP2xPP2 with one replicated KV head and padding-only vocabulary shards; TP2 with FSDP2
+    over two replicas, where only the first replica writes) and leaves nothing in /dev/shm."""
+    from tests.workers_export import shm_suite
+
+    cases = [("llama_untied8", export_dirs["llama_untied8"], dict(tp=2, pp=2), SMALL),
+             ("qwen2_tied8", export_dirs["qwen2_tied8"], dict(tp=2, fsdp=True), SMALL)]
+    records = [r for rank in run_distributed(4, shm_suite, cases) for r in rank]
+    assert len({r[2] for r in records}) == 6
+    assert all(r[4] > 3 for r in records if r[2] != "shm_files_left")  # several buckets each
+    bad = [r for r in records if r[3] != 0.0]
+    assert not bad, bad

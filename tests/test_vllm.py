@@ -68,6 +68,19 @@ def _transformers_logprobs(hf_dir: Path) -> list[list[float]]:
     return [[0.0] + lp[i, :len(p) - 1].tolist() for i, p in enumerate(PROMPTS)]
 
 
+def _peft_logprobs(base: Path, adapter: Path) -> list[list[float]]:
+    from peft import PeftModel
+
+    from tests.cases import load_hf
+
+    model = PeftModel.from_pretrained(load_hf(str(base)), str(adapter)).eval()
+    ids, mask = prompt_batch()
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits.float()
+    lp = torch.log_softmax(logits, -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    return [[0.0] + lp[i, :len(p) - 1].tolist() for i, p in enumerate(PROMPTS)]
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     from converters.engine import convert
@@ -81,7 +94,9 @@ def run(tmp_path_factory):
     cases = [("qwen2_vllm", str(src["qwen2_vllm"]), dict(tp=2, pp=2), str(out["qwen2_vllm"]), [1, 2, 4], [1, 2]),
              ("llama_vllmtied", str(src["llama_vllmtied"]), dict(tp=2, pp=2, vpp=2), str(out["llama_vllmtied"]),
               [1, 2], [2])]
-    run_distributed(4, vllm_suite, cases)
+    lora = dict(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"])
+    lora_cases = [("qwen2_vllm", str(src["qwen2_vllm"]), dict(tp=2, pp=2), str(out["qwen2_vllm"]), lora)]
+    run_distributed(4, vllm_suite, cases, lora_cases)
     llama = out["llama_vllmtied"]
     convert(llama / "hf", llama / "convert-tp2", to="vllm", tp=2, workers=2)
     convert(llama / "hf", llama / "convert-tp2-pp2", to="vllm", tp=2, pp=2, workers=2)
@@ -100,6 +115,10 @@ def run(tmp_path_factory):
                                                                "load_format": "sharded_state"}, qwen / f"lp-sharded{n}")
     v["llama_convert2"] = run_client("logprobs", base | {"model": str(llama / "convert-tp2"), "tp": 2,
                                                          "load_format": "sharded_state"}, llama / "lp-convert2")
+    adapter = qwen / "adapter"
+    results["peft"] = _peft_logprobs(src["qwen2_vllm"], adapter)
+    v["lora"] = run_client("logprobs", base | {"model": str(src["qwen2_vllm"]), "tp": 1, "adapter": str(adapter),
+                                               "lora_rank": lora["r"]}, qwen / "lp-lora")
     train_ids, _ = prompt_batch()
     v["push"] = run_client("push", base | {"model": str(src["qwen2_vllm"]), "train_ids": train_ids.tolist()},
                            qwen / "push.json")
@@ -227,6 +246,14 @@ def test_live_push_changes_vllm_logprobs_to_trained_model(run):
     assert push["pushed"] == len(_load(run["src"]["qwen2_vllm"] / "model.safetensors"))
     assert _max_diff(push["before"], push["ours"]) > 1e-2  # training changed the model
     assert _max_diff(push["after"], push["ours"]) <= LOGPROB_TOL
+
+
+def test_vllm_lora_takes_our_adapter_with_peft_logprobs(run):
+    """An adapter trained on a TP2xPP2 model and saved with save_lora_adapter: vLLM's LoRA support
+    loads it (enable_lora, LoRARequest) and its prompt log-probs equal peft's on the same adapter,
+    which differ from the base model's (the adapter is not a no-op)."""
+    assert _max_diff(run["vllm"]["lora"]["logprobs"], run["peft"]) <= LOGPROB_TOL
+    assert _max_diff(run["peft"], run["vllm"]["push"]["before"]) > 1e-2
 
 
 def test_vllm_export_bad_input_refused_before_any_collective(tmp_path):

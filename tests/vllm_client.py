@@ -7,7 +7,8 @@ Steps (each starts one engine; results go to OUT_FILE as JSON / safetensors):
             and filled by vLLM's own ``load_weights`` from the same files, and its state is saved
             *before* the CPU backend repacks the linear weights (the reference for vLLM shards);
             the engine's prompt log-probs are recorded too
-  logprobs  prompt log-probs of an engine (``load_format`` "auto" or "sharded_state", TP N)
+  logprobs  prompt log-probs of an engine (``load_format`` "auto" or "sharded_state", TP N), through
+            a peft LoRA adapter directory when ``adapter`` is given (vLLM's own LoRA support)
   push      a TP-1 engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) from an HF directory; our
             parallel model is built from the same directory, trained two SGD steps, and its weights
             pushed with ``push_to_vllm(llm, model.iter_export("hf"))``; log-probs before and after
@@ -27,19 +28,25 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function (test only)
 
 
-def _engine(model: str, tp: int, load_format: str = "auto"):
+def _engine(model: str, tp: int, load_format: str = "auto", lora_rank: int | None = None):
     from vllm import LLM
 
+    lora = dict(enable_lora=True, max_lora_rank=lora_rank, max_loras=1) if lora_rank else {}
     return LLM(model=model, tensor_parallel_size=tp, load_format=load_format, dtype="float32", max_model_len=64,
                enforce_eager=True, seed=0, skip_tokenizer_init=True, max_num_seqs=4,
-               distributed_executor_backend="mp" if tp > 1 else None)
+               distributed_executor_backend="mp" if tp > 1 else None, **lora)
 
 
-def _prompt_logprobs(llm, prompts: list[list[int]]) -> list[list[float]]:
+def _prompt_logprobs(llm, prompts: list[list[int]], adapter: str | None = None) -> list[list[float]]:
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0, detokenize=False)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    request = None
+    if adapter:
+        from vllm.lora.request import LoRARequest
+
+        request = LoRARequest("pmz", 1, adapter)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=request)
     result = []
     for prompt, out in zip(prompts, outs):
         lps = out.prompt_logprobs
@@ -86,8 +93,9 @@ def step_capture(args: dict, out: str) -> None:
 
 
 def step_logprobs(args: dict, out: str) -> None:
-    llm = _engine(args["model"], args["tp"], args.get("load_format", "auto"))
-    json.dump({"logprobs": _prompt_logprobs(llm, args["prompts"])}, open(out, "w"))
+    """Prompt log-probs; with ``adapter`` (and ``lora_rank``) through vLLM's LoRA support."""
+    llm = _engine(args["model"], args["tp"], args.get("load_format", "auto"), args.get("lora_rank"))
+    json.dump({"logprobs": _prompt_logprobs(llm, args["prompts"], args.get("adapter"))}, open(out, "w"))
 
 
 def step_push(args: dict, out: str) -> None:

@@ -97,3 +97,30 @@ def export_suite(cases: list[tuple], out_root: str) -> list[tuple]:
     for n, (case, path, kwargs, bucket_bytes) in enumerate(cases):
         records += export_case(case, path, kwargs, bucket_bytes, out_dir=f"{out_root}/save{n}")
     return records
+
+
+def shm_case(case: str, path: str, kwargs: dict, bucket_bytes: int) -> list[tuple]:
+    """``transport="shm"`` buckets (cloned as they come: each is valid until the next is requested)
+    equal the collective transport's bitwise, for HF and for vLLM targets (padding-only vocabulary
+    shards, replicated KV heads, a target TP above and below the training TP)."""
+    from pathlib import Path
+
+    model = build(case, path, ParallelConfig(**kwargs))
+    tag = (case, ParallelConfig(**kwargs).describe())
+    records = []
+    for fmt, target_tp, target_rank in (("hf", None, None), ("vllm", 1, 0), ("vllm", 2, 1), ("vllm", 4, 2),
+                                        ("vllm", 4, 3)):
+        runs = []
+        for transport in ("collective", "shm"):
+            runs.append([(b.metas, b.buffer.clone()) for b in model.iter_export(
+                fmt, bucket_bytes=bucket_bytes, target_tp=target_tp, target_rank=target_rank, transport=transport)])
+        (a, b) = runs
+        differ = len(a) != len(b) or any(ma != mb or not torch.equal(ta, tb) for (ma, ta), (mb, tb) in zip(a, b))
+        records.append((*tag, f"{fmt}{target_tp or ''}.{target_rank or 0}", float(differ), float(len(a))))
+    dist.barrier()
+    leftovers = len(list(Path("/dev/shm").glob(f"pmz-*"))) if dist.get_rank() == 0 else 0
+    return records + [(*tag, "shm_files_left", float(leftovers), 0.0)]
+
+
+def shm_suite(cases: list[tuple]) -> list[tuple]:
+    return [r for case in cases for r in shm_case(*case)]

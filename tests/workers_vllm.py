@@ -66,5 +66,21 @@ def vllm_case(case: str, path: str, kwargs: dict, out: str, export_tps: list[int
     return [(case, rank)]
 
 
-def vllm_suite(cases: list[tuple]) -> list:
-    return [r for case in cases for r in vllm_case(*case)]
+def lora_case(case: str, path: str, kwargs: dict, out: str, lora: dict) -> list:
+    """LoRA on a TP/PP model, two SGD steps on the adapter only, saved as a peft adapter directory."""
+    from peft import LoraConfig
+
+    model = build(case, path, ParallelConfig(**kwargs), lora=LoraConfig(**lora))
+    ids, mask, labels = batch(model.config.vocab_size)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(trainable, lr=2.0)
+    for _ in range(2):
+        opt.zero_grad()
+        model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=2)
+        opt.step()
+    model.save_lora_adapter(Path(out) / "adapter")
+    return [(case, dist.get_rank())]
+
+
+def vllm_suite(cases: list[tuple], lora_cases: list[tuple] = ()) -> list:
+    return [r for case in cases for r in vllm_case(*case)] + [r for case in lora_cases for r in lora_case(*case)]

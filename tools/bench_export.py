@@ -1,7 +1,9 @@
-"""Live-export throughput per rank: ``iter_export("hf")`` from a TP2 x PP2 CPU job (gloo).
+"""Live-export throughput per rank: ``iter_export`` from a TP2 x PP2 CPU job (gloo).
 
-Per rank, in the same run: (a) bytes of full HF tensors received per second by ``iter_export`` for
-several bucket sizes, (b) a plain single-threaded copy of the same number of bytes (the memcpy
+Per rank, in the same run: (a) bytes of full HF tensors received per second by ``iter_export("hf")``
+for several bucket sizes, with the collective transport, with ``transport="shm"`` reading buckets in
+place, and with ``transport="shm"`` plus a private copy of every bucket (what a consumer that keeps
+buckets pays); ``iter_export("vllm", target_tp=2)`` (vLLM rank 0's shards) on both transports; (b) a plain single-threaded copy of the same number of bytes (the memcpy
 rate: the ceiling for moving the model once), (c) ``iter_hf_weights`` (the TP-only gather that
 existed before: each rank gets only its own stage's tensors), per byte it delivers. Ratios are
 against (b) measured on the same rank.
@@ -40,14 +42,29 @@ def body(hidden: int, layers: int, buckets_mb: list[int], repeats: int) -> dict:
 
     model = build_parallel_model(model_config(hidden, layers), ParallelConfig(tp=2, pp=2), seed=0)
     result: dict = {}
-    for mb in buckets_mb:
+    def timed(key: str, make, consume=lambda b: b.nbytes) -> int:
         times, total = [], 0
         for _ in range(repeats):
             dist.barrier()
             start = time.perf_counter()
-            total = sum(b.nbytes for b in model.iter_export("hf", bucket_bytes=mb << 20))
+            total = sum(consume(b) for b in make())
             times.append(time.perf_counter() - start)
-        result[f"export_{mb}MB"] = (total, statistics.median(times))
+        result[key] = (total, statistics.median(times))
+        return total
+
+    def copied(bucket) -> int:
+        bucket.buffer.clone()
+        return bucket.nbytes
+
+    total = 0
+    for mb in buckets_mb:
+        total = timed(f"export_{mb}MB", lambda: model.iter_export("hf", bucket_bytes=mb << 20))
+        timed(f"shm_{mb}MB", lambda: model.iter_export("hf", bucket_bytes=mb << 20, transport="shm"))
+        timed(f"shm+copy_{mb}MB", lambda: model.iter_export("hf", bucket_bytes=mb << 20, transport="shm"), copied)
+    mb = buckets_mb[len(buckets_mb) // 2]
+    timed(f"vllm_tp2_{mb}MB", lambda: model.iter_export("vllm", bucket_bytes=mb << 20, target_tp=2, target_rank=0))
+    timed(f"vllm_tp2_shm_{mb}MB", lambda: model.iter_export("vllm", bucket_bytes=mb << 20, target_tp=2, target_rank=0,
+                                                             transport="shm"))
     src = torch.empty(total // 4, dtype=torch.float32).normal_()
     dst = torch.zeros_like(src)  # pages touched before timing
     times = []
@@ -71,7 +88,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--buckets-mb", type=int, nargs="+", default=[16, 64, 256, 512])
+    parser.add_argument("--buckets-mb", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     per_rank = run_distributed(4, body, args.hidden, args.layers, args.buckets_mb, args.repeats)
@@ -80,7 +97,8 @@ def main() -> None:
           f"TP2 x PP2 on gloo/CPU, one thread per rank; medians of {args.repeats}")
     print(f"{'what':<22}{'GB/s per rank (min..max over ranks)':>40}{'vs memcpy':>12}")
     memcpy = [r["memcpy"][0] / r["memcpy"][1] / 1e9 for r in per_rank]
-    for key in [f"export_{mb}MB" for mb in args.buckets_mb] + ["iter_hf_weights", "memcpy"]:
+    keys = [k for k in per_rank[0] if k not in ("iter_hf_weights", "memcpy")] + ["iter_hf_weights", "memcpy"]
+    for key in keys:
         rates = [r[key][0] / r[key][1] / 1e9 for r in per_rank]
         ratio = [a / m for a, m in zip(rates, memcpy)]
         print(f"{key:<22}{min(rates):>30.2f} .. {max(rates):<6.2f}{min(ratio):>10.2f}x")

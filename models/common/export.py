@@ -32,6 +32,7 @@ from parallel.fsdp import unshard
 from parallel.pipeline_layout import stage_layer_ranges
 
 FORMATS = ("hf", "vllm")
+TRANSPORTS = ("collective", "shm")
 DEFAULT_BUCKET_BYTES = 512 << 20
 
 
@@ -176,7 +177,7 @@ def _check_export_args(model, format, target_tp, target_rank, bucket_bytes) -> N
 @torch.no_grad()
 def iter_export(model, format: str = "hf", *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                 dtype: torch.dtype | None = None, merge_lora: bool = False, target_tp: int | None = None,
-                target_rank: int | None = None) -> Iterator[ExportBucket]:
+                target_rank: int | None = None, transport: str = "collective") -> Iterator[ExportBucket]:
     """Collective over every rank: yields the same ``ExportBucket``s everywhere (see module doc).
 
     ``format="hf"``: full tensors under HF names. ``format="vllm"``: the shards vLLM rank
@@ -187,14 +188,28 @@ def iter_export(model, format: str = "hf", *, bucket_bytes: int = DEFAULT_BUCKET
     LoRA adapter merged in (the adapter alone: ``lora_state``). Arguments are checked and agreed on
     by every rank before any data moves (ExportError on every rank otherwise). Every rank must
     iterate to the end.
+
+    ``transport="collective"`` (default): buckets are gathered with TP collectives and broadcast
+    over PP; each rank gets its own buffer, valid as long as it is kept. ``transport="shm"`` (one
+    host, CPU tensors): every rank of the owning stage's first replica writes its own rows straight
+    into a bucket in shared memory (``/dev/shm``, unlinked at once) that every rank reads in place -
+    one copy per byte in the whole job, no process-to-process traffic. Its buffers are views into
+    two rotating segments: a bucket is valid until the next one is requested (clone it to keep it).
     """
     failure = _Failure()
     failure.run(_check_export_args, model, format, target_tp, target_rank, bucket_bytes)
     if merge_lora and getattr(model, "lora_config", None) is None:
         failure.run(_raise, "merge_lora=True but the model has no LoRA adapter")
-    problem = failure.agree(same=(format, target_tp, target_rank, bucket_bytes, str(dtype), merge_lora))
+    if transport not in TRANSPORTS:
+        failure.run(_raise, f"unknown transport {transport!r} (choose {', '.join(TRANSPORTS)})")
+    problem = failure.agree(same=(format, target_tp, target_rank, bucket_bytes, str(dtype), merge_lora, transport))
     if problem:
         raise ExportError(f"iter_export: {problem}")
+    if transport == "shm":
+        from parallel.shared_memory import single_host
+
+        if not single_host():
+            raise ExportError("iter_export: transport='shm' needs every rank on one host with /dev/shm")
     groups = model.groups
     params = list(model.parameters())
     dtype = dtype or params[0].dtype
@@ -203,68 +218,143 @@ def iter_export(model, format: str = "hf", *, bucket_bytes: int = DEFAULT_BUCKET
     plans = plan_buckets(model, bucket_bytes, element_size, format, target_tp or 1)
     shapes = hf_shapes(model.config, model.weight_map)
     named = _source_tensors(model, merge_lora)
-    for plan in plans:
-        if format == "vllm":
-            buffer = torch.zeros(plan.numel, dtype=dtype, device=device)  # vocabulary padding stays zero
-        else:
+    shared = _open_shared(plans, element_size, device) if transport == "shm" else None
+    try:
+        for index, plan in enumerate(plans):
+            if shared is not None:
+                buffer = shared.segment(index % 2, dtype, plan.numel)
+                if groups.pp_rank == plan.stage:
+                    _fill_shared(_plan_moves(buffer, plan, named, model, format, target_tp, target_rank), groups)
+                dist.barrier() if dist.is_initialized() else None  # bucket complete for every reader
+                yield ExportBucket(buffer, plan.metas)
+                continue
             buffer = torch.empty(plan.numel, dtype=dtype, device=device)
-        if groups.pp_rank == plan.stage:
-            if format == "vllm":
-                _fill_vllm(buffer, plan, named, model, target_tp, target_rank)
-            else:
-                positions = {m.name: m for m in plan.metas}
-                for name, full in export_hf_state(named, list(plan.entries), shapes, groups.tp_group):
-                    meta = positions[name]
-                    buffer[meta.offset:meta.offset + meta.numel].copy_(full.reshape(-1))
-        if groups.pp_size > 1:
-            dist.broadcast(buffer, src=dist.get_global_rank(groups.pp_group, plan.stage), group=groups.pp_group)
-        yield ExportBucket(buffer, plan.metas)
+            if groups.pp_rank == plan.stage:
+                if format == "vllm":
+                    moves = _plan_moves(buffer, plan, named, model, format, target_tp, target_rank)
+                    _fill_by_broadcast(buffer, moves, groups)
+                else:
+                    positions = {m.name: m for m in plan.metas}
+                    for name, full in export_hf_state(named, list(plan.entries), shapes, groups.tp_group):
+                        meta = positions[name]
+                        buffer[meta.offset:meta.offset + meta.numel].copy_(full.reshape(-1))
+            if groups.pp_size > 1:
+                dist.broadcast(buffer, src=dist.get_global_rank(groups.pp_group, plan.stage), group=groups.pp_group)
+            yield ExportBucket(buffer, plan.metas)
+    finally:
+        if shared is not None:
+            shared.close()
 
 
-def _fill_vllm(buffer: torch.Tensor, plan: BucketPlan, named, model, target_tp: int, target_rank: int) -> None:
-    """Fill a vLLM bucket on the owning stage: each training TP rank sends, in one broadcast per
-    bucket, only the rows of its shards that target rank ``target_rank`` holds; replicated tensors
-    come from every rank's own copy."""
+def _open_shared(plans: list[BucketPlan], element_size: int, device):
+    """Two shared segments (double buffering: bucket k is written while readers may still hold k-1)."""
+    from parallel.shared_memory import SharedSegments
+
+    if device is not None and device.type != "cpu":
+        raise ExportError(f"transport='shm' needs CPU tensors (the model is on {device})")
+    return SharedSegments(2, max((p.numel for p in plans), default=1) * element_size)
+
+
+@dataclass
+class _Move:
+    """Copy ``src`` (held by training TP rank ``source``; -1: by every rank) into ``dst`` (a view of the
+    bucket); ``source`` ``vllm_format.PADDING``: zero ``dst``."""
+
+    source: int
+    dst: torch.Tensor
+    src: torch.Tensor | None  # None on ranks that do not hold it
+
+
+def _plan_moves(buffer: torch.Tensor, plan: BucketPlan, named, model, format: str, target_tp: int,
+                target_rank: int) -> list[_Move]:
+    """Which rows of which training TP rank's shards land where in the bucket, from the rules alone.
+
+    HF buckets hold full tensors (the target is "TP 1": one region per HF tensor); vLLM buckets
+    hold rank ``target_rank``'s packed shards at ``target_tp``. A row held by several ranks
+    (replicated KV heads) comes from the lowest; replicated tensors from every rank's own copy.
+    """
     groups = model.groups
     tp, me = groups.tp_size, groups.tp_rank
     shapes = hf_shapes(model.config, model.weight_map)
     src_entries = {e.param: e for e in model.weight_map.entries(model.layer_ids(), first=model.is_first_stage,
                                                                  last=model.is_last_stage)}
-    moves: list[list[tuple[torch.Tensor, callable]]] = [[] for _ in range(tp)]  # per source rank
+    dst_size, dst_rank = (target_tp, target_rank) if format == "vllm" else (1, 0)
+    by_name = {m.name: m for m in plan.metas}
 
     def region(tensor: torch.Tensor, row0: int, rows: int, dim: int | None, offset: int, length: int) -> torch.Tensor:
         part = tensor.narrow(0, row0, rows)
         return part if dim is None else part.narrow(dim, offset, length)
 
-    for entry, meta in zip(plan.entries, plan.metas):
+    moves = []
+    for i, entry in enumerate(plan.entries):
         src_entry = src_entries[entry.param]
-        target = buffer[meta.offset:meta.offset + meta.numel].view(meta.shape)
         local = named[entry.param]
-        dst_rows = [rule.shard_shape(shapes[n], target_tp)[0] for n, rule in zip(entry.hf, entry.rules)]
         src_rows = [rule.shard_shape(shapes[n], tp)[0] for n, rule in zip(src_entry.hf, src_entry.rules)]
         if len(entry.hf) == 1:  # unpacked: the whole shard is the part (row-parallel splits along dim 1)
-            dst_rows, src_rows = [meta.shape[0]], [local.shape[0]]
-        for move in vllm_format.transfers(entry, src_entry.rules, shapes, tp, target_rank, target_tp):
-            d0, s0 = sum(dst_rows[:move.part]), sum(src_rows[:move.part])
+            src_rows = [local.shape[0]]
+        if format == "vllm":
+            meta = plan.metas[i]
+            packed = buffer[meta.offset:meta.offset + meta.numel].view(meta.shape)
+            rows = [rule.shard_shape(shapes[n], dst_size)[0] for n, rule in zip(entry.hf, entry.rules)]
+            if len(entry.hf) == 1:
+                rows = [meta.shape[0]]
+            targets = [(packed, sum(rows[:k]), rows[k]) for k in range(len(rows))]
+        else:
+            targets = []
+            for name in entry.hf:
+                meta = by_name[name]
+                targets.append((buffer[meta.offset:meta.offset + meta.numel].view(meta.shape), 0, meta.shape[0]))
+        dst_entry = entry if format == "vllm" else vllm_format.entry_with_vocab_padding(entry, None)
+        for move in vllm_format.transfers(dst_entry, src_entry.rules, shapes, tp, dst_rank, dst_size):
+            target, d0, d_rows = targets[move.part]
             n = move.stop - move.start
-            dst = region(target, d0, dst_rows[move.part], move.dim, move.dst_offset, n)
-            if move.source < 0:  # replicated in training: every rank copies its own
-                dst.copy_(region(local, s0, src_rows[move.part], move.dim, move.src_offset, n))
+            dst = region(target, d0, d_rows, move.dim, move.dst_offset, n)
+            s0 = sum(src_rows[:move.part])
+            if move.source == vllm_format.PADDING:
+                moves.append(_Move(move.source, dst, None))
                 continue
-            src = region(local, s0, src_rows[move.part], move.dim, move.src_offset, n) if move.source == me else None
-            moves[move.source].append((dst, src))
-    for source, items in enumerate(moves):
+            held = move.source < 0 or move.source == me
+            src = region(local, s0, src_rows[move.part], move.dim, move.src_offset, n) if held else None
+            moves.append(_Move(move.source, dst, src))
+    return moves
+
+
+def _fill_by_broadcast(buffer: torch.Tensor, moves: list[_Move], groups) -> None:
+    """Collective transport: each training TP rank sends its rows of the bucket in one broadcast."""
+    tp, me = groups.tp_size, groups.tp_rank
+    per_source: list[list[_Move]] = [[] for _ in range(tp)]
+    for m in moves:
+        if m.source == vllm_format.PADDING:
+            m.dst.zero_()
+        elif m.source < 0:
+            m.dst.copy_(m.src)
+        else:
+            per_source[m.source].append(m)
+    for source, items in enumerate(per_source):
         if not items:
             continue
-        sizes = [dst.numel() for dst, _ in items]
+        sizes = [m.dst.numel() for m in items]
         if source == me:
-            flat = torch.cat([src.to(buffer.dtype).reshape(-1) for _, src in items])
+            flat = torch.cat([m.src.to(buffer.dtype).reshape(-1) for m in items])
         else:
             flat = torch.empty(sum(sizes), dtype=buffer.dtype, device=buffer.device)
         if tp > 1:
             dist.broadcast(flat, src=dist.get_global_rank(groups.tp_group, source), group=groups.tp_group)
-        for (dst, _), piece in zip(items, torch.split(flat, sizes)):
-            dst.copy_(piece.view(dst.shape))
+        for m, piece in zip(items, torch.split(flat, sizes)):
+            m.dst.copy_(piece.view(m.dst.shape))
+
+
+def _fill_shared(moves: list[_Move], groups) -> None:
+    """Shared-memory transport: each rank of the first replica writes its own rows straight into the
+    shared bucket (replicated tensors: TP rank 0). No bytes move between processes otherwise."""
+    if not _first_replica(groups):
+        return
+    for m in moves:
+        if m.source == vllm_format.PADDING:
+            if groups.tp_rank == 0:
+                m.dst.zero_()
+        elif m.source == groups.tp_rank or (m.source < 0 and groups.tp_rank == 0):
+            m.dst.copy_(m.src)
 
 
 def _file_names(count: int) -> list[str]:

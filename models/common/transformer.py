@@ -318,16 +318,18 @@ class ParallelCausalLM(nn.Module):
         yield from export_hf_state(tensors, self.weight_entries(), hf_shapes(self.config, wmap), self.groups.tp_group)
 
     def iter_export(self, format: str = "hf", *, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = None,
-                    merge_lora: bool = False, target_tp: int | None = None, target_rank: int | None = None):
+                    merge_lora: bool = False, target_tp: int | None = None, target_rank: int | None = None,
+                    transport: str = "collective"):
         """Collective over every rank of the job: the whole model as flat buckets
         (``ExportBucket``: ``.buffer``, ``.metas``, ``.tensors()``), the same on every rank, for any
         tp/pp/vpp/dp/fsdp layout. ``format="hf"``: full HF tensors; ``format="vllm"``: vLLM rank
         ``target_rank``'s shards for an engine with TP ``target_tp``, under vLLM's names.
-        ``merge_lora``: with the LoRA adapter merged. See ``models/common/export.py``."""
+        ``merge_lora``: with the LoRA adapter merged. ``transport="shm"``: buckets through shared memory
+        (one host; a bucket is valid until the next is requested). See ``models/common/export.py``."""
         from models.common.export import iter_export
 
         return iter_export(self, format, bucket_bytes=bucket_bytes, dtype=dtype, merge_lora=merge_lora,
-                           target_tp=target_tp, target_rank=target_rank)
+                           target_tp=target_tp, target_rank=target_rank, transport=transport)
 
     def save_vllm_sharded_state(self, directory, *, tp: int, pp: int = 1, dtype: torch.dtype | None = None,
                                 max_shard_size: str | int = "5GB", merge_lora: bool = False) -> None:

@@ -43,12 +43,17 @@ def padded_vocab(vocab_size: int) -> int:
     return math.ceil(vocab_size / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
+def entry_with_vocab_padding(entry: WeightEntry, padded: int | None) -> WeightEntry:
+    """``entry`` with its ``Vocab`` rules padding to ``padded`` rows (None: no padding, the HF tensor)."""
+    rules = tuple(Vocab(r.vocab_size, padded or r.vocab_size) if isinstance(r, Vocab) else r for r in entry.rules)
+    return replace(entry, rules=rules)
+
+
 def with_vocab_padding(wmap: WeightMap, padded: int) -> WeightMap:
     """The same weight map with every ``Vocab`` rule padding to ``padded`` rows."""
 
     def fix(entry: WeightEntry) -> WeightEntry:
-        rules = tuple(Vocab(r.vocab_size, padded) if isinstance(r, Vocab) else r for r in entry.rules)
-        return replace(entry, rules=rules)
+        return entry_with_vocab_padding(entry, padded)
 
     return WeightMap(tuple(map(fix, wmap.layer_entries)), tuple(map(fix, wmap.first_entries)),
                      tuple(map(fix, wmap.last_entries)))
@@ -140,11 +145,15 @@ def pack(entry: WeightEntry, full: Sequence, rank: int, size: int):
     return entry.packed.pack(list(full), rank, size)
 
 
+PADDING = -2
+
+
 @dataclass(frozen=True)
 class Transfer:
     """Rows ``[start, stop)`` along ``dim`` of HF part ``part`` of an entry, held by training TP rank
     ``source``: at ``src_offset`` along ``dim`` in that rank's part shard, at ``dst_offset`` in the
-    target rank's part shard. ``dim`` None: the whole part (replicated), taken from every rank's own copy."""
+    target rank's part shard. ``source`` -1: every rank holds them (replicated; ``dim`` None: the
+    whole part); ``source`` ``PADDING``: rows past the real tensor (vocabulary padding), zeros."""
 
     part: int
     source: int
@@ -159,7 +168,8 @@ def transfers(entry: WeightEntry, src_rules: Sequence, shapes: dict[str, Sequenc
               dst_rank: int, dst_size: int) -> list[Transfer]:
     """Which training TP ranks (rules ``src_rules`` at ``src_size``) hold which rows of target rank
     ``dst_rank``'s shard (rules ``entry.rules`` at ``dst_size``): only the rows it needs, each from
-    the lowest rank holding it. Rows past the real tensor (vocabulary padding) have no source: zeros."""
+    the lowest rank holding it. Rows past the real tensor (vocabulary padding) come as a ``PADDING``
+    transfer (zeros)."""
     out = []
     for part, (name, dst_rule, src_rule) in enumerate(zip(entry.hf, entry.rules, src_rules)):
         shape = shapes[name]
@@ -182,4 +192,7 @@ def transfers(entry: WeightEntry, src_rules: Sequence, shapes: dict[str, Sequenc
                 continue
             covered.append((s, e))
             out.append(Transfer(part, t, want.dim, s, e, s - have.start, s - want.start))
+        pad = max(want.start, length)
+        if want.stop > pad:
+            out.append(Transfer(part, PADDING, want.dim, pad, want.stop, 0, pad - want.start))
     return out
