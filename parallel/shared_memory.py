@@ -62,8 +62,9 @@ class SharedSegments:
         self._maps = []
         try:
             for p in paths:
-                with open(p, "r+b") as f:
-                    self._maps.append(mmap.mmap(f.fileno(), self.nbytes))
+                with open(p, "r+b") as f:  # pages faulted in now, not during the first copies
+                    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                    self._maps.append(mmap.mmap(f.fileno(), self.nbytes, flags=flags))
         finally:
             if dist.is_initialized():
                 dist.barrier()

@@ -2,8 +2,8 @@
 
 Per rank, in the same run: (a) bytes of full HF tensors received per second by ``iter_export("hf")``
 for several bucket sizes, with the collective transport, with ``transport="shm"`` reading buckets in
-place, and with ``transport="shm"`` plus a private copy of every bucket (what a consumer that keeps
-buckets pays); ``iter_export("vllm", target_tp=2)`` (vLLM rank 0's shards) on both transports; (b) a plain single-threaded copy of the same number of bytes (the memcpy
+place, and with ``transport="shm"`` plus a copy of every bucket into memory the consumer keeps
+(what an engine loading the weights pays); ``iter_export("vllm", target_tp=2)`` (vLLM rank 0's shards) on both transports; (b) a plain single-threaded copy of the same number of bytes (the memcpy
 rate: the ceiling for moving the model once), (c) ``iter_hf_weights`` (the TP-only gather that
 existed before: each rank gets only its own stage's tensors), per byte it delivers. Ratios are
 against (b) measured on the same rank.
@@ -52,8 +52,12 @@ def body(hidden: int, layers: int, buckets_mb: list[int], repeats: int) -> dict:
         result[key] = (total, statistics.median(times))
         return total
 
-    def copied(bucket) -> int:
-        bucket.buffer.clone()
+    sink: list[torch.Tensor] = []
+
+    def copied(bucket) -> int:  # a consumer copying into memory it keeps (like an engine's parameters)
+        if not sink or sink[0].numel() < bucket.buffer.numel():
+            sink[:] = [torch.zeros(bucket.buffer.numel(), dtype=bucket.buffer.dtype)]
+        sink[0][:bucket.buffer.numel()].copy_(bucket.buffer)
         return bucket.nbytes
 
     total = 0

@@ -218,41 +218,47 @@ def iter_export(model, format: str = "hf", *, bucket_bytes: int = DEFAULT_BUCKET
     plans = plan_buckets(model, bucket_bytes, element_size, format, target_tp or 1)
     shapes = hf_shapes(model.config, model.weight_map)
     named = _source_tensors(model, merge_lora)
-    shared = _open_shared(plans, element_size, device) if transport == "shm" else None
-    try:
-        for index, plan in enumerate(plans):
-            if shared is not None:
-                buffer = shared.segment(index % 2, dtype, plan.numel)
-                if groups.pp_rank == plan.stage:
-                    _fill_shared(_plan_moves(buffer, plan, named, model, format, target_tp, target_rank), groups)
-                dist.barrier() if dist.is_initialized() else None  # bucket complete for every reader
-                yield ExportBucket(buffer, plan.metas)
-                continue
-            buffer = torch.empty(plan.numel, dtype=dtype, device=device)
-            if groups.pp_rank == plan.stage:
-                if format == "vllm":
-                    moves = _plan_moves(buffer, plan, named, model, format, target_tp, target_rank)
-                    _fill_by_broadcast(buffer, moves, groups)
-                else:
-                    positions = {m.name: m for m in plan.metas}
-                    for name, full in export_hf_state(named, list(plan.entries), shapes, groups.tp_group):
-                        meta = positions[name]
-                        buffer[meta.offset:meta.offset + meta.numel].copy_(full.reshape(-1))
-            if groups.pp_size > 1:
-                dist.broadcast(buffer, src=dist.get_global_rank(groups.pp_group, plan.stage), group=groups.pp_group)
-            yield ExportBucket(buffer, plan.metas)
-    finally:
+    shared = _open_shared(model, plans, element_size, device) if transport == "shm" else None
+    for index, plan in enumerate(plans):
         if shared is not None:
-            shared.close()
+            buffer = shared.segment(index % 2, dtype, plan.numel)
+            if groups.pp_rank == plan.stage:
+                _fill_shared(_plan_moves(buffer, plan, named, model, format, target_tp, target_rank), groups)
+            if dist.is_initialized():
+                dist.barrier()  # the bucket is complete for every reader
+            yield ExportBucket(buffer, plan.metas)
+            continue
+        buffer = torch.empty(plan.numel, dtype=dtype, device=device)
+        if groups.pp_rank == plan.stage:
+            if format == "vllm":
+                moves = _plan_moves(buffer, plan, named, model, format, target_tp, target_rank)
+                _fill_by_broadcast(buffer, moves, groups)
+            else:
+                positions = {m.name: m for m in plan.metas}
+                for name, full in export_hf_state(named, list(plan.entries), shapes, groups.tp_group):
+                    meta = positions[name]
+                    buffer[meta.offset:meta.offset + meta.numel].copy_(full.reshape(-1))
+        if groups.pp_size > 1:
+            dist.broadcast(buffer, src=dist.get_global_rank(groups.pp_group, plan.stage), group=groups.pp_group)
+        yield ExportBucket(buffer, plan.metas)
 
 
-def _open_shared(plans: list[BucketPlan], element_size: int, device):
-    """Two shared segments (double buffering: bucket k is written while readers may still hold k-1)."""
+def _open_shared(model, plans: list[BucketPlan], element_size: int, device):
+    """Two shared segments (double buffering: bucket k is written while readers may still hold k-1),
+    kept on the model for the next export (an RL job exports every step; fresh segments would pay
+    their page faults again) and replaced when a larger bucket is asked for. The decision depends
+    only on the plan, so every rank makes it alike."""
     from parallel.shared_memory import SharedSegments
 
     if device is not None and device.type != "cpu":
         raise ExportError(f"transport='shm' needs CPU tensors (the model is on {device})")
-    return SharedSegments(2, max((p.numel for p in plans), default=1) * element_size)
+    needed = max((p.numel for p in plans), default=1) * element_size
+    shared = getattr(model, "_export_segments", None)
+    if shared is None or shared.nbytes < needed:
+        if shared is not None:
+            shared.close()
+        shared = model._export_segments = SharedSegments(2, needed)
+    return shared
 
 
 @dataclass
