@@ -93,7 +93,7 @@ def run(tmp_path_factory):
         d.mkdir()
     cases = [("qwen2_vllm", str(src["qwen2_vllm"]), dict(tp=2, pp=2), str(out["qwen2_vllm"]), [1, 2, 4], [1, 2]),
              ("llama_vllmtied", str(src["llama_vllmtied"]), dict(tp=2, pp=2, vpp=2), str(out["llama_vllmtied"]),
-              [1, 2], [2])]
+              [1, 2], [2, (2, 2)])]
     lora = dict(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"])
     lora_cases = [("qwen2_vllm", str(src["qwen2_vllm"]), dict(tp=2, pp=2), str(out["qwen2_vllm"]), lora)]
     run_distributed(4, vllm_suite, cases, lora_cases)
@@ -219,7 +219,8 @@ def test_vllm_engine_from_hf_matches_transformers(run):
 def test_pmz_convert_to_vllm_loads_and_equals_live_save(run):
     """``pmz convert --to vllm`` of a tied-embedding model: vLLM loads it with transformers' log-probs,
     its files equal vLLM's own loaders (plus unit attention scales) and our live
-    ``save_vllm_sharded_state`` bitwise; the PP=2 layout holds the same tensors per stage."""
+    ``save_vllm_sharded_state`` bitwise; the PP=2 layout holds the same tensors per stage, and the live
+    writer's PP=2 layout equals the converter's."""
     d = run["out"]["llama_vllmtied"]
     assert _max_diff(run["vllm"]["llama_convert2"]["logprobs"], run["transformers"]["llama_vllmtied"]) <= LOGPROB_TOL
     for r in range(2):
@@ -237,6 +238,11 @@ def test_pmz_convert_to_vllm_loads_and_equals_live_save(run):
         assert not set(staged[0]) & set(staged[1]) and set(staged[0]) | set(staged[1]) == set(converted)
         assert all(torch.equal(t, converted[k]) for s in staged for k, t in s.items())
         assert all(".layers.0." in k or ".layers.1." in k for k in staged[0])  # vLLM's 2+2 split
+        for p in range(2):  # the live writer's PP=2 layout (smaller parts) holds the same tensors
+            live_pp = _load_dir(d / "sharded-tp2-pp2", f"model-pp-{p}-tp-{r}-part-*.safetensors")
+            converted_pp = _load_dir(d / "convert-tp2-pp2", f"model-pp-{p}-tp-{r}-part-*.safetensors")
+            assert set(live_pp) == set(converted_pp), (p, r)
+            assert all(torch.equal(t, converted_pp[k]) for k, t in live_pp.items()), (p, r)
 
 
 def test_live_push_changes_vllm_logprobs_to_trained_model(run):

@@ -3,7 +3,7 @@
 Per case (on every rank of a gloo job): two SGD steps next to transformers, then
   hf/                          save_pretrained (the HF weights vLLM's own loaders are run on)
   export-tp{N}.rank{r}.safetensors   iter_export("vllm", target_tp=N, target_rank=r), written by rank 0
-  sharded-tp{N}/               save_vllm_sharded_state(tp=N)
+  sharded-tp{N}[-pp{M}]/       save_vllm_sharded_state(tp=N[, pp=M])
   ours.json                    our prompt log-probs (forward_only) and transformers' trained-weight drift
 """
 
@@ -56,8 +56,10 @@ def vllm_case(case: str, path: str, kwargs: dict, out: str, export_tps: list[int
                        for name, t in b.tensors()}
             if rank == 0:
                 save_file(tensors, str(root / f"export-tp{n}.rank{r}.safetensors"))
-    for n in sharded_tps:
-        model.save_vllm_sharded_state(root / f"sharded-tp{n}", tp=n, max_shard_size=100_000)
+    for n in sharded_tps:  # N (pp 1) or (N, pp)
+        n, pp = n if isinstance(n, (tuple, list)) else (n, 1)
+        name = f"sharded-tp{n}" + (f"-pp{pp}" if pp > 1 else "")
+        model.save_vllm_sharded_state(root / name, tp=n, pp=pp, max_shard_size=100_000)
     ids, mask = prompt_batch()
     lp = model.forward_backward(ids, ids, attention_mask=mask, forward_only=True)
     ours = [lp[i, :len(p)].tolist() for i, p in enumerate(PROMPTS)]
