@@ -19,12 +19,6 @@ from converters.checkpoint import EMBED, FINAL, CheckpointReader, reopen
 from models.common import vllm_format
 
 
-def vllm_file_name(tp_rank: int, part: int, pp_rank: int, pp: int) -> str:
-    from models.common.export import vllm_file_name as name
-
-    return name(tp_rank, part, pp_rank, pp)
-
-
 def write_vllm_rank(reopen_args: tuple, directory: str, pp_rank: int, tp_rank: int, tp: int, pp: int,
                     dtype: torch.dtype, max_shard_bytes: int) -> int:
     """All files of one vLLM rank; returns the bytes written."""
@@ -51,14 +45,14 @@ def write_vllm_rank(reopen_args: tuple, directory: str, pp_rank: int, tp_rank: i
             tensor = values.pop(t.key) if t.entry is not None else torch.ones((), dtype=torch.float32)
             nbytes = tensor.numel() * tensor.element_size()
             if current and size + nbytes > max_shard_bytes:
-                save_file(current, str(Path(directory) / vllm_file_name(tp_rank, part, pp_rank, pp)),
+                save_file(current, str(Path(directory) / vllm_format.vllm_file_name(tp_rank, part, pp_rank, pp)),
                           metadata={"format": "pt"})
                 part, size, current = part + 1, 0, {}
             current[t.key] = tensor.contiguous()
             size += nbytes
             written += nbytes
         if current:
-            save_file(current, str(Path(directory) / vllm_file_name(tp_rank, part, pp_rank, pp)),
+            save_file(current, str(Path(directory) / vllm_format.vllm_file_name(tp_rank, part, pp_rank, pp)),
                       metadata={"format": "pt"})
         return written
     finally:

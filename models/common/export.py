@@ -1,20 +1,25 @@
-"""Live export of a running parallel model as flat buckets of full HF tensors (any tp/pp/vpp/dp/fsdp).
+"""Live export of a running parallel model as flat buckets (any tp/pp/vpp/dp/cp/ulysses/fsdp).
 
-``iter_export(model, format="hf", bucket_bytes=..., dtype=None)`` is a collective iterator: every
-rank of the job calls it and receives the same sequence of ``ExportBucket``s, each one contiguous
-buffer of one dtype plus the names, shapes and offsets of the HF tensors in it (``.tensors()``
-gives ``(name, view)`` pairs; a receiver can hand the buffer to an inference engine in one copy).
+``iter_export(model, format="hf"|"vllm", bucket_bytes=..., dtype=None, transport=...)`` is a
+collective iterator: every rank of the job calls it and receives the same sequence of
+``ExportBucket``s, each one contiguous buffer of one dtype plus the names, shapes and offsets of the
+tensors in it (``.tensors()`` gives ``(name, view)`` pairs). ``"hf"``: full tensors under HF names
+(tied embeddings once, as HF stores them); ``"vllm"``: the shards of one vLLM rank
+(``target_tp``/``target_rank``) under vLLM's names (``vllm_format.py``).
 
-How a bucket is built: the bucket plan is pure arithmetic on the config and the layout (the same
-on every rank). A bucket only holds tensors of one pipeline stage; that stage's ranks gather each
-parameter over TP and merge it with the weight map's sharding rules (``export_hf_state``; the same
-entries and rules that loading and the converters use) into the bucket buffer, then the buffer is
-broadcast from that stage to the other stages over the PP group. Every data-parallel replica
-(dp/cp/ulysses ranks) does this on its own, so each tensor crosses the job once per receiving rank
-and no DP traffic is needed - except under FSDP2, where a parameter is first un-sharded over the
-replica mesh (``full_tensor``). Tied embeddings appear once, as HF stores them. Per rank, memory
-beyond the model is the bucket being filled plus one parameter in flight (its gathered TP
-shards and the merged tensors; under FSDP2 also its un-sharded copy).
+The bucket plan is pure arithmetic on the config and the layout (the same on every rank); a bucket
+holds whole parameters of one pipeline stage. Filling it:
+  * collective transport, HF: the owning stage gathers each parameter over TP and merges it with
+    the weight map's rules (``export_hf_state``: the entries and rules loading and the converters
+    use); vLLM: each training TP rank broadcasts, once per bucket, only the rows the target rank
+    holds (``_plan_moves``: derived from the same rules, no full gather). The buffer is then
+    broadcast over PP. Every data-parallel replica does this on its own (no DP traffic, except
+    FSDP2's un-sharding of each parameter). Memory beyond the model: the bucket plus one parameter
+    in flight.
+  * shared-memory transport (one host, CPU): the same move plan, but each rank of the owning
+    stage's first replica writes its own rows straight into a bucket in ``/dev/shm`` that every
+    rank reads in place after a barrier (two rotating segments kept on the model).
+Checkpoint writers built on this live in ``saving.py``.
 """
 
 from __future__ import annotations
@@ -363,15 +368,6 @@ def _fill_shared(moves: list[_Move], groups) -> None:
             m.dst.copy_(m.src)
 
 
-def _file_names(count: int) -> list[str]:
-    if count == 1:
-        return ["model.safetensors"]
-    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
-
-
-CAUSAL_LM_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-
-
 class _Failure:
     """Collects a rank's error so that all ranks learn of it together (no rank left waiting)."""
 
@@ -402,273 +398,8 @@ class _Failure:
         return f"rank {failed[0][0]}: {failed[0][1]}" if failed else None
 
 
-def _check_destination(target) -> None:
-    import os
-    from pathlib import Path
-
-    target = Path(target)
-    if target.exists():
-        raise ExportError(f"{target}: already exists (choose a new directory; nothing was written)")
-    if not target.parent.is_dir():
-        raise ExportError(f"{target.parent}: the parent directory does not exist")
-    if not os.access(target.parent, os.W_OK):
-        raise ExportError(f"{target.parent}: not writable")
-
-
-def _saved_config(hf_config, dtype: torch.dtype):
-    """A copy of the config recording the stored dtype (``dtype`` on transformers 5, ``torch_dtype``
-    before) and the model class (vLLM and SGLang read ``architectures``)."""
-    import copy
-
-    saved = copy.deepcopy(hf_config)
-    if isinstance(getattr(type(saved), "torch_dtype", None), property):
-        saved.dtype = dtype
-    else:
-        saved.torch_dtype = dtype
-    if not getattr(saved, "architectures", None) and saved.model_type in CAUSAL_LM_CLASSES:
-        saved.architectures = [CAUSAL_LM_CLASSES[saved.model_type]]
-    return saved
-
-
-class _StagedDirectory:
-    """A collective write into a temporary sibling ``.<name>.pmz-tmp-<id>`` that global rank 0 renames
-    to ``target`` at the end; any rank's failure is agreed on by all ranks, the temporary directory
-    is removed and every rank raises ``ExportError`` naming the failing rank. Stale temporary
-    directories of earlier killed runs are removed first."""
-
-    def __init__(self, target, what: str) -> None:
-        import uuid
-        from pathlib import Path
-
-        self.target, self.what = Path(target), what
-        self.failure = _Failure()
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        name = [f".{self.target.name}.pmz-tmp-{uuid.uuid4().hex[:12]}"]
-        if dist.is_initialized():
-            dist.broadcast_object_list(name, src=0)
-        self.tmp = self.target.parent / name[0]
-
-    def check(self, *checks) -> None:
-        """Run ``(fn, *args)`` checks on every rank and agree (before anything is written)."""
-        self.failure.run(_check_destination, self.target)
-        for fn, *args in checks:
-            self.failure.run(fn, *args)
-        self.raise_if_failed()
-
-    def open(self) -> None:
-        import shutil
-
-        def prepare() -> None:
-            for stale in self.target.parent.glob(f".{self.target.name}.pmz-tmp-*"):
-                shutil.rmtree(stale)
-            self.tmp.mkdir()
-            self.tmp.chmod(0o755)
-
-        if self.rank == 0:
-            self.failure.run(prepare)
-        self.raise_if_failed()
-
-    def run(self, fn, *args, **kwargs):
-        """Run a write step on this rank; a failure is reported at the next agreement."""
-        return self.failure.run(fn, *args, **kwargs)
-
-    def commit(self, finish) -> None:
-        """Agree that every rank's files are written, let rank 0 run ``finish(tmp)`` and rename."""
-        import os
-
-        def done() -> None:
-            finish(self.tmp)
-            if self.target.exists():
-                raise ExportError(f"{self.target}: appeared while saving (left untouched)")
-            os.rename(self.tmp, self.target)
-
-        if self.failure.agree() is None and self.rank == 0:
-            self.failure.run(done)
-        self.raise_if_failed()
-
-    def raise_if_failed(self) -> None:
-        import shutil
-
-        problem = self.failure.agree()
-        if problem:
-            if self.rank == 0:
-                shutil.rmtree(self.tmp, ignore_errors=True)
-            raise ExportError(f"{self.what}({self.target}): {problem}")
-
-
-def _check_saveable(model, merge_lora: bool) -> None:
-    if getattr(model, "hf_config", None) is None:
-        raise ExportError("the model has no transformers config to save (build it with build_parallel_model)")
-    if merge_lora and getattr(model, "lora_config", None) is None:
-        raise ExportError("merge_lora=True but the model has no LoRA adapter")
-
-
-def _parse_shard_size(max_shard_size) -> int:
-    from models.common.sizes import parse_size
-
-    limit = parse_size(max_shard_size)
-    if limit < 1:
-        raise ExportError(f"max_shard_size={max_shard_size!r} must be positive")
-    return limit
-
-
-def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, max_shard_size: str | int = "5GB",
-                    merge_lora: bool = False) -> None:
-    """Collective over every rank: write an HF checkpoint directory that transformers loads unchanged.
-
-    Files are planned from the config alone (the same on every rank); each file holds tensors of one
-    pipeline stage and is written once, by one TP rank of that stage's first replica (files dealt
-    round-robin over the TP ranks), from tensors gathered over TP (ranks that do not write drop
-    them as they come). Atomic and failure-agreeing (``_StagedDirectory``): no half-written
-    ``directory``, no rank left waiting. Needs a filesystem every writing rank sees at the same path.
-    """
-    import json
-
-    from safetensors.torch import save_file
-
-    staged = _StagedDirectory(directory, "save_pretrained")
-    staged.check((_check_saveable, model, merge_lora))
-    limit = _parse_shard_size(max_shard_size)
-    hf_config = model.hf_config
-    groups = model.groups
-    dtype = dtype or next(model.parameters()).dtype
-    element_size = torch.empty((), dtype=dtype).element_size()
-    plans = plan_buckets(model, limit, element_size)
-    names = _file_names(len(plans))
-    staged.open()
-    shapes = hf_shapes(model.config, model.weight_map)
-    named = _source_tensors(model, merge_lora)
-    for index, (plan, file_name) in enumerate(zip(plans, names)):
-        if groups.pp_rank != plan.stage:
-            continue
-        writer = _first_replica(groups) and groups.tp_rank == index % groups.tp_size
-        tensors = {}
-        for name, full in export_hf_state(named, list(plan.entries), shapes, groups.tp_group):
-            if writer:
-                tensors[name] = full.to(device="cpu", dtype=dtype).contiguous()
-        if writer:
-            staged.run(save_file, tensors, str(staged.tmp / file_name), metadata={"format": "pt"})
-        del tensors
-
-    def finish(tmp) -> None:
-        _saved_config(hf_config, dtype).save_pretrained(str(tmp))
-        _copy_source_files(model, tmp)
-        if len(plans) > 1:
-            index = {"metadata": {"total_size": sum(p.numel for p in plans) * element_size},
-                     "weight_map": {m.name: file_name for plan, file_name in zip(plans, names) for m in plan.metas}}
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-    staged.commit(finish)
-
-
 def _first_replica(groups) -> bool:
     return groups.dp_rank == 0 and groups.cp_rank == 0 and groups.ulysses_rank == 0
-
-
-# Files copied beside exported weights from the directory a model was built from (tokenizer, chat template...).
-COPIED_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja")
-NOT_COPIED = {"config.json", "model.safetensors.index.json", "generation_config.json"}
-
-
-def _copy_source_files(model, directory) -> None:
-    """Tokenizer and generation files of the model's source directory (when it was built from one)."""
-    import shutil
-    from pathlib import Path
-
-    source = getattr(model, "source_dir", None)
-    if not source or not Path(source).is_dir():
-        return
-    for item in sorted(Path(source).iterdir()):
-        if (item.is_file() and item.suffix in COPIED_SUFFIXES and item.name not in NOT_COPIED
-                and not item.name.endswith(".safetensors.index.json") and not (directory / item.name).exists()):
-            shutil.copy2(item, directory / item.name)
-    generation = Path(source) / "generation_config.json"
-    if generation.is_file() and not (directory / generation.name).exists():
-        shutil.copy2(generation, directory / generation.name)
-
-
-def vllm_file_name(tp_rank: int, part: int, pp_rank: int = 0, pp: int = 1) -> str:
-    """vLLM ``ShardedStateLoader``'s default file names."""
-    if pp > 1:
-        return f"model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors"
-    return f"model-rank-{tp_rank}-part-{part}.safetensors"
-
-
-def save_vllm_sharded_state(model, directory, *, tp: int, pp: int = 1, dtype: torch.dtype | None = None,
-                            max_shard_size: str | int = "5GB", merge_lora: bool = False,
-                            bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
-    """Collective over every rank: vLLM's ``sharded_state`` directory for an engine with TP ``tp`` and
-    PP ``pp`` (``LLM(model=directory, load_format="sharded_state", tensor_parallel_size=tp,
-    pipeline_parallel_size=pp)``), plus config.json and the source's tokenizer files.
-
-    The tensors of vLLM TP rank r come from ``iter_export("vllm", target_tp=tp, target_rank=r)``
-    (assembled from the overlapping training shards, never a full gather) and are written by global
-    rank ``r % world_size``, one file per vLLM pipeline stage and part of at most ``max_shard_size``
-    (vLLM's own ``save_sharded_state`` rule), with the four attention scale scalars vLLM's strict
-    loader expects. Atomic like ``save_pretrained``.
-    """
-    from safetensors.torch import save_file
-
-    staged = _StagedDirectory(directory, "save_vllm_sharded_state")
-
-    def check_layout() -> None:
-        try:
-            vllm_format.check_layout(model.config, tp, pp)
-        except vllm_format.VllmLayoutError as exc:
-            raise ExportError(str(exc)) from None
-
-    staged.check((_check_saveable, model, merge_lora), (check_layout,))
-    limit = _parse_shard_size(max_shard_size)
-    cfg = model.config
-    dtype = dtype or next(model.parameters()).dtype
-    vmap = vllm_format.vllm_weight_map(model.weight_map, cfg)
-    stage_keys = [vllm_format.stage_tensors(vmap, cfg, p, pp) for p in range(pp)]
-    # exported key (a parameter name) -> [(vLLM stage, key in that stage's files)]
-    placement: dict[str, list[tuple[int, str]]] = {}
-    for p, tensors in enumerate(stage_keys):
-        for t in tensors:
-            if t.entry is not None:
-                placement.setdefault(t.entry.param, []).append((p, t.key))
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    staged.open()
-    for r in range(tp):
-        writer = staged.rank == r % world
-        pending: list[dict[str, torch.Tensor]] = [{} for _ in range(pp)]
-        sizes, parts = [0] * pp, [0] * pp
-
-        def flush(p: int) -> None:
-            if pending[p]:
-                staged.run(save_file, pending[p], str(staged.tmp / vllm_file_name(r, parts[p], p, pp)),
-                           metadata={"format": "pt"})
-                parts[p] += 1
-                pending[p], sizes[p] = {}, 0
-
-        def add(p: int, key: str, tensor: torch.Tensor) -> None:
-            nbytes = tensor.numel() * tensor.element_size()
-            if pending[p] and sizes[p] + nbytes > limit:
-                flush(p)
-            pending[p][key] = tensor
-            sizes[p] += nbytes
-
-        for bucket in iter_export(model, "vllm", bucket_bytes=bucket_bytes, dtype=dtype, merge_lora=merge_lora,
-                                  target_tp=tp, target_rank=r):
-            if not writer:
-                continue
-            for name, tensor in bucket.tensors():
-                for p, key in placement[name]:
-                    add(p, key, tensor.to("cpu").clone())
-                    if name.endswith("self_attn.o_proj.weight"):  # the layer's attention scales follow it
-                        for scale in vllm_format.ATTENTION_SCALES:
-                            add(p, name.replace("o_proj.weight", f"attn.{scale}"), torch.ones((), dtype=torch.float32))
-        if writer:
-            for p in range(pp):
-                flush(p)
-
-    def finish(tmp) -> None:
-        _saved_config(model.hf_config, dtype).save_pretrained(str(tmp))
-        _copy_source_files(model, tmp)
-
-    staged.commit(finish)
 
 
 def _raise(message: str) -> None:

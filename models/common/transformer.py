@@ -335,8 +335,8 @@ class ParallelCausalLM(nn.Module):
                                 max_shard_size: str | int = "5GB", merge_lora: bool = False) -> None:
         """Collective over every rank: vLLM's ``sharded_state`` directory for an engine with TP ``tp``
         and PP ``pp`` (loaded with ``load_format="sharded_state"``); atomic. See
-        ``models/common/export.py``."""
-        from models.common.export import save_vllm_sharded_state
+        ``models/common/saving.py``."""
+        from models.common.saving import save_vllm_sharded_state
 
         save_vllm_sharded_state(self, directory, tp=tp, pp=pp, dtype=dtype, max_shard_size=max_shard_size,
                                 merge_lora=merge_lora)
@@ -345,8 +345,8 @@ class ParallelCausalLM(nn.Module):
                         merge_lora: bool = False) -> None:
         """Collective over every rank: an HF checkpoint directory (config.json, safetensors shards and
         index) that transformers loads unchanged; atomic; ``merge_lora``: LoRA merged into the
-        weights. See ``models/common/export.py``."""
-        from models.common.export import save_pretrained
+        weights. See ``models/common/saving.py``."""
+        from models.common.saving import save_pretrained
 
         save_pretrained(self, directory, dtype=dtype, max_shard_size=max_shard_size, merge_lora=merge_lora)
 

@@ -196,3 +196,10 @@ def transfers(entry: WeightEntry, src_rules: Sequence, shapes: dict[str, Sequenc
         if want.stop > pad:
             out.append(Transfer(part, PADDING, want.dim, pad, want.stop, 0, pad - want.start))
     return out
+
+
+def vllm_file_name(tp_rank: int, part: int, pp_rank: int = 0, pp: int = 1) -> str:
+    """vLLM ``ShardedStateLoader``'s default file names."""
+    if pp > 1:
+        return f"model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors"
+    return f"model-rank-{tp_rank}-part-{part}.safetensors"
