@@ -17,8 +17,11 @@ from tests.workers import parity_suite
 
 FP32_TOL = 1e-5
 GRAD_REL_TOL = 1e-4  # relative to the largest |grad| of the tensor
-BF16_LOGITS_REL_TOL = 0.05  # max |Δlogit| / max |logit|, ours-bf16 vs transformers-bf16
-BF16_LOSS_TOL = 0.02
+# bf16 bounds: measured worst case x margin (docs/numerics.md). RMSNorm without its fp32 upcast gives
+# 1.65% / 3.8e-3 / 1.36 on these cases: the loss bound catches it (the old 5% / 0.02 / 2 did not).
+BF16_LOGITS_REL_TOL = 0.02  # max |Δlogit| / max |logit|, ours-bf16 vs transformers-bf16 (measured 1.24%)
+BF16_LOSS_TOL = 1.5e-3  # measured 4.7e-4
+BF16_VS_FP32_RATIO = 1.5  # our bf16 error / transformers' bf16 error vs fp32 (measured 1.27)
 
 
 def _limit(metric: str):
@@ -36,7 +39,7 @@ def _limit(metric: str):
     if metric == "bf16_loss":
         return "max", BF16_LOSS_TOL
     if metric == "bf16_vs_fp32_ratio":
-        return "max", 2.0
+        return "max", BF16_VS_FP32_RATIO
     return "max", FP32_TOL
 
 
