@@ -150,8 +150,10 @@ def _shim_dist_checkpoint_writer() -> None:
 
 @dataclass(frozen=True)
 class OracleSpec:
-    """A tiny Llama/Qwen2-like decoder as megatron-core builds it (RMSNorm, SwiGLU, RoPE, no biases
-    except Qwen2's QKV bias)."""
+    """A tiny Llama/Qwen2-like decoder as megatron-core builds it (RMSNorm, SwiGLU, RoPE; Qwen2's QKV
+    bias; ``add_bias_linear``: a bias on every linear layer, HF Llama's attention_bias + mlp_bias;
+    ``rope_scaling``: Llama-3.1 frequency scaling). Norm weights and biases are randomized after
+    megatron-core's init (which leaves norms at 1 and biases at 0 and would hide their handling)."""
 
     arch: str = "llama"  # "llama" or "qwen2" (qwen2: add_qkv_bias=True)
     num_layers: int = 4
@@ -164,6 +166,9 @@ class OracleSpec:
     make_vocab_size_divisible_by: int = 16  # Megatron pads to a multiple of this * TP
     tie_embeddings: bool = False
     rotary_base: int = 10000
+    rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    add_bias_linear: bool = False
     norm_epsilon: float = 1e-6
     max_position_embeddings: int = 64
     init_method_std: float = 0.05
@@ -217,9 +222,11 @@ def megatron_args(spec: OracleSpec, tp: int, pp: int, vpp: int | None, fmt: str)
         normalization="RMSNorm",
         rotary_base=spec.rotary_base,
         rotary_percent=1.0,
+        use_rope_scaling=spec.rope_scaling,
+        rope_scaling_factor=spec.rope_scaling_factor,
         position_embedding_type="rope",
         swiglu=True,
-        add_bias_linear=False,
+        add_bias_linear=spec.add_bias_linear,
         add_qkv_bias=spec.add_qkv_bias,
         untie_embeddings_and_output_weights=not spec.tie_embeddings,
         tensor_model_parallel_size=tp,
@@ -300,7 +307,7 @@ def build_chunks(spec: OracleSpec, tp: int, pp: int, vpp: int | None, seed: int 
         layernorm_epsilon=spec.norm_epsilon,
         gated_linear_unit=True,
         activation_func=F.silu,
-        add_bias_linear=False,
+        add_bias_linear=spec.add_bias_linear,
         add_qkv_bias=spec.add_qkv_bias,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -332,11 +339,40 @@ def build_chunks(spec: OracleSpec, tp: int, pp: int, vpp: int | None, seed: int 
                 share_embeddings_and_output_weights=spec.tie_embeddings,
                 position_embedding_type="rope",
                 rotary_base=spec.rotary_base,
+                rope_scaling=spec.rope_scaling,
+                rope_scaling_factor=spec.rope_scaling_factor,
                 parallel_output=True,
                 vp_stage=vp_stage,
             ).eval()
         )
+        _randomize_norms_and_biases(chunks[-1], spec.seed if seed is None else seed, v)
     return chunks
+
+
+@torch.no_grad()
+def _randomize_norms_and_biases(chunk, seed: int, vp_stage: int) -> None:
+    """Norm weights ~ N(1, 0.1), biases ~ N(0, 0.05), drawn per parameter as the full tensor from a
+    generator seeded by (seed, pipeline rank, virtual stage, name) and sliced for this TP rank, so
+    the TP ranks of a stage hold pieces of one tensor and no two layers get the same values."""
+    import zlib
+
+    from megatron.core import parallel_state as ps
+
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    for name, param in chunk.named_parameters():
+        is_norm = "norm" in name and name.endswith("weight")
+        if not (is_norm or name.endswith(".bias")):
+            continue
+        split = getattr(param, "tensor_model_parallel", False)
+        dim = getattr(param, "partition_dim", 0)
+        full_shape = list(param.shape)
+        if split:
+            full_shape[dim] *= tp
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{pp_rank}/{vp_stage}/{name}".encode()))
+        full = torch.randn(full_shape, generator=gen, dtype=torch.float32) * (0.1 if is_norm else 0.05)
+        full += 1.0 if is_norm else 0.0
+        param.copy_(full.chunk(tp, dim=dim)[tp_rank] if split else full)
 
 
 @torch.no_grad()

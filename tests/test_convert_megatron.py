@@ -29,6 +29,12 @@ SPECS = {
     "qwen2": OracleSpec(arch="qwen2", num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
                         num_query_groups=1, kv_channels=24, vocab_size=90, make_vocab_size_divisible_by=16,
                         tie_embeddings=True, seed=5),
+    # a bias on every linear layer (HF Llama attention_bias + mlp_bias), non-default rotary_base and
+    # Llama-3.1 RoPE scaling read from Megatron's args
+    "llamabias": OracleSpec(arch="llama", num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                            num_query_groups=2, kv_channels=16, vocab_size=100, make_vocab_size_divisible_by=16,
+                            tie_embeddings=False, rotary_base=500000, rope_scaling=True, rope_scaling_factor=8.0,
+                            add_bias_linear=True, seed=9),
 }
 DIVISIBLE_BY = 16  # what the specs use for vocab padding; our writer must use the same to be loadable as-is
 
@@ -56,6 +62,12 @@ def hf_config_for(spec: OracleSpec):
               max_position_embeddings=spec.max_position_embeddings, rms_norm_eps=spec.norm_epsilon,
               tie_word_embeddings=spec.tie_embeddings,
               rope_parameters={"rope_type": "default", "rope_theta": float(spec.rotary_base)})
+    if spec.rope_scaling:  # megatron-core's Llama-3.1 scaling constants
+        kw["rope_parameters"] = {"rope_type": "llama3", "rope_theta": float(spec.rotary_base),
+                                 "factor": spec.rope_scaling_factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 8192}
+    if spec.add_bias_linear:
+        kw.update(attention_bias=True, mlp_bias=True)
     return cls(**kw)
 
 
