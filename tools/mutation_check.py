@@ -1,0 +1,153 @@
+"""Mutation check for layout-critical code: break one thing at a time in a copy, see which tests notice.
+
+Each mutation below is a small, realistic regression (QKV / gate-up order, bias placement, vocab
+padding, norm names, RoPE base, loss normalisation, ...). For each, the tracked files are copied to a
+temporary directory, the mutation is applied there (the exact text must occur: a stale mutation is
+reported, not skipped), and the named tests run against the copy with this project's venv. A
+mutation is *caught* when those tests fail. Run it before resolving layout or converter work and
+record the table it prints in docs/mutation.md (not part of CI: it takes ~15 minutes on 2 cores).
+
+    .venv/bin/python tools/mutation_check.py [--only NAME ...] [--write docs/mutation.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    what: str
+    edits: tuple[tuple[str, str, str], ...]  # (file, exact old text, new text)
+    tests: tuple[str, ...]  # pytest selections run against the mutated copy
+
+
+CONTROL = Mutation("control", "no change: the copy must pass (else a 'caught' below means nothing)", (),
+                   ("tests/test_microbatch.py", "tests/test_convert_megatron.py"))
+
+MUTATIONS = (
+    Mutation("kv-swap-megatron", "k/v swapped identically in the Megatron writer and reader",
+             (("converters/megatron_layout.py", "k.reshape(ng, hd, *rest), v.reshape(ng, hd, *rest)]",
+               "v.reshape(ng, hd, *rest), k.reshape(ng, hd, *rest)]"),
+              ("converters/megatron_layout.py", "return [t.reshape(-1, *rest).contiguous() for t in (q, k, v)]",
+               "return [t.reshape(-1, *rest).contiguous() for t in (q, v, k)]")),
+             ("tests/test_convert_megatron.py", "tests/test_convert_roundtrip.py")),
+    Mutation("gate-up-swap-megatron", "gate/up order swapped in Megatron linear_fc1 (writer and reader)",
+             (("converters/megatron_layout.py", "        return torch.cat(list(tensors), dim=0)\n    if layout == VOCAB_PADDED:",
+               "        return torch.cat(list(tensors)[::-1], dim=0)\n    if layout == VOCAB_PADDED:"),
+              ("converters/megatron_layout.py", "return [t.contiguous() for t in full.chunk(2, dim=0)]",
+               "return [t.contiguous() for t in full.chunk(2, dim=0)][::-1]")),
+             ("tests/test_convert_megatron.py",)),
+    Mutation("row-bias-split", "row-parallel biases (o_proj, down_proj) split over TP in the weight map",
+             (("models/common/weights.py", '(layer + "self_attn.o_proj.bias",), (rep,)',
+               '(layer + "self_attn.o_proj.bias",), (col,)'),),
+             ("tests/test_tp_parity.py", "tests/test_convert_megatron.py", "tests/test_vllm.py")),
+    Mutation("megatron-vocab-padding", "Megatron vocab padded to divisible_by only (not times tp)",
+             (("converters/megatron_layout.py", "    multiple = divisible_by * tp\n", "    multiple = divisible_by\n"),),
+             ("tests/test_convert_megatron.py",)),
+    Mutation("vllm-vocab-padding", "vLLM vocabulary padded to 128 instead of 64",
+             (("models/common/vllm_format.py", "VOCAB_MULTIPLE = 64", "VOCAB_MULTIPLE = 128"),),
+             ("tests/test_vllm.py",)),
+    Mutation("te-norm-names", "torch_dist TE norm names swapped (input vs pre-MLP)",
+             (("converters/megatron_dist.py",
+               'TE_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",\n'
+               '            "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}',
+               'TE_NAMES = {"input_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",\n'
+               '            "pre_mlp_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight"}'),),
+             ("tests/test_convert_megatron.py",)),
+    Mutation("rope-base-from-args", "rotary_base from Megatron args ignored (always 10000)",
+             (("converters/megatron_files.py", '"rope_theta": float(_arg(args, "rotary_base", 10000))}',
+               '"rope_theta": 10000.0}'),),
+             ("tests/test_convert_megatron.py",)),
+    Mutation("loss-per-microbatch-mean", "loss normalised per micro-batch instead of by the global token count",
+             (("models/common/training.py", "per_token.sum() / self.global_count", "per_token.mean()"),),
+             ("tests/test_pipeline.py",)),
+    Mutation("rmsnorm-no-upcast", "RMSNorm computed in the activation dtype (no fp32 upcast)",
+             (("parallel/layers.py", "        h = x.float()\n", "        h = x\n"),),
+             ("tests/test_tp_parity.py -k bf16",)),
+    Mutation("microbatch-round-robin", "Karmarkar-Karp replaced by round-robin over sorted lengths",
+             (("parallel/microbatch.py", "def karmarkar_karp(weights: Sequence[int], k: int) -> list[list[int]]:\n",
+               "def karmarkar_karp(weights: Sequence[int], k: int) -> list[list[int]]:\n"
+               "    groups = [[] for _ in range(k)]\n"
+               "    for j, i in enumerate(sorted(range(len(weights)), key=lambda i: -weights[i])):\n"
+               "        groups[j % k].append(i)\n"
+               "    return groups\n\n\ndef _kk_unused(weights: Sequence[int], k: int) -> list[list[int]]:\n"),),
+             ("tests/test_microbatch.py",)),
+    Mutation("vllm-kv-replica", "vLLM target: replicated KV head chosen by rank % kv instead of rank // (n/kv)",
+             (("parallel/sharding.py", "        head = rank // rep\n", "        head = rank % self.num_kv_heads\n"),),
+             ("tests/test_sharding_rules.py", "tests/test_tp_parity.py", "tests/test_vllm.py")),
+)
+
+
+def tracked_files() -> list[str]:
+    out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return [line for line in out.splitlines() if line]
+
+
+def run_mutation(m: Mutation, python: str) -> tuple[str, float, str]:
+    """('caught' | 'MISSED' | 'stale', seconds, detail)."""
+    with tempfile.TemporaryDirectory(prefix="pmz-mutant-") as tmp:
+        for rel in tracked_files():
+            dst = Path(tmp) / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, dst)
+        if (ROOT / ".venv-vllm").exists():  # the vLLM client tests look for it beside the tests
+            os.symlink(ROOT / ".venv-vllm", Path(tmp) / ".venv-vllm")
+        for rel, old, new in m.edits:
+            path = Path(tmp) / rel
+            text = path.read_text()
+            if text.count(old) != 1:
+                return "stale", 0.0, f"{rel}: the text to mutate occurs {text.count(old)} times"
+            path.write_text(text.replace(old, new))
+        env = dict(os.environ, PYTHONPATH=tmp, PYTHONDONTWRITEBYTECODE="1")
+        start = time.perf_counter()
+        failed = []
+        for selection in m.tests:
+            proc = subprocess.run([python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *selection.split()],
+                                  cwd=tmp, env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                failed.append(selection)
+                break  # one catching selection is enough
+        seconds = time.perf_counter() - start
+        return ("caught" if failed else "MISSED"), seconds, ", ".join(failed) or "all selected tests passed"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="*", help="mutation names to run (default: all)")
+    parser.add_argument("--write", help="also write the result table to this markdown file")
+    args = parser.parse_args()
+    python = str(ROOT / ".venv" / "bin" / "python")
+    chosen = [CONTROL] + [m for m in MUTATIONS if not args.only or m.name in args.only]
+    rows = []
+    for m in chosen:
+        verdict, seconds, detail = run_mutation(m, python)
+        if m is CONTROL:
+            if verdict != "MISSED":
+                print(f"control run failed on an unmutated copy: {detail}", file=sys.stderr)
+                return 2
+            verdict = "passes"
+        rows.append(f"| {m.name} | {m.what} | **{verdict}** | {detail} | {seconds:.0f} s |")
+        print(rows[-1], flush=True)
+    table = "\n".join(["| mutation | what | result | caught by | time |", "|---|---|---|---|---|", *rows])
+    if args.write:
+        Path(args.write).write_text(
+            "# Mutation check (`tools/mutation_check.py`)\n\nEach row: one deliberate regression applied to a "
+            "copy of the tree, and the first test selection that failed on it. Last run: "
+            f"{time.strftime('%Y-%m-%d')}.\n\n{table}\n")
+    return 0 if all("**caught**" in r for r in rows[1:]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
