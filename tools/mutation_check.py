@@ -49,7 +49,7 @@ MUTATIONS = (
               ("converters/megatron_layout.py", "return [t.contiguous() for t in full.chunk(2, dim=0)]",
                "return [t.contiguous() for t in full.chunk(2, dim=0)][::-1]")),
              ("tests/test_convert_megatron.py",)),
-    Mutation("row-bias-split", "row-parallel biases (o_proj, down_proj) split over TP in the weight map",
+    Mutation("row-bias-split", "row-parallel o_proj bias split over TP in the weight map",
              (("models/common/weights.py", '(layer + "self_attn.o_proj.bias",), (rep,)',
                '(layer + "self_attn.o_proj.bias",), (col,)'),),
              ("tests/test_tp_parity.py", "tests/test_convert_megatron.py", "tests/test_vllm.py")),
