@@ -116,9 +116,8 @@ def plan_buckets(model, bucket_bytes: int, element_size: int, format: str = "hf"
     A bucket holds whole parameters (all HF tensors packed into one parameter travel together) of
     one stage, at most ``bucket_bytes`` - except a single parameter larger than that, which gets a
     bucket of its own. ``format="vllm"``: one tensor per parameter, vLLM rank shards at ``target_tp``.
+    Callers validate ``bucket_bytes`` (``iter_export``) or the shard size (``save_pretrained``) first.
     """
-    if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-        raise ExportError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
     if format == "vllm":
         per_stage = _vllm_items(model, target_tp)
     else:
@@ -150,10 +149,9 @@ class _Unsharded(dict):
 
 
 def _source_tensors(model, merge_lora: bool) -> dict:
-    """Internal name -> tensor to export: the parameters, or with ``merge_lora`` the LoRA-merged weights."""
+    """Internal name -> tensor to export: the parameters, or with ``merge_lora`` the LoRA-merged weights
+    (callers have checked that the model has an adapter, before any collective)."""
     if merge_lora:
-        if getattr(model, "lora_config", None) is None:
-            raise ExportError("merge_lora=True but the model has no LoRA adapter")
         from models.common.lora import MergedParameters
 
         return MergedParameters(model)
@@ -223,12 +221,14 @@ def iter_export(model, format: str = "hf", *, bucket_bytes: int = DEFAULT_BUCKET
     plans = plan_buckets(model, bucket_bytes, element_size, format, target_tp or 1)
     shapes = hf_shapes(model.config, model.weight_map)
     named = _source_tensors(model, merge_lora)
+    src_entries = {e.param: e for e in model.weight_entries()}
     shared = _open_shared(model, plans, element_size, device) if transport == "shm" else None
     for index, plan in enumerate(plans):
         if shared is not None:
             buffer = shared.segment(index % 2, dtype, plan.numel)
             if groups.pp_rank == plan.stage:
-                _fill_shared(_plan_moves(buffer, plan, named, model, format, target_tp, target_rank), groups)
+                _fill_shared(_plan_moves(buffer, plan, named, model, format, target_tp, target_rank, shapes,
+                                         src_entries), groups)
             if dist.is_initialized():
                 dist.barrier()  # the bucket is complete for every reader
             yield ExportBucket(buffer, plan.metas)
@@ -236,7 +236,7 @@ def iter_export(model, format: str = "hf", *, bucket_bytes: int = DEFAULT_BUCKET
         buffer = torch.empty(plan.numel, dtype=dtype, device=device)
         if groups.pp_rank == plan.stage:
             if format == "vllm":
-                moves = _plan_moves(buffer, plan, named, model, format, target_tp, target_rank)
+                moves = _plan_moves(buffer, plan, named, model, format, target_tp, target_rank, shapes, src_entries)
                 _fill_by_broadcast(buffer, moves, groups)
             else:
                 positions = {m.name: m for m in plan.metas}
@@ -277,18 +277,16 @@ class _Move:
 
 
 def _plan_moves(buffer: torch.Tensor, plan: BucketPlan, named, model, format: str, target_tp: int,
-                target_rank: int) -> list[_Move]:
+                target_rank: int, shapes: dict, src_entries: dict[str, WeightEntry]) -> list[_Move]:
     """Which rows of which training TP rank's shards land where in the bucket, from the rules alone.
 
     HF buckets hold full tensors (the target is "TP 1": one region per HF tensor); vLLM buckets
     hold rank ``target_rank``'s packed shards at ``target_tp``. A row held by several ranks
     (replicated KV heads) comes from the lowest; replicated tensors from every rank's own copy.
+    ``shapes``: full HF shapes; ``src_entries``: this stage's weight-map entries by parameter name.
     """
     groups = model.groups
     tp, me = groups.tp_size, groups.tp_rank
-    shapes = hf_shapes(model.config, model.weight_map)
-    src_entries = {e.param: e for e in model.weight_map.entries(model.layer_ids(), first=model.is_first_stage,
-                                                                 last=model.is_last_stage)}
     dst_size, dst_rank = (target_tp, target_rank) if format == "vllm" else (1, 0)
     by_name = {m.name: m for m in plan.metas}
 
