@@ -51,6 +51,18 @@ def all_gather_dim0(x: torch.Tensor, group: Any) -> torch.Tensor:
     return out
 
 
+def gather_shards(x: torch.Tensor, group: Any) -> list[torch.Tensor]:
+    """Plain (no autograd) all-gather: every rank's ``x`` as a list in rank order (``[x]`` alone for a
+    group of one, no copy); used to merge TP shards back into full tensors."""
+    n = group_size(group)
+    if n == 1:
+        return [x]
+    x = x.contiguous()
+    out = [torch.empty_like(x) for _ in range(n)]
+    dist.all_gather(out, x, group=group)
+    return out
+
+
 def reduce_scatter_dim0(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Plain (no autograd) reduce-scatter: the sum over ranks of ``x``, this rank's dim-0 chunk."""
     n = group_size(group)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from parallel.collectives import gather_shards
 from parallel.config import ParallelConfigError
 from parallel.fsdp import unshard
 from parallel.grads import local_rows
@@ -273,65 +274,42 @@ def lora_state(model) -> dict[str, torch.Tensor]:
     out = {}
     for t in model.lora_targets:
         for key, rule, param in ((t.peft_a, t.a_rule, t.a_param), (t.peft_b, t.b_rule, t.b_param)):
-            shard = unshard(params[param]).detach().contiguous()
-            if groups.tp_size > 1:
-                shards = [torch.empty_like(shard) for _ in range(groups.tp_size)]
-                dist.all_gather(shards, shard, group=groups.tp_group)
-            else:
-                shards = [shard]
-            out[key] = rule.merge(shards)
+            out[key] = rule.merge(gather_shards(unshard(params[param]).detach(), groups.tp_group))
     return out
 
 
 def save_lora_adapter(model, directory) -> None:
     """Collective: a peft adapter directory (adapter_config.json with the real r / lora_alpha /
-    target_modules, adapter_model.safetensors with peft's keys) written by global rank 0."""
+    target_modules, adapter_model.safetensors with peft's keys) written by global rank 0, atomic
+    and failure-agreeing like ``save_pretrained`` (``saving._StagedDirectory``); missing parent
+    directories are created."""
+    import copy
+
     from safetensors.torch import save_file
 
-    from models.common.export import ExportError
-
-    import copy
-    import shutil
-
-    from models.common.export import _Failure
+    from models.common.saving import _StagedDirectory
 
     target = Path(directory)
-    failure = _Failure()
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        failure.run(lambda: target.exists() and _raise_export(f"{target}: already exists (choose a new directory; "
-                                                              f"nothing was written)"))
-    problem = failure.agree()
-    if problem:
-        raise ExportError(f"save_lora_adapter({target}): {problem}")
+    staged = _StagedDirectory(target, "save_lora_adapter")
+    staged.run(target.parent.mkdir, parents=True, exist_ok=True)
+    staged.check()
     state = lora_state(model)
     groups = model.groups
     if groups.pp_size > 1:  # every stage's layers to global rank 0
         parts = [None] * groups.pp_size
         dist.all_gather_object(parts, {k: v.cpu() for k, v in state.items()}, group=groups.pp_group)
         state = {k: v for part in parts for k, v in part.items()}
+    staged.open()
 
-    def write() -> None:
-        target.mkdir(parents=True)
+    def finish(tmp: Path) -> None:
         config = copy.deepcopy(model.lora_config)
         if getattr(config, "base_model_name_or_path", None) is None and getattr(model, "hf_config", None) is not None:
             config.base_model_name_or_path = getattr(model.hf_config, "_name_or_path", None) or None
-        config.save_pretrained(str(target))
-        save_file({k: v.contiguous() for k, v in sorted(state.items())}, str(target / ADAPTER_FILE),
+        config.save_pretrained(str(tmp))
+        save_file({k: v.contiguous() for k, v in sorted(state.items())}, str(tmp / ADAPTER_FILE),
                   metadata={"format": "pt"})
 
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        failure.run(write)
-        if failure.message is not None:
-            shutil.rmtree(target, ignore_errors=True)
-    problem = failure.agree()
-    if problem:
-        raise ExportError(f"save_lora_adapter({target}): {problem}")
-
-
-def _raise_export(message: str) -> None:
-    from models.common.export import ExportError
-
-    raise ExportError(message)
+    staged.commit(finish)
 
 
 class MergedParameters(dict):

@@ -15,11 +15,10 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import torch
-import torch.distributed as dist
 
 from models.common.config import ModelConfig
 from models.common.sources import CheckpointError, TensorSource
-from parallel.collectives import group_size
+from parallel.collectives import gather_shards
 from parallel.sharding import KVHeads, Packed, Replicated, Rule, Split, Vocab
 
 # megatron-core layouts a converter must translate (see docs/formats.md):
@@ -187,13 +186,7 @@ def export_hf_state(params: dict[str, torch.nn.Parameter], entries: list[WeightE
 
     A collective per parameter: every TP rank must iterate to the end in the same order.
     """
-    tp = group_size(tp_group)
     for entry in entries:
-        shard = params[entry.param].detach()
-        if tp > 1:
-            gathered = [torch.empty_like(shard) for _ in range(tp)]
-            dist.all_gather(gathered, shard.contiguous(), group=tp_group)
-        else:
-            gathered = [shard]
+        gathered = gather_shards(params[entry.param].detach(), tp_group)
         full = entry.packed.merge(gathered, [shapes[n] for n in entry.hf])
         yield from zip(entry.hf, full)
