@@ -174,7 +174,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
             write_vllm(reader, str(tmp), tp=tp, pp=pp, dtype=out_dtype, max_shard_bytes=shard_bytes,
                        workers=workers, progress=progress)
             # config.json plus tokenizer files: from --hf-config, else from an HF source's own directory
-            files_from = hf_config or (str(src_path) if isinstance(reader, _hf_reader_type()) else None)
+            files_from = hf_config or (str(src_path) if reader.info.format == "hf" else None)
             write_hf_config(reader, str(tmp), out_dtype, files_from)
         return dst_path
     if to == "hf":
@@ -202,12 +202,6 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
         write_megatron(reader, target, str(tmp), fmt=to, workers=workers, progress=progress,
                        hf_config_dir=hf_config)
     return dst_path
-
-
-def _hf_reader_type() -> type:
-    from converters.hf import HFReader
-
-    return HFReader
 
 
 def _write_hf_range(reopen_args: tuple, plan, directory: str, dtype: torch.dtype, lo: int, hi: int) -> int:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -19,16 +18,13 @@ import torch
 
 from converters.checkpoint import CheckpointReader, ReaderInfo, Unit, unit_entries
 from converters.hf_config import read_hf_config
-from models.common.sources import CheckpointError, SafetensorsSource
+from models.common.sources import CheckpointError, SafetensorsSource, copy_companion_files
 from models.common.weights import validate_source
 from parallel.sharding import Piece
 
 SAFETENSORS_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
 _TORCH_DTYPE = {v: k for k, v in SAFETENSORS_DTYPE.items()}
 
-# Files copied from an --hf-config directory next to the weights (tokenizer, generation config...).
-COPIED_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".py", ".jinja")
-NOT_COPIED = {"config.json", "model.safetensors.index.json"}
 
 
 class HFReader(CheckpointReader):
@@ -287,10 +283,7 @@ def write_hf_config(reader: CheckpointReader, directory: str, dtype: torch.dtype
     config = reader.hf_config
     if hf_config_dir:
         config = read_hf_config(hf_config_dir)
-        for item in sorted(Path(hf_config_dir).iterdir()):
-            if item.is_file() and item.name not in NOT_COPIED and item.suffix in COPIED_SUFFIXES \
-                    and not item.name.endswith(".safetensors.index.json"):
-                shutil.copy2(item, Path(directory) / item.name)
+        copy_companion_files(hf_config_dir, directory)
     config.save(directory, dtype)
 
 

@@ -38,22 +38,20 @@ def write_vllm_rank(reopen_args: tuple, directory: str, pp_rank: int, tp_rank: i
             hf = reader.read_unit(unit)
             for t in wanted:
                 if t.entry is not None and t.key not in values and all(n in hf for n in t.entry.hf):
-                    values[t.key] = vllm_format.pack(t.entry, [hf[n] for n in t.entry.hf], tp_rank, tp).to(dtype)
+                    values[t.key] = t.entry.packed.pack([hf[n] for n in t.entry.hf], tp_rank, tp).to(dtype)
             del hf
-        part, size, written, current = 0, 0, 0, {}
+        written = 0
+
+        def write(tensors: dict, part: int) -> None:
+            save_file(tensors, str(Path(directory) / vllm_format.vllm_file_name(tp_rank, part, pp_rank, pp)),
+                      metadata={"format": "pt"})
+
+        parts = vllm_format.PartSplitter(max_shard_bytes, write)
         for t in wanted:
             tensor = values.pop(t.key) if t.entry is not None else torch.ones((), dtype=torch.float32)
-            nbytes = tensor.numel() * tensor.element_size()
-            if current and size + nbytes > max_shard_bytes:
-                save_file(current, str(Path(directory) / vllm_format.vllm_file_name(tp_rank, part, pp_rank, pp)),
-                          metadata={"format": "pt"})
-                part, size, current = part + 1, 0, {}
-            current[t.key] = tensor.contiguous()
-            size += nbytes
-            written += nbytes
-        if current:
-            save_file(current, str(Path(directory) / vllm_format.vllm_file_name(tp_rank, part, pp_rank, pp)),
-                      metadata={"format": "pt"})
+            parts.add(t.key, tensor.contiguous())
+            written += tensor.numel() * tensor.element_size()
+        parts.close()
         return written
     finally:
         reader.close()

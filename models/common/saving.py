@@ -175,8 +175,8 @@ def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, max_s
         del tensors
 
     def finish(tmp) -> None:
-        _saved_config(hf_config, dtype).save_pretrained(str(tmp))
         _copy_source_files(model, tmp)
+        _saved_config(hf_config, dtype).save_pretrained(str(tmp))
         if len(plans) > 1:
             index = {"metadata": {"total_size": sum(p.numel for p in plans) * element_size},
                      "weight_map": {m.name: file_name for plan, file_name in zip(plans, names) for m in plan.metas}}
@@ -185,26 +185,15 @@ def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, max_s
     staged.commit(finish)
 
 
-# Files copied beside exported weights from the directory a model was built from (tokenizer, chat template...).
-COPIED_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja")
-NOT_COPIED = {"config.json", "model.safetensors.index.json", "generation_config.json"}
-
-
 def _copy_source_files(model, directory) -> None:
     """Tokenizer and generation files of the model's source directory (when it was built from one)."""
-    import shutil
     from pathlib import Path
 
+    from models.common.sources import copy_companion_files
+
     source = getattr(model, "source_dir", None)
-    if not source or not Path(source).is_dir():
-        return
-    for item in sorted(Path(source).iterdir()):
-        if (item.is_file() and item.suffix in COPIED_SUFFIXES and item.name not in NOT_COPIED
-                and not item.name.endswith(".safetensors.index.json") and not (directory / item.name).exists()):
-            shutil.copy2(item, directory / item.name)
-    generation = Path(source) / "generation_config.json"
-    if generation.is_file() and not (directory / generation.name).exists():
-        shutil.copy2(generation, directory / generation.name)
+    if source and Path(source).is_dir():
+        copy_companion_files(source, directory)
 
 
 def save_vllm_sharded_state(model, directory, *, tp: int, pp: int = 1, dtype: torch.dtype | None = None,
@@ -246,39 +235,31 @@ def save_vllm_sharded_state(model, directory, *, tp: int, pp: int = 1, dtype: to
     staged.open()
     for r in range(tp):
         writer = staged.rank == r % world
-        pending: list[dict[str, torch.Tensor]] = [{} for _ in range(pp)]
-        sizes, parts = [0] * pp, [0] * pp
 
-        def flush(p: int) -> None:
-            if pending[p]:
-                staged.run(save_file, pending[p], str(staged.tmp / vllm_format.vllm_file_name(r, parts[p], p, pp)),
+        def writer_for(p: int, r: int = r):
+            def write(tensors: dict, part: int) -> None:
+                staged.run(save_file, tensors, str(staged.tmp / vllm_format.vllm_file_name(r, part, p, pp)),
                            metadata={"format": "pt"})
-                parts[p] += 1
-                pending[p], sizes[p] = {}, 0
+            return write
 
-        def add(p: int, key: str, tensor: torch.Tensor) -> None:
-            nbytes = tensor.numel() * tensor.element_size()
-            if pending[p] and sizes[p] + nbytes > limit:
-                flush(p)
-            pending[p][key] = tensor
-            sizes[p] += nbytes
-
+        parts = [vllm_format.PartSplitter(limit, writer_for(p)) for p in range(pp)]
         for bucket in iter_export(model, "vllm", bucket_bytes=bucket_bytes, dtype=dtype, merge_lora=merge_lora,
                                   target_tp=tp, target_rank=r):
             if not writer:
                 continue
             for name, tensor in bucket.tensors():
                 for p, key in placement[name]:
-                    add(p, key, tensor.to("cpu").clone())
+                    parts[p].add(key, tensor.to("cpu").clone())
                     if name.endswith("self_attn.o_proj.weight"):  # the layer's attention scales follow it
                         for scale in vllm_format.ATTENTION_SCALES:
-                            add(p, name.replace("o_proj.weight", f"attn.{scale}"), torch.ones((), dtype=torch.float32))
+                            parts[p].add(name.replace("o_proj.weight", f"attn.{scale}"),
+                                         torch.ones((), dtype=torch.float32))
         if writer:
-            for p in range(pp):
-                flush(p)
+            for splitter in parts:
+                splitter.close()
 
     def finish(tmp) -> None:
-        _saved_config(model.hf_config, dtype).save_pretrained(str(tmp))
         _copy_source_files(model, tmp)
+        _saved_config(model.hf_config, dtype).save_pretrained(str(tmp))
 
     staged.commit(finish)

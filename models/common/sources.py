@@ -21,6 +21,22 @@ import torch
 from parallel.sharding import Piece, read_piece
 
 
+# Files that travel with an HF directory's weights: tokenizer, generation config, chat template, remote code.
+COMPANION_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".py", ".jinja")
+NOT_COMPANIONS = {"config.json", "model.safetensors.index.json"}
+
+
+def copy_companion_files(source: str | os.PathLike, directory: str | os.PathLike) -> None:
+    """Copy the tokenizer/generation/chat-template files of HF directory ``source`` into ``directory``
+    (not config.json or safetensors indexes: writers produce their own)."""
+    import shutil
+
+    for item in sorted(Path(source).iterdir()):
+        if (item.is_file() and item.suffix in COMPANION_SUFFIXES and item.name not in NOT_COMPANIONS
+                and not item.name.endswith(".safetensors.index.json")):
+            shutil.copy2(item, Path(directory) / item.name)
+
+
 class CheckpointError(ValueError):
     """A checkpoint that is missing, unreadable or inconsistent (files and tensors named)."""
 

@@ -140,11 +140,6 @@ def shard_shape(entry: WeightEntry, shapes: dict[str, Sequence[int]], size: int)
     return (sum(p[0] for p in parts), *parts[0][1:])
 
 
-def pack(entry: WeightEntry, full: Sequence, rank: int, size: int):
-    """Rank ``rank``'s packed shard at TP ``size`` from the full HF tensors of ``entry`` (converters)."""
-    return entry.packed.pack(list(full), rank, size)
-
-
 PADDING = -2
 
 
@@ -203,3 +198,25 @@ def vllm_file_name(tp_rank: int, part: int, pp_rank: int = 0, pp: int = 1) -> st
     if pp > 1:
         return f"model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors"
     return f"model-rank-{tp_rank}-part-{part}.safetensors"
+
+
+class PartSplitter:
+    """vLLM's ``save_sharded_state`` part rule for one rank's files: tensors are collected in order and
+    ``write(tensors, part)`` is called for a part before the tensor that would take it past ``limit``
+    bytes (a single larger tensor gets a part of its own); ``close()`` writes the last part."""
+
+    def __init__(self, limit: int, write) -> None:
+        self.limit, self.write = limit, write
+        self.part, self.size, self.current = 0, 0, {}
+
+    def add(self, key: str, tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.current and self.size + nbytes > self.limit:
+            self.close()
+        self.current[key] = tensor
+        self.size += nbytes
+
+    def close(self) -> None:
+        if self.current:
+            self.write(self.current, self.part)
+            self.part, self.size, self.current = self.part + 1, 0, {}
