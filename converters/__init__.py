@@ -4,6 +4,7 @@
     convert("ckpt/megatron", "out/hf", to="hf")
 """
 
-from converters.engine import convert, detect_format, open_reader
+from converters.engine import convert
+from converters.formats import detect_format, open_reader
 
 __all__ = ["convert", "detect_format", "open_reader"]

@@ -13,17 +13,16 @@ Guarantees:
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import shutil
-import sys
 from pathlib import Path
-from typing import Any, Callable, Sequence
 
 import torch
 
-from converters.checkpoint import CheckpointReader, reopen
+from converters.checkpoint import reopen
+from converters.formats import detect_format, open_reader  # noqa: F401 (part of this module's API)
 from models.common.sizes import parse_size  # noqa: F401 (part of this module's API)
+from converters.tasks import run_tasks
 from models.common.sources import CheckpointError
 
 TARGETS = ("hf", "megatron", "megatron-dist", "vllm")
@@ -37,76 +36,6 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     if name.lower() not in DTYPES:
         raise ValueError(f"unknown dtype {name!r} (choose fp32, bf16 or fp16)")
     return DTYPES[name.lower()]
-
-
-def detect_format(path: str | os.PathLike) -> str:
-    """'hf', 'megatron' (legacy torch) or 'megatron-dist' (torch_dist); CheckpointError otherwise."""
-    from converters.megatron_files import resolve_iteration_dir
-
-    p = Path(path)
-    if not p.exists():
-        raise CheckpointError(f"{p}: no such file or directory")
-    if not p.is_dir():
-        raise CheckpointError(f"{p}: not a checkpoint directory")
-    if (p / "config.json").exists() and (any(p.glob("*.safetensors")) or (p / "model.safetensors.index.json").exists()):
-        return "hf"
-    it_dir = resolve_iteration_dir(p)
-    if (it_dir / "metadata.json").exists():
-        return "megatron-dist"
-    if any(it_dir.glob("mp_rank_*")):
-        return "megatron"
-    raise CheckpointError(f"{p}: not a recognized checkpoint (HF: config.json + *.safetensors; Megatron: "
-                          f"latest_checkpointed_iteration.txt / iter_*/ with mp_rank_* or metadata.json)")
-
-
-def open_reader(path: str | os.PathLike, *, arch: str | None = None, hf_config: str | None = None,
-                vocab_size: int | None = None) -> CheckpointReader:
-    """A reader for any supported checkpoint; Megatron sources take ``arch``/``hf_config``/``vocab_size``."""
-    fmt = detect_format(path)
-    if fmt == "hf":
-        from converters.hf import HFReader
-
-        return HFReader(path)
-    if fmt == "megatron":
-        from converters.megatron_legacy import LegacyReader
-
-        return LegacyReader(path, arch=arch, hf_config_dir=hf_config, vocab_size=vocab_size)
-    from converters.megatron_dist import DistReader
-
-    return DistReader(path, arch=arch, hf_config_dir=hf_config, vocab_size=vocab_size)
-
-
-def _task_entry(payload: tuple) -> Any:
-    fn, args = payload
-    torch.set_num_threads(1)
-    return fn(*args)
-
-
-def run_tasks(tasks: Sequence[tuple[Callable, tuple]], workers: int, desc: str, progress: bool) -> list:
-    """Run ``fn(*args)`` for each task, in worker processes when ``workers > 1``; results in task order."""
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(tasks), desc=desc, unit="task", file=sys.stderr, leave=False, disable=None)
-    results = []
-    try:
-        if workers <= 1 or len(tasks) <= 1:
-            for fn, args in tasks:
-                results.append(fn(*args))
-                if bar:
-                    bar.update(1)
-        else:
-            method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-            with mp.get_context(method).Pool(min(workers, len(tasks))) as pool:
-                for result in pool.imap(_task_entry, tasks):
-                    results.append(result)
-                    if bar:
-                        bar.update(1)
-    finally:
-        if bar:
-            bar.close()
-    return results
 
 
 class _Staging:

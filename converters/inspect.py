@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from converters.engine import open_reader
+from converters.formats import open_reader
 
 
 def inspect_checkpoint(path: str | os.PathLike, *, vocab_size: int | None = None, hf_config: str | None = None) -> dict:

@@ -254,7 +254,7 @@ def write_dist(reader: CheckpointReader, target, directory: str, *, workers: int
     from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                                        MetadataIndex, TensorProperties, TensorStorageMetadata)
 
-    from converters.engine import run_tasks
+    from converters.tasks import run_tasks
 
     units = reader.units()
     # The number of data files is part of the plan (not of --workers), so output bytes never depend

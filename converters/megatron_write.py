@@ -120,7 +120,7 @@ def iteration_folder(root: Path, iteration: int | None) -> Path:
 
 def write_megatron(reader: CheckpointReader, target: MegatronTarget, directory: str, *, fmt: str, workers: int,
                    progress: bool, hf_config_dir: str | None = None) -> None:
-    from converters.engine import run_tasks
+    from converters.tasks import run_tasks
 
     root = Path(directory)
     folder = iteration_folder(root, target.iteration)

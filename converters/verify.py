@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from converters.engine import convert, detect_format, open_reader
+from converters.engine import convert
+from converters.formats import detect_format, open_reader
 from models.common.sources import CheckpointError
 
 
