@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-
 CP_COMM = ("ring", "allgather")
 RECOMPUTE = ("none", "full")
 

@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 
 from models.common.sources import SafetensorsSource
-
 from parallel import ParallelConfig
 from tests.cases import build, load_hf, seq_len_for
 

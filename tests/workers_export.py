@@ -118,7 +118,7 @@ def shm_case(case: str, path: str, kwargs: dict, bucket_bytes: int) -> list[tupl
         differ = len(a) != len(b) or any(ma != mb or not torch.equal(ta, tb) for (ma, ta), (mb, tb) in zip(a, b))
         records.append((*tag, f"{fmt}{target_tp or ''}.{target_rank or 0}", float(differ), float(len(a))))
     dist.barrier()
-    leftovers = len(list(Path("/dev/shm").glob(f"pmz-*"))) if dist.get_rank() == 0 else 0
+    leftovers = len(list(Path("/dev/shm").glob("pmz-*"))) if dist.get_rank() == 0 else 0
     return records + [(*tag, "shm_files_left", float(leftovers), 0.0)]
 
 

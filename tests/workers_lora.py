@@ -46,7 +46,6 @@ def lora_case(case: str, path: str, adapter: str, out_root: str, kwargs: dict) -
     model.finalize_grads()
     base_grads = [n for n, p in model.named_parameters() if p.grad is not None and ".lora." not in n]
     trainable = [n for n, p in model.named_parameters() if p.requires_grad and ".lora." not in n]
-    from models.common.lora import lora_state
 
     grads = lora_state_of_grads(model)
     ref_grads = {n: p.grad for n, p in peft_model.named_parameters() if p.grad is not None}

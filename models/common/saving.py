@@ -12,8 +12,15 @@ import torch
 import torch.distributed as dist
 
 from models.common import vllm_format
-from models.common.export import (DEFAULT_BUCKET_BYTES, ExportError, _Failure, _first_replica, _source_tensors,
-                                  iter_export, plan_buckets)
+from models.common.export import (
+    DEFAULT_BUCKET_BYTES,
+    ExportError,
+    _Failure,
+    _first_replica,
+    _source_tensors,
+    iter_export,
+    plan_buckets,
+)
 from models.common.weights import export_hf_state, hf_shapes
 
 

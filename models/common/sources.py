@@ -16,10 +16,10 @@ import hashlib
 import json
 import os
 from pathlib import Path
+
 import torch
 
 from parallel.sharding import Piece, read_piece
-
 
 # Files that travel with an HF directory's weights: tokenizer, generation config, chat template, remote code.
 COMPANION_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".py", ".jinja")

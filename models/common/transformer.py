@@ -24,10 +24,7 @@ from parallel.context_attention import context_parallel_attention
 from parallel.cross_entropy import vocab_parallel_cross_entropy
 from parallel.fsdp import unshard
 from parallel.grads import finalize_grads
-from parallel.sequence_layout import SequencePlan
-from parallel.ulysses import heads_to_seq, qkv_to_heads
 from parallel.groups import ParallelGroups
-from parallel.pipeline_layout import stage_layer_ranges
 from parallel.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -36,6 +33,9 @@ from parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from parallel.pipeline_layout import stage_layer_ranges
+from parallel.sequence_layout import SequencePlan
+from parallel.ulysses import heads_to_seq, qkv_to_heads
 
 IGNORE_INDEX = -100
 

@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
-from models.llama import config, weights
 from models.common.builder import Architecture, build_model
 from models.common.transformer import ParallelCausalLM
+from models.llama import config, weights
 from parallel.config import ParallelConfig
 from parallel.groups import ParallelGroups
 
