@@ -21,9 +21,10 @@ shards, each part with its own rule: see ``Packed``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
-import torch
+if TYPE_CHECKING:  # the rules are plain data; torch is imported where tensors are touched, so the
+    import torch  # converters' copy path can read the weight map without loading torch
 
 
 class ShardingError(ValueError):
@@ -105,6 +106,8 @@ class Split(Rule):
         return Piece(self.dim, start, stop)
 
     def merge(self, shards):
+        import torch
+
         if self.dim >= shards[0].dim():
             return shards[0].clone()
         return torch.cat(list(shards), dim=self.dim)
@@ -138,6 +141,8 @@ class KVHeads(Rule):
         return Piece(0, head * self.head_dim, (head + 1) * self.head_dim)
 
     def merge(self, shards):
+        import torch
+
         rep = self.replicas(len(shards))
         return torch.cat([shards[i] for i in range(0, len(shards), rep)], dim=0)
 
@@ -159,6 +164,8 @@ class Vocab(Rule):
         return (self.padded_size // size, *full_shape[1:])
 
     def merge(self, shards):
+        import torch
+
         return torch.cat(list(shards), dim=0)[: self.vocab_size].clone()
 
 
@@ -172,6 +179,8 @@ def read_piece(
 
     Rows past the end of the full tensor (vocabulary padding) come back as zeros.
     """
+    import torch
+
     if piece.dim is None:
         part = _own(read(tuple(slice(None) for _ in full_shape)))
         return part.to(dtype) if dtype is not None else part
@@ -207,6 +216,8 @@ class Packed:
     parts: tuple[tuple[str, Rule], ...]
 
     def pack(self, tensors: Sequence[torch.Tensor], rank: int, size: int) -> torch.Tensor:
+        import torch
+
         return torch.cat([rule.split(t, rank, size) for (_, rule), t in zip(self.parts, tensors)], dim=0)
 
     def unpack(self, shard: torch.Tensor, full_shapes: Sequence[Sequence[int]], size: int) -> list[torch.Tensor]:
@@ -214,7 +225,7 @@ class Packed:
         sizes = [rule.shard_shape(shape, size)[0] for (_, rule), shape in zip(self.parts, full_shapes)]
         if sum(sizes) != shard.shape[0]:
             raise ShardingError(f"packed shard has {shard.shape[0]} rows, parts need {sizes} (sum {sum(sizes)})")
-        return list(torch.split(shard, sizes, dim=0))
+        return list(shard.split(sizes, dim=0))
 
     def merge(self, shards: Sequence[torch.Tensor], full_shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Full part tensors from every rank's packed shard."""

@@ -9,28 +9,18 @@ immediately everywhere instead of hanging the job.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
+from models.common.architecture import Architecture  # noqa: F401 (re-exported)
 from models.common.config import ModelConfig
 from models.common.sources import CheckpointError, RandomSource, SafetensorsSource, TensorSource, read_config_json
 from models.common.transformer import ParallelCausalLM
-from models.common.weights import WeightMap, hf_shapes, load_weights, validate_source
+from models.common.weights import hf_shapes, load_weights, validate_source
 from parallel.config import ParallelConfig, ParallelConfigError
 from parallel.groups import ParallelGroups, build_groups
-
-
-@dataclass(frozen=True)
-class Architecture:
-    """What a model folder contributes: how to read its HF config and its weight map."""
-
-    name: str
-    hf_model_types: tuple[str, ...]
-    model_config: Callable[[Any], ModelConfig]
-    weight_map: Callable[[ModelConfig, int], WeightMap]
 
 
 def load_hf_config(directory: str | os.PathLike) -> Any:

@@ -1,5 +1,15 @@
 """Llama: ``from models.llama import build_parallel_model``."""
 
-from models.llama.model import ARCHITECTURE, build_parallel_model
+from models.llama.architecture import ARCHITECTURE
+
+
+def __getattr__(name: str):
+    # the model (and torch) load on first use, so converters can read the architecture without torch
+    if name == "build_parallel_model":
+        from models.llama.model import build_parallel_model
+
+        return build_parallel_model
+    raise AttributeError(f"module 'models.llama' has no attribute {name!r}")
+
 
 __all__ = ["ARCHITECTURE", "build_parallel_model"]

@@ -6,13 +6,13 @@ from typing import Any
 
 import torch
 
-from models.common.builder import Architecture, build_model
+from models.common.builder import build_model
 from models.common.transformer import ParallelCausalLM
-from models.qwen2 import config, weights
+from models.qwen2.architecture import ARCHITECTURE
 from parallel.config import ParallelConfig
 from parallel.groups import ParallelGroups
 
-ARCHITECTURE = Architecture("qwen2", config.HF_MODEL_TYPES, config.model_config, weights.weight_map)
+__all__ = ["ARCHITECTURE", "build_parallel_model"]
 
 
 def build_parallel_model(source: Any, parallel_config: ParallelConfig | None = None, *,

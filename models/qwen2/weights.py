@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from models.common.config import ModelConfig
-from models.common.weights import WeightMap, dense_decoder_weight_map
+from models.common.weight_map import WeightMap, dense_decoder_weight_map
 
 
 def weight_map(cfg: ModelConfig, padded_vocab_size: int) -> WeightMap:
