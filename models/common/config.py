@@ -56,7 +56,8 @@ class ModelConfig:
     architecture: str = "llama"
 
     @classmethod
-    def from_hf(cls, hf_config: Any, *, architecture: str, qkv_bias: bool, o_bias: bool, mlp_bias: bool) -> "ModelConfig":
+    def from_hf(cls, hf_config: Any, *, architecture: str, qkv_bias: bool, o_bias: bool,
+                mlp_bias: bool) -> "ModelConfig":
         """Read the fields shared by Llama-like transformers configs; the caller sets the bias switches."""
         act = getattr(hf_config, "hidden_act", "silu")
         if act not in ("silu", "swish"):
@@ -64,8 +65,8 @@ class ModelConfig:
         layer_types = getattr(hf_config, "layer_types", None) or []
         if any(t != "full_attention" for t in layer_types) or getattr(hf_config, "use_sliding_window", False):
             raise UnsupportedConfigError(
-                f"{architecture}: sliding-window attention (use_sliding_window / layer_types={sorted(set(layer_types))}) "
-                f"is not supported"
+                f"{architecture}: sliding-window attention (use_sliding_window / "
+                f"layer_types={sorted(set(layer_types))}) is not supported"
             )
         heads = hf_config.num_attention_heads
         kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
@@ -100,7 +101,8 @@ def rope_from_hf(hf_config: Any) -> RopeConfig:
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type not in RopeConfig.SUPPORTED:
-        raise UnsupportedConfigError(f"rope_type={rope_type!r} is not supported (supported: {', '.join(RopeConfig.SUPPORTED)})")
+        raise UnsupportedConfigError(f"rope_type={rope_type!r} is not supported "
+                                     f"(supported: {', '.join(RopeConfig.SUPPORTED)})")
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedConfigError(f"partial_rotary_factor={params['partial_rotary_factor']} is not supported")
     return RopeConfig(

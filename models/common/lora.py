@@ -147,7 +147,8 @@ def check_lora_config(cfg, weight_map, lora_config: Any, pconfig, shapes: dict) 
     replicated = {t.leaf for t in targets if isinstance(t.b_rule, KVHeads) and t.b_rule.replicas(pconfig.tp) > 1}
     if replicated:
         raise ParallelConfigError(f"LoRA on {', '.join(sorted(replicated))} with tp={pconfig.tp} > "
-                                  f"num_key_value_heads={cfg.num_key_value_heads} (replicated KV heads) is not supported")
+                                  f"num_key_value_heads={cfg.num_key_value_heads} (replicated KV heads) "
+                                  f"is not supported")
     return targets
 
 
@@ -183,7 +184,8 @@ def apply_lora(model, lora_config: Any, targets: list[LoraTarget], seed: int = 0
         if layer_targets[0].column:
             leaves = {t.leaf: t for t in layer_targets}
             parts = _packed_parts(layer, layer_targets[0])
-            layer.lora = ColumnLoRA(layer.in_features, [(leaf if leaf in leaves else None, rows) for leaf, rows in parts],
+            layer.lora = ColumnLoRA(layer.in_features,
+                                    [(leaf if leaf in leaves else None, rows) for leaf, rows in parts],
                                     r=int(lora_config.r), scaling=s, dropout=dropout, tp_group=groups.tp_group,
                                     sequence_parallel=layer.sequence_parallel, dtype=dtype, device=device)
         else:
@@ -242,7 +244,8 @@ def load_lora_adapter(model, directory) -> None:
                     sl = f.get_slice(key)
                     if tuple(sl.get_shape()) != tuple(shape):
                         raise LoraError(f"{path}: {key} has shape {tuple(sl.get_shape())}, the model expects {shape}")
-                    piece = read_piece(lambda idx: sl[idx], shape, rule.piece(shape, groups.tp_rank, groups.tp_size))
+                    piece = read_piece(lambda idx, sl=sl: sl[idx], shape,
+                                       rule.piece(shape, groups.tp_rank, groups.tp_size))
                     local, offset = local_rows(params[param])  # FSDP2: this rank's rows of the TP shard
                     local.copy_(piece[offset:offset + local.shape[0]].to(local.dtype))
 
@@ -255,7 +258,8 @@ def _check_adapter_config(config: Any, directory: Path) -> None:
     import json
 
     saved = json.loads(file.read_text())
-    ours = {"r": int(config.r), "lora_alpha": config.lora_alpha, "use_rslora": bool(getattr(config, "use_rslora", False)),
+    ours = {"r": int(config.r), "lora_alpha": config.lora_alpha,
+            "use_rslora": bool(getattr(config, "use_rslora", False)),
             "target_modules": sorted(config.target_modules) if not isinstance(config.target_modules, str)
             else config.target_modules}
     theirs = {"r": saved.get("r"), "lora_alpha": saved.get("lora_alpha"), "use_rslora": bool(saved.get("use_rslora")),
@@ -338,10 +342,12 @@ def _merge_layer(model, layer_name: str, base: torch.Tensor) -> torch.Tensor:
         row = 0
         for leaf, rows in lora.parts:
             if leaf is not None:
-                a, b = unshard(getattr(lora, f"lora_A_{leaf}")).detach(), unshard(getattr(lora, f"lora_B_{leaf}")).detach()
+                a = unshard(getattr(lora, f"lora_A_{leaf}")).detach()
+                b = unshard(getattr(lora, f"lora_B_{leaf}")).detach()
                 weight[row:row + rows] += s * (b @ a)
             row += rows
     else:
-        a, b = unshard(getattr(lora, f"lora_A_{lora.name}")).detach(), unshard(getattr(lora, f"lora_B_{lora.name}")).detach()
+        a = unshard(getattr(lora, f"lora_A_{lora.name}")).detach()
+        b = unshard(getattr(lora, f"lora_B_{lora.name}")).detach()
         weight += s * (b @ a)
     return weight

@@ -68,7 +68,8 @@ def flatten_batch(input_ids: torch.Tensor, position_ids: torch.Tensor | None, at
             raise ValueError(f"cu_seqlens must rise from 0 to the token count {total}, got {cu.tolist()}")
         lengths = (cu[1:] - cu[:-1]).tolist()
         starts = torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1])
-        positions = position_ids.reshape(-1) if position_ids is not None else torch.arange(total, device=device) - starts
+        positions = (position_ids.reshape(-1) if position_ids is not None
+                     else torch.arange(total, device=device) - starts)
         targets = None
         if labels is not None:
             flat = labels.reshape(-1)
@@ -199,15 +200,16 @@ def split_sequence_forward(lm, input_ids, position_ids, attention_mask, labels, 
     else:
         if labels is not None or attention_mask is not None or cu_seqlens is not None:
             raise ValueError("with sequence_plan= pass this rank's tokens, their targets= (HF-shifted labels) and "
-                             "optionally position_ids=; labels=, attention_mask= and cu_seqlens= describe a whole batch")
+                             "optionally position_ids=; labels=, attention_mask= and cu_seqlens= describe a whole "
+                             "batch")
         shard = shard_of(groups, plan)
         ids = input_ids.reshape(-1)
         if ids.numel() != shard.index.numel():
             raise ValueError(f"this rank takes {shard.index.numel()} tokens of the plan (plan.token_index"
                              f"{lm.sequence_coordinates}), got {ids.numel()}")
         pos = position_ids.reshape(-1) if position_ids is not None else plan.positions(shard.index).to(ids.device)
-        shard.rope_seq_len = (max(plan.lengths, default=1) if position_ids is None and lm.config.rope.rope_type == "dynamic"
-                              else _global_rope_seq_len(lm, pos, groups))
+        dynamic = position_ids is None and lm.config.rope.rope_type == "dynamic"
+        shard.rope_seq_len = max(plan.lengths, default=1) if dynamic else _global_rope_seq_len(lm, pos, groups)
         tgt = targets.reshape(-1) if targets is not None else None
         count = None
         if tgt is not None:

@@ -148,7 +148,8 @@ def read_safetensors_header(path: Path) -> dict:
         try:
             start, stop = info["data_offsets"]
             shape = info["shape"]
-            ok = (info["dtype"] in DTYPE_BYTES and isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+            ok = (info["dtype"] in DTYPE_BYTES and isinstance(shape, list)
+                  and all(isinstance(d, int) and d >= 0 for d in shape)
                   and isinstance(start, int) and isinstance(stop, int) and 0 <= start <= stop)
             if ok:
                 count = 1
@@ -186,9 +187,9 @@ class SafetensorsSource(TensorSource):
         elif single.exists():
             weight_map, files = None, ["model.safetensors"]
         else:
+            found = sorted(p.name for p in self.directory.iterdir()) if self.directory.is_dir() else "no such directory"
             raise CheckpointError(
-                f"{self.directory}: no model.safetensors or model.safetensors.index.json "
-                f"(found: {sorted(p.name for p in self.directory.iterdir()) if self.directory.is_dir() else 'no such directory'})"
+                f"{self.directory}: no model.safetensors or model.safetensors.index.json (found: {found})"
             )
         self._file_of: dict[str, str] = {}
         self._shape: dict[str, tuple[int, ...]] = {}
@@ -208,7 +209,8 @@ class SafetensorsSource(TensorSource):
         if weight_map is not None:
             for name, fname in weight_map.items():
                 if self._file_of.get(name) != fname:
-                    raise CheckpointError(f"{self.directory / fname}: index lists tensor {name!r} but the file lacks it")
+                    raise CheckpointError(f"{self.directory / fname}: index lists tensor {name!r} "
+                                          "but the file lacks it")
         self._handles: dict[str, object] = {}
 
     def names(self) -> set[str]:

@@ -164,7 +164,8 @@ def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = 
         runner.loss_fn.forward_only, runner.loss_fn.global_count = forward_only, global_count
         outputs = runner.run(
             arg_mbs=[(ids,) if lm.is_first_stage else () for ids, _, _, _ in mbs],
-            kwarg_mbs=[{"position_ids": pos, "cu_seqlens": cu, "seq": shard} for (_, pos, _, cu), shard in zip(mbs, shards)],
+            kwarg_mbs=[{"position_ids": pos, "cu_seqlens": cu, "seq": shard}
+                       for (_, pos, _, cu), shard in zip(mbs, shards)],
             target_mbs=[tgt for _, _, tgt, _ in mbs] if lm.is_last_stage else None,
             has_backward=not forward_only)
     if forward_only:

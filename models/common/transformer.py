@@ -110,7 +110,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups, dtype, device) -> None:
         super().__init__()
         sp = groups.sequence_parallel
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, sequence_parallel=sp, dtype=dtype, device=device)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, sequence_parallel=sp, dtype=dtype,
+                                       device=device)
         self.self_attn = ParallelAttention(cfg, groups, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, sequence_parallel=sp, dtype=dtype,
                                                 device=device)
