@@ -86,7 +86,8 @@ class ParallelConfig:
         if self.cp_comm not in CP_COMM:
             raise ParallelConfigError(f"ParallelConfig.cp_comm={self.cp_comm!r}: choose one of {', '.join(CP_COMM)}")
         if self.recompute not in RECOMPUTE:
-            raise ParallelConfigError(f"ParallelConfig.recompute={self.recompute!r}: choose one of {', '.join(RECOMPUTE)}")
+            raise ParallelConfigError(f"ParallelConfig.recompute={self.recompute!r}: "
+                                      f"choose one of {', '.join(RECOMPUTE)}")
         if not isinstance(self.fsdp, bool):
             raise ParallelConfigError(f"ParallelConfig.fsdp must be True or False, got {self.fsdp!r}")
         if self.fsdp and self.pp > 1:

@@ -97,10 +97,11 @@ def attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments:
     groups = q.shape[1] // k.shape[1]
     for s in segments:
         qa, qb, ka, kb = s.q_start, s.q_start + s.q_len, s.k_start, s.k_start + s.k_len
-        o, l = _block_forward(q[qa:qb], _expand(k[ka:kb], groups), _expand(v[ka:kb], groups), s.causal, scale)
+        o, block_lse = _block_forward(q[qa:qb], _expand(k[ka:kb], groups), _expand(v[ka:kb], groups), s.causal, scale)
         old = lse[:, qa:qb]
-        new = torch.logaddexp(old, l)
-        out[qa:qb] = out[qa:qb] * torch.exp(old - new).t()[..., None] + o.to(out.dtype) * torch.exp(l - new).t()[..., None]
+        new = torch.logaddexp(old, block_lse)
+        out[qa:qb] = (out[qa:qb] * torch.exp(old - new).t()[..., None]
+                      + o.to(out.dtype) * torch.exp(block_lse - new).t()[..., None])
         lse[:, qa:qb] = new
 
 

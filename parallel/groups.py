@@ -178,7 +178,8 @@ def groups_from_megatron(config: ParallelConfig | None = None) -> ParallelGroups
     cp = ps.get_context_parallel_world_size()
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
     ep = ps.get_expert_model_parallel_world_size()
-    derived = ParallelConfig(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, sequence_parallel=bool(config and config.sequence_parallel))
+    derived = ParallelConfig(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep,
+                             sequence_parallel=bool(config and config.sequence_parallel))
     if config is not None and (config.ulysses > 1 or config.fsdp):
         raise ParallelConfigError(f"{config.describe()}: megatron-core groups have no Ulysses axis and no FSDP mesh")
     if config is not None and (config.tp, config.pp, config.cp, config.ep) != (tp, pp, cp, ep):

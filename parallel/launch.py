@@ -44,7 +44,8 @@ def run_distributed(world: int, fn, *args, timeout: float = 900.0, backend: str 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue, backend), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue, backend), daemon=True)
+             for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, object] = {}

@@ -57,7 +57,8 @@ class _SequenceGatherLinear(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None
 
 
-def sequence_gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Any) -> torch.Tensor:
+def sequence_gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           group: Any) -> torch.Tensor:
     """Column-parallel matmul of a sequence-sharded ``x [s/tp, b, in]`` -> ``[s, b, out/tp]`` (see above)."""
     return _SequenceGatherLinear.apply(x, weight, bias, group)
 
@@ -84,7 +85,8 @@ class ColumnParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel and self.tp_size > 1
         self.in_features = in_features
         self.out_features = out_features
-        local = local_out_features if local_out_features is not None else _divide(out_features, self.tp_size, "ColumnParallelLinear out_features / tp")
+        local = (local_out_features if local_out_features is not None
+                 else _divide(out_features, self.tp_size, "ColumnParallelLinear out_features / tp"))
         self.weight = nn.Parameter(torch.empty(local, in_features, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.zeros(local, dtype=dtype, device=device)) if bias else None
         self.lora = None  # a parallel.lora.ColumnLoRA when LoRA adapts this layer
@@ -97,7 +99,8 @@ class ColumnParallelLinear(nn.Module):
         return y if self.lora is None else y + self.lora(x)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, local_out={self.weight.shape[0]}, tp={self.tp_size}, sp={self.sequence_parallel}"
+        return (f"in={self.in_features}, out={self.out_features}, local_out={self.weight.shape[0]}, "
+                f"tp={self.tp_size}, sp={self.sequence_parallel}")
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -180,7 +183,8 @@ class RowParallelLinear(nn.Module):
         return y if self.lora is None else y + self.lora(x)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, local_in={self.weight.shape[1]}, tp={self.tp_size}, sp={self.sequence_parallel}"
+        return (f"in={self.in_features}, out={self.out_features}, local_in={self.weight.shape[1]}, "
+                f"tp={self.tp_size}, sp={self.sequence_parallel}")
 
 
 class VocabParallelEmbedding(nn.Module):

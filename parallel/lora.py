@@ -78,5 +78,8 @@ class RowLoRA(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         u = F.linear(self.dropout(x), getattr(self, f"lora_A_{self.name}"))
-        u = reduce_scatter_to_sequence(u, self.tp_group) if self.sequence_parallel else reduce_from_group(u, self.tp_group)
+        if self.sequence_parallel:
+            u = reduce_scatter_to_sequence(u, self.tp_group)
+        else:
+            u = reduce_from_group(u, self.tp_group)
         return F.linear(u, getattr(self, f"lora_B_{self.name}")) * self.scaling

@@ -27,9 +27,11 @@ def check_schedule(name: str, vpp: int, num_microbatches: int, pp: int) -> None:
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {name!r} (choose {', '.join(SCHEDULES)})")
     if name in SINGLE_STAGE and vpp > 1:
-        raise ScheduleError(f"schedule {name!r} runs one stage per rank; vpp={vpp} needs one of {', '.join(MULTI_STAGE)}")
+        raise ScheduleError(f"schedule {name!r} runs one stage per rank; "
+                            f"vpp={vpp} needs one of {', '.join(MULTI_STAGE)}")
     if name in MULTI_STAGE and num_microbatches % pp:
-        raise ScheduleError(f"schedule {name!r} needs the micro-batch count ({num_microbatches}) to be a multiple of pp={pp}")
+        raise ScheduleError(f"schedule {name!r} needs the micro-batch count ({num_microbatches}) "
+                            f"to be a multiple of pp={pp}")
 
 
 def microbatch_multiple(name: str, pp: int) -> int:

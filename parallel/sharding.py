@@ -102,7 +102,8 @@ class Split(Rule):
             # A 1-D bias of a row-parallel layer declared with dim=1 is not split.
             _check_rank(rank, size)
             return Piece(None)
-        start, stop = _even_chunk(full_shape[self.dim], rank, size, f"split along dim {self.dim} of {tuple(full_shape)}")
+        start, stop = _even_chunk(full_shape[self.dim], rank, size,
+                                  f"split along dim {self.dim} of {tuple(full_shape)}")
         return Piece(self.dim, start, stop)
 
     def merge(self, shards):

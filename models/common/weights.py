@@ -40,7 +40,8 @@ def validate_source(source: TensorSource, expected: dict[str, tuple[int, ...]], 
     extra = sorted(n for n in names - set(expected) - set(allowed_extra) if not n.endswith(IGNORED_SUFFIXES))
     problems = []
     if missing:
-        problems.append(f"{len(missing)} missing tensor(s): {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+        more = " ..." if len(missing) > 8 else ""
+        problems.append(f"{len(missing)} missing tensor(s): {', '.join(missing[:8])}{more}")
     if wrong:
         problems.append(f"{len(wrong)} tensor(s) with the wrong shape: {'; '.join(wrong[:8])}")
     if extra:
@@ -65,8 +66,8 @@ def load_weights(params: dict[str, torch.nn.Parameter], entries: list[WeightEntr
 
 
 @torch.no_grad()
-def export_hf_state(params: dict[str, torch.nn.Parameter], entries: list[WeightEntry], shapes: dict[str, tuple[int, ...]],
-                    tp_group) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf_state(params: dict[str, torch.nn.Parameter], entries: list[WeightEntry],
+                    shapes: dict[str, tuple[int, ...]], tp_group) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full_tensor)`` gathered over TP, merged with the same rules (every rank gets all).
 
     A collective per parameter: every TP rank must iterate to the end in the same order.
