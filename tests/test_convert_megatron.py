@@ -147,8 +147,9 @@ def hf_to_megatron(tmp_path_factory):
             jobs.append(("load", str(dst), spec, ltp, lpp, lvpp, "torch" if fmt == "megatron" else "torch_dist"))
             names.append((arch, name))
         # Megatron -> Megatron without an HF copy: legacy TP2 -> legacy PP2xVPP2 and -> torch_dist TP1
-        for name, fmt, tp, pp, vpp, load in [("reshard_legacy_pp2vpp2", "megatron", 1, 2, 2, (1, 2, 2, "torch")),
-                                              ("reshard_dist_tp1", "megatron-dist", 1, 1, 1, (2, 1, None, "torch_dist"))]:
+        for name, fmt, tp, pp, vpp, load in [
+                ("reshard_legacy_pp2vpp2", "megatron", 1, 2, 2, (1, 2, 2, "torch")),
+                ("reshard_dist_tp1", "megatron-dist", 1, 1, 1, (2, 1, None, "torch_dist"))]:
             dst = root / f"{arch}_{name}"
             convert(root / f"{arch}_legacy_tp2", dst, to=fmt, tp=tp, pp=pp, vpp=vpp,
                     make_vocab_size_divisible_by=DIVISIBLE_BY, workers=2)

@@ -216,7 +216,8 @@ def test_invalid_long_context_layouts(kw, cfg_kw, numbers, needle):
     _names(msg, *numbers)
 
 
-@pytest.mark.parametrize("kw,needle", [(dict(cp=2, cp_comm="p2p"), "cp_comm"), (dict(recompute="selective"), "recompute"),
+@pytest.mark.parametrize("kw,needle", [(dict(cp=2, cp_comm="p2p"), "cp_comm"),
+                                       (dict(recompute="selective"), "recompute"),
                                        (dict(fsdp=True, pp=2), "fsdp"), (dict(ulysses=0), "ulysses"),
                                        (dict(ep=2, ulysses=2), "ulysses=2"), (dict(fsdp="yes"), "fsdp")])
 def test_invalid_long_context_options(kw, needle):

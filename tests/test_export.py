@@ -69,7 +69,8 @@ def test_iter_export_matches_transformers_after_training(world, export_dirs, out
     assert {(r[0], r[1]) for r in records} and len({r[1] for r in records}) == len(LAYOUTS[world])
     small = [r for r in records if r[3] == "buckets" and r[2] == SMALL]
     assert small and all(r[4] > 3 for r in small)  # the small bound really splits the model
-    bad = [f"{r[0]} {r[1]} bucket={r[2]} {r[3]}={r[4]:.3g}" for r in records if r[3] in BOUNDS and not r[4] <= BOUNDS[r[3]]]
+    bad = [f"{r[0]} {r[1]} bucket={r[2]} {r[3]}={r[4]:.3g}" for r in records
+           if r[3] in BOUNDS and not r[4] <= BOUNDS[r[3]]]
     assert not bad, "\n".join(bad)
 
 

@@ -18,7 +18,8 @@ from tests.workers_lora import TARGETS, lora_suite, make_adapter
 def adapters(hf_dirs, tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     out = {}
-    for case, targets, rslora in (("qwen2_untied", TARGETS, False), ("llama_llama3", ["q_proj", "v_proj", "down_proj"], True)):
+    for case, targets, rslora in (("qwen2_untied", TARGETS, False),
+                                  ("llama_llama3", ["q_proj", "v_proj", "down_proj"], True)):
         path = root / case / "adapter"
         make_adapter(hf_dirs[case], str(path), targets, rslora=rslora)
         out[case] = str(path)

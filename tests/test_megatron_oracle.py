@@ -233,7 +233,7 @@ def test_legacy_vpp_chunks_use_local_layer_numbers(w2):
     path = os.path.join(root, "qwen2_deep_pp2_vpp2_torch")
     assert sorted(os.listdir(os.path.join(path, "iter_0000010"))) == ["mp_rank_00_000", "mp_rank_00_001"]
     ckpt = read_legacy(path)
-    for (tp_rank, pp_rank), state in ckpt.items():
+    for state in ckpt.values():
         assert {"model0", "model1"} <= set(state) and "model" not in state
         assert state["args"].virtual_pipeline_model_parallel_size == 2
         for chunk in ("model0", "model1"):
@@ -336,7 +336,8 @@ def test_torch_dist_global_tensors_match_legacy_shards(w2, name):
     if spec.add_qkv_bias:
         per_layer["self_attention.linear_qkv.bias"] = lambda p: cat(p + "self_attention.linear_qkv.bias", 0)
     for suffix, expected in per_layer.items():
-        check(f"decoder.layers.{suffix}", torch.stack([expected(f"decoder.layers.{i}.") for i in range(spec.num_layers)]))
+        check(f"decoder.layers.{suffix}",
+              torch.stack([expected(f"decoder.layers.{i}.") for i in range(spec.num_layers)]))
     assert checked == set(tensors)  # every stored tensor accounted for
 
 

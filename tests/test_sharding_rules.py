@@ -265,7 +265,7 @@ def test_read_piece_from_lazy_safetensors_slice_equals_in_memory_split(case):
                     lazy = f.get_slice(name)
                     shape = tuple(lazy.get_shape())
                     assert shape == tuple(full.shape)
-                    got = read_piece(lambda idx: lazy[idx], shape, rule.piece(shape, r, n))
+                    got = read_piece(lambda idx, lazy=lazy: lazy[idx], shape, rule.piece(shape, r, n))
                     want = rule.split(full, r, n)
                     assert got.dtype == dtype
                     assert torch.equal(got, want), f"{name} rank {r}/{n}"

@@ -68,8 +68,8 @@ def dirs_key(hf_dirs):
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-@pytest.mark.parametrize("metric", ["logits", "local_logits.*", "loss", "grads_step.*", "logits_after_steps|loss_after_steps", "loss_change",
-                                    "read_fraction_excess"])
+@pytest.mark.parametrize("metric", ["logits", "local_logits.*", "loss", "grads_step.*",
+                                    "logits_after_steps|loss_after_steps", "loss_change", "read_fraction_excess"])
 def test_parity_with_transformers(world, metric, dirs_key):
     _check(_suite(world, dirs_key), metric)
 

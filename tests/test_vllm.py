@@ -52,7 +52,7 @@ def run_client(step: str, args: dict, out: Path) -> dict:
     proc = subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_client.py"), step, json.dumps(args), str(out)],
                           env=env, capture_output=True, text=True, timeout=900, cwd=str(ROOT))
     if proc.returncode != 0:
-        tail = "\n".join(l for l in (proc.stdout + proc.stderr).splitlines() if " INFO " not in l)[-4000:]
+        tail = "\n".join(line for line in (proc.stdout + proc.stderr).splitlines() if " INFO " not in line)[-4000:]
         pytest.fail(f"vLLM client step {step} failed (exit {proc.returncode}):\n{tail}")
     return json.loads(out.read_text())
 
@@ -212,7 +212,8 @@ def test_vllm_loads_save_vllm_sharded_state_with_transformers_logprobs(run, n):
 
 def test_vllm_engine_from_hf_matches_transformers(run):
     """Sanity of the harness: vLLM on the saved HF directory agrees with transformers."""
-    for key, case in (("qwen_capture1", "qwen2_vllm"), ("qwen_capture2", "qwen2_vllm"), ("llama_capture2", "llama_vllmtied")):
+    for key, case in (("qwen_capture1", "qwen2_vllm"), ("qwen_capture2", "qwen2_vllm"),
+                      ("llama_capture2", "llama_vllmtied")):
         assert _max_diff(run["vllm"][key]["logprobs"], run["transformers"][case]) <= LOGPROB_TOL, key
 
 

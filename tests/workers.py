@@ -80,7 +80,8 @@ def parity_case(case: str, path: str, world: int, sp: bool, steps: int = 2, lr: 
     first_loss = out.loss.item()
     head = model.lm_head
     local = model(ids).logits
-    records.append((*tag, "local_logits", _max_diff(local, ref.logits[..., head.vocab_start:head.vocab_start + head.valid_columns])))
+    own_columns = ref.logits[..., head.vocab_start:head.vocab_start + head.valid_columns]
+    records.append((*tag, "local_logits", _max_diff(local, own_columns)))
     records.append((*tag, "local_logits_shape_ok", float(local.shape[-1] != head.valid_columns)))
 
     opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -148,7 +149,8 @@ def bf16_case(case: str, path: str, world: int, sp: bool) -> list[tuple]:
         (*tag, "bf16_logits_rel", _max_diff(out.logits, ref.logits) / scale),
         (*tag, "bf16_loss", _max_diff(out.loss, ref.loss)),
         # ours in bf16 is no further from the fp32 truth than transformers in bf16 (2x slack)
-        (*tag, "bf16_vs_fp32_ratio", _max_diff(out.logits, exact.logits) / max(_max_diff(ref.logits, exact.logits), 1e-6)),
+        (*tag, "bf16_vs_fp32_ratio",
+         _max_diff(out.logits, exact.logits) / max(_max_diff(ref.logits, exact.logits), 1e-6)),
     ]
 
 

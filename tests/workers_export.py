@@ -48,12 +48,14 @@ def export_case(case: str, path: str, kwargs: dict, bucket_bytes: int, steps: in
     bf16 = {name: t for b in model.iter_export("hf", bucket_bytes=bucket_bytes, dtype=torch.bfloat16)
             for name, t in b.tensors()}
     records = save_checks(model, tag, out_dir, bucket_bytes) if out_dir else []
-    return records + [(*tag, "names_mismatch", float(len(set(exported) ^ expected) + len(names_in_order) - len(set(names_in_order)))),
+    names_mismatch = len(set(exported) ^ expected) + len(names_in_order) - len(set(names_in_order))
+    return records + [(*tag, "names_mismatch", float(names_mismatch)),
             (*tag, "vs_transformers", max((exported[n] - ref[n]).abs().max().item() for n in expected & set(exported))),
             (*tag, "oversize_buckets", float(len(oversize))),
             (*tag, "buckets", float(len(buckets))),
             (*tag, "ranks_differ", float(len({c.item() for c in checksums}) - 1)),
-            (*tag, "bf16_not_cast", float(sum(not torch.equal(bf16[n], exported[n].to(torch.bfloat16)) for n in exported))),
+            (*tag, "bf16_not_cast",
+             float(sum(not torch.equal(bf16[n], exported[n].to(torch.bfloat16)) for n in exported))),
             (*tag, "bf16_dtype", float(any(t.dtype != torch.bfloat16 for t in bf16.values())))]
 
 
@@ -82,8 +84,8 @@ def save_checks(model, tag, out_dir: str, bucket_bytes: int) -> list[tuple]:
         ref_lp = torch.zeros_like(ours)
         ref_lp[:, 1:] = torch.log_softmax(ref_logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
     return [(*tag, "saved_files", float(len(files))),
-            (*tag, "saved_vs_exported_not_bitwise", float(set(on_disk) != set(exported)
-                                                          or any(not torch.equal(on_disk[k], exported[k]) for k in exported))),
+            (*tag, "saved_vs_exported_not_bitwise",
+             float(set(on_disk) != set(exported) or any(not torch.equal(on_disk[k], exported[k]) for k in exported))),
             (*tag, "saved_logprobs_vs_ours", (ours - ref_lp).abs().max().item()),
             (*tag, "bf16_saved_not_cast", float(any(not torch.equal(bf16[k], exported[k].to(torch.bfloat16))
                                                     for k in exported))),

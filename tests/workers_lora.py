@@ -51,7 +51,8 @@ def lora_case(case: str, path: str, adapter: str, out_root: str, kwargs: dict) -
     ref_grads = {n: p.grad for n, p in peft_model.named_parameters() if p.grad is not None}
     worst = max(((g - ref_grads[k.replace(".weight", ".default.weight")]).abs().max()
                  / ref_grads[k.replace(".weight", ".default.weight")].abs().max()).item() for k, g in grads.items())
-    records += [(*tag, "lora_grads_vs_peft", worst), (*tag, "base_params_with_grad", float(len(base_grads) + len(trainable))),
+    records += [(*tag, "lora_grads_vs_peft", worst),
+                (*tag, "base_params_with_grad", float(len(base_grads) + len(trainable))),
                 (*tag, "lora_grads_count_mismatch", float(len(grads) != len(ref_grads)))]
 
     # our adapter, saved, loads into peft and reproduces our logits; r and lora_alpha kept
@@ -139,7 +140,8 @@ def lora_training_suite(path: str, adapter: str, layouts: list[dict]) -> list[tu
         records.append((*tag, "lora_after_steps", max((v - ref_params[k]).abs().max().item() for k, v in ours.items())))
         merged = {n: t for b in model.iter_export("hf", merge_lora=True) for n, t in b.tensors()}
         ref_merged = peft_model.merge_and_unload().state_dict()
-        records.append((*tag, "merged_after_steps", max((t - ref_merged[n]).abs().max().item() for n, t in merged.items())))
+        records.append((*tag, "merged_after_steps",
+                        max((t - ref_merged[n]).abs().max().item() for n, t in merged.items())))
     return records
 
 

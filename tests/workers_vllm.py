@@ -52,8 +52,8 @@ def vllm_case(case: str, path: str, kwargs: dict, out: str, export_tps: list[int
     rank = dist.get_rank()
     for n in export_tps:
         for r in range(n):
-            tensors = {name: t.clone() for b in model.iter_export("vllm", target_tp=n, target_rank=r, bucket_bytes=20000)
-                       for name, t in b.tensors()}
+            chunks = model.iter_export("vllm", target_tp=n, target_rank=r, bucket_bytes=20000)
+            tensors = {name: t.clone() for b in chunks for name, t in b.tensors()}
             if rank == 0:
                 save_file(tensors, str(root / f"export-tp{n}.rank{r}.safetensors"))
     for n in sharded_tps:  # N (pp 1) or (N, pp)
