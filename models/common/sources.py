@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from models.common.errors import CheckpointError  # noqa: F401 (re-exported: raised by this module's callers)
 from parallel.sharding import Piece, read_piece
 
 # Files that travel with an HF directory's weights: tokenizer, generation config, chat template, remote code.
@@ -35,10 +36,6 @@ def copy_companion_files(source: str | os.PathLike, directory: str | os.PathLike
         if (item.is_file() and item.suffix in COMPANION_SUFFIXES and item.name not in NOT_COMPANIONS
                 and not item.name.endswith(".safetensors.index.json")):
             shutil.copy2(item, Path(directory) / item.name)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, unreadable or inconsistent (files and tensors named)."""
 
 
 def read_config_json(directory: str | os.PathLike) -> dict:
