@@ -1,10 +1,21 @@
-"""Checkpoint formats and conversion (HF, Megatron legacy/torch_dist); CPU only, no torch.distributed.
+"""Checkpoint formats and conversion (HF, Megatron legacy/torch_dist, vLLM); CPU only, no torch.distributed.
 
     from converters import convert, open_reader, verify
     convert("ckpt/megatron", "out/hf", to="hf")
+
+The names load on first use, so the CLI and the copy path start without importing torch.
 """
 
-from converters.engine import convert
-from converters.formats import detect_format, open_reader
-
 __all__ = ["convert", "detect_format", "open_reader"]
+
+
+def __getattr__(name: str):
+    if name == "convert":
+        from converters.engine import convert
+
+        return convert
+    if name in ("detect_format", "open_reader"):
+        from converters import formats
+
+        return getattr(formats, name)
+    raise AttributeError(f"module 'converters' has no attribute {name!r}")

@@ -1,23 +1,23 @@
 """HuggingFace safetensors: a reader over the architecture's weight map, and a streaming sharded writer.
 
-The writer plans every output file before writing (names, shapes, dtypes and byte offsets are
-known from the config), writes each file's header first and then appends tensors unit by unit,
-so it never holds more than one unit in memory, whatever ``--max-shard-size`` is. Files are
-assigned to workers whole; the plan alone decides the bytes, so output is deterministic.
+The writer fills files laid out up front by ``converters/safetensors_layout.py`` (names, shapes,
+dtypes and byte offsets are known from the config), tensor by tensor at their planned offsets,
+so it never holds more than one unit in memory, whatever ``--max-shard-size`` is. Tasks fill byte
+ranges of the files; the plan alone decides the bytes, so output is deterministic.
 """
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Callable
 
 import torch
 
+from converters import safetensors_layout
 from converters.checkpoint import CheckpointReader, ReaderInfo, Unit, unit_entries
 from converters.hf_config import read_hf_config
+from converters.safetensors_layout import FilePlan, plan_shards, split_file_plan, tensor_offsets  # noqa: F401
 from models.common.sources import CheckpointError, SafetensorsSource, copy_companion_files
 from models.common.weights import validate_source
 from parallel.sharding import Piece
@@ -49,65 +49,6 @@ class HFReader(CheckpointReader):
             for name in entry.hf:
                 out[name] = self.source.read(name, Piece(None))
         return out
-
-
-def _nbytes(shape: Iterable[int], dtype: torch.dtype) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n * torch.empty((), dtype=dtype).element_size()
-
-
-@dataclass
-class FilePlan:
-    name: str
-    tensors: list[tuple[str, tuple[int, ...]]]  # (hf_name, shape) in write order
-    units: list[Unit]  # units to read, in order
-
-
-_HEADER_BASE = 8 + 64  # length prefix, {"__metadata__":{"format":"pt"}}, alignment padding
-
-
-def _header_entry_bytes(name: str, shape: tuple[int, ...]) -> int:
-    """Upper bound of one tensor's entry in the JSON header (offsets counted at 20 digits each)."""
-    return len(name) + len(",".join(str(d) for d in shape)) + 80
-
-
-def plan_shards(units_and_shapes: list[tuple[Unit, list[tuple[str, tuple[int, ...]]]]], dtype: torch.dtype,
-                max_shard_bytes: int) -> list[FilePlan]:
-    """Assign tensors to files in order, starting a new file when the file (header included) would
-    pass ``max_shard_bytes``; a single tensor larger than the limit gets a file of its own."""
-    files: list[FilePlan] = []
-    current: FilePlan | None = None
-    size = 0
-    for unit, tensors in units_and_shapes:
-        for name, shape in tensors:
-            nbytes = _nbytes(shape, dtype) + _header_entry_bytes(name, shape)
-            if current is None or (size + nbytes > max_shard_bytes and current.tensors):
-                current = FilePlan("", [], [])
-                files.append(current)
-                size = _HEADER_BASE
-            current.tensors.append((name, shape))
-            if not current.units or current.units[-1] != unit:
-                current.units.append(unit)
-            size += nbytes
-    n = len(files)
-    for i, f in enumerate(files):
-        f.name = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-    return files
-
-
-def _header(plan: FilePlan, dtype: torch.dtype) -> bytes:
-    tag = SAFETENSORS_DTYPE[dtype]
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, shape in plan.tensors:
-        n = _nbytes(shape, dtype)
-        header[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * ((-len(raw)) % 8)  # data starts 8-byte aligned
-    return len(raw).to_bytes(8, "little") + raw
 
 
 def _madvise_dontneed():
@@ -221,37 +162,10 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
-def split_file_plan(plan: FilePlan, parts: int) -> list[tuple[int, int]]:
-    """Contiguous tensor-index ranges of a planned file with about equal bytes (for parallel writers)."""
-    sizes = [_nbytes(shape, torch.uint8) for _, shape in plan.tensors]
-    total = sum(sizes)
-    ranges, start, acc = [], 0, 0
-    for i, n in enumerate(sizes):
-        acc += n
-        if len(ranges) < parts - 1 and acc >= total * (len(ranges) + 1) / parts and i + 1 < len(sizes):
-            ranges.append((start, i + 1))
-            start = i + 1
-    ranges.append((start, len(sizes)))
-    return ranges
-
-
-def create_shard_file(plan: FilePlan, directory: str, dtype: torch.dtype) -> None:
-    """The file with its header, sized to its final length (tensor bytes are written by tasks)."""
-    header = _header(plan, dtype)
-    size = len(header) + sum(_nbytes(shape, dtype) for _, shape in plan.tensors)
-    with open(Path(directory) / plan.name, "wb") as f:
-        f.write(header)
-        f.truncate(size)
-
-
 def write_shard_range(plan: FilePlan, directory: str, dtype: torch.dtype, lo: int, hi: int,
                       read_unit_pieces: Callable[[Unit], dict[str, list[torch.Tensor]]]) -> int:
     """Write tensors ``plan.tensors[lo:hi]`` at their planned offsets, streaming row pieces unit by unit."""
-    header_len = len(_header(plan, dtype))
-    offsets, off = {}, header_len
-    for name, shape in plan.tensors:
-        offsets[name] = off
-        off += _nbytes(shape, dtype)
+    offsets = tensor_offsets(plan, SAFETENSORS_DTYPE[dtype])
     todo = plan.tensors[lo:hi]
     wanted = {name: tuple(shape) for name, shape in todo}
     written = 0
@@ -287,13 +201,12 @@ def write_hf_config(reader: CheckpointReader, directory: str, dtype: torch.dtype
     config.save(directory, dtype)
 
 
+def create_shard_file(plan: FilePlan, directory: str, dtype: torch.dtype) -> None:
+    safetensors_layout.create_shard_file(plan, directory, SAFETENSORS_DTYPE[dtype])
+
+
 def write_index(files: list[FilePlan], directory: str, dtype: torch.dtype) -> None:
-    if len(files) == 1:
-        return
-    total = sum(_nbytes(shape, dtype) for f in files for _, shape in f.tensors)
-    index = {"metadata": {"total_size": total},
-             "weight_map": {name: f.name for f in files for name, _ in f.tensors}}
-    (Path(directory) / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    safetensors_layout.write_index(files, directory, SAFETENSORS_DTYPE[dtype])
 
 
 def hf_plan(reader: CheckpointReader, dtype: torch.dtype, max_shard_bytes: int) -> list[FilePlan]:
@@ -302,7 +215,7 @@ def hf_plan(reader: CheckpointReader, dtype: torch.dtype, max_shard_bytes: int) 
     for unit in reader.units():
         names = [n for e in unit_entries(reader.wmap, unit) for n in e.hf]
         units.append((unit, [(n, shapes[n]) for n in names]))
-    return plan_shards(units, dtype, max_shard_bytes)
+    return plan_shards(units, SAFETENSORS_DTYPE[dtype], max_shard_bytes)
 
 
 __all__ = ["HFReader", "hf_plan", "create_shard_file", "split_file_plan", "write_shard_range", "write_index",

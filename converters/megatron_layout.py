@@ -18,13 +18,14 @@ module knows what the tags mean:
 
 from __future__ import annotations
 
-from typing import Sequence
-
-import torch
+from typing import TYPE_CHECKING, Sequence
 
 from models.common.config import ModelConfig
-from models.common.weights import GATE_UP_STACKED, PLAIN, QKV_INTERLEAVED, VOCAB_PADDED, WeightEntry
+from models.common.weight_map import GATE_UP_STACKED, PLAIN, QKV_INTERLEAVED, VOCAB_PADDED, WeightEntry
 from parallel.sharding import Replicated, Split
+
+if TYPE_CHECKING:  # the shape and row-range functions serve the torch-free copy path
+    import torch
 
 # How a Megatron full tensor is split over TP ranks in a legacy checkpoint.
 ROW0 = "dim0"  # contiguous slices of dim 0
@@ -55,6 +56,8 @@ def tp_split_kind(entry: WeightEntry, ndim: int) -> str:
 
 def split_tp(kind: str, full: torch.Tensor, tp: int, name: str = "") -> list[torch.Tensor]:
     """Legacy per-rank shards of a Megatron full tensor."""
+    import torch
+
     if kind == REPLICATED:
         return [full] * tp
     if kind == GATE_UP:
@@ -70,6 +73,8 @@ def split_tp(kind: str, full: torch.Tensor, tp: int, name: str = "") -> list[tor
 
 def merge_tp(kind: str, shards: Sequence[torch.Tensor], name: str = "") -> torch.Tensor:
     """Megatron full tensor from legacy per-rank shards (shapes checked equal across ranks)."""
+    import torch
+
     shapes = {tuple(s.shape) for s in shards}
     if len(shapes) != 1:
         raise LayoutError(f"{name}: TP ranks hold different shapes {[tuple(s.shape) for s in shards]}")
@@ -90,6 +95,8 @@ def _qkv_dims(cfg: ModelConfig) -> tuple[int, int, int]:
 
 def qkv_interleave(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """HF q/k/v (weights ``[rows, hidden]`` or biases ``[rows]``) -> Megatron ``linear_qkv``."""
+    import torch
+
     nh, ng, hd = _qkv_dims(cfg)
     rest = q.shape[1:]
     parts = [q.reshape(ng, nh // ng * hd, *rest), k.reshape(ng, hd, *rest), v.reshape(ng, hd, *rest)]
@@ -112,6 +119,8 @@ def qkv_deinterleave(full: torch.Tensor, cfg: ModelConfig) -> list[torch.Tensor]
 def hf_to_megatron(entry: WeightEntry, tensors: Sequence[torch.Tensor], cfg: ModelConfig,
                    padded_vocab: int) -> torch.Tensor:
     """The Megatron full tensor of ``entry`` from its HF tensors (in ``entry.hf`` order)."""
+    import torch
+
     layout = entry.megatron_layout
     if layout == QKV_INTERLEAVED:
         return qkv_interleave(*tensors, cfg)
@@ -158,8 +167,10 @@ def hf_row_ranges(entry: WeightEntry, cfg: ModelConfig, full_rows: int) -> list[
         nq = nh // ng * hd
         group = nq + 2 * hd
         if full_rows != ng * group:
-            raise LayoutError(f"{entry.megatron}: {full_rows} rows, expected (heads + 2*groups)*head_dim = {ng * group}")
-        return [[(g * group + a, g * group + b) for g in range(ng)] for a, b in ((0, nq), (nq, nq + hd), (nq + hd, group))]
+            raise LayoutError(f"{entry.megatron}: {full_rows} rows, expected (heads + 2*groups)*head_dim = "
+                              f"{ng * group}")
+        parts = ((0, nq), (nq, nq + hd), (nq + hd, group))
+        return [[(g * group + a, g * group + b) for g in range(ng)] for a, b in parts]
     if layout == VOCAB_PADDED:
         if full_rows < cfg.vocab_size:
             raise LayoutError(f"{entry.megatron}: {full_rows} rows, fewer than vocab_size={cfg.vocab_size}")

@@ -1,0 +1,602 @@
+"""The copy path: a conversion that only moves bytes, planned from file metadata and executed with
+``copy_file_range`` — no torch, no tensors in Python, memory bounded by one buffer.
+
+A Megatron -> HF conversion without a dtype change is a permutation of byte ranges: TP shards
+that split rows (q/k/v, gate/up, embeddings) are contiguous ranges of the source files; shards that
+split columns (``linear_proj``, ``linear_fc2``) are interleaved row by row. The planner reads only
+metadata (safetensors headers, the pickles of ``torch.save`` archives, torch_dist ``.metadata``),
+builds for every output tensor the list of ``Copy`` / ``Interleave`` operations that produce its
+bytes, and checks every tensor the model needs on the way (presence, shapes, TP-consistency,
+nothing unused) — so planning is also the validation, done before anything is written.
+
+Which rows go where comes from the architecture's weight map and ``converters/megatron_layout``
+(the same tables the torch path uses); the output files are laid out by
+``converters/safetensors_layout``, so both paths write identical bytes. Sources the copy path
+does not cover (dtype changes, non-contiguous storages, compressed archives, expert parallelism)
+raise ``Unsupported`` and the engine falls back to the torch path.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+from converters.megatron_layout import (
+    COL1,
+    GATE_UP,
+    REPLICATED,
+    ROW0,
+    LayoutError,
+    hf_row_ranges,
+    megatron_full_shape,
+    tp_split_kind,
+)
+from converters.raw_files import (
+    ITEMSIZE,
+    NonContiguous,
+    RawTensor,
+    Unsupported,
+    read_pickle,
+    read_safetensors,
+    read_torch_archive,
+)
+from converters.safetensors_layout import FilePlan, header, nbytes, plan_shards, split_file_plan, tensor_offsets
+from models.common.errors import CheckpointError
+from models.common.weight_map import GATE_UP_STACKED, IGNORED_SUFFIXES, WeightEntry
+
+EMBED, FINAL = "embed", "final"
+Unit = Union[int, str]
+TE_NORM_ALIASES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+                   "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+DEFAULT_BUFFER = 32 << 20  # bytes of interleaved rows assembled at a time
+
+
+@dataclass(frozen=True)
+class Copy:
+    """``n`` bytes at ``offset`` of ``path``, copied as they are."""
+
+    path: str
+    offset: int
+    n: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.n
+
+
+@dataclass(frozen=True)
+class Interleave:
+    """``rows`` rows, row r being the concatenation of row r of every part
+    (``(path, offset, row_nbytes)``: a contiguous [rows, width] block of a source file)."""
+
+    rows: int
+    parts: tuple[tuple[str, int, int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * sum(p[2] for p in self.parts)
+
+
+Op = Union[Copy, Interleave]
+
+
+@dataclass(frozen=True)
+class Block:
+    """A contiguous piece of a Megatron full tensor, seen as a matrix [rows, cols]: rows
+    ``[r0, r0 + t.shape[0])`` and columns ``[c0, c0 + width)`` (1-D tensors: one column)."""
+
+    r0: int
+    c0: int
+    t: RawTensor
+
+    @property
+    def width(self) -> int:
+        return self.t.numel // self.t.shape[0] if self.t.shape and self.t.shape[0] else 1
+
+
+def rows_ops(blocks: list[Block], shape: tuple[int, ...], a: int, b: int, what: str) -> list[Op]:
+    """Operations producing rows ``[a, b)`` of the full tensor made of ``blocks``, in order."""
+    cols = 1
+    for d in shape[1:]:
+        cols *= d
+    cuts = sorted({a, b, *(x for blk in blocks for x in (blk.r0, blk.r0 + blk.t.shape[0]) if a < x < b)})
+    ops: list[Op] = []
+    for lo, hi in zip(cuts, cuts[1:]):
+        band = sorted((blk for blk in blocks if blk.r0 <= lo and hi <= blk.r0 + blk.t.shape[0]), key=lambda x: x.c0)
+        col = 0
+        for blk in band:
+            if blk.c0 != col:
+                raise CheckpointError(f"{what}: stored pieces leave columns {col}..{blk.c0} of rows {lo}..{hi} "
+                                      f"uncovered")
+            col += blk.width
+        if col != cols:
+            raise CheckpointError(f"{what}: stored pieces cover {col} of {cols} columns of rows {lo}..{hi}")
+        if len(band) == 1:
+            t = band[0].t.rows(lo - band[0].r0, hi - band[0].r0)
+            ops.append(Copy(t.path, t.offset, t.nbytes))
+        else:
+            parts = []
+            for blk in band:
+                t = blk.t.rows(lo - blk.r0, hi - blk.r0)
+                parts.append((t.path, t.offset, t.row_nbytes))
+            ops.append(Interleave(hi - lo, tuple(parts)))
+    return _merge_copies(ops)
+
+
+def _merge_copies(ops: list[Op]) -> list[Op]:
+    """Adjacent copies of adjacent source bytes become one (fewer system calls)."""
+    out: list[Op] = []
+    for op in ops:
+        last = out[-1] if out else None
+        if (isinstance(op, Copy) and isinstance(last, Copy) and last.path == op.path
+                and last.offset + last.n == op.offset):
+            out[-1] = Copy(op.path, last.offset, last.n + op.n)
+        else:
+            out.append(op)
+    return out
+
+
+@dataclass
+class PlannedTensor:
+    shape: tuple[int, ...]
+    dtype: str
+    ops: list[Op]
+
+
+def megatron_entry_ops(entry: WeightEntry, blocks: list[Block], full_shape: tuple[int, ...], cfg,
+                       where: str) -> dict[str, PlannedTensor]:
+    """HF tensors of one weight-map entry from the blocks of its Megatron full tensor."""
+    dtypes = {blk.t.dtype for blk in blocks}
+    if len(dtypes) != 1:
+        raise Unsupported(f"{where}: {entry.megatron} stored in several dtypes {sorted(dtypes)}")
+    dtype = dtypes.pop()
+    try:
+        if entry.megatron_layout == GATE_UP_STACKED:
+            half = full_shape[0] // 2
+            ranges = [[(0, half)], [(half, full_shape[0])]]
+        else:
+            ranges = hf_row_ranges(entry, cfg, full_shape[0])
+    except LayoutError as exc:
+        raise CheckpointError(f"{where}: {exc}") from exc
+    out = {}
+    for name, rng in zip(entry.hf, ranges):
+        ops: list[Op] = []
+        rows = 0
+        for a, b in rng:
+            ops += rows_ops(blocks, full_shape, a, b, f"{where}: {entry.megatron}")
+            rows += b - a
+        out[name] = PlannedTensor((rows, *full_shape[1:]), dtype, _merge_copies(ops))
+    return out
+
+
+def legacy_blocks(entry: WeightEntry, shards: list[RawTensor], key: str) -> list[Block]:
+    """Blocks of a Megatron full tensor held as legacy TP shards (see megatron_layout's split kinds)."""
+    kind = tp_split_kind(entry, len(shards[0].shape))
+    rows = shards[0].shape[0]
+    if kind == REPLICATED:
+        return [Block(0, 0, shards[0])]
+    if kind == ROW0:
+        return [Block(t * rows, 0, s) for t, s in enumerate(shards)]
+    if kind == GATE_UP:
+        half = rows // 2
+        full_half = half * len(shards)
+        return [b for t, s in enumerate(shards)
+                for b in (Block(t * half, 0, s.rows(0, half)), Block(full_half + t * half, 0, s.rows(half, rows)))]
+    if kind == COL1:
+        width = shards[0].shape[1]
+        return [Block(0, t * width, s) for t, s in enumerate(shards)]
+    raise Unsupported(f"{key}: split {kind}")
+
+
+# ------------------------------------------------------------------------------------------ sources
+
+
+class RawSource:
+    """A checkpoint as planned byte ranges. Subclasses fill ``planned`` (HF name -> PlannedTensor)."""
+
+    format: str
+    path: str
+    hf_config: Any
+    cfg: Any
+    wmap: Any
+    planned: dict[str, PlannedTensor]
+    hf_config_dir: str | None = None
+
+    def _set_model(self, hf_config: Any, where: str) -> None:
+        from converters.checkpoint import architecture_for, conversion_weight_map
+
+        self.hf_config = hf_config
+        self.arch = architecture_for(getattr(hf_config, "model_type", None), where)
+        self.cfg = self.arch.model_config(hf_config)
+        self.wmap = conversion_weight_map(self.arch, self.cfg)
+
+    def units(self) -> list[tuple[Unit, list[WeightEntry]]]:
+        out: list[tuple[Unit, list[WeightEntry]]] = [(EMBED, list(self.wmap.first_entries))]
+        out += [(i, [e.format(i) for e in self.wmap.layer_entries]) for i in range(self.cfg.num_hidden_layers)]
+        out.append((FINAL, list(self.wmap.last_entries)))
+        return out
+
+    def dtype(self) -> str:
+        dtypes = {p.dtype for p in self.planned.values()}
+        if len(dtypes) != 1:
+            raise Unsupported(f"{self.path}: tensors in several dtypes {sorted(dtypes)}")
+        return next(iter(dtypes))
+
+    def check_shapes(self) -> None:
+        from models.common.weight_map import hf_shapes
+
+        expected = hf_shapes(self.cfg, self.wmap)
+        for name, shape in expected.items():
+            got = self.planned.get(name)
+            if got is None:
+                raise CheckpointError(f"{self.path}: no source for tensor {name}")
+            if tuple(got.shape) != tuple(shape):
+                raise CheckpointError(f"{self.path}: {name} would have shape {got.shape}, the config implies {shape}")
+
+
+class HFRawSource(RawSource):
+    format = "hf"
+
+    def __init__(self, path: str, hf_config: Any) -> None:
+        self.path = str(path)
+        self.hf_config_dir = self.path
+        self._set_model(hf_config, self.path)
+        tensors: dict[str, RawTensor] = {}
+        owner: dict[str, str] = {}
+        for f in sorted(Path(path).glob("*.safetensors")):
+            for name, t in read_safetensors(f).items():
+                if name in tensors:
+                    raise CheckpointError(f"{path}: tensor {name} is in both {Path(owner[name]).name} and {f.name}")
+                tensors[name], owner[name] = t, str(f)
+        from models.common.weight_map import hf_shapes
+
+        expected = hf_shapes(self.cfg, self.wmap)
+        problems = [f"missing tensor {n}" for n in expected if n not in tensors]
+        problems += [f"{n} has shape {tensors[n].shape}, expected {s}" for n, s in expected.items()
+                     if n in tensors and tuple(tensors[n].shape) != tuple(s)]
+        allowed = {"lm_head.weight"} if self.cfg.tie_word_embeddings else set()
+        problems += [f"unexpected tensor {n}" for n in tensors
+                     if n not in expected and n not in allowed and not n.endswith(IGNORED_SUFFIXES)]
+        if problems:
+            raise CheckpointError(f"{path}: " + "; ".join(problems[:8]))
+        self.planned = {n: PlannedTensor(tensors[n].shape, tensors[n].dtype, [Copy(tensors[n].path, tensors[n].offset,
+                                                                                  tensors[n].nbytes)])
+                        for n in expected}
+
+
+class LegacyRawSource(RawSource):
+    """Megatron legacy rank files (``mp_rank_TT[_PPP]/model_optim_rng.pt``), read as byte ranges."""
+
+    format = "megatron"
+
+    def __init__(self, path: str, *, arch: str | None = None, hf_config_dir: str | None = None,
+                 vocab_size: int | None = None) -> None:
+        from converters.megatron_files import (
+            RANK_DIR,
+            args_layout,
+            hf_config_from_args,
+            legacy_rank_dir_name,
+            resolve_iteration_dir,
+        )
+        from parallel.config import ParallelConfig, ParallelConfigError
+        from parallel.pipeline_layout import stage_layer_ranges
+
+        self.path = str(path)
+        self.hf_config_dir = hf_config_dir
+        it_dir = resolve_iteration_dir(Path(path))
+        names = sorted(p.name for p in it_dir.iterdir() if p.is_dir() and RANK_DIR.match(p.name))
+        if not names:
+            raise CheckpointError(f"{it_dir}: no mp_rank_* folders")
+        has_pp = any(RANK_DIR.match(n).group(2) for n in names)
+        first = it_dir / ("mp_rank_00_000" if has_pp else "mp_rank_00") / "model_optim_rng.pt"
+        if not first.is_file():
+            raise CheckpointError(f"{first}: missing rank file")
+        data = read_torch_archive(first)
+        args = data.get("args") if isinstance(data, dict) else None
+        if args is None:
+            raise CheckpointError(f"{first}: no 'args' (not written by Megatron-LM?)")
+        lay = args_layout(args)
+        tp, pp, vpp = lay["tp"], lay["pp"], lay["vpp"]
+        if lay["ep"] > 1:
+            raise Unsupported("expert parallel")
+        expected_dirs = {legacy_rank_dir_name(t, p, pp) for t in range(tp) for p in range(pp)}
+        if set(names) != expected_dirs:
+            raise Unsupported("rank folders differ from the args (the torch path names them)")
+        self._set_model(hf_config_from_args(args, arch=arch, hf_config_dir=hf_config_dir, vocab_size=vocab_size,
+                                            where=str(it_dir)), self.path)
+        try:
+            ranges = stage_layer_ranges(self.cfg.num_hidden_layers, ParallelConfig(
+                pp=pp, vpp=vpp, num_layers_in_first_pipeline_stage=lay["first"],
+                num_layers_in_last_pipeline_stage=lay["last"]))
+        except ParallelConfigError as exc:
+            raise CheckpointError(f"{it_dir}: {exc}") from exc
+        padded = int(getattr(args, "padded_vocab_size", 0) or self.cfg.vocab_size)
+        from models.common.weight_map import hf_shapes
+
+        shapes = hf_shapes(self.cfg, self.wmap)
+        self.planned = {}
+        for p in range(pp):
+            files = [it_dir / legacy_rank_dir_name(t, p, pp) / "model_optim_rng.pt" for t in range(tp)]
+            archives = [data if f == first else read_torch_archive(f) for f in files]
+            for v in range(vpp):
+                states = [self._chunk(a, v, vpp, f) for a, f in zip(archives, files)]
+                used: set[str] = set()
+                units: list[tuple[Unit, int | None]] = [(EMBED, None)] if p == 0 and v == 0 else []
+                units += [(i, j) for j, i in enumerate(ranges[p][v])]
+                if p == pp - 1 and v == vpp - 1:
+                    units.append((FINAL, None))
+                for unit, local in units:
+                    for entry, key in self._unit_keys(unit, local):
+                        shards = []
+                        for f, s in zip(files, states):
+                            found, t = self._lookup(s, key)
+                            if t is None:
+                                raise CheckpointError(f"{f}: missing tensor {key} (chunk {v})")
+                            if isinstance(t, NonContiguous) or not isinstance(t, RawTensor):
+                                raise Unsupported(f"{f}: {key} is not a contiguous tensor")
+                            used.add(found)
+                            shards.append(t)
+                        if len({s.shape for s in shards}) != 1:
+                            raise CheckpointError(f"{it_dir}: tensor {key} (pp rank {p}, chunk {v}) has different "
+                                                  f"shapes across TP ranks: {[s.shape for s in shards]}")
+                        full = megatron_full_shape(entry, shapes, self.cfg, padded)
+                        self._check_shard(entry, key, shards[0].shape, full, tp, it_dir)
+                        blocks = legacy_blocks(entry, shards, key)
+                        self.planned.update(megatron_entry_ops(entry, blocks, full, self.cfg, str(it_dir)))
+                tied = self.cfg.tie_word_embeddings and p == pp - 1 and v == vpp - 1
+                for f, s in zip(files, states):
+                    unused = sorted(k for k in s if k not in used and not k.endswith("_extra_state")
+                                    and not (tied and k == "output_layer.weight"))
+                    if unused:
+                        raise CheckpointError(f"{f}: unused tensor(s) {', '.join(unused[:8])}"
+                                              f"{' ...' if len(unused) > 8 else ''} (not part of a "
+                                              f"{self.arch.name} model)")
+        self.check_shapes()
+
+    @staticmethod
+    def _chunk(data: Any, v: int, vpp: int, path: Path) -> dict:
+        key = "model" if vpp == 1 else f"model{v}"
+        state = data.get(key) if isinstance(data, dict) else None
+        if state is None and vpp == 1 and isinstance(data, dict):
+            state = data.get("model0")
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{path}: no '{key}' state dict")
+        return state
+
+    @staticmethod
+    def _lookup(state: dict, key: str) -> tuple[str, Any]:
+        if key in state:
+            return key, state[key]
+        for local, te in TE_NORM_ALIASES.items():
+            if key.endswith(local) and key[: -len(local)] + te in state:
+                return key[: -len(local)] + te, state[key[: -len(local)] + te]
+        return key, None
+
+    def _unit_keys(self, unit: Unit, local: int | None) -> list[tuple[WeightEntry, str]]:
+        if unit == EMBED:
+            return [(e, e.megatron) for e in self.wmap.first_entries]
+        if unit == FINAL:
+            return [(e, e.megatron) for e in self.wmap.last_entries]
+        return [(t.format(int(unit)), t.megatron.format(i=local)) for t in self.wmap.layer_entries]
+
+    def _check_shard(self, entry: WeightEntry, key: str, shard: tuple, full: tuple, tp: int, where: Path) -> None:
+        kind = tp_split_kind(entry, len(full))
+        expected = list(full)
+        if kind in (ROW0, GATE_UP):
+            expected[0] //= tp
+        elif kind == COL1:
+            expected[1] //= tp
+        if tuple(expected) != tuple(shard):
+            raise CheckpointError(f"{where}: tensor {key} has shape {tuple(shard)} per TP rank, the model config "
+                                  f"implies {tuple(expected)} (tp={tp})")
+
+
+class DistRawSource(RawSource):
+    """A torch_dist checkpoint: global tensors stored as chunks of ``__R_I.distcp`` files."""
+
+    format = "megatron-dist"
+
+    def __init__(self, it_dir: str, hf_config: Any, where: str) -> None:
+        self.path = str(it_dir)
+        self._set_model(hf_config, where)
+        md = read_pickle(Path(it_dir) / ".metadata")
+        try:
+            tensors = {k: v for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks")}
+            storage = {(idx.fqn, tuple(idx.offset) if getattr(idx, "offset", None) is not None else None): info
+                       for idx, info in md.storage_data.items()}
+        except (AttributeError, TypeError) as exc:
+            raise CheckpointError(f"{it_dir}/.metadata: unexpected structure ({exc})") from exc
+        emb = tensors.get("embedding.word_embeddings.weight")
+        padded = int(emb.size[0]) if emb is not None else self.cfg.vocab_size
+        from models.common.weight_map import hf_shapes
+
+        shapes = hf_shapes(self.cfg, self.wmap)
+        archives: dict[tuple, RawTensor] = {}
+
+        def chunk_tensor(key: str, offsets: tuple) -> RawTensor:
+            info = storage.get((key, offsets))
+            if info is None:
+                raise CheckpointError(f"{it_dir}: .metadata lists chunk {offsets} of {key} but no storage for it")
+            cache_key = (key, offsets)
+            if cache_key not in archives:
+                path = Path(it_dir) / info.relative_path
+                if not path.is_file():
+                    raise CheckpointError(f"{it_dir}: missing data file {info.relative_path}")
+                t = read_torch_archive(path, info.offset, info.length)
+                if not isinstance(t, RawTensor):
+                    raise Unsupported(f"{path}: chunk of {key} is not a contiguous tensor")
+                archives[cache_key] = t
+            return archives[cache_key]
+
+        self.planned = {}
+        used: set[str] = set()
+        for unit, _ in self.units():
+            layer = None if unit in (EMBED, FINAL) else int(unit)
+            templates = (self.wmap.first_entries if unit == EMBED else self.wmap.last_entries if unit == FINAL
+                         else self.wmap.layer_entries)
+            for tmpl in templates:
+                entry = tmpl if layer is None else tmpl.format(layer)
+                full = megatron_full_shape(entry, shapes, self.cfg, padded)
+                key, index = dist_key(tmpl.megatron, layer, tensors)
+                meta = tensors.get(key)
+                if meta is None:
+                    raise CheckpointError(f"{it_dir}: missing tensor {key}")
+                used.add(key)
+                gshape = tuple(meta.size)
+                want = full if index is None else (self.cfg.num_hidden_layers, *full)
+                if gshape != tuple(want):
+                    raise CheckpointError(f"{it_dir}: tensor {key} has global shape {gshape}, the config implies "
+                                          f"{tuple(want)}")
+                blocks = []
+                for chunk in meta.chunks:
+                    offs, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+                    if index is not None and not offs[0] <= index < offs[0] + sizes[0]:
+                        continue
+                    t = chunk_tensor(key, offs)
+                    if tuple(t.shape) != sizes:
+                        raise CheckpointError(f"{it_dir}: chunk {offs} of {key} holds {t.shape}, "
+                                              f".metadata says {sizes}")
+                    if index is not None:
+                        t, offs = t.index(index - offs[0]), offs[1:]
+                    if len(offs) > 2 and any(offs[2:]):
+                        raise Unsupported(f"{key}: chunked beyond dim 1")
+                    col = offs[1] * _trailing(full[2:]) if len(offs) > 1 else 0
+                    blocks.append(Block(offs[0] if offs else 0, col, t))
+                self.planned.update(megatron_entry_ops(entry, blocks, full, self.cfg, str(it_dir)))
+        tied = {"output_layer.weight"} if self.cfg.tie_word_embeddings else set()
+        unused = sorted(k for k in tensors if k not in used and k not in tied
+                        and not k.startswith(("optimizer.", "rng_state", "rerun_state")))
+        if unused:
+            raise CheckpointError(f"{it_dir}: unused tensor(s) {', '.join(unused[:8])} (not part of a "
+                                  f"{self.arch.name} model)")
+        self.check_shapes()
+
+
+def dist_key(template: str, layer: int | None, tensors: dict) -> tuple[str, int | None]:
+    """(torch_dist key, index along the stacked layer dim or None) of a weight-map Megatron name."""
+    if layer is None:
+        return template, None
+    per_layer = template.format(i=layer)
+    if per_layer in tensors:  # saved without layer stacking
+        return per_layer, None
+    key = template.replace("layers.{i}.", "layers.")
+    for local, te in TE_NORM_ALIASES.items():
+        if key == "decoder.layers." + local:
+            key = "decoder.layers." + te
+    return key, layer
+
+
+def _trailing(dims: tuple[int, ...]) -> int:
+    n = 1
+    for d in dims:
+        n *= d
+    return n
+
+
+# ------------------------------------------------------------------------------------------ writing
+
+
+def plan_hf_files(source: RawSource, max_shard_bytes: int) -> tuple[str, list[FilePlan]]:
+    tag = source.dtype()
+    units = [(unit, [(n, source.planned[n].shape) for e in entries for n in e.hf]) for unit, entries in source.units()]
+    return tag, plan_shards(units, tag, max_shard_bytes)
+
+
+def hf_tasks(source: RawSource, files: list[FilePlan], tag: str, directory: str, workers: int,
+             buffer_bytes: int) -> list[tuple]:
+    """Create the output files (headers, final sizes) and cut the copying into tasks of about equal bytes."""
+    tasks = []
+    for f in files:
+        head = header(f, tag)
+        size = len(head) + sum(nbytes(shape, tag) for _, shape in f.tensors)
+        path = str(Path(directory) / f.name)
+        with open(path, "wb") as out:
+            out.write(head)
+            out.truncate(size)
+        offsets = tensor_offsets(f, tag)
+        parts = max(1, min(workers, len(f.tensors)) * 2 // max(1, len(files)))
+        for lo, hi in split_file_plan(f, parts):
+            work = [(offsets[name], source.planned[name].ops) for name, _ in f.tensors[lo:hi]]
+            tasks.append((fill_file, (path, work, buffer_bytes)))
+    return tasks
+
+
+def fill_file(path: str, work: list[tuple[int, list[Op]]], buffer_bytes: int = DEFAULT_BUFFER) -> int:
+    """Write every op's bytes at consecutive offsets starting at each work item's offset."""
+    out = os.open(path, os.O_WRONLY)
+    sources: dict[str, int] = {}
+
+    def fd_of(p: str) -> int:
+        if p not in sources:
+            sources[p] = os.open(p, os.O_RDONLY)
+        return sources[p]
+
+    written = 0
+    try:
+        for dst, ops in work:
+            for op in ops:
+                if isinstance(op, Copy):
+                    _copy_range(fd_of(op.path), op.offset, out, dst, op.n, buffer_bytes, op.path)
+                else:
+                    _interleave(op, fd_of, out, dst, buffer_bytes)
+                dst += op.nbytes
+                written += op.nbytes
+    except OSError as exc:
+        raise CheckpointError(f"{path}: write failed ({exc.strerror or exc})") from exc
+    finally:
+        os.close(out)
+        for fd in sources.values():
+            os.close(fd)
+    return written
+
+
+_COPY_FILE_RANGE = hasattr(os, "copy_file_range")
+
+
+def _copy_range(src: int, src_off: int, dst: int, dst_off: int, n: int, buffer_bytes: int, name: str) -> None:
+    done = 0
+    global _COPY_FILE_RANGE
+    while _COPY_FILE_RANGE and done < n:
+        try:
+            k = os.copy_file_range(src, dst, n - done, src_off + done, dst_off + done)
+        except OSError as exc:
+            import errno
+
+            if exc.errno in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP) and done == 0:
+                _COPY_FILE_RANGE = False
+                break
+            raise
+        if k == 0:
+            break
+        done += k
+    while done < n:
+        chunk = os.pread(src, min(n - done, buffer_bytes), src_off + done)
+        if not chunk:
+            raise CheckpointError(f"{name}: ends before byte {src_off + n}")
+        os.pwrite(dst, chunk, dst_off + done)
+        done += len(chunk)
+
+
+def _interleave(op: Interleave, fd_of, out: int, dst: int, buffer_bytes: int) -> None:
+    import numpy as np
+
+    width = sum(p[2] for p in op.parts)
+    step = max(1, buffer_bytes // max(1, width))
+    buf = np.empty(min(step, op.rows) * width, dtype=np.uint8)
+    for r in range(0, op.rows, step):
+        k = min(step, op.rows - r)
+        block = buf[: k * width].reshape(k, width)
+        col = 0
+        for path, offset, rb in op.parts:
+            raw = os.pread(fd_of(path), k * rb, offset + r * rb)
+            if len(raw) != k * rb:
+                raise CheckpointError(f"{path}: ends before byte {offset + (r + k) * rb}")
+            block[:, col:col + rb] = np.frombuffer(raw, dtype=np.uint8).reshape(k, rb)
+            col += rb
+        os.pwrite(out, block, dst + r * width)
+
+
+__all__ = ["Copy", "Interleave", "RawSource", "HFRawSource", "LegacyRawSource", "DistRawSource", "Unsupported",
+           "plan_hf_files", "hf_tasks", "fill_file", "ITEMSIZE"]
