@@ -11,13 +11,14 @@ nothing large crosses process boundaries.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
-import torch
-
-from models.common.builder import Architecture
+from models.common.architecture import Architecture
 from models.common.config import ModelConfig
-from models.common.weights import WeightEntry, WeightMap
+from models.common.weight_map import WeightEntry, WeightMap
+
+if TYPE_CHECKING:  # readers hand out torch tensors; the module itself (architectures, units) is torch-free
+    import torch
 
 EMBED = "embed"
 FINAL = "final"
@@ -26,14 +27,14 @@ Unit = Union[int, str]
 
 def architectures() -> dict[str, Architecture]:
     """Registered architectures by HF model_type."""
-    from models.llama import ARCHITECTURE as LLAMA
-    from models.qwen2 import ARCHITECTURE as QWEN2
+    from models.llama.architecture import ARCHITECTURE as LLAMA
+    from models.qwen2.architecture import ARCHITECTURE as QWEN2
 
     return {t: arch for arch in (LLAMA, QWEN2) for t in arch.hf_model_types}
 
 
 def architecture_for(model_type: str | None, where: str) -> Architecture:
-    from models.common.sources import CheckpointError
+    from models.common.errors import CheckpointError
 
     archs = architectures()
     if model_type not in archs:
@@ -66,7 +67,7 @@ class ReaderInfo:
     architecture: str
     layout: dict[str, Any] = field(default_factory=dict)
     files: int = 0
-    dtype: torch.dtype = torch.float32
+    dtype: Any = None  # torch.dtype of the stored floating-point tensors (set by every reader)
 
 
 class CheckpointReader:
@@ -114,7 +115,7 @@ class CheckpointReader:
         """Full HF tensor shapes implied by the config (computed once)."""
         cached = self.__dict__.get("_hf_shapes")
         if cached is None:
-            from models.common.weights import hf_shapes
+            from models.common.weight_map import hf_shapes
 
             cached = self.__dict__["_hf_shapes"] = hf_shapes(self.cfg, self.wmap)
         return cached

@@ -35,6 +35,7 @@ from converters.megatron_layout import (
 )
 from converters.raw_files import (
     ITEMSIZE,
+    TAG_TO_TORCH_NAME,
     NonContiguous,
     RawTensor,
     Unsupported,
@@ -598,5 +599,51 @@ def _interleave(op: Interleave, fd_of, out: int, dst: int, buffer_bytes: int) ->
         os.pwrite(out, block, dst + r * width)
 
 
+def open_raw_source(path: str, *, arch: str | None = None, hf_config: str | None = None,
+                    vocab_size: int | None = None) -> RawSource:
+    """The copy path's view of a checkpoint; ``Unsupported`` where the torch path must read it."""
+    from converters.formats import detect_format
+    from converters.hf_config import read_hf_config
+    from converters.megatron_files import hf_config_from_args, resolve_iteration_dir
+
+    fmt = detect_format(path)
+    if fmt == "hf":
+        return HFRawSource(path, read_hf_config(path))
+    if fmt == "megatron":
+        return LegacyRawSource(path, arch=arch, hf_config_dir=hf_config, vocab_size=vocab_size)
+    it_dir = resolve_iteration_dir(Path(path))
+    common = it_dir / "common.pt"
+    if not (it_dir / ".metadata").is_file() or not common.is_file():
+        raise Unsupported("torch_dist layout without common.pt")
+    data = read_torch_archive(common)
+    args = data.get("args") if isinstance(data, dict) else None
+    if args is None:
+        raise Unsupported("torch_dist without Megatron args")
+    config = hf_config_from_args(args, arch=arch, hf_config_dir=hf_config, vocab_size=vocab_size, where=str(it_dir))
+    source = DistRawSource(str(it_dir), config, path)
+    source.hf_config_dir = hf_config
+    return source
+
+
+def write_hf_by_copy(source: RawSource, directory: str, *, max_shard_bytes: int, workers: int, progress: bool,
+                     buffer_bytes: int = DEFAULT_BUFFER) -> None:
+    """The HF checkpoint of ``source`` in ``directory`` (safetensors files + index + config + tokenizer)."""
+    from converters.safetensors_layout import write_index
+    from converters.tasks import run_tasks
+    from models.common.hf_files import copy_companion_files
+
+    tag, files = plan_hf_files(source, max_shard_bytes)
+    run_tasks(hf_tasks(source, files, tag, directory, workers, buffer_bytes), workers, "copying HF shards", progress)
+    write_index(files, directory, tag)
+    config = source.hf_config
+    if source.hf_config_dir and source.format != "hf":
+        from converters.hf_config import read_hf_config
+
+        config = read_hf_config(source.hf_config_dir)
+    if source.hf_config_dir:
+        copy_companion_files(source.hf_config_dir, directory)
+    config.save(directory, TAG_TO_TORCH_NAME[tag])
+
+
 __all__ = ["Copy", "Interleave", "RawSource", "HFRawSource", "LegacyRawSource", "DistRawSource", "Unsupported",
-           "plan_hf_files", "hf_tasks", "fill_file", "ITEMSIZE"]
+           "plan_hf_files", "hf_tasks", "fill_file", "open_raw_source", "write_hf_by_copy", "ITEMSIZE"]

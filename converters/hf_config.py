@@ -12,12 +12,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from models.common.sources import CheckpointError, read_config_json
+from models.common.errors import CheckpointError
+from models.common.hf_files import read_config_json
 
 ARCHITECTURE_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 class HFConfig:
@@ -37,10 +35,11 @@ class HFConfig:
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__["data"])
 
-    def save(self, directory: str | Path, dtype: torch.dtype | None = None) -> None:
+    def save(self, directory: str | Path, dtype: Any = None) -> None:
+        """``config.json``; ``dtype`` (a torch dtype or its name, "bfloat16") sets ``dtype``/``torch_dtype``."""
         data = self.to_dict()
         if dtype is not None:
-            data["dtype"] = data["torch_dtype"] = _DTYPE_NAMES[dtype]
+            data["dtype"] = data["torch_dtype"] = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
         Path(directory, "config.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 

@@ -20,39 +20,11 @@ from pathlib import Path
 import torch
 
 from models.common.errors import CheckpointError  # noqa: F401 (re-exported: raised by this module's callers)
+from models.common.hf_files import COMPANION_SUFFIXES, copy_companion_files, read_config_json  # noqa: F401
 from parallel.sharding import Piece, read_piece
 
+
 # Files that travel with an HF directory's weights: tokenizer, generation config, chat template, remote code.
-COMPANION_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".py", ".jinja")
-NOT_COMPANIONS = {"config.json", "model.safetensors.index.json"}
-
-
-def copy_companion_files(source: str | os.PathLike, directory: str | os.PathLike) -> None:
-    """Copy the tokenizer/generation/chat-template files of HF directory ``source`` into ``directory``
-    (not config.json or safetensors indexes: writers produce their own)."""
-    import shutil
-
-    for item in sorted(Path(source).iterdir()):
-        if (item.is_file() and item.suffix in COMPANION_SUFFIXES and item.name not in NOT_COMPANIONS
-                and not item.name.endswith(".safetensors.index.json")):
-            shutil.copy2(item, Path(directory) / item.name)
-
-
-def read_config_json(directory: str | os.PathLike) -> dict:
-    """The config.json dict of an HF directory, checked to be a transformers config (CheckpointError
-    naming the file otherwise)."""
-    path = Path(directory) / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"{Path(directory)}: no config.json (is this a HuggingFace model directory?)")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
-    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
-        raise CheckpointError(f"{path}: no 'model_type' (not a transformers config)")
-    return data
-
-
 class TensorSource:
     def names(self) -> set[str]:
         raise NotImplementedError
