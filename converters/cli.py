@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from models.common.config import UnsupportedConfigError
-from models.common.sources import CheckpointError
+from models.common.errors import CheckpointError
 from parallel.config import ParallelConfigError
 
 

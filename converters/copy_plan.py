@@ -425,7 +425,10 @@ class DistRawSource(RawSource):
                 path = Path(it_dir) / info.relative_path
                 if not path.is_file():
                     raise CheckpointError(f"{it_dir}: missing data file {info.relative_path}")
-                t = read_torch_archive(path, info.offset, info.length)
+                try:
+                    t = read_torch_archive(path, info.offset, info.length)
+                except CheckpointError as exc:
+                    raise CheckpointError(f"{it_dir}: corrupt chunk {offsets} of {key} ({exc})") from exc
                 if not isinstance(t, RawTensor):
                     raise Unsupported(f"{path}: chunk of {key} is not a contiguous tensor")
                 archives[cache_key] = t

@@ -16,26 +16,39 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from converters.checkpoint import reopen
 from converters.formats import detect_format, open_reader  # noqa: F401 (part of this module's API)
-from models.common.sizes import parse_size  # noqa: F401 (part of this module's API)
 from converters.tasks import run_tasks
-from models.common.sources import CheckpointError
+from models.common.errors import CheckpointError
+from models.common.sizes import parse_size  # noqa: F401 (part of this module's API)
+
+if TYPE_CHECKING:
+    import torch
 
 TARGETS = ("hf", "megatron", "megatron-dist", "vllm")
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "fp16": torch.float16, "float16": torch.float16}
+DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+               "fp16": "float16", "float16": "float16"}
 
 
-def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
-    if name is None or isinstance(name, torch.dtype):
-        return name
-    if name.lower() not in DTYPES:
+def dtype_name(name: Any) -> str | None:
+    """'float32' / 'bfloat16' / 'float16' for a dtype name or torch dtype (None stays None)."""
+    if name is None:
+        return None
+    if not isinstance(name, str):
+        name = str(name).removeprefix("torch.")
+    if name.lower() not in DTYPE_NAMES:
         raise ValueError(f"unknown dtype {name!r} (choose fp32, bf16 or fp16)")
-    return DTYPES[name.lower()]
+    return DTYPE_NAMES[name.lower()]
+
+
+def parse_dtype(name: Any) -> torch.dtype | None:
+    """The torch dtype of a name ('bf16', 'float32', ...) or torch dtype (loads torch)."""
+    import torch
+
+    canonical = dtype_name(name)
+    return None if canonical is None else getattr(torch, canonical)
 
 
 class _Staging:
@@ -81,16 +94,21 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
     """
     if to not in TARGETS:
         raise ValueError(f"unknown target format {to!r} (choose {', '.join(TARGETS)})")
-    out_dtype = parse_dtype(dtype)
+    wanted_dtype = dtype_name(dtype)
     shard_bytes = parse_size(max_shard_size)
     dst_path = Path(dst).resolve()
     src_path = Path(src).resolve()
     if src_path == dst_path or dst_path in src_path.parents:
         raise CheckpointError(f"{dst_path}: destination is the source or contains it ({src_path})")
+    workers = workers or min(4, os.cpu_count() or 1)
+    if to == "hf" and _convert_by_copy(src, dst_path, overwrite=overwrite, hf_config=hf_config, arch=arch,
+                                       vocab_size=vocab_size, dtype=wanted_dtype, shard_bytes=shard_bytes,
+                                       workers=workers, progress=progress):
+        return dst_path
+    out_dtype = parse_dtype(wanted_dtype)
     reader = open_reader(src, arch=arch, hf_config=hf_config, vocab_size=vocab_size)
     reader.validate()
     out_dtype = out_dtype or reader.info.dtype
-    workers = workers or min(4, os.cpu_count() or 1)
     if to == "vllm":
         from converters.hf import write_hf_config
         from converters.vllm import write_vllm
@@ -131,6 +149,27 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
         write_megatron(reader, target, str(tmp), fmt=to, workers=workers, progress=progress,
                        hf_config_dir=hf_config)
     return dst_path
+
+
+def _convert_by_copy(src, dst_path: Path, *, overwrite: bool, hf_config, arch, vocab_size, dtype: str | None,
+                     shard_bytes: int, workers: int, progress: bool) -> bool:
+    """The copy path (``converters/copy_plan.py``: no torch, ``copy_file_range``) when the source
+    allows it and no dtype change is asked for; False when the torch path must do the conversion."""
+    from converters.copy_plan import Unsupported, open_raw_source, write_hf_by_copy
+    from converters.raw_files import TAG_TO_TORCH_NAME
+
+    if os.environ.get("PMZ_COPY_PATH", "1") == "0":
+        return False
+    try:
+        source = open_raw_source(str(src), arch=arch, hf_config=hf_config, vocab_size=vocab_size)
+        tag = source.dtype()
+    except Unsupported:
+        return False
+    if dtype is not None and dtype != TAG_TO_TORCH_NAME[tag]:
+        return False
+    with _Staging(dst_path, overwrite) as tmp:
+        write_hf_by_copy(source, str(tmp), max_shard_bytes=shard_bytes, workers=workers, progress=progress)
+    return True
 
 
 def _write_hf_range(reopen_args: tuple, plan, directory: str, dtype: torch.dtype, lo: int, hi: int) -> int:

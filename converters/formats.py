@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from converters.checkpoint import CheckpointReader
-from models.common.sources import CheckpointError
+from models.common.errors import CheckpointError
 
 
 def detect_format(path: str | os.PathLike) -> str:

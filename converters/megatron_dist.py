@@ -251,8 +251,14 @@ def write_dist_units(reopen_args: tuple, target, directory: str, units: list, fi
 def write_dist(reader: CheckpointReader, target, directory: str, *, workers: int, progress: bool) -> None:
     """torch_dist checkpoint in ``directory`` (the iteration folder)."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                       MetadataIndex, TensorProperties, TensorStorageMetadata)
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     from converters.tasks import run_tasks
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from converters.hf_config import config_from_fields, read_hf_config
 from models.common.config import UnsupportedConfigError
-from models.common.sources import CheckpointError
+from models.common.errors import CheckpointError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 HF_CONFIG_DIR = "hf_config"  # written by our converters beside the iterations; read back when present

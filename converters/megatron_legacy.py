@@ -14,10 +14,25 @@ from pathlib import Path
 import torch
 
 from converters.checkpoint import EMBED, FINAL, CheckpointReader, ReaderInfo, Unit
-from converters.megatron_files import RANK_DIR, args_layout, hf_config_from_args, legacy_rank_dir_name, \
-    resolve_iteration_dir
-from converters.megatron_layout import COL1, GATE_UP, REPLICATED, ROW0, LayoutError, hf_row_ranges, megatron_to_hf, \
-    merge_tp, slices_of_shards, tp_split_kind
+from converters.megatron_files import (
+    RANK_DIR,
+    args_layout,
+    hf_config_from_args,
+    legacy_rank_dir_name,
+    resolve_iteration_dir,
+)
+from converters.megatron_layout import (
+    COL1,
+    GATE_UP,
+    REPLICATED,
+    ROW0,
+    LayoutError,
+    hf_row_ranges,
+    megatron_to_hf,
+    merge_tp,
+    slices_of_shards,
+    tp_split_kind,
+)
 from converters.safe_pickle import safe_torch_load
 from models.common.sources import CheckpointError
 from models.common.weights import PLAIN, WeightEntry

@@ -21,7 +21,6 @@ from converters.megatron_layout import hf_to_megatron, megatron_padded_vocab, sp
 from converters.megatron_legacy import RANK_FILE, MegatronLayout, unit_megatron_keys
 from parallel.config import ParallelConfig
 
-
 LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 
 

@@ -7,12 +7,11 @@ import multiprocessing as mp
 import sys
 from typing import Any, Callable, Sequence
 
-import torch
-
 
 def _task_entry(payload: tuple) -> Any:
     fn, args = payload
-    torch.set_num_threads(1)
+    if "torch" in sys.modules:  # one thread per worker process; the copy path never loads torch
+        sys.modules["torch"].set_num_threads(1)
     return fn(*args)
 
 
