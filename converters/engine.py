@@ -139,7 +139,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
                           for lo, hi in split_file_plan(f, parts)]
             run_tasks(tasks, workers, "writing HF shards", progress)
             write_index(plan, str(tmp), out_dtype)
-            write_hf_config(reader, str(tmp), out_dtype, hf_config)
+            # tokenizer/generation files: from --hf-config, else from an HF source's own directory
+            write_hf_config(reader, str(tmp), out_dtype, hf_config or (str(src_path) if reader.info.format == "hf"
+                                                                       else None))
         return dst_path
     from converters.megatron_write import plan_megatron_target, write_megatron
 

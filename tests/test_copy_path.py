@@ -1,0 +1,112 @@
+"""The copy path (converters/copy_plan.py) against the torch path: same bytes, no torch loaded.
+
+The torch path is itself checked against transformers and real megatron-core elsewhere
+(test_convert_megatron.py runs its megatron-core checkpoints through the copy path too); here the
+two paths must write identical files for every source format and layout, and a CLI conversion to
+HF must not import torch at all.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from converters.engine import convert
+from tests.cases import write_hf_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    from transformers import LlamaConfig, Qwen2Config
+
+    root = tmp_path_factory.mktemp("copy_path")
+    cfgs = {
+        "qwen2": Qwen2Config(vocab_size=101, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                             num_key_value_heads=2, num_hidden_layers=4, tie_word_embeddings=False),
+        "llama_tied_bias": LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                       num_key_value_heads=1, num_hidden_layers=4, tie_word_embeddings=True,
+                                       attention_bias=True, mlp_bias=True),
+    }
+    out = {}
+    for name, cfg in cfgs.items():
+        hf = write_hf_model(root, name, cfg, seed=3)
+        out[(name, "hf", 1, 1, 1)] = hf
+        for fmt, tp, pp, vpp in [("megatron", 2, 2, 1), ("megatron", 2, 2, 2), ("megatron", 1, 1, 1),
+                                 ("megatron-dist", 2, 2, 1), ("megatron-dist", 1, 1, 1)]:
+            dst = root / f"{name}-{fmt}-{tp}{pp}{vpp}"
+            convert(hf, dst, to=fmt, tp=tp, pp=pp, vpp=vpp)
+            out[(name, fmt, tp, pp, vpp)] = dst
+    return out
+
+
+def _files(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.is_file()}
+
+
+@pytest.mark.parametrize("shard", ["5GB", "20KB"])
+def test_copy_path_writes_the_torch_paths_bytes(sources, tmp_path, monkeypatch, shard):
+    import converters.engine as engine
+
+    used = []
+    real = engine._convert_by_copy
+    monkeypatch.setattr(engine, "_convert_by_copy", lambda *a, **k: used.append(real(*a, **k)) or used[-1])
+    for key, src in sources.items():
+        fast, slow = tmp_path / f"fast-{'-'.join(map(str, key))}", tmp_path / f"slow-{'-'.join(map(str, key))}"
+        convert(src, fast, to="hf", max_shard_size=shard, workers=2)
+        assert used[-1] is True, f"{key}: the copy path was not taken"
+        monkeypatch.setenv("PMZ_COPY_PATH", "0")
+        convert(src, slow, to="hf", max_shard_size=shard, workers=2)
+        monkeypatch.delenv("PMZ_COPY_PATH")
+        assert used[-1] is False
+        a, b = _files(fast), _files(slow)
+        assert sorted(a) == sorted(b), f"{key}: files differ: {sorted(a)} vs {sorted(b)}"
+        for name in a:
+            assert a[name] == b[name], f"{key}: {name} differs between the copy and the torch path"
+        if shard == "20KB":
+            assert len([n for n in a if n.endswith(".safetensors")]) > 1
+
+
+def test_dtype_change_takes_the_torch_path(sources, tmp_path, monkeypatch):
+    import converters.engine as engine
+
+    used = []
+    real = engine._convert_by_copy
+    monkeypatch.setattr(engine, "_convert_by_copy", lambda *a, **k: used.append(real(*a, **k)) or used[-1])
+    convert(sources[("qwen2", "megatron", 2, 2, 1)], tmp_path / "bf16", to="hf", dtype="bf16")
+    assert used == [False]
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "bf16" / "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+
+
+def test_cli_conversion_to_hf_never_imports_torch(sources, tmp_path):
+    src = sources[("qwen2", "megatron", 2, 2, 1)]
+    code = ("import sys\nfrom converters.cli import main\n"
+            f"rc = main(['convert', {str(src)!r}, {str(tmp_path / 'out')!r}, '--to', 'hf', '--quiet'])\n"
+            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', rc)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=str(tmp_path),
+                         timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().splitlines()[-1] == "NO-TORCH 0", res.stdout + res.stderr
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_column_split_pieces_that_do_not_cover_a_row_are_refused():
+    from converters.copy_plan import Block, rows_ops
+    from converters.raw_files import RawTensor
+    from models.common.errors import CheckpointError
+
+    left = RawTensor("/nonexistent", 0, "F32", (4, 3))
+    with pytest.raises(CheckpointError, match="cover 3 of 6 columns"):
+        rows_ops([Block(0, 0, left)], (4, 6), 0, 4, "t")
+    right = RawTensor("/nonexistent", 48, "F32", (4, 2))
+    with pytest.raises(CheckpointError, match="columns 3..4"):
+        rows_ops([Block(0, 0, left), Block(0, 4, right)], (4, 6), 0, 4, "t")
