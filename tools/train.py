@@ -1,13 +1,20 @@
 """Train a tiny Qwen2 on synthetic data with any TP/PP/VPP/CP/Ulysses/DP layout (torchrun-ready).
 
-    torchrun --nproc-per-node 4 tools/train.py --tp 2 --pp 2 --steps 20
+    torchrun --standalone --nproc-per-node 4 tools/train.py --tp 2 --pp 2 --steps 20
     python tools/train.py --pp 2 --vpp 2 --dp 1          # spawns tp*ulysses*cp*pp*dp gloo processes itself
     python tools/train.py --cp 2 --ulysses 2 --fsdp --dp 1 --recompute full
+    python tools/train.py --tp 2 --loss-log runs/tp2.log # also write the per-step loss to a file
 
 Each step: the global batch (``--batch`` samples of random lengths, a learnable synthetic task:
 the next token is (token * 3 + 1) mod vocab) is split over DP ranks, ``forward_backward`` runs it
 in ``--microbatches`` balanced micro-batches with ``--schedule``, AdamW steps. Rank 0 shows a
-progress bar and writes the loss log (``--log``, one ``step loss`` line per step).
+progress bar with the current loss and prints the final loss. No file is written unless
+``--loss-log PATH`` is given: then rank 0 writes one ``step loss`` line per step there (parent
+folders are created; a relative path is relative to the current directory; ``runs/`` is
+gitignored for this). Under torchrun the world size comes from torchrun (``--dp`` is derived);
+option names are never abbreviated, so none of them can be taken for one of torchrun's own
+(torchrun prefix-matches, e.g. a ``--log`` after the script name fails as ambiguous with its
+``--log-dir`` / ``--logs-specs``).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models.qwen2 import build_parallel_model  # noqa: E402
 from parallel import ParallelConfig  # noqa: E402
 from parallel.launch import run_distributed  # noqa: E402
+from parallel.pipeline import MULTI_STAGE, SCHEDULES  # noqa: E402
 
 
 def synthetic_batch(step: int, batch: int, max_len: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,7 +69,10 @@ def train(args: argparse.Namespace) -> None:
         from tqdm import tqdm
 
         bar = tqdm(total=args.steps, desc=f"train {pconfig.describe()} dp={groups.dp_size}", unit="step")
-    log = open(args.log, "w") if rank == 0 and args.log else None
+    log = None
+    if rank == 0 and args.loss_log:
+        Path(args.loss_log).parent.mkdir(parents=True, exist_ok=True)
+        log = open(args.loss_log, "w")
     start = time.perf_counter()
     for step in range(args.steps):
         flat, cu = synthetic_batch(step, args.batch, args.seq, args.vocab, args.seed)
@@ -82,33 +93,55 @@ def train(args: argparse.Namespace) -> None:
             if log:
                 log.write(f"{step} {loss.item():.6f}\n")
                 log.flush()
+    if log:
+        log.close()
     if rank == 0:
         bar.close()
         print(f"final loss {loss.item():.4f} after {args.steps} steps in {time.perf_counter() - start:.1f}s")
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except the empty ones of switches and optional paths."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--vpp", type=int, default=1)
-    p.add_argument("--cp", type=int, default=1, help="context-parallel size (ring attention)")
-    p.add_argument("--cp-comm", default="ring", choices=["ring", "allgather"])
-    p.add_argument("--ulysses", type=int, default=1, help="Ulysses sequence-parallel size")
-    p.add_argument("--fsdp", action="store_true", help="FSDP2 over the dp x cp x ulysses ranks")
-    p.add_argument("--recompute", default="none", choices=["none", "full"])
-    p.add_argument("--dp", type=int, default=1, help="data-parallel size when spawning (torchrun: derived)")
-    p.add_argument("--schedule", default="1f1b")
-    p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--batch", type=int, default=8, help="global batch (samples), split over DP")
-    p.add_argument("--seq", type=int, default=32, help="max sample length")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--vocab", type=int, default=128)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log", default="train_loss.log")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False,
+                                formatter_class=_HelpFormatter)
+    layout = p.add_argument_group("parallel layout (world size = tp * ulysses * cp * pp * dp)")
+    layout.add_argument("--tp", type=int, default=1, help="tensor-parallel size (sequence parallelism on when > 1)")
+    layout.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (stages)")
+    layout.add_argument("--vpp", type=int, default=1,
+                        help="virtual pipeline chunks per stage (> 1 needs an interleaved --schedule)")
+    layout.add_argument("--cp", type=int, default=1, help="context-parallel size (ring attention)")
+    layout.add_argument("--cp-comm", default="ring", choices=["ring", "allgather"],
+                        help="how context-parallel ranks exchange keys/values")
+    layout.add_argument("--ulysses", type=int, default=1, help="Ulysses sequence-parallel size")
+    layout.add_argument("--fsdp", action="store_true", help="FSDP2 over the dp x cp x ulysses ranks")
+    layout.add_argument("--recompute", default="none", choices=["none", "full"],
+                        help="activation recomputation: full checkpoints every decoder layer")
+    layout.add_argument("--dp", type=int, default=1,
+                        help="data-parallel size when this script spawns the processes (under torchrun: "
+                             "derived from the world size, this flag is ignored)")
+    run = p.add_argument_group("training")
+    run.add_argument("--schedule", default="1f1b", choices=SCHEDULES,
+                     help=f"pipeline schedule; with --vpp > 1 one of {', '.join(MULTI_STAGE)}")
+    run.add_argument("--microbatches", type=int, default=4, help="micro-batches per step")
+    run.add_argument("--steps", type=int, default=30, help="optimizer steps")
+    run.add_argument("--batch", type=int, default=8, help="global batch (samples), split over DP")
+    run.add_argument("--seq", type=int, default=32, help="max sample length (tokens; samples are max/2..max)")
+    run.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    run.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the synthetic data")
+    run.add_argument("--loss-log", metavar="PATH", default=None,
+                     help="write one 'step loss' line per step to this file (rank 0); without it no file is written")
+    model = p.add_argument_group("model (a tiny random Qwen2: 4 heads, 2 KV heads, tied embeddings)")
+    model.add_argument("--layers", type=int, default=4, help="decoder layers")
+    model.add_argument("--hidden", type=int, default=64, help="hidden size (the MLP is twice as wide)")
+    model.add_argument("--vocab", type=int, default=128, help="vocabulary size")
     args = p.parse_args()
     if "RANK" in os.environ:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
