@@ -3,8 +3,9 @@
 Per rank, in the same run: (a) bytes of full HF tensors received per second by ``iter_export("hf")``
 for several bucket sizes, with the collective transport, with ``transport="shm"`` reading buckets in
 place, and with ``transport="shm"`` plus a copy of every bucket into memory the consumer keeps
-(what an engine loading the weights pays); ``iter_export("vllm", target_tp=2)`` (vLLM rank 0's shards) on both transports; (b) a plain single-threaded copy of the same number of bytes (the memcpy
-rate: the ceiling for moving the model once), (c) ``iter_hf_weights`` (the TP-only gather that
+(what an engine loading the weights pays); ``iter_export("vllm", target_tp=2)`` (vLLM rank 0's
+shards) on both transports; (b) a plain single-threaded copy of the same number of bytes (the
+memcpy rate: the ceiling for moving the model once), (c) ``iter_hf_weights`` (the TP-only gather that
 existed before: each rank gets only its own stage's tensors), per byte it delivers. Ratios are
 against (b) measured on the same rank.
 
@@ -62,9 +63,11 @@ def body(hidden: int, layers: int, buckets_mb: list[int], repeats: int) -> dict:
 
     total = 0
     for mb in buckets_mb:
-        total = timed(f"export_{mb}MB", lambda: model.iter_export("hf", bucket_bytes=mb << 20))
-        timed(f"shm_{mb}MB", lambda: model.iter_export("hf", bucket_bytes=mb << 20, transport="shm"))
-        timed(f"shm+copy_{mb}MB", lambda: model.iter_export("hf", bucket_bytes=mb << 20, transport="shm"), copied)
+        size = mb << 20
+        total = timed(f"export_{mb}MB", lambda size=size: model.iter_export("hf", bucket_bytes=size))
+        timed(f"shm_{mb}MB", lambda size=size: model.iter_export("hf", bucket_bytes=size, transport="shm"))
+        timed(f"shm+copy_{mb}MB", lambda size=size: model.iter_export("hf", bucket_bytes=size, transport="shm"),
+              copied)
     mb = buckets_mb[len(buckets_mb) // 2]
     timed(f"vllm_tp2_{mb}MB", lambda: model.iter_export("vllm", bucket_bytes=mb << 20, target_tp=2, target_rank=0))
     timed(f"vllm_tp2_shm_{mb}MB", lambda: model.iter_export("vllm", bucket_bytes=mb << 20, target_tp=2, target_rank=0,
@@ -89,11 +92,13 @@ def body(hidden: int, layers: int, buckets_mb: list[int], repeats: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--buckets-mb", type=int, nargs="+", default=[16, 64, 256])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=1024, help="hidden size of the Llama (fp32; 16 heads, 4 KV)")
+    parser.add_argument("--layers", type=int, default=16, help="decoder layers (a multiple of pp=2)")
+    parser.add_argument("--buckets-mb", type=int, nargs="+", default=[16, 64, 256],
+                        help="iter_export bucket sizes (MiB) to time; the middle one is used for the vLLM rows")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repetitions per row (median)")
     args = parser.parse_args()
     per_rank = run_distributed(4, body, args.hidden, args.layers, args.buckets_mb, args.repeats)
     total = per_rank[0]["memcpy"][0]

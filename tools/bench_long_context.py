@@ -76,7 +76,7 @@ def memory_body(kwargs: dict, lengths: list[int]) -> list[int]:
     result = []
     for length in lengths:
         ids = _batch(length, cfg.vocab_size)
-        result.append(saved_bytes(model, lambda: model(ids, labels=ids, return_logits=False).loss))
+        result.append(saved_bytes(model, lambda ids=ids: model(ids, labels=ids, return_logits=False).loss))
     return result
 
 
@@ -106,15 +106,21 @@ def speed_body(kwargs: dict, lengths: list[int], repeats: int) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
-    parser.add_argument("--speed-lengths", type=int, nargs="+", default=[2048, 8192, 16384])
-    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--only", choices=["memory", "speed"], help="run one part")
-    parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(DEFAULT_LAYOUTS))
-    parser.add_argument("--json", help="write all figures here")
-    parser.add_argument("--plot", help="write the memory plot (PNG) here")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384],
+                        help="sequence lengths (tokens) for the activation-memory part (a)")
+    parser.add_argument("--speed-lengths", type=int, nargs="+", default=[2048, 8192, 16384],
+                        help="sequence lengths (tokens) for the step-speed part (b)")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4],
+                        help="rank counts N per layout (speed: only N <= cores)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="timed training steps per point in part (b) (median; one more warms up)")
+    parser.add_argument("--only", choices=["memory", "speed"], help="run only part (a) memory or (b) speed")
+    parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(DEFAULT_LAYOUTS),
+                        help="layouts to measure")
+    parser.add_argument("--json", metavar="PATH", help="also write all figures to this JSON file")
+    parser.add_argument("--plot", metavar="PATH", help="also write the memory plot (PNG, needs .[bench]) here")
     args = parser.parse_args()
     cores = os.cpu_count() or 1
 

@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--hidden", type=int, default=512, help="hidden_size")
     p.add_argument("--layers", type=int, default=4, help="num_hidden_layers")
@@ -59,12 +59,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ffn", type=int, default=1408, help="intermediate_size")
     p.add_argument("--vocab", type=int, default=32000, help="vocab_size")
     p.add_argument("--tied", action="store_true", help="tie_word_embeddings=True")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--batch", type=int, default=4, help="sequences per step")
+    p.add_argument("--seq", type=int, default=512, help="tokens per sequence")
     p.add_argument("--steps", type=int, default=6, help="timed steps per model (interleaved rounds)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per model before timing (>= 1)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and input ids")
     p.add_argument("--model-dir", default=None,
                    help="load ours and transformers' from this saved HF Qwen2 directory (size flags ignored)")
     return p.parse_args(argv)
@@ -156,7 +156,8 @@ def main(argv=None) -> int:
             step()
     ref = losses["hf-eager"]
     print("loss:   " + "  ".join(f"{n}={v:.6f}" for n, v in losses.items())
-          + f"  |Δloss| ours-eager={abs(losses['ours'] - ref):.2e} ours-sdpa={abs(losses['ours'] - losses['hf-sdpa']):.2e}")
+          + f"  |Δloss| ours-eager={abs(losses['ours'] - ref):.2e}"
+          + f" ours-sdpa={abs(losses['ours'] - losses['hf-sdpa']):.2e}")
     g = {n: p.grad for n, p in models["ours"].named_parameters()}
     ours_grads = dict(models["ours"].iter_hf_weights(g))
     hf_params = dict(models["hf-eager"].named_parameters())

@@ -84,14 +84,16 @@ def run(args) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--pp", type=int, default=2)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--tokens", type=int, default=256)
-    p.add_argument("--microbatches", type=int, nargs="+", default=[2, 4, 8])
-    p.add_argument("--reps", type=int, default=3)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--pp", type=int, default=2, help="pipeline stages = gloo processes spawned (keep <= cores)")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers of the Qwen2 (a multiple of pp * 2)")
+    p.add_argument("--hidden", type=int, default=256, help="hidden size (the MLP is 3x as wide)")
+    p.add_argument("--vocab", type=int, default=1024, help="vocabulary size")
+    p.add_argument("--tokens", type=int, default=256, help="tokens per micro-batch")
+    p.add_argument("--microbatches", type=int, nargs="+", default=[2, 4, 8],
+                   help="micro-batch counts m to measure (each a multiple of pp for the interleaved schedule)")
+    p.add_argument("--reps", type=int, default=3, help="timed repetitions per point (median; one more warms up)")
     args = p.parse_args()
     run_distributed(args.pp, run, args)
 

@@ -60,7 +60,8 @@ def run(directory: str, tp: int, steps: int) -> None:
     if rank == 0:
         print(f"[demo] Qwen2 {model.config.num_hidden_layers} layers, hidden {model.config.hidden_size}, "
               f"{pconfig.describe()} on {dist.get_world_size()} gloo processes; rank 0 holds "
-              f"{sum(p.numel() for p in model.parameters()):,} of {sum(p.numel() for p in hf.parameters()):,} parameters")
+              f"{sum(p.numel() for p in model.parameters()):,} of "
+              f"{sum(p.numel() for p in hf.parameters()):,} parameters")
         print(f"[demo] max |Δlogit| vs transformers: {(out.logits - ref.logits).abs().max().item():.2e}")
         print(f"[demo] loss: ours {out.loss.item():.6f}  transformers {ref.loss.item():.6f}")
         print("[demo] training (AdamW lr=1e-3), loss per step:   ours        transformers")
@@ -89,7 +90,8 @@ def long_context(directory: str, hf) -> None:
     from models.common.sources import StateDictSource
 
     pconfig = ParallelConfig(cp=world)
-    state = {k: v.detach() for k, v in hf.state_dict().items() if not (hf.config.tie_word_embeddings and k == "lm_head.weight")}
+    tied = hf.config.tie_word_embeddings
+    state = {k: v.detach() for k, v in hf.state_dict().items() if not (tied and k == "lm_head.weight")}
     model = build_parallel_model((hf.config, StateDictSource(state)), pconfig)  # transformers' trained weights
     lengths = [37, 5, 61, 20]
     gen = torch.Generator().manual_seed(2)
@@ -105,9 +107,12 @@ def long_context(directory: str, hf) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=4)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--tp", type=int, default=2,
+                        help="processes to spawn = tensor-parallel size (under torchrun: the world size, "
+                             "this flag is ignored); the context-parallel part uses the same ranks")
+    parser.add_argument("--steps", type=int, default=4, help="training steps run side by side with transformers")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="pmz-demo-") as tmp:
         directory = Path(tmp) / "tiny-qwen2"

@@ -44,17 +44,19 @@ MUTATIONS = (
                "return [t.reshape(-1, *rest).contiguous() for t in (q, v, k)]")),
              ("tests/test_convert_megatron.py", "tests/test_convert_roundtrip.py")),
     Mutation("gate-up-swap-megatron", "gate/up order swapped in Megatron linear_fc1 (writer and reader)",
-             (("converters/megatron_layout.py", "        return torch.cat(list(tensors), dim=0)\n    if layout == VOCAB_PADDED:",
+             (("converters/megatron_layout.py",
+               "        return torch.cat(list(tensors), dim=0)\n    if layout == VOCAB_PADDED:",
                "        return torch.cat(list(tensors)[::-1], dim=0)\n    if layout == VOCAB_PADDED:"),
               ("converters/megatron_layout.py", "return [t.contiguous() for t in full.chunk(2, dim=0)]",
                "return [t.contiguous() for t in full.chunk(2, dim=0)][::-1]")),
              ("tests/test_convert_megatron.py",)),
     Mutation("row-bias-split", "row-parallel o_proj bias split over TP in the weight map",
-             (("models/common/weights.py", '(layer + "self_attn.o_proj.bias",), (rep,)',
+             (("models/common/weight_map.py", '(layer + "self_attn.o_proj.bias",), (rep,)',
                '(layer + "self_attn.o_proj.bias",), (col,)'),),
              ("tests/test_tp_parity.py", "tests/test_convert_megatron.py", "tests/test_vllm.py")),
     Mutation("megatron-vocab-padding", "Megatron vocab padded to divisible_by only (not times tp)",
-             (("converters/megatron_layout.py", "    multiple = divisible_by * tp\n", "    multiple = divisible_by\n"),),
+             (("converters/megatron_layout.py", "    multiple = divisible_by * tp\n",
+               "    multiple = divisible_by\n"),),
              ("tests/test_convert_megatron.py",)),
     Mutation("vllm-vocab-padding", "vLLM vocabulary padded to 128 instead of 64",
              (("models/common/vllm_format.py", "VOCAB_MULTIPLE = 64", "VOCAB_MULTIPLE = 128"),),
@@ -124,9 +126,11 @@ def run_mutation(m: Mutation, python: str) -> tuple[str, float, str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", nargs="*", help="mutation names to run (default: all)")
-    parser.add_argument("--write", help="also write the result table to this markdown file")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--only", nargs="*", metavar="NAME",
+                        help=f"mutation names to run (default: all; the control always runs): "
+                             f"{', '.join(m.name for m in MUTATIONS)}")
+    parser.add_argument("--write", metavar="PATH", help="also write the result table to this markdown file")
     args = parser.parse_args()
     python = str(ROOT / ".venv" / "bin" / "python")
     chosen = [CONTROL] + [m for m in MUTATIONS if not args.only or m.name in args.only]
