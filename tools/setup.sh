@@ -21,8 +21,9 @@ if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
     pip_q "torch==2.13.0"
   fi
 fi
+# the project (editable) and its dev extra: pytest, hypothesis, megatron-core, ruff (tests/test_lint.py)
 if ! "$VPY" -c "import models, parallel, converters, transformers, safetensors, pytest, hypothesis" >/dev/null 2>&1 \
-   || [ pyproject.toml -nt .venv/.pmz-installed ]; then
+   || [ ! -x .venv/bin/ruff ] || [ pyproject.toml -nt .venv/.pmz-installed ]; then
   pip_q -e ".[dev]"
   touch .venv/.pmz-installed
 fi
