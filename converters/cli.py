@@ -1,18 +1,41 @@
-"""The ``pmz`` command. Errors users can cause end in one line on stderr and exit status 1."""
+"""The ``pmz`` command.
+
+Every failure ends in one line on stderr: errors users can cause (a bad checkpoint, an impossible
+layout, an unwritable destination: CheckpointError, ParallelConfigError, UnsupportedConfigError,
+other ValueErrors, OSError) exit 1; a bad argument exits 2 (argparse's convention, before anything
+is read); Ctrl-C exits 130 and SIGTERM 143, after the conversion removed its temp dir. A closed
+stdout (``pmz inspect X | head -1``) ends the command quietly.
+
+Module-level imports stay torch-free: ``pmz --version``, ``--help`` and argument errors never load
+torch (the converters import it only where a conversion needs it).
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 
-from models.common.config import UnsupportedConfigError
+from models.common.config import UnsupportedConfigError  # these three modules are plain Python (no torch)
 from models.common.errors import CheckpointError
 from parallel.config import ParallelConfigError
+
+TARGETS = ["hf", "megatron", "megatron-dist", "vllm"]
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that conversions clean up as they do for Ctrl-C."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise _Terminated()
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from converters.inspect import inspect_checkpoint
 
+    _check_hf_sizes(args.path)
     info = inspect_checkpoint(args.path, vocab_size=args.vocab_size, hf_config=args.hf_config)
     width = max(len(k) for k in info)
     for key, value in info.items():
@@ -31,14 +54,14 @@ def _cmd_convert(args: argparse.Namespace) -> int:
                   arch=args.arch, vocab_size=args.vocab_size, dtype=args.dtype, overwrite=args.overwrite,
                   workers=args.workers, max_shard_size=args.max_shard_size,
                   make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, progress=not args.quiet)
-    if not args.quiet:
-        print(f"wrote {args.to} checkpoint to {dst}")
+    print(f"wrote {args.to} checkpoint to {dst}")
     return 0
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     from converters.verify import verify
 
+    _check_hf_sizes(args.a, args.b)
     report = verify(args.a, args.b, atol=args.atol, rtol=args.rtol, logits=args.logits, logits_atol=args.logits_atol,
                     vocab_size=args.vocab_size, hf_config=args.hf_config)
     width = max((len(r[0]) for r in report.rows), default=10)
@@ -54,58 +77,191 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 1
 
 
+def _check_hf_sizes(*paths: str) -> None:
+    """config.json of an HF checkpoint against its safetensors headers, before a reader builds tables
+    sized by the config (the HF reader does not check this itself yet)."""
+    from converters.formats import detect_format
+    from converters.hf_config import check_hf_directory
+
+    for path in paths:
+        if detect_format(path) == "hf":
+            check_hf_directory(path)
+
+
+# ---------------------------------------------------------------------------------------------- arguments
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not value >= 0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be a non-negative number, got {text}")
+    return value
+
+
+def _size(text: str) -> str:
+    from models.common.sizes import parse_size  # plain Python, no torch
+
+    try:
+        value = parse_size(text)
+    except (ValueError, OverflowError):
+        raise argparse.ArgumentTypeError(f"cannot read size {text!r} (use e.g. 5GB, 500MB, 512MiB)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive size, got {text!r}")
+    return text
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("parallel-model-zoo")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: the installed distribution's version, looked up only when asked for."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None) -> None:
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(f"pmz {_version()}")
+        parser.exit()
+
+
+class _Parser(argparse.ArgumentParser):
+    """Argument errors in one line (usage is one ``--help`` away), exit status 2."""
+
+    def error(self, message: str) -> None:
+        message = " ".join(message.split())
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pmz", description="Parallel model zoo checkpoint tools (CPU only).")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="pmz", description="Parallel model zoo checkpoint tools (CPU only).")
+    parser.add_argument("--version", action=_VersionAction, help="print the version of pmz and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def source_options(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--hf-config", metavar="DIR", help="HF directory whose config (and tokenizer files) describe the model")
-        p.add_argument("--vocab-size", type=int, help="real vocabulary size when a Megatron checkpoint records only the padded one")
+        p.add_argument("--hf-config", metavar="DIR",
+                       help="HF directory whose config (and tokenizer files) describe the model")
+        p.add_argument("--vocab-size", type=_positive_int, metavar="N",
+                       help="real vocabulary size when a Megatron checkpoint records only the padded one")
 
     p = sub.add_parser("convert", help="convert between hf, megatron (legacy torch) and megatron-dist (torch_dist); "
-                                       "write vllm (sharded_state)")
-    p.add_argument("src")
-    p.add_argument("dst")
-    p.add_argument("--to", required=True, choices=["hf", "megatron", "megatron-dist", "vllm"])
-    p.add_argument("--tp", type=int, default=1, help="target tensor-parallel size (Megatron and vLLM targets)")
-    p.add_argument("--pp", type=int, default=1, help="target pipeline-parallel size (Megatron and vLLM targets)")
-    p.add_argument("--vpp", type=int, default=1, help="target virtual pipeline chunks per stage (Megatron targets)")
-    p.add_argument("--arch", choices=["llama", "qwen2"], help="architecture of a Megatron source (default: from its args)")
+                                       "write vllm (sharded_state)",
+                       description="Convert a checkpoint (format detected) to another format and parallel layout. "
+                                   "Output is written to a temp dir beside DST and renamed into place when complete.")
+    p.add_argument("src", help="source checkpoint: an HF directory or a Megatron checkpoint (legacy or torch_dist)")
+    p.add_argument("dst", help="destination directory (must not exist unless --overwrite; missing parent "
+                               "directories are created)")
+    p.add_argument("--to", required=True, choices=TARGETS, help="target format")
+    p.add_argument("--tp", type=_positive_int, metavar="N",
+                   help="target tensor-parallel size (Megatron and vLLM targets; default: a Megatron source's, else 1)")
+    p.add_argument("--pp", type=_positive_int, metavar="N",
+                   help="target pipeline-parallel size (Megatron and vLLM targets; default: a Megatron source's "
+                        "stages, else 1)")
+    p.add_argument("--vpp", type=_positive_int, metavar="N",
+                   help="target virtual pipeline chunks per stage (Megatron targets; default: a Megatron source's "
+                        "when --pp is not given, else 1)")
+    p.add_argument("--arch", choices=["llama", "qwen2"],
+                   help="architecture of a Megatron source (default: from its args)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="output dtype (default: the source's)")
-    p.add_argument("--max-shard-size", default="5GB", help="largest HF safetensors file / vLLM part (default 5GB)")
-    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+    p.add_argument("--max-shard-size", default="5GB", type=_size, metavar="SIZE",
+                   help="largest HF safetensors file / vLLM part, e.g. 5GB, 500MB, 512MiB (default 5GB)")
+    p.add_argument("--make-vocab-size-divisible-by", type=_positive_int, default=128, metavar="N",
                    help="Megatron vocab padding unit (multiplied by tp), default 128")
-    p.add_argument("--workers", type=int, help="worker processes (default min(4, cores))")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing destination")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--workers", type=_positive_int, metavar="N", help="worker processes (default min(4, cores))")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing destination (atomically)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (the final 'wrote ...' line still prints)")
     source_options(p)
     p.set_defaults(func=_cmd_convert)
 
-    p = sub.add_parser("inspect", help="format, architecture, parallel layout, parameter count, dtypes, size")
-    p.add_argument("path")
+    p = sub.add_parser("inspect", help="format, architecture, parallel layout, parameter count, dtypes, size",
+                       description="Describe a checkpoint from its headers and metadata (tensor data is not read).")
+    p.add_argument("path", help="checkpoint directory: HF, Megatron legacy or torch_dist")
     source_options(p)
     p.set_defaults(func=_cmd_inspect)
 
-    p = sub.add_parser("verify", help="tensor-by-tensor comparison of two checkpoints (any formats)")
-    p.add_argument("a")
-    p.add_argument("b")
-    p.add_argument("--atol", type=float, default=0.0, help="max abs difference allowed per tensor (default 0: exact)")
-    p.add_argument("--rtol", type=float, default=0.0, help="max relative difference allowed per tensor")
+    p = sub.add_parser("verify", help="tensor-by-tensor comparison of two checkpoints (any formats)",
+                       description="Compare two checkpoints tensor by tensor in HF names; exit 1 on a mismatch.")
+    p.add_argument("a", help="first checkpoint (any supported format)")
+    p.add_argument("b", help="second checkpoint (any supported format)")
+    p.add_argument("--atol", type=_non_negative_float, default=0.0,
+                   help="max abs difference allowed per tensor (default 0: exact)")
+    p.add_argument("--rtol", type=_non_negative_float, default=0.0,
+                   help="max relative difference allowed per tensor (default 0)")
     p.add_argument("--logits", action="store_true", help="also compare transformers' logits on a fixed prompt")
-    p.add_argument("--logits-atol", type=float, default=1e-4)
+    p.add_argument("--logits-atol", type=_non_negative_float, default=1e-4,
+                   help="max abs difference allowed between the logits with --logits (default 1e-4)")
     source_options(p)
     p.set_defaults(func=_cmd_verify)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())  # one line, even when a library's message spans several
+
+
+def _silence_stdout() -> None:
+    """After EPIPE: point stdout at /dev/null so the interpreter's final flush does not fail again."""
     try:
-        return args.func(args)
-    except (CheckpointError, ParallelConfigError, UnsupportedConfigError, ValueError, FileNotFoundError) as exc:
-        message = " ".join(str(exc).split())  # one line, even when a library's message spans several
-        print(f"pmz {args.command}: error: {message}", file=sys.stderr)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout without a file descriptor (captured in tests)
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "convert" and args.to == "hf":
+        given = [f"--{k}" for k in ("tp", "pp", "vpp") if getattr(args, k) is not None]
+        if given:
+            print(f"pmz convert: error: {'/'.join(given)} given for --to hf: an HF checkpoint has no parallel "
+                  f"layout (--tp/--pp/--vpp apply to Megatron and vLLM targets) (see pmz convert --help)",
+                  file=sys.stderr)
+            return 2
+    previous = None
+    try:
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # not the main thread: SIGTERM keeps its current handling
+        pass
+    try:
+        rc = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handlers below
+        return rc
+    except BrokenPipeError:
+        _silence_stdout()
         return 1
+    except KeyboardInterrupt:
+        print(f"pmz {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except _Terminated:
+        print(f"pmz {args.command}: terminated (SIGTERM)", file=sys.stderr)
+        return 143
+    except (CheckpointError, ParallelConfigError, UnsupportedConfigError, ValueError, OSError) as exc:
+        # OSError: PermissionError, a vanished file, ... (write failures arrive as CheckpointError)
+        print(f"pmz {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+        return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

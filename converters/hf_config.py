@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 from models.common.errors import CheckpointError
 from models.common.hf_files import read_config_json
@@ -51,6 +51,67 @@ def read_hf_config(directory: str | Path) -> HFConfig:
         if not isinstance(data.get(key), int) or data[key] <= 0:
             raise CheckpointError(f"{path}: '{key}' must be a positive integer, found {data.get(key)!r}")
     return HFConfig(data)
+
+
+def check_config_against_tensors(config_path: str | Path, cfg: Any, wmap: Any, shapes: Mapping[str, Sequence[int]],
+                                 files: Mapping[str, str] | None = None) -> None:
+    """The sizes of ``config.json`` against the tensors actually present, before anything sized by the
+    config (per-layer shape tables, layouts) is built: a config claiming 10^9 layers or a huge hidden
+    size must fail here, not run out of memory.
+
+    ``cfg`` is the model config (``num_hidden_layers``, ``vocab_size``, ``hidden_size``), ``wmap``
+    its weight map (layer name templates, embedding name), ``shapes`` the tensors of the checkpoint
+    (name -> shape) and ``files`` optionally the file holding each one. CheckpointError names
+    ``config_path``, the numbers and the file.
+    """
+    layers: set[int] = set()
+    if wmap.layer_entries:
+        prefix = wmap.layer_entries[0].hf[0].split("{i}")[0]  # "model.layers."
+        for name in shapes:
+            if name.startswith(prefix):
+                index = name[len(prefix):].split(".", 1)[0]
+                if index.isdigit():
+                    layers.add(int(index))
+        wanted = cfg.num_hidden_layers
+        if len(layers) != wanted or (layers and max(layers) != wanted - 1):
+            raise CheckpointError(f"{config_path}: num_hidden_layers={wanted}, but the weights hold "
+                                  f"{_describe_layers(layers, prefix)}")
+    embed = wmap.first_entries[0].hf[0] if wmap.first_entries else None
+    if embed in shapes and tuple(shapes[embed]) != (cfg.vocab_size, cfg.hidden_size):
+        where = f" in {files[embed]}" if files and embed in files else ""
+        raise CheckpointError(f"{config_path}: vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}, but "
+                              f"{embed}{where} has shape {tuple(shapes[embed])}")
+
+
+def _describe_layers(layers: set[int], prefix: str) -> str:
+    if not layers:
+        return f"no {prefix}* tensors"
+    ordered = sorted(layers)
+    runs, start = [], ordered[0]
+    for a, b in zip(ordered, ordered[1:] + [None]):
+        if b != a + 1:
+            runs.append(f"{start}" if start == a else f"{start}..{a}")
+            start = b
+    shown = ", ".join(runs[:6]) + (", ..." if len(runs) > 6 else "")
+    return f"{len(layers)} layer(s) ({prefix}{shown})"
+
+
+def check_hf_directory(directory: str | Path) -> None:
+    """``check_config_against_tensors`` for an HF directory: config.json against the headers of its
+    safetensors files (headers only; no torch). Run it before reading the checkpoint with a reader."""
+    from converters.checkpoint import architecture_for, conversion_weight_map
+    from converters.raw_files import read_safetensors
+
+    config = read_hf_config(directory)
+    arch = architecture_for(config.model_type, str(directory))
+    cfg = arch.model_config(config)
+    wmap = conversion_weight_map(arch, cfg)
+    shapes: dict[str, tuple[int, ...]] = {}
+    files: dict[str, str] = {}
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        for name, tensor in read_safetensors(path).items():
+            shapes[name], files[name] = tuple(tensor.shape), path.name
+    check_config_against_tensors(Path(directory) / "config.json", cfg, wmap, shapes, files)
 
 
 def config_from_fields(model_type: str, **fields: Any) -> HFConfig:

@@ -3,7 +3,8 @@
 The target layout is validated against the model before anything is written. Legacy output is
 written one rank file per task: the stage's units are read one at a time, turned into Megatron
 full tensors (``megatron_layout.hf_to_megatron``), and only this TP rank's shard is kept; the file
-is saved with ``torch.save`` (a legacy rank file must be pickled whole, so a task holds one file).
+is saved with ``torch.save`` (a legacy rank file must be pickled whole, so a task holds one file),
+through a Python file object so that a failed write keeps its errno (see ``converters.tasks.os_error_of``).
 """
 
 from __future__ import annotations
@@ -103,9 +104,13 @@ def write_legacy_rank(reopen_args: tuple, target: MegatronTarget, directory: str
     reader.close()
     rank_dir = Path(directory) / legacy_rank_dir_name(t, p, target.pp)
     rank_dir.mkdir(parents=True, exist_ok=True)
-    torch.save({"args": target.args, "checkpoint_version": 3.0, "iteration": target.iteration or 0, **state},
-               rank_dir / RANK_FILE)
-    return (rank_dir / RANK_FILE).stat().st_size
+    path = rank_dir / RANK_FILE
+    # Saved through a Python file object: a failed write (disk full) then surfaces as the OSError
+    # with its errno (as the context of torch's RuntimeError), where saving to a path gives only
+    # torch's opaque "inline_container" error.
+    with open(path, "wb") as f:
+        torch.save({"args": target.args, "checkpoint_version": 3.0, "iteration": target.iteration or 0, **state}, f)
+    return path.stat().st_size
 
 
 def iteration_folder(root: Path, iteration: int | None) -> Path:

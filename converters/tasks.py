@@ -1,18 +1,68 @@
 """Running conversion tasks in worker processes (the lowest converter layer: nothing here imports
-other converter modules, so readers, writers and the engine can all point down to it)."""
+other converter modules, so readers, writers and the engine can all point down to it).
+
+Workers die with the process that started them: on Linux each sets ``PR_SET_PDEATHSIG`` (SIGKILL
+when the parent dies), and everywhere each checks ``os.getppid()`` before a task, so a killed
+conversion leaves no process writing into its temp dir. Workers ignore SIGINT (Ctrl-C reaches the
+whole process group; the parent alone handles it and terminates the pool) and take SIGTERM's
+default action (the pool is terminated with it).
+
+A write that fails in a task (disk full, file size limit, read-only file system) reaches the
+caller as an ``OSError`` whose ``filename`` names the file being written, also when ``torch.save``
+wrapped it in its opaque ``inline_container`` RuntimeError (``os_error_of``).
+"""
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
+import os
+import signal
 import sys
 from typing import Any, Callable, Sequence
+
+_PARENT: int | None = None  # pid of the process that started this worker (None outside workers)
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+def _die_with_parent(parent: int) -> None:
+    """Ask Linux to SIGKILL this process when its parent dies; exit now if it already has."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+        except (OSError, AttributeError):
+            pass  # the getppid() checks below and before each task still apply
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
+
+
+def _worker_init(parent: int) -> None:
+    global _PARENT
+    _PARENT = parent
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked by the parent around the fork
+    _die_with_parent(parent)
 
 
 def _task_entry(payload: tuple) -> Any:
     fn, args = payload
+    if _PARENT is not None and os.getppid() != _PARENT:
+        os._exit(1)  # orphaned: nobody will use what this task writes
     if "torch" in sys.modules:  # one thread per worker process; the copy path never loads torch
         sys.modules["torch"].set_num_threads(1)
-    return fn(*args)
+    try:
+        return fn(*args)
+    except Exception as exc:
+        # The traceback (which names the file being written) and torch's exception chain do not
+        # survive the trip to the parent: resolve them here.
+        err = os_error_of(exc)
+        if err is None or err is exc:
+            raise
+        raise err from None
 
 
 def run_tasks(tasks: Sequence[tuple[Callable, tuple]], workers: int, desc: str, progress: bool) -> list:
@@ -31,7 +81,15 @@ def run_tasks(tasks: Sequence[tuple[Callable, tuple]], workers: int, desc: str, 
                     bar.update(1)
         else:
             method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-            with mp.get_context(method).Pool(min(workers, len(tasks))) as pool:
+            # Workers start with SIGINT/SIGTERM blocked until their initializer has set their own
+            # handlers: a Ctrl-C during the fork must not raise KeyboardInterrupt inside a worker.
+            previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+            try:
+                pool = mp.get_context(method).Pool(min(workers, len(tasks)), initializer=_worker_init,
+                                                   initargs=(os.getpid(),))
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+            with pool:  # leaving it (error, Ctrl-C, SIGTERM) terminates the workers and waits for them
                 for result in pool.imap(_task_entry, tasks):
                     results.append(result)
                     if bar:
@@ -40,3 +98,50 @@ def run_tasks(tasks: Sequence[tuple[Callable, tuple]], workers: int, desc: str, 
         if bar:
             bar.close()
     return results
+
+
+def os_error_of(exc: BaseException) -> OSError | None:
+    """The OSError behind ``exc``, with ``filename`` set to the file being written when the error does
+    not name one (a ``write()`` on a full disk does not): ``exc`` itself, the OSError ``torch.save``
+    wrapped in a RuntimeError, or, for a RuntimeError of torch's zip writer that kept no OSError
+    (``torch.save`` to a path), an OSError carrying its message. None for anything else."""
+    err: BaseException | None = None
+    if isinstance(exc, OSError):
+        err = exc
+    elif isinstance(exc, RuntimeError):
+        seen: set[int] = set()
+        cause: BaseException | None = exc
+        while cause is not None and id(cause) not in seen and not isinstance(cause, OSError):
+            seen.add(id(cause))
+            cause = cause.__cause__ or cause.__context__
+        err = cause
+        if err is None and ("PytorchStreamWriter" in str(exc) or "inline_container" in str(exc)):
+            err = OSError(f"torch.save failed ({' '.join(str(exc).split())})")
+    if not isinstance(err, OSError):
+        return None
+    if err.filename is None:
+        name = _file_being_written(exc.__traceback__) or _file_being_written(err.__traceback__)
+        if name is not None:
+            err.filename = name
+    return err
+
+
+def _file_being_written(tb) -> str | None:
+    """The innermost file open for writing in a traceback's frames (a local file object, or the
+    path argument of ``torch.save``)."""
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        for value in list(frame.f_locals.values()):
+            if isinstance(value, io.IOBase) and any(c in getattr(value, "mode", "") for c in "wax+"):
+                name = getattr(value, "name", None)
+                if isinstance(name, (str, bytes, os.PathLike)):
+                    return os.fsdecode(name)
+        code = frame.f_code
+        if code.co_name in ("save", "_save") and code.co_filename.endswith(os.path.join("torch", "serialization.py")):
+            target = frame.f_locals.get("f")
+            if isinstance(target, (str, bytes, os.PathLike)):
+                return os.fsdecode(target)
+    return None

@@ -24,7 +24,6 @@ from models.common.hf_files import COMPANION_SUFFIXES, copy_companion_files, rea
 from parallel.sharding import Piece, read_piece
 
 
-# Files that travel with an HF directory's weights: tokenizer, generation config, chat template, remote code.
 class TensorSource:
     def names(self) -> set[str]:
         raise NotImplementedError
@@ -138,7 +137,8 @@ def read_safetensors_header(path: Path) -> dict:
 
 
 class SafetensorsSource(TensorSource):
-    """Lazily-read HF safetensors checkpoint (single file or sharded with an index)."""
+    """Lazily-read HF safetensors checkpoint (single file or sharded with an index); a tensor stored in
+    two files is refused (CheckpointError naming both)."""
 
     def __init__(self, directory: str | os.PathLike) -> None:
         self.directory = Path(directory)
@@ -172,6 +172,10 @@ class SafetensorsSource(TensorSource):
             for name, info in header.items():
                 if name == "__metadata__":
                     continue
+                if name in self._file_of:  # which copy is meant is anyone's guess: refuse, naming both files
+                    listed = f" (the index lists {weight_map[name]})" if weight_map and name in weight_map else ""
+                    raise CheckpointError(f"{self.directory}: tensor {name!r} is stored twice, in "
+                                          f"{self._file_of[name]} and in {fname}{listed}")
                 self._file_of[name] = fname
                 self._shape[name] = tuple(info["shape"])
                 self._dtype[name] = info.get("dtype", "?")
@@ -187,6 +191,10 @@ class SafetensorsSource(TensorSource):
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._shape[name]
+
+    def file_of(self, name: str) -> str:
+        """The file (name within the directory) that holds tensor ``name``."""
+        return self._file_of[name]
 
     def dtype_name(self, name: str) -> str:
         """The safetensors dtype tag of ``name`` (e.g. "BF16"), read from the header."""
