@@ -9,7 +9,8 @@ default action (the pool is terminated with it).
 
 A write that fails in a task (disk full, file size limit, read-only file system) reaches the
 caller as an ``OSError`` whose ``filename`` names the file being written, also when ``torch.save``
-wrapped it in its opaque ``inline_container`` RuntimeError (``os_error_of``).
+wrapped it in its opaque ``inline_container`` RuntimeError or safetensors in its SafetensorError
+(``os_error_of``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import io
 import multiprocessing as mp
 import os
+import re
 import signal
 import sys
 from typing import Any, Callable, Sequence
@@ -104,7 +106,8 @@ def os_error_of(exc: BaseException) -> OSError | None:
     """The OSError behind ``exc``, with ``filename`` set to the file being written when the error does
     not name one (a ``write()`` on a full disk does not): ``exc`` itself, the OSError ``torch.save``
     wrapped in a RuntimeError, or, for a RuntimeError of torch's zip writer that kept no OSError
-    (``torch.save`` to a path), an OSError carrying its message. None for anything else."""
+    (``torch.save`` to a path), an OSError carrying its message; safetensors' SafetensorError with
+    its "(os error N)". None for anything else."""
     err: BaseException | None = None
     if isinstance(exc, OSError):
         err = exc
@@ -117,6 +120,10 @@ def os_error_of(exc: BaseException) -> OSError | None:
         err = cause
         if err is None and ("PytorchStreamWriter" in str(exc) or "inline_container" in str(exc)):
             err = OSError(f"torch.save failed ({' '.join(str(exc).split())})")
+    elif type(exc).__name__ == "SafetensorError":  # safetensors' save_file: "I/O error: ... (os error 28)"
+        code = re.search(r"\(os error (\d+)\)", str(exc))
+        if code is not None:
+            err = OSError(int(code.group(1)), os.strerror(int(code.group(1))))
     if not isinstance(err, OSError):
         return None
     if err.filename is None:
@@ -140,8 +147,16 @@ def _file_being_written(tb) -> str | None:
                 if isinstance(name, (str, bytes, os.PathLike)):
                     return os.fsdecode(name)
         code = frame.f_code
-        if code.co_name in ("save", "_save") and code.co_filename.endswith(os.path.join("torch", "serialization.py")):
-            target = frame.f_locals.get("f")
-            if isinstance(target, (str, bytes, os.PathLike)):
-                return os.fsdecode(target)
+        for (module, function), argument in _WRITERS.items():
+            if code.co_name == function and code.co_filename.endswith(module):
+                target = frame.f_locals.get(argument)
+                if isinstance(target, (str, bytes, os.PathLike)):
+                    return os.fsdecode(target)
     return None
+
+
+# Library functions that write a file given by path: (source file, function) -> argument naming it.
+_WRITERS = {(os.path.join("torch", "serialization.py"), "save"): "f",
+            (os.path.join("torch", "serialization.py"), "_save"): "f",
+            (os.path.join("safetensors", "torch.py"), "save_file"): "filename",
+            (os.path.join("safetensors", "numpy.py"), "save_file"): "filename"}
