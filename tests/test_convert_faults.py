@@ -222,7 +222,7 @@ def test_sigkill_workers_die_with_parent_and_next_run_cleans_up(hf, tmp_path, he
     held_runs.append(run)
     pids = run.wait_workers_busy()
     os.kill(run.proc.pid, signal.SIGKILL)
-    run.proc.communicate()
+    run.proc.wait()  # not communicate(): orphaned workers would hold its stdout/stderr pipes open
     wait_for(lambda: not any(alive(p) for p in pids), timeout=10, what="orphaned workers to die")
     stale = temp_dirs(dst.parent, dst.name)
     assert len(stale) == 1
