@@ -83,7 +83,7 @@ def check_options(*, tp: Any = None, pp: Any = None, vpp: Any = None, workers: A
             raise ValueError(f"{option} must be a positive integer, got {value!r}")
     try:
         shard_bytes = parse_size(max_shard_size)
-    except (OverflowError, TypeError, AttributeError) as exc:
+    except (ValueError, OverflowError, TypeError, AttributeError) as exc:
         raise ValueError(f"--max-shard-size: cannot read size {max_shard_size!r} (use e.g. 5GB, 500MB)") from exc
     if shard_bytes <= 0:
         raise ValueError(f"--max-shard-size must be a positive size, got {max_shard_size!r}")

@@ -9,7 +9,9 @@ file / tensor / numbers involved, the destination's parent directory must be exa
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import io
 import os
 import pickle
 import random
@@ -462,3 +464,222 @@ def test_pickled_globals_never_run(capsys, legacy, dist, tmp_path, payload, wher
     main(["verify", str(src), str(src)])
     capsys.readouterr()
     assert not marker.exists(), f"code from a pickled {payload} ran while reading {where}"
+
+
+# ---------------------------------------------------------------------------------------------- options
+
+
+@pytest.mark.parametrize("option,value", [("tp", 0), ("pp", -1), ("vpp", 0), ("workers", 0), ("vocab_size", 0),
+                                          ("make_vocab_size_divisible_by", 0), ("make_vocab_size_divisible_by", -128),
+                                          ("max_shard_size", "0"), ("max_shard_size", "-5GB"),
+                                          ("max_shard_size", "lots"), ("max_shard_size", "infGB"),
+                                          ("max_shard_size", 0)])
+def test_bad_option_fails_before_anything_is_read(capsys, tmp_path, option, value):
+    """The source does not even exist: the option must be what the error names. CLI: exit 2, one line."""
+    src, dst = tmp_path / "no_such_source", tmp_path / "out" / "x"
+    flag = "--" + option.replace("_", "-")
+    with pytest.raises(ValueError) as info:
+        convert(src, dst, to="megatron", **{option: value})
+    assert flag in str(info.value) and "no_such_source" not in str(info.value), str(info.value)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as ex:
+        main(["convert", str(src), str(dst), "--to", "megatron", f"{flag}={value}"])
+    assert ex.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pmz convert: error: argument " + flag), lines
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("given", [{"tp": 2}, {"pp": 1}, {"vpp": 2}, {"tp": 1, "pp": 2}])
+def test_parallel_layout_for_an_hf_target_is_an_error(capsys, sources, tmp_path, given):
+    dst = tmp_path / "out" / "hf"
+    with pytest.raises(ValueError) as info:
+        convert(sources["legacy"], dst, to="hf", **given)
+    assert all(f"--{k} {v}" in str(info.value) for k, v in given.items()), str(info.value)
+    capsys.readouterr()
+    argv = ["convert", str(sources["legacy"]), str(dst), "--to", "hf"]
+    rc = main(argv + [x for k, v in given.items() for x in (f"--{k}", str(v))])
+    assert rc == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and all(f"--{k}" in lines[0] for k in given), lines
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------- sizes and shards
+
+
+def _hf_copy_with_config(src: Path, dst: Path, **changes) -> Path:
+    import json
+
+    shutil.copytree(src, dst)
+    data = json.loads((dst / "config.json").read_text())
+    data.update(changes)
+    (dst / "config.json").write_text(json.dumps(data))
+    return dst
+
+
+@pytest.mark.parametrize("changes,named", [({"num_hidden_layers": 3}, ("num_hidden_layers=3", "2 layer(s)")),
+                                           ({"num_hidden_layers": 10**9}, ("num_hidden_layers=1000000000",)),
+                                           ({"vocab_size": 101}, ("vocab_size=101", "(100, 32)", "model.safetensors")),
+                                           ({"hidden_size": 2**40}, (f"hidden_size={2**40}", "(100, 32)"))])
+@pytest.mark.parametrize("to", ["hf", "megatron"])
+def test_config_sizes_checked_against_the_tensors_present(capsys, sources, tmp_path, changes, named, to):
+    src = _hf_copy_with_config(Path(sources["hf"]), tmp_path / "src", **changes)
+    expect_failure(capsys, src, tmp_path / "out" / "x", to=to, names=(str(src / "config.json"), *named))
+
+
+def _sharded(sources, tmp_path: Path) -> Path:
+    """The HF source re-written in several shards with an index (by our own writer)."""
+    out = tmp_path / "sharded"
+    convert(sources["hf"], out, to="hf", max_shard_size="20KB", workers=1)
+    assert len(list(out.glob("model-*.safetensors"))) >= 3
+    return out
+
+
+@pytest.mark.parametrize("to", ["hf", "megatron"])
+def test_tensor_stored_in_two_shards_names_both_files(capsys, sources, tmp_path, to):
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    src = _sharded(sources, tmp_path)
+    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.layers.0.mlp.down_proj.weight"
+    home = index[name]
+    other = next(f for f in sorted(set(index.values())) if f != home)
+    tensors = load_file(str(src / other))
+    tensors[name] = load_file(str(src / home))[name].clone()
+    save_file(tensors, str(src / other), metadata={"format": "pt"})
+    msg = expect_failure(capsys, src, tmp_path / "out" / "x", to=to, names=(name, home, other))
+    assert "lacks it" not in msg, msg  # it was blamed on a file that does hold it
+
+
+def test_safetensors_source_names_both_files_of_a_duplicate(sources, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from models.common.sources import SafetensorsSource
+
+    src = _sharded(sources, tmp_path)
+    first, second = sorted(src.glob("model-*.safetensors"))[:2]
+    name = next(iter(load_file(str(first))))
+    tensors = load_file(str(second))
+    tensors[name] = load_file(str(first))[name]
+    save_file(tensors, str(second), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as info:
+        SafetensorsSource(src)
+    assert name in str(info.value) and first.name in str(info.value) and second.name in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------- writing fails
+
+
+class _FullDisk(io.FileIO):
+    """A file on a full disk: opening works, writing and growing it fail with ENOSPC."""
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def truncate(self, size=None):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def _open_on_full_disk(file, mode="r", *args, **kwargs):
+    if any(c in mode for c in "wax+"):
+        return _FullDisk(file, mode.replace("b", "").replace("t", ""))
+    return open(file, mode, *args, **kwargs)
+
+
+@pytest.mark.parametrize("to,module,named", [
+    ("megatron", "converters.megatron_write", "mp_rank_00/model_optim_rng.pt"),  # torch.save: its RuntimeError
+    ("hf", "converters.copy_plan", "model.safetensors"),
+    ("megatron-dist", "converters.megatron_dist", ".distcp"),
+])
+def test_disk_full_names_the_file_and_errno(capsys, monkeypatch, sources, tmp_path, to, module, named):
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module(module), "open", _open_on_full_disk, raising=False)
+    dst = tmp_path / "out" / "x"
+    for source in (sources["hf"], sources["legacy"]):
+        before = snapshot(tmp_path)
+        with pytest.raises(CheckpointError) as info:
+            convert(source, dst, to=to, workers=1)
+        msg = str(info.value)
+        assert str(dst) in msg and named in msg and "No space left on device (ENOSPC)" in msg, msg
+        assert "inline_container" not in msg and "tmp-" not in msg, msg
+        assert snapshot(tmp_path) == before, "the failed conversion left something behind"
+    rc, out, err = run_cli(capsys, ["convert", str(sources["hf"]), str(dst), "--to", to, "--workers", "1",
+                                    "--quiet"])
+    assert rc == 1 and len(err.strip().splitlines()) == 1 and "ENOSPC" in err, err
+
+
+# ---------------------------------------------------------------------------------------------- destinations
+
+
+def test_missing_parents_are_created_and_removed_on_failure(capsys, sources, dist, tmp_path):
+    from safetensors.torch import load_file
+
+    dst = tmp_path / "new" / "deeper" / "hf"
+    convert(sources["legacy"], dst, to="hf", workers=1)
+    original = load_file(str(Path(sources["hf"]) / "model.safetensors"))
+    assert load_file(str(dst / "model.safetensors")).keys() == original.keys()
+
+    f = it_dir(dist) / "__1_0.distcp"  # damage noticed only while writing, after the parents exist
+    raw = bytearray(f.read_bytes())
+    raw[16: len(raw) - 16] = b"\x5a" * (len(raw) - 32)
+    f.write_bytes(bytes(raw))
+    for to in ("hf", "megatron"):
+        with pytest.raises(CheckpointError):
+            convert(dist, tmp_path / "other" / "deeper" / "x", to=to, workers=2)
+        assert not (tmp_path / "other").exists(), "the directories created for the destination are still there"
+    rc, _, err = run_cli(capsys, ["convert", str(dist), str(tmp_path / "other" / "x"), "--to", "hf", "--quiet"])
+    assert rc == 1 and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "other").exists()
+
+
+def test_destination_parent_is_a_file(capsys, sources, tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for dst in (afile / "hf", afile / "sub" / "hf"):
+        with pytest.raises(CheckpointError) as info:
+            convert(sources["hf"], dst, to="hf")
+        assert str(afile) in str(info.value) and "not a directory" in str(info.value)
+        rc, _, err = run_cli(capsys, ["convert", str(sources["hf"]), str(dst), "--to", "hf"])
+        assert rc == 1 and len(err.strip().splitlines()) == 1 and str(afile) in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"] and afile.read_text() == "x"
+
+
+@pytest.mark.parametrize("renameat2", [True, False], ids=["renameat2", "fallback"])
+@pytest.mark.parametrize("to", ["hf", "megatron"])
+def test_destination_created_during_the_conversion(capsys, monkeypatch, sources, tmp_path, renameat2, to):
+    """Another process creates the destination while we convert: refused (named) without --overwrite,
+    its content kept and our temp dir removed; replaced as a whole with --overwrite."""
+    from safetensors.torch import load_file
+
+    import converters.engine as engine
+
+    if not renameat2:
+        monkeypatch.setattr(engine, "_renameat2", lambda *a: False)
+    publish = engine._Staging._publish
+
+    def racing_publish(self):
+        self.dst.mkdir()
+        (self.dst / "theirs.txt").write_text("the other conversion's output")
+        publish(self)
+
+    monkeypatch.setattr(engine._Staging, "_publish", racing_publish)
+    parent = tmp_path / "out"
+    dst = parent / "ckpt"
+    with pytest.raises(CheckpointError) as info:
+        convert(sources["hf"], dst, to=to, workers=1)
+    assert str(dst) in str(info.value) and "--overwrite" in str(info.value)
+    assert sorted(p.name for p in parent.iterdir()) == ["ckpt"], "temp dir left behind"
+    assert sorted(p.name for p in dst.iterdir()) == ["theirs.txt"]
+
+    shutil.rmtree(dst)
+    convert(sources["hf"], dst, to=to, workers=1, overwrite=True)
+    assert sorted(p.name for p in parent.iterdir()) == ["ckpt"], "temp/old dirs left behind"
+    assert not (dst / "theirs.txt").exists()
+    if to == "hf":
+        original = load_file(str(Path(sources["hf"]) / "model.safetensors"))
+        got = load_file(str(dst / "model.safetensors"))
+        assert all(torch.equal(got[k], original[k]) for k in original)
