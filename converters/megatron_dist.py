@@ -111,7 +111,8 @@ class DistReader(CheckpointReader):
         except OSError as exc:
             raise CheckpointError(f"{path}: cannot read ({exc})") from exc
         if len(data) != info.length:
-            raise CheckpointError(f"{path}: truncated: chunk of {fqn} needs bytes {info.offset}..{info.offset + info.length}")
+            raise CheckpointError(f"{path}: truncated: chunk of {fqn} needs bytes "
+                                  f"{info.offset}..{info.offset + info.length}")
         return data
 
     def _key_for(self, template: str, layer: int | None) -> tuple[str, int | None]:
@@ -133,7 +134,7 @@ class DistReader(CheckpointReader):
         hi = list(size)
         if index is not None:
             lo[0], hi[0] = index, index + 1
-        out = torch.empty([h - l for l, h in zip(lo, hi)], dtype=meta.properties.dtype)
+        out = torch.empty([h - low for low, h in zip(lo, hi)], dtype=meta.properties.dtype)
         covered = 0
         for chunk in meta.chunks:
             c_lo = list(chunk.offsets)
@@ -148,7 +149,7 @@ class DistReader(CheckpointReader):
             except Exception as exc:
                 raise CheckpointError(f"{self.it_dir}: corrupt chunk {tuple(chunk.offsets)} of {key} ({exc})") from exc
             src = data[tuple(slice(a - c, b - c) for a, b, c in zip(o_lo, o_hi, c_lo))]
-            out[tuple(slice(a - l, b - l) for a, b, l in zip(o_lo, o_hi, lo))] = src
+            out[tuple(slice(a - low, b - low) for a, b, low in zip(o_lo, o_hi, lo))] = src
             covered += src.numel()
         if covered != out.numel():
             raise CheckpointError(f"{self.it_dir}: chunks of {key} cover {covered} of {out.numel()} elements")
@@ -229,7 +230,7 @@ def write_dist_units(reopen_args: tuple, target, directory: str, units: list, fi
     with open(Path(directory) / file_name, "wb") as f:
         for unit in units:
             layer = None if unit in (EMBED, FINAL) else int(unit)
-            for entry, key, full in megatron_unit_tensors(reader, unit, layer, target.padded_vocab, target.dtype):
+            for _entry, key, full in megatron_unit_tensors(reader, unit, layer, target.padded_vocab, target.dtype):
                 if layer is None:
                     gkey, gshape, offsets, chunk = key, tuple(full.shape), (0,) * full.dim(), full
                 else:
@@ -278,7 +279,8 @@ def write_dist(reader: CheckpointReader, target, directory: str, *, workers: int
                 state_md[key] = BytesStorageMetadata()
                 storage[MetadataIndex(key)] = _StorageInfo(fname, off, length)
                 continue
-            meta = state_md.setdefault(key, TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(gshape), []))
+            meta = state_md.setdefault(
+                key, TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(gshape), []))
             meta.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
             storage[MetadataIndex(key, torch.Size(offsets))] = _StorageInfo(fname, off, length)
     for meta in state_md.values():

@@ -141,9 +141,11 @@ class LegacyReader(CheckpointReader):
         missing = sorted(expected - set(names))
         extra = sorted(set(names) - expected)
         if missing:
-            raise CheckpointError(f"{self.it_dir}: missing rank folder(s) {', '.join(missing)} for tp={self.tp} pp={self.pp}")
+            raise CheckpointError(f"{self.it_dir}: missing rank folder(s) {', '.join(missing)} "
+                                  f"for tp={self.tp} pp={self.pp}")
         if extra:
-            raise CheckpointError(f"{self.it_dir}: unexpected rank folder(s) {', '.join(extra)} for tp={self.tp} pp={self.pp}")
+            raise CheckpointError(f"{self.it_dir}: unexpected rank folder(s) {', '.join(extra)} "
+                                  f"for tp={self.tp} pp={self.pp}")
         self._set_model(hf_config_from_args(self.args, arch=arch, hf_config_dir=hf_config_dir, vocab_size=vocab_size,
                                             where=str(self.it_dir)), self.path)
         self.layout = MegatronLayout(self.cfg.num_hidden_layers, self.pp, self.vpp, lay["first"], lay["last"],
@@ -181,7 +183,7 @@ class LegacyReader(CheckpointReader):
                 states.append([(path, chunk_state(data, v, self.vpp, path)) for v in range(self.vpp)])
             for v in range(self.vpp):
                 used: set[str] = set()
-                for unit, entry, key in self._expected_keys(p, v):
+                for _unit, entry, key in self._expected_keys(p, v):
                     shapes = []
                     for t in range(self.tp):
                         path, state = states[t][v]
@@ -200,7 +202,8 @@ class LegacyReader(CheckpointReader):
                                     and not self._alias_used(k, used) and not self._tied_copy(k, p, v))
                     if unused:
                         raise CheckpointError(f"{path}: unused tensor(s) {', '.join(unused[:8])}"
-                                              f"{' ...' if len(unused) > 8 else ''} (not part of a {self.arch.name} model)")
+                                              f"{' ...' if len(unused) > 8 else ''} "
+                                              f"(not part of a {self.arch.name} model)")
             del states
 
     def _alias_used(self, key: str, used: set[str]) -> bool:

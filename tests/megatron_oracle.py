@@ -515,7 +515,8 @@ def save_random_checkpoint(out_dir: str, spec: OracleSpec, tp: int, pp: int, vpp
             state[_chunk_key(i, len(chunks))] = chunk.state_dict_for_save_checkpoint()
         keys = {k: _describe_legacy(v) for k, v in state.items() if k.startswith("model")}
         if ps.get_data_parallel_rank() == 0:  # one writer per (tp, pp) position
-            path = legacy_rank_file(out_dir, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), pp)
+            path = legacy_rank_file(out_dir, ps.get_tensor_model_parallel_rank(),
+                                    ps.get_pipeline_model_parallel_rank(), pp)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             torch.save(state, path)
     else:
@@ -552,8 +553,8 @@ def load_checkpoint_logits(ckpt_dir: str, spec: OracleSpec, tp: int, pp: int, vp
     iteration = read_tracker(ckpt_dir)
     chunks = build_chunks(spec, tp, pp, vpp, seed=spec.seed + 1000 if seed is None else seed)
     if fmt == "torch":
-        path = legacy_rank_file(ckpt_dir, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), pp,
-                                iteration)
+        path = legacy_rank_file(ckpt_dir, ps.get_tensor_model_parallel_rank(),
+                                ps.get_pipeline_model_parallel_rank(), pp, iteration)
         state = torch.load(path, map_location="cpu", weights_only=False)
         for i, chunk in enumerate(chunks):
             key = _chunk_key(i, len(chunks))
