@@ -70,17 +70,30 @@ class Copy:
 @dataclass(frozen=True)
 class Interleave:
     """``rows`` rows, row r being the concatenation of row r of every part
-    (``(path, offset, row_nbytes)``: a contiguous [rows, width] block of a source file)."""
+    (``(path, offset, row_nbytes, stride)``: row r of a part is ``row_nbytes`` bytes at
+    ``offset + r * stride`` of the source file; ``stride == row_nbytes`` for a contiguous block)."""
 
     rows: int
-    parts: tuple[tuple[str, int, int], ...]
+    parts: tuple[tuple[str, int, int, int], ...]
 
     @property
     def nbytes(self) -> int:
         return self.rows * sum(p[2] for p in self.parts)
 
 
-Op = Union[Copy, Interleave]
+@dataclass(frozen=True)
+class Zeros:
+    """``n`` zero bytes (Megatron's vocab padding): nothing is written, output files are created
+    at their final size and read back as zeros where nothing was written."""
+
+    n: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.n
+
+
+Op = Union[Copy, Interleave, Zeros]
 
 
 @dataclass(frozen=True)
@@ -121,7 +134,7 @@ def rows_ops(blocks: list[Block], shape: tuple[int, ...], a: int, b: int, what: 
             parts = []
             for blk in band:
                 t = blk.t.rows(lo - blk.r0, hi - blk.r0)
-                parts.append((t.path, t.offset, t.row_nbytes))
+                parts.append((t.path, t.offset, t.row_nbytes, t.row_nbytes))
             ops.append(Interleave(hi - lo, tuple(parts)))
     return _merge_copies(ops)
 
@@ -543,6 +556,8 @@ def fill_file(path: str, work: list[tuple[int, list[Op]]], buffer_bytes: int = D
             for op in ops:
                 if isinstance(op, Copy):
                     _copy_range(fd_of(op.path), op.offset, out, dst, op.n, buffer_bytes, op.path)
+                elif isinstance(op, Zeros):
+                    pass
                 else:
                     _interleave(op, fd_of, out, dst, buffer_bytes)
                 dst += op.nbytes
@@ -587,17 +602,30 @@ def _interleave(op: Interleave, fd_of, out: int, dst: int, buffer_bytes: int) ->
     import numpy as np
 
     width = sum(p[2] for p in op.parts)
-    step = max(1, buffer_bytes // max(1, width))
+    # a row's span is read per part: bound the buffer by the widest stride, not only the output width
+    step = max(1, buffer_bytes // max(1, width, max(p[3] for p in op.parts)))
     buf = np.empty(min(step, op.rows) * width, dtype=np.uint8)
     for r in range(0, op.rows, step):
         k = min(step, op.rows - r)
         block = buf[: k * width].reshape(k, width)
         col = 0
-        for path, offset, rb in op.parts:
-            raw = os.pread(fd_of(path), k * rb, offset + r * rb)
-            if len(raw) != k * rb:
-                raise CheckpointError(f"{path}: ends before byte {offset + (r + k) * rb}")
-            block[:, col:col + rb] = np.frombuffer(raw, dtype=np.uint8).reshape(k, rb)
+        for path, offset, rb, stride in op.parts:
+            # rows of a part are read as one span, gaps included, unless a gap costs more to read
+            # than a system call (~16 KiB of memory copy)
+            span = (k - 1) * stride + rb
+            if stride - rb <= 16384:
+                raw = os.pread(fd_of(path), span, offset + r * stride)
+                if len(raw) != span:
+                    raise CheckpointError(f"{path}: ends before byte {offset + r * stride + span}")
+                rows = np.lib.stride_tricks.as_strided(np.frombuffer(raw, dtype=np.uint8), (k, rb), (stride, 1))
+                block[:, col:col + rb] = rows
+            else:
+                fd = fd_of(path)
+                for i in range(k):
+                    raw = os.pread(fd, rb, offset + (r + i) * stride)
+                    if len(raw) != rb:
+                        raise CheckpointError(f"{path}: ends before byte {offset + (r + i) * stride + rb}")
+                    block[i, col:col + rb] = np.frombuffer(raw, dtype=np.uint8)
             col += rb
         os.pwrite(out, block, dst + r * width)
 
@@ -648,5 +676,5 @@ def write_hf_by_copy(source: RawSource, directory: str, *, max_shard_bytes: int,
     config.save(directory, TAG_TO_TORCH_NAME[tag])
 
 
-__all__ = ["Copy", "Interleave", "RawSource", "HFRawSource", "LegacyRawSource", "DistRawSource", "Unsupported",
+__all__ = ["Copy", "Interleave", "Zeros", "RawSource", "HFRawSource", "LegacyRawSource", "DistRawSource", "Unsupported",
            "plan_hf_files", "hf_tasks", "fill_file", "open_raw_source", "write_hf_by_copy", "ITEMSIZE"]
