@@ -222,7 +222,8 @@ def _torch_save_bytes(obj: Any) -> bytes:
 
 def write_dist_units(reopen_args: tuple, target, directory: str, units: list, file_name: str) -> list[tuple]:
     """Write ``units`` into ``file_name``; returns (key, global_shape, dtype, offsets, sizes, storage) records."""
-    from converters.megatron_write import LINEAR_MODULES, megatron_unit_tensors
+    from converters.megatron_stages import LINEAR_MODULES
+    from converters.megatron_write import megatron_unit_tensors
 
     reader = reopen(reopen_args)
     L = reader.cfg.num_hidden_layers

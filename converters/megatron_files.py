@@ -175,11 +175,21 @@ def args_for_target(hf_config: Any, cfg, *, tp: int, pp: int, vpp: int, padded_v
     """Megatron-LM-style args for a checkpoint we write (what our readers and Megatron-LM read back)."""
     import torch
 
+    fields = target_arg_fields(hf_config, cfg, tp=tp, pp=pp, vpp=vpp, padded_vocab=padded_vocab,
+                               dtype_name=str(dtype).removeprefix("torch."), fmt=fmt, divisible_by=divisible_by,
+                               first=first, last=last)
+    return argparse.Namespace(**{**fields, "params_dtype": getattr(torch, fields["params_dtype"])})
+
+
+def target_arg_fields(hf_config: Any, cfg, *, tp: int, pp: int, vpp: int, padded_vocab: int, dtype_name: str,
+                      fmt: str, divisible_by: int, first: int | None = None, last: int | None = None) -> dict:
+    """The fields of ``args_for_target`` without torch: ``params_dtype`` is the dtype's name
+    (``"bfloat16"``); the torch-free writers pickle it as ``torch.bfloat16``."""
     if not (cfg.o_bias == cfg.mlp_bias and (cfg.qkv_bias or not cfg.o_bias)):
         raise UnsupportedConfigError(
             f"Megatron has one switch for all linear biases (add_bias_linear) plus add_qkv_bias; this model has "
             f"qkv_bias={cfg.qkv_bias}, o_proj bias={cfg.o_bias}, mlp bias={cfg.mlp_bias}, which it cannot express")
-    return argparse.Namespace(
+    return dict(
         num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
         num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_key_value_heads,
         group_query_attention=cfg.num_key_value_heads != cfg.num_attention_heads, kv_channels=cfg.head_dim,
@@ -192,7 +202,7 @@ def args_for_target(hf_config: Any, cfg, *, tp: int, pp: int, vpp: int, padded_v
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, expert_model_parallel_size=1,
         decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last,
-        num_experts=None, params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        num_experts=None, params_dtype=dtype_name, bf16=dtype_name == "bfloat16", fp16=dtype_name == "float16",
         ckpt_format=fmt, use_dist_ckpt=fmt != "torch", transformer_impl="local",
         hf_model_type=getattr(hf_config, "model_type", None),
     )

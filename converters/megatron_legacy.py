@@ -33,13 +33,11 @@ from converters.megatron_layout import (
     slices_of_shards,
     tp_split_kind,
 )
+from converters.megatron_stages import RANK_FILE, MegatronLayout, unit_megatron_keys
 from converters.safe_pickle import safe_torch_load
 from models.common.sources import CheckpointError
 from models.common.weights import PLAIN, WeightEntry
-from parallel.config import ParallelConfig, ParallelConfigError
-from parallel.pipeline_layout import stage_layer_ranges
 
-RANK_FILE = "model_optim_rng.pt"
 # Transformer-Engine spec keeps the norms inside the following linear layers.
 TE_NORM_ALIASES = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
@@ -80,42 +78,6 @@ def lookup(state: dict, key: str) -> torch.Tensor | None:
             if alt in state:
                 return state[alt]
     return None
-
-
-class MegatronLayout:
-    """Where each global layer lives for a (pp, vpp, uneven) layout."""
-
-    def __init__(self, num_layers: int, pp: int, vpp: int, first: int | None, last: int | None, where: str) -> None:
-        try:
-            pconfig = ParallelConfig(pp=pp, vpp=vpp, num_layers_in_first_pipeline_stage=first,
-                                     num_layers_in_last_pipeline_stage=last)
-            self.ranges = stage_layer_ranges(num_layers, pconfig)
-        except ParallelConfigError as exc:
-            raise CheckpointError(f"{where}: {exc}") from exc
-        self.pp, self.vpp = pp, vpp
-        self.where: dict[int, tuple[int, int, int]] = {}
-        for p, chunks in enumerate(self.ranges):
-            for v, layers in enumerate(chunks):
-                for j, i in enumerate(layers):
-                    self.where[i] = (p, v, j)
-
-    def unit_location(self, unit: Unit) -> tuple[int, int]:
-        """(pp rank, chunk) holding a unit."""
-        if unit == EMBED:
-            return 0, 0
-        if unit == FINAL:
-            return self.pp - 1, self.vpp - 1
-        p, v, _ = self.where[int(unit)]
-        return p, v
-
-
-def unit_megatron_keys(reader_wmap, unit: Unit, local_index: int | None) -> list[tuple[WeightEntry, str]]:
-    """(entry with global HF names, Megatron key with the stage-local layer number) for a unit."""
-    if unit == EMBED:
-        return [(e, e.megatron) for e in reader_wmap.first_entries]
-    if unit == FINAL:
-        return [(e, e.megatron) for e in reader_wmap.last_entries]
-    return [(t.format(int(unit)), t.megatron.format(i=local_index)) for t in reader_wmap.layer_entries]
 
 
 class LegacyReader(CheckpointReader):

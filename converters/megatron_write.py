@@ -16,13 +16,16 @@ from typing import Any
 
 import torch
 
-from converters.checkpoint import EMBED, FINAL, CheckpointReader, Unit, reopen
+from converters.checkpoint import EMBED, CheckpointReader, Unit, reopen
 from converters.megatron_files import HF_CONFIG_DIR, TRACKER, args_for_target, legacy_rank_dir_name
 from converters.megatron_layout import hf_to_megatron, megatron_padded_vocab, split_tp, tp_split_kind
-from converters.megatron_legacy import RANK_FILE, MegatronLayout, unit_megatron_keys
+from converters.megatron_stages import (
+    RANK_FILE,
+    MegatronLayout,
+    extra_state_modules,
+    unit_megatron_keys,
+)
 from parallel.config import ParallelConfig
-
-LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 
 
 @dataclass
@@ -65,13 +68,7 @@ def megatron_unit_tensors(reader: CheckpointReader, unit: Unit, local_index: int
 
 
 def _stage_units(target: MegatronTarget, p: int, v: int) -> list[tuple[Unit, int | None]]:
-    units: list[tuple[Unit, int | None]] = []
-    if p == 0 and v == 0:
-        units.append((EMBED, None))
-    units += [(i, j) for j, i in enumerate(target.layout.ranges[p][v])]
-    if p == target.pp - 1 and v == target.vpp - 1:
-        units.append((FINAL, None))
-    return units
+    return target.layout.stage_units(p, v)
 
 
 def write_legacy_rank(reopen_args: tuple, target: MegatronTarget, directory: str, p: int, t: int) -> int:
@@ -93,10 +90,7 @@ def write_legacy_rank(reopen_args: tuple, target: MegatronTarget, directory: str
             for entry, key, full in megatron_unit_tensors(reader, unit, local, target.padded_vocab, target.dtype):
                 chunk[key] = shard_of(entry, key, full)
                 del full
-            # Megatron-LM saves an (empty) extra state for every linear layer; its strict load expects it.
-            modules = ([f"decoder.layers.{local}.{m}" for m in LINEAR_MODULES] if isinstance(unit, int)
-                       else ["output_layer"] if unit == FINAL else [])
-            chunk.update({f"{m}._extra_state": None for m in modules})
+            chunk.update({f"{m}._extra_state": None for m in extra_state_modules(unit, local)})
         if reader.cfg.tie_word_embeddings and target.pp > 1 and p == target.pp - 1 and v == target.vpp - 1:
             # Megatron's last stage keeps its own copy of the tied embedding as output_layer.weight.
             entry, key, full = megatron_unit_tensors(reader, EMBED, None, target.padded_vocab, target.dtype)[0]

@@ -1,0 +1,139 @@
+"""``torch.save`` archives laid out without torch: the zip container around a pickle and storages.
+
+A ``torch.save`` file is an uncompressed zip: ``<prefix>/data.pkl`` (the pickle, tensors as
+persistent ids naming storages), ``<prefix>/data/<key>`` (each storage's raw bytes, aligned to 64
+bytes so loaders can map them), and small records (``byteorder``, ``version``, ...). This module
+computes where every header and every storage goes, so the copy path can write the headers and
+then fill the storages with ``copy_file_range`` straight from the source checkpoint, in parallel,
+without the bytes passing through Python.
+
+Storage entries carry a CRC of 0, as ``torch.save`` writes them when
+``torch.serialization.config.save.compute_crc32`` is off: torch's reader does not check it, and a
+CRC would mean reading every byte in Python. The pickle and the small records carry real CRCs (so
+``zipfile`` can read them too). Entries or offsets past 4 GiB use the zip64 extensions.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from dataclasses import dataclass, field
+
+ALIGNMENT = 64
+_U32 = 0xFFFFFFFF
+_RECORDS_BEFORE = ((".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", b"little"))
+_RECORDS_AFTER = (("version", b"3\n"),)
+
+
+@dataclass
+class _Entry:
+    name: bytes
+    size: int
+    crc: int
+    data: bytes | None  # None: a storage, filled later
+    header_offset: int = 0
+    data_offset: int = 0
+
+
+@dataclass
+class ArchiveLayout:
+    """Byte layout of one archive starting at ``base`` of its file.
+
+    ``pieces``: (absolute offset, bytes) of everything but the storages' data;
+    ``storage_offsets[i]``: absolute offset of storage ``i``'s bytes; ``end``: where the archive ends.
+    """
+
+    base: int
+    pieces: list[tuple[int, bytes]] = field(default_factory=list)
+    storage_offsets: list[int] = field(default_factory=list)
+    end: int = 0
+
+    @property
+    def size(self) -> int:
+        return self.end - self.base
+
+    def write_headers(self, fd: int) -> None:
+        for offset, data in self.pieces:
+            _pwrite_all(fd, data, offset)
+
+
+def layout_archive(pickle_bytes: bytes, storage_sizes: list[int], *, base: int = 0,
+                   prefix: str = "archive") -> ArchiveLayout:
+    """Lay out an archive holding ``pickle_bytes`` and storages ``data/0``, ``data/1``, ... of the
+    given sizes (bytes), starting at ``base`` of its file."""
+    entries = [_Entry(f"{prefix}/data.pkl".encode(), len(pickle_bytes), zlib.crc32(pickle_bytes), pickle_bytes)]
+    entries += [_Entry(f"{prefix}/{n}".encode(), len(d), zlib.crc32(d), d) for n, d in _RECORDS_BEFORE]
+    entries += [_Entry(f"{prefix}/data/{i}".encode(), int(n), 0, None) for i, n in enumerate(storage_sizes)]
+    entries += [_Entry(f"{prefix}/{n}".encode(), len(d), zlib.crc32(d), d) for n, d in _RECORDS_AFTER]
+    out = ArchiveLayout(base)
+    pos = base
+    for e in entries:
+        e.header_offset = pos
+        big = e.size >= _U32
+        zip64 = struct.pack("<HHQQ", 1, 16, e.size, e.size) if big else b""
+        start = pos + 30 + len(e.name) + len(zip64)
+        pad = (base - start) % ALIGNMENT  # aligned within the archive, as torch.save does
+        if pad and pad < 4:  # the padding is an extra field: 4 bytes of header at least
+            pad += ALIGNMENT
+        extra = zip64 + (struct.pack("<2sH", b"FB", pad - 4) + b"Z" * (pad - 4) if pad else b"")
+        size32 = _U32 if big else e.size
+        head = struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", 45 if big else 20, 0x0800, 0, 0, 0, e.crc, size32,
+                           size32, len(e.name), len(extra)) + e.name + extra
+        out.pieces.append((pos, head))
+        e.data_offset = pos + len(head)
+        if e.data is not None:
+            out.pieces.append((e.data_offset, e.data))
+        else:
+            out.storage_offsets.append(e.data_offset)
+        pos = e.data_offset + e.size
+    cd_start = pos
+    central = bytearray()
+    for e in entries:
+        rel = e.header_offset - base
+        z64 = []
+        size32 = e.size
+        if e.size >= _U32:
+            z64 += [e.size, e.size]
+            size32 = _U32
+        off32 = rel
+        if rel >= _U32:
+            z64.append(rel)
+            off32 = _U32
+        extra = struct.pack(f"<HH{len(z64)}Q", 1, 8 * len(z64), *z64) if z64 else b""
+        central += struct.pack("<4sHHHHHHIIIHHHHHII", b"PK\x01\x02", 45, 45 if z64 else 20, 0x0800, 0, 0, 0, e.crc,
+                               size32, size32, len(e.name), len(extra), 0, 0, 0, 0, off32) + e.name + extra
+    cd_rel = cd_start - base
+    tail = bytearray(central)
+    n = len(entries)
+    if cd_rel >= _U32 or cd_rel + len(central) >= _U32 or n >= 0xFFFF:
+        eocd64_rel = cd_rel + len(central)
+        tail += struct.pack("<4sQHHIIQQQQ", b"PK\x06\x06", 44, 45, 45, 0, 0, n, n, len(central), cd_rel)
+        tail += struct.pack("<4sIQI", b"PK\x06\x07", 0, eocd64_rel, 1)
+        tail += struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, 0xFFFF, 0xFFFF, _U32, _U32, 0)
+    else:
+        tail += struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, n, n, len(central), cd_rel, 0)
+    out.pieces.append((cd_start, bytes(tail)))
+    out.end = cd_start + len(tail)
+    return out
+
+
+def archive_bytes(pickle_bytes: bytes, storages: list[bytes] = ()) -> bytes:
+    """A whole small archive in memory (``common.pt``, the extra-state entries of torch_dist)."""
+    lay = layout_archive(pickle_bytes, [len(s) for s in storages])
+    buf = bytearray(lay.size)
+    for offset, data in lay.pieces:
+        buf[offset:offset + len(data)] = data
+    for offset, data in zip(lay.storage_offsets, storages):
+        buf[offset:offset + len(data)] = data
+    return bytes(buf)
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+__all__ = ["ArchiveLayout", "layout_archive", "archive_bytes", "ALIGNMENT"]
