@@ -217,6 +217,8 @@ class RawSource:
     wmap: Any
     planned: dict[str, PlannedTensor]
     hf_config_dir: str | None = None
+    iteration: int | None = None  # Megatron sources: the iteration recorded in the checkpoint
+    layout: dict | None = None  # Megatron sources with args: megatron_files.args_layout (tp, pp, vpp, ...)
 
     def _set_model(self, hf_config: Any, where: str) -> None:
         from converters.checkpoint import architecture_for, conversion_weight_map
@@ -312,6 +314,9 @@ class LegacyRawSource(RawSource):
         if args is None:
             raise CheckpointError(f"{first}: no 'args' (not written by Megatron-LM?)")
         lay = args_layout(args)
+        self.layout = lay
+        iteration = getattr(args, "iteration", data.get("iteration"))
+        self.iteration = iteration if isinstance(iteration, int) and not isinstance(iteration, bool) else None
         tp, pp, vpp = lay["tp"], lay["pp"], lay["vpp"]
         if lay["ep"] > 1:
             raise Unsupported("expert parallel")
@@ -415,6 +420,15 @@ class DistRawSource(RawSource):
     def __init__(self, it_dir: str, hf_config: Any, where: str) -> None:
         self.path = str(it_dir)
         self._set_model(hf_config, where)
+        common = Path(it_dir) / "common.pt"
+        data = read_torch_archive(common) if common.is_file() else None
+        args = data.get("args") if isinstance(data, dict) else None
+        if args is not None:
+            from converters.megatron_files import args_layout
+
+            self.layout = args_layout(args)
+            iteration = getattr(args, "iteration", None)
+            self.iteration = iteration if isinstance(iteration, int) and not isinstance(iteration, bool) else None
         md = read_pickle(Path(it_dir) / ".metadata")
         try:
             tensors = {k: v for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks")}

@@ -371,9 +371,10 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
         from converters.hf_config import check_hf_directory
 
         check_hf_directory(src)  # an absurd config.json fails here, before anything is sized by it
-    if to == "hf" and _convert_by_copy(src, dst_path, overwrite=overwrite, hf_config=hf_config, arch=arch,
-                                       vocab_size=vocab_size, dtype=wanted_dtype, shard_bytes=shard_bytes,
-                                       workers=workers, progress=progress):
+    if to != "vllm" and _convert_by_copy(src, dst_path, to=to, overwrite=overwrite, hf_config=hf_config, arch=arch,
+                                         vocab_size=vocab_size, dtype=wanted_dtype, shard_bytes=shard_bytes,
+                                         workers=workers, progress=progress, tp=tp, pp=pp, vpp=vpp,
+                                         divisible_by=make_vocab_size_divisible_by):
         return dst_path
     out_dtype = parse_dtype(wanted_dtype)
     reader = open_reader(src, arch=arch, hf_config=hf_config, vocab_size=vocab_size)
@@ -419,7 +420,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
     if pp is None:  # the source's stages: pp with its virtual chunks and uneven first/last stage sizes
         pp, vpp, first, last = layout["pp"], vpp or layout["vpp"], layout["first"], layout["last"]
     target = plan_megatron_target(reader, tp=tp or layout["tp"], pp=pp, vpp=vpp or 1, dtype=out_dtype,
-                                  divisible_by=make_vocab_size_divisible_by, first=first, last=last)
+                                  divisible_by=make_vocab_size_divisible_by, first=first, last=last,
+                                  fmt="torch" if to == "megatron" else "torch_dist")
     with _Staging(dst_path, overwrite) as tmp:
         write_megatron(reader, target, str(tmp), fmt=to, workers=workers, progress=progress,
                        hf_config_dir=hf_config)
@@ -445,10 +447,12 @@ def source_layout(reader: Any) -> dict[str, Any]:
     return out
 
 
-def _convert_by_copy(src, dst_path: Path, *, overwrite: bool, hf_config, arch, vocab_size, dtype: str | None,
-                     shard_bytes: int, workers: int, progress: bool) -> bool:
-    """The copy path (``converters/copy_plan.py``: no torch, ``copy_file_range``) when the source
-    allows it and no dtype change is asked for; False when the torch path must do the conversion."""
+def _convert_by_copy(src, dst_path: Path, *, to: str, overwrite: bool, hf_config, arch, vocab_size,
+                     dtype: str | None, shard_bytes: int, workers: int, progress: bool, tp: int | None = None,
+                     pp: int | None = None, vpp: int | None = None, divisible_by: int = 128) -> bool:
+    """The copy path (no torch, ``copy_file_range``: ``converters/copy_plan.py`` for HF targets,
+    ``converters/copy_targets.py`` for Megatron ones) when the source allows it and no dtype change
+    is asked for; False when the torch path must do the conversion."""
     from converters.copy_plan import Unsupported, open_raw_source, write_hf_by_copy
     from converters.raw_files import TAG_TO_TORCH_NAME
 
@@ -461,8 +465,23 @@ def _convert_by_copy(src, dst_path: Path, *, overwrite: bool, hf_config, arch, v
         return False
     if dtype is not None and dtype != TAG_TO_TORCH_NAME[tag]:
         return False
+    if to == "hf":
+        with _Staging(dst_path, overwrite) as tmp:
+            write_hf_by_copy(source, str(tmp), max_shard_bytes=shard_bytes, workers=workers, progress=progress)
+        return True
+    from converters.copy_targets import plan_copy_target, write_megatron_by_copy
+
+    # the source's layout when none is asked for, as the torch path (source_layout) does
+    layout = source.layout or {}
+    first = last = None
+    if pp is None:
+        pp, vpp = layout.get("pp", 1), vpp or layout.get("vpp", 1)
+        first, last = layout.get("first"), layout.get("last")
+    target = plan_copy_target(source, fmt=to, tp=tp or layout.get("tp", 1), pp=pp, vpp=vpp or 1,
+                              divisible_by=divisible_by, first=first, last=last)
     with _Staging(dst_path, overwrite) as tmp:
-        write_hf_by_copy(source, str(tmp), max_shard_bytes=shard_bytes, workers=workers, progress=progress)
+        write_megatron_by_copy(source, target, str(tmp), workers=workers, progress=progress,
+                               hf_config_dir=hf_config)
     return True
 
 

@@ -10,6 +10,7 @@ opcodes ``pickle`` itself would use for the real objects:
   NewObj(cls, state)           ``cls.__new__(cls)`` then ``__setstate__``/``__dict__`` update with
                                ``state`` (dataclasses, ``argparse.Namespace``)
   PersistentId(value)          a reference the loader resolves (``torch.save``'s storages)
+  Items(pairs)                 a dict whose keys are nodes
 
 plus None, bools, ints, floats, str, bytes, tuples, lists and dicts. Nothing is memoized: the
 objects written here share no references, and every unpickler accepts a memo-less stream.
@@ -44,6 +45,14 @@ class NewObj:
 @dataclass(frozen=True)
 class PersistentId:
     value: Any
+
+
+@dataclass(frozen=True, eq=False)
+class Items:
+    """A dict given as (key, value) pairs: for keys that are nodes (a ``MetadataIndex``), which
+    cannot be keys of a Python dict here."""
+
+    pairs: tuple
 
 
 def dumps(obj: Any) -> bytes:
@@ -106,6 +115,14 @@ def _emit(obj: Any, out: bytearray) -> None:
                 _emit(key, out)
                 _emit(value, out)
             out += b"u"
+    elif isinstance(obj, Items):
+        out += b"}"
+        if obj.pairs:
+            out += b"("
+            for key, value in obj.pairs:
+                _emit(key, out)
+                _emit(value, out)
+            out += b"u"
     elif isinstance(obj, Global):
         out += b"c" + obj.module.encode() + b"\n" + obj.name.encode() + b"\n"
     elif isinstance(obj, Reduce):
@@ -115,8 +132,9 @@ def _emit(obj: Any, out: bytearray) -> None:
     elif isinstance(obj, NewObj):
         _emit(obj.cls, out)
         out += b")\x81"
-        _emit(obj.state, out)
-        out += b"b"
+        if obj.state:  # pickle leaves out an empty state (BytesStorageMetadata)
+            _emit(obj.state, out)
+            out += b"b"
     elif isinstance(obj, PersistentId):
         _emit(obj.value, out)
         out += b"Q"
@@ -161,4 +179,5 @@ def namespace(fields: dict[str, Any]) -> NewObj:
     return NewObj(Global("argparse", "Namespace"), dict(fields))
 
 
-__all__ = ["Global", "Reduce", "NewObj", "PersistentId", "dumps", "torch_dtype", "torch_size", "tensor", "namespace"]
+__all__ = ["Global", "Reduce", "NewObj", "PersistentId", "Items", "dumps", "torch_dtype", "torch_size", "tensor",
+           "namespace"]

@@ -591,12 +591,16 @@ def _open_on_full_disk(file, mode="r", *args, **kwargs):
 
 @pytest.mark.parametrize("to,module,named", [
     ("megatron", "converters.megatron_write", "mp_rank_00/model_optim_rng.pt"),  # torch.save: its RuntimeError
-    ("hf", "converters.copy_plan", "model.safetensors"),
     ("megatron-dist", "converters.megatron_dist", ".distcp"),
+    ("hf", "converters.copy_plan", "model.safetensors"),  # the copy path from here on
+    ("megatron", "converters.copy_targets", "mp_rank_00/model_optim_rng.pt"),
+    ("megatron-dist", "converters.copy_targets", ".distcp"),
 ])
 def test_disk_full_names_the_file_and_errno(capsys, monkeypatch, sources, tmp_path, to, module, named):
     import importlib
 
+    if module in ("converters.megatron_write", "converters.megatron_dist"):
+        monkeypatch.setenv("PMZ_COPY_PATH", "0")  # the torch path's writers
     monkeypatch.setattr(importlib.import_module(module), "open", _open_on_full_disk, raising=False)
     dst = tmp_path / "out" / "x"
     for source in (sources["hf"], sources["legacy"]):

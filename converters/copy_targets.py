@@ -1,0 +1,420 @@
+"""The copy path's Megatron writers: legacy ``torch`` rank files and ``torch_dist`` checkpoints
+written as byte ranges of the source, without torch.
+
+A source (``copy_plan.RawSource``: HF safetensors, legacy rank files, torch_dist chunks) plans
+every HF tensor as operations on its files (``Copy`` / ``Interleave``), each covering whole rows.
+A Megatron tensor is rows of HF tensors (``linear_qkv``: per query group, q rows then k then v;
+``linear_fc1``: gate then up; the embedding: vocab rows then zero padding) and a TP shard is rows
+of it (column-parallel) or a column band of every row (row-parallel: ``linear_proj``,
+``linear_fc2``). ``select`` cuts a planned tensor's operations down to such a block, so every
+output tensor is again a short list of operations on the source files — for a Megatron source
+this is a reshard with no intermediate HF tensor.
+
+The containers come from ``torch_zip`` (the ``torch.save`` zip) and ``pickle_writer`` (pickles
+naming torch classes); they are laid out first (headers written, files sized), then tasks fill the
+tensor bytes with ``copy_file_range`` (``copy_plan.fill_file``) in parallel. Output matches the
+torch path (``megatron_write``) tensor for tensor, and loads in megatron-core.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from converters import pickle_writer as pw
+from converters.copy_plan import (
+    DEFAULT_BUFFER,
+    ITEMSIZE,
+    TE_NORM_ALIASES,
+    Copy,
+    Interleave,
+    Op,
+    PlannedTensor,
+    RawSource,
+    Unsupported,
+    Zeros,
+    _merge_copies,
+    fill_file,
+)
+from converters.megatron_files import TRACKER, legacy_rank_dir_name, target_arg_fields
+from converters.megatron_layout import (
+    COL1,
+    GATE_UP,
+    REPLICATED,
+    ROW0,
+    LayoutError,
+    megatron_full_shape,
+    megatron_padded_vocab,
+    tp_split_kind,
+)
+from converters.megatron_stages import (
+    EMBED,
+    FINAL,
+    LINEAR_MODULES,
+    RANK_FILE,
+    MegatronLayout,
+    extra_state_modules,
+    unit_megatron_keys,
+)
+from converters.raw_files import TAG_TO_TORCH_NAME
+from converters.torch_zip import archive_bytes, layout_archive
+from models.common.errors import CheckpointError
+from models.common.weight_map import GATE_UP_STACKED, PLAIN, QKV_INTERLEAVED, VOCAB_PADDED, WeightEntry
+
+DIST_DATA_FILES = 4  # as megatron_dist: units dealt round-robin over __0_0.distcp .. __3_0.distcp
+DIST_METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                      "common_backend_version": 1}
+DCP = "torch.distributed.checkpoint.metadata"
+
+
+# ------------------------------------------------------------------------------------ op algebra
+
+
+def row_nbytes(shape: tuple[int, ...], tag: str) -> int:
+    """Bytes of one row (dim 0 entry) of a row-major tensor; a 1-D tensor's rows are its elements."""
+    n = ITEMSIZE[tag]
+    for d in shape[1:]:
+        n *= d
+    return n
+
+
+def select(pt: PlannedTensor, r0: int, r1: int, b0: int, b1: int) -> list[Op]:
+    """Operations producing rows ``[r0, r1)`` and bytes ``[b0, b1)`` of each row of ``pt``."""
+    width = row_nbytes(pt.shape, pt.dtype)
+    out: list[Op] = []
+    row = 0
+    for op in pt.ops:
+        if isinstance(op, Interleave):
+            k, parts = op.rows, op.parts
+        else:
+            if op.nbytes % width:
+                raise AssertionError(f"operation of {op.nbytes} bytes is not whole rows of {width}")
+            k = op.nbytes // width
+            parts = None if isinstance(op, Zeros) else ((op.path, op.offset, width, width),)
+        lo, hi = max(r0, row), min(r1, row + k)
+        if lo < hi:
+            if parts is None:
+                out.append(Zeros((hi - lo) * (b1 - b0)))
+            else:
+                out.append(_band(parts, lo - row, hi - lo, b0, b1))
+        row += k
+        if row >= r1:
+            break
+    if row < r1:
+        raise AssertionError(f"planned tensor has {row} rows, {r1} requested")
+    return _merge_copies(out)
+
+
+def _band(parts: tuple, first: int, rows: int, b0: int, b1: int) -> Op:
+    """Rows ``first..first+rows`` of an interleaved band, bytes ``[b0, b1)`` of each row."""
+    picked, col = [], 0
+    for path, offset, rb, stride in parts:
+        a, b = max(b0, col), min(b1, col + rb)
+        if a < b:
+            picked.append((path, offset + first * stride + (a - col), b - a, stride))
+        col += rb
+    if len(picked) == 1:
+        path, offset, rb, stride = picked[0]
+        if rb == stride or rows == 1:
+            return Copy(path, offset, rows * rb if rb == stride else rb)
+    return Interleave(rows, tuple(picked))
+
+
+def stacked_key(template: str) -> str:
+    """``decoder.layers.{i}.x.weight`` -> torch_dist's stacked ``decoder.layers.x.weight`` (norms
+    under their Transformer-Engine names), as ``megatron_dist.stacked_key``."""
+    key = template.replace("layers.{i}.", "layers.")
+    for local, te in TE_NORM_ALIASES.items():
+        if key == "decoder.layers." + local:
+            return "decoder.layers." + te
+    return key
+
+
+def full_segments(entry: WeightEntry, cfg: Any, hf_shapes: dict,
+                  padded_vocab: int) -> list[tuple[str | None, int, int]]:
+    """The Megatron full tensor of ``entry`` as consecutive row ranges of its HF tensors
+    (``(hf_name, a, b)``; ``None`` for zero rows)."""
+    layout = entry.megatron_layout
+    if layout == QKV_INTERLEAVED:
+        nh, ng, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        if nh % ng:
+            raise LayoutError(f"num_attention_heads={nh} not divisible by num_query_groups={ng}")
+        q, k, v = entry.hf
+        nq = nh // ng * hd
+        return [seg for g in range(ng) for seg in ((q, g * nq, (g + 1) * nq), (k, g * hd, (g + 1) * hd),
+                                                   (v, g * hd, (g + 1) * hd))]
+    if layout == GATE_UP_STACKED:
+        return [(n, 0, hf_shapes[n][0]) for n in entry.hf]
+    if layout == VOCAB_PADDED:
+        rows = hf_shapes[entry.hf[0]][0]
+        if padded_vocab < rows:
+            raise LayoutError(f"{entry.megatron}: padded vocab {padded_vocab} < vocab {rows}")
+        return [(entry.hf[0], 0, rows)] + ([(None, 0, padded_vocab - rows)] if padded_vocab > rows else [])
+    if layout == PLAIN:
+        return [(entry.hf[0], 0, hf_shapes[entry.hf[0]][0])]
+    raise LayoutError(f"unknown Megatron layout {layout!r}")
+
+
+def full_rows_ops(source: RawSource, segments: list, rows: list[tuple[int, int]], b0: int, b1: int) -> list[Op]:
+    """Operations for rows ``rows`` (ranges of the full tensor) and row bytes ``[b0, b1)``."""
+    ops: list[Op] = []
+    for a, b in rows:
+        start = 0
+        for name, s0, s1 in segments:
+            n = s1 - s0
+            lo, hi = max(a, start), min(b, start + n)
+            if lo < hi:
+                if name is None:
+                    ops.append(Zeros((hi - lo) * (b1 - b0)))
+                else:
+                    ops += select(source.planned[name], s0 + lo - start, s0 + hi - start, b0, b1)
+            start += n
+    return _merge_copies(ops)
+
+
+def shard_ops(source: RawSource, entry: WeightEntry, hf_shapes: dict, padded: int, tp: int, t: int,
+              key: str) -> tuple[tuple[int, ...], list[Op]]:
+    """(shape, operations) of TP rank ``t``'s legacy shard of ``entry`` (``tp=1``: the full tensor)."""
+    full = megatron_full_shape(entry, hf_shapes, source.cfg, padded)
+    segments = full_segments(entry, source.cfg, hf_shapes, padded)
+    tag = source.planned[entry.hf[0]].dtype
+    width = row_nbytes(full, tag)
+    rows = full[0]
+    kind = REPLICATED if tp == 1 else tp_split_kind(entry, len(full))
+    if kind == REPLICATED:
+        return full, full_rows_ops(source, segments, [(0, rows)], 0, width)
+    if kind == ROW0:
+        if rows % tp:
+            raise LayoutError(f"{key}: size {rows} of dim 0 not divisible by tp={tp}")
+        s = rows // tp
+        return (s, *full[1:]), full_rows_ops(source, segments, [(t * s, (t + 1) * s)], 0, width)
+    if kind == GATE_UP:
+        if rows % (2 * tp):
+            raise LayoutError(f"{key}: linear_fc1 rows {rows} not divisible by 2*tp = {2 * tp}")
+        half, s = rows // 2, rows // (2 * tp)
+        return (2 * s, *full[1:]), full_rows_ops(source, segments, [(t * s, (t + 1) * s),
+                                                                     (half + t * s, half + (t + 1) * s)], 0, width)
+    if kind == COL1:
+        if full[1] % tp:
+            raise LayoutError(f"{key}: size {full[1]} of dim 1 not divisible by tp={tp}")
+        band = width // tp
+        return (rows, full[1] // tp, *full[2:]), full_rows_ops(source, segments, [(0, rows)], t * band,
+                                                               (t + 1) * band)
+    raise Unsupported(f"{key}: split {kind}")
+
+
+# -------------------------------------------------------------------------------------- targets
+
+
+@dataclass
+class CopyTarget:
+    fmt: str  # "megatron" (legacy torch) or "megatron-dist"
+    tp: int
+    pp: int
+    vpp: int
+    padded_vocab: int
+    tag: str
+    layout: MegatronLayout
+    args: dict
+    iteration: int | None
+    hf_shapes: dict = field(default_factory=dict)
+
+
+def plan_copy_target(source: RawSource, *, fmt: str, tp: int, pp: int, vpp: int, divisible_by: int,
+                     first: int | None = None, last: int | None = None) -> CopyTarget:
+    """Validate the target layout for the model (ParallelConfigError names the numbers)."""
+    from models.common.weight_map import hf_shapes
+    from parallel.config import ParallelConfig
+
+    cfg = source.cfg
+    ParallelConfig(tp=tp, pp=pp, vpp=vpp, num_layers_in_first_pipeline_stage=first,
+                   num_layers_in_last_pipeline_stage=last).validate(cfg)
+    tag = source.dtype()
+    padded = megatron_padded_vocab(cfg.vocab_size, tp, divisible_by)
+    args = target_arg_fields(source.hf_config, cfg, tp=tp, pp=pp, vpp=vpp, padded_vocab=padded,
+                             dtype_name=TAG_TO_TORCH_NAME[tag], fmt="torch" if fmt == "megatron" else "torch_dist",
+                             divisible_by=divisible_by, first=first, last=last)
+    layout = MegatronLayout(cfg.num_hidden_layers, pp, vpp, first, last, "target")
+    iteration = getattr(source, "iteration", None)
+    return CopyTarget(fmt, tp, pp, vpp, padded, tag, layout, args, iteration if isinstance(iteration, int) else None,
+                      hf_shapes(cfg, source.wmap))
+
+
+def _args_node(target: CopyTarget) -> pw.NewObj:
+    fields = dict(target.args)
+    fields["params_dtype"] = pw.Global("torch", fields["params_dtype"])
+    return pw.namespace(fields)
+
+
+@dataclass
+class _FilePlan:
+    path: str
+    size: int
+    headers: list[tuple[int, bytes]]
+    work: list[tuple[int, list[Op], int]]  # (offset, ops, nbytes)
+
+
+def _legacy_file(source: RawSource, target: CopyTarget, directory: Path, p: int, t: int) -> _FilePlan:
+    storages: list[tuple[list[Op], int]] = []
+    state: dict[str, Any] = {}
+
+    def add(key: str, entry: WeightEntry) -> pw.Reduce:
+        shape, ops = shard_ops(source, entry, target.hf_shapes, target.padded_vocab, target.tp, t, key)
+        nbytes = sum(op.nbytes for op in ops)
+        storages.append((ops, nbytes))
+        return pw.tensor(str(len(storages) - 1), target.tag, shape)
+
+    for v in range(target.vpp):
+        chunk = state.setdefault("model" if target.vpp == 1 else f"model{v}", {})
+        for unit, local in target.layout.stage_units(p, v):
+            for entry, key in unit_megatron_keys(source.wmap, unit, local):
+                chunk[key] = add(key, entry)
+            chunk.update({f"{m}._extra_state": None for m in extra_state_modules(unit, local)})
+        if source.cfg.tie_word_embeddings and target.pp > 1 and p == target.pp - 1 and v == target.vpp - 1:
+            # Megatron's last stage keeps its own copy of the tied embedding as output_layer.weight.
+            entry = source.wmap.first_entries[0]
+            chunk["output_layer.weight"] = add("output_layer.weight", entry)
+    obj = {"args": _args_node(target), "checkpoint_version": 3.0, "iteration": target.iteration or 0, **state}
+    lay = layout_archive(pw.dumps(obj), [n for _, n in storages])
+    path = directory / legacy_rank_dir_name(t, p, target.pp) / RANK_FILE
+    return _FilePlan(str(path), lay.end, lay.pieces,
+                     [(off, ops, n) for off, (ops, n) in zip(lay.storage_offsets, storages)])
+
+
+def _dist_files(source: RawSource, target: CopyTarget, directory: Path) -> tuple[list[_FilePlan], bytes]:
+    """The .distcp files (one archive per chunk) and the ``.metadata`` pickle."""
+    units = [u for u, _ in source.units()]
+    n_files = max(1, min(DIST_DATA_FILES, len(units)))
+    L = source.cfg.num_hidden_layers
+    extra = archive_bytes(pw.dumps([None]))
+    tensors: dict[str, dict] = {}
+    bytes_keys: list[tuple[str, str, int, int]] = []
+    plans = []
+    for i in range(n_files):
+        name = f"__{i}_0.distcp"
+        pos, headers, work = 0, [], []
+        for unit in units[i::n_files]:
+            layer = None if unit in (EMBED, FINAL) else int(unit)
+            for entry, key in unit_megatron_keys(source.wmap, unit, layer):
+                full, ops = shard_ops(source, entry, target.hf_shapes, target.padded_vocab, 1, 0, key)
+                if layer is None:
+                    gkey, gshape, offsets, chunk = key, full, (0,) * len(full), full
+                else:
+                    gkey = stacked_key(key.replace(f"layers.{layer}.", "layers.{i}.", 1))
+                    gshape, offsets, chunk = (L, *full), (layer,) + (0,) * len(full), (1, *full)
+                nbytes = sum(op.nbytes for op in ops)
+                lay = layout_archive(pw.dumps(pw.tensor("0", target.tag, chunk)), [nbytes], base=pos)
+                headers += lay.pieces
+                work.append((lay.storage_offsets[0], ops, nbytes))
+                meta = tensors.setdefault(gkey, {"size": gshape, "chunks": []})
+                meta["chunks"].append((offsets, chunk, name, pos, lay.size))
+                pos = lay.end
+            if layer is not None:
+                for module in LINEAR_MODULES:
+                    bytes_keys.append((f"decoder.layers.{module}._extra_state/shard_{layer}_{L}", name, pos,
+                                       len(extra)))
+                    headers.append((pos, extra))
+                    pos += len(extra)
+        plans.append(_FilePlan(str(directory / name), pos, headers, work))
+    return plans, pw.dumps(_dist_metadata(tensors, bytes_keys, target.tag))
+
+
+def _dist_metadata(tensors: dict, bytes_keys: list, tag: str) -> pw.NewObj:
+    """``torch.distributed.checkpoint.metadata.Metadata`` as ``megatron_dist.write_dist`` pickles it."""
+    g = pw.Global
+    props = pw.NewObj(g(DCP, "TensorProperties"), (
+        pw.torch_dtype(tag), pw.Reduce(g("torch.serialization", "_get_layout"), ("torch.strided",)), False,
+        pw.Reduce(g(DCP, "_MEM_FORMAT_ENCODING"), (0,)), False))
+    state_md: dict[str, Any] = {}
+    storage: list[tuple[Any, Any]] = []
+
+    def storage_info(fname: str, off: int, length: int) -> pw.NewObj:
+        return pw.NewObj(g("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                         {"relative_path": fname, "offset": off, "length": length})
+
+    for key, meta in tensors.items():
+        chunks = sorted(meta["chunks"], key=lambda c: c[0])
+        state_md[key] = pw.NewObj(g(DCP, "TensorStorageMetadata"), {
+            "properties": props, "size": pw.torch_size(meta["size"]),
+            "chunks": [pw.NewObj(g(DCP, "ChunkStorageMetadata"), {"offsets": pw.torch_size(offs),
+                                                                   "sizes": pw.torch_size(sizes)})
+                       for offs, sizes, *_ in chunks]})
+        for offs, _sizes, fname, off, length in meta["chunks"]:
+            index = pw.NewObj(g(DCP, "MetadataIndex"), {"fqn": key, "offset": pw.torch_size(offs), "index": None})
+            storage.append((index, storage_info(fname, off, length)))
+    for key, fname, off, length in bytes_keys:
+        state_md[key] = pw.NewObj(g(DCP, "BytesStorageMetadata"), {})
+        storage.append((pw.NewObj(g(DCP, "MetadataIndex"), {"fqn": key, "offset": None, "index": None}),
+                        storage_info(fname, off, length)))
+    return pw.NewObj(g(DCP, "Metadata"), {
+        "state_dict_metadata": dict(sorted(state_md.items())), "planner_data": None,
+        "storage_data": pw.Items(tuple(storage)), "storage_meta": None, "version": None})
+
+
+# ------------------------------------------------------------------------------------- writing
+
+
+def _create(plan: _FilePlan) -> None:
+    """The file at its final size with every header in place (the tensor bytes come later)."""
+    Path(plan.path).parent.mkdir(parents=True, exist_ok=True)
+    with open(plan.path, "wb") as f:  # a Python file object: a failed write keeps its errno
+        f.truncate(plan.size)
+        for offset, data in plan.headers:
+            f.seek(offset)
+            f.write(data)
+
+
+def _tasks(plans: list[_FilePlan], workers: int, buffer_bytes: int) -> list[tuple]:
+    """Fill tasks of about equal bytes (a big file is cut between several)."""
+    total = sum(n for p in plans for *_, n in p.work) or 1
+    target = max(1, total // max(1, 2 * workers))
+    tasks = []
+    for plan in plans:
+        batch, acc = [], 0
+        for off, ops, n in plan.work:
+            batch.append((off, ops))
+            acc += n
+            if acc >= target:
+                tasks.append((fill_file, (plan.path, batch, buffer_bytes)))
+                batch, acc = [], 0
+        if batch:
+            tasks.append((fill_file, (plan.path, batch, buffer_bytes)))
+    return tasks
+
+
+def write_megatron_by_copy(source: RawSource, target: CopyTarget, directory: str, *, workers: int, progress: bool,
+                           hf_config_dir: str | None = None, buffer_bytes: int = DEFAULT_BUFFER) -> None:
+    """The Megatron checkpoint of ``source`` in ``directory`` (tracker, iteration folder, HF config)."""
+    from converters.megatron_files import HF_CONFIG_DIR
+    from converters.tasks import run_tasks
+
+    root = Path(directory)
+    name = f"iter_{target.iteration:07d}" if target.iteration is not None else "release"
+    (root / TRACKER).write_text(str(target.iteration) if target.iteration is not None else "release")
+    folder = root / name
+    folder.mkdir()
+    try:
+        if target.fmt == "megatron":
+            plans = [_legacy_file(source, target, folder, p, t) for p in range(target.pp) for t in range(target.tp)]
+        else:
+            plans, metadata = _dist_files(source, target, folder)
+    except LayoutError as exc:
+        raise CheckpointError(f"{source.path}: {exc}") from exc
+    for plan in plans:
+        _create(plan)
+    run_tasks(_tasks(plans, workers, buffer_bytes), workers, "copying Megatron tensors", progress)
+    if target.fmt != "megatron":
+        (folder / ".metadata").write_bytes(metadata)
+        common = {"args": _args_node(target), "checkpoint_version": 3.0, "iteration": target.iteration or 0}
+        (folder / "common.pt").write_bytes(archive_bytes(pw.dumps(common)))
+        (folder / "metadata.json").write_text(json.dumps(DIST_METADATA_JSON))
+    # The HF config beside the iteration folders keeps what Megatron args cannot say (real vocab size,
+    # RoPE scaling, token ids); our readers pick it up, Megatron ignores it.
+    cfg_dir = root / HF_CONFIG_DIR
+    cfg_dir.mkdir()
+    source.hf_config.save(str(cfg_dir))
+
+__all__ = ["CopyTarget", "plan_copy_target", "write_megatron_by_copy", "select", "shard_ops", "full_segments"]

@@ -1,0 +1,250 @@
+"""The copy path's Megatron writers (converters/copy_targets.py) against the torch path.
+
+The torch path (converters/megatron_write.py, megatron_dist.write_dist) builds real tensors and
+saves them with ``torch.save`` / real DCP metadata objects; it is checked against megatron-core in
+test_megatron_oracle.py (which now also loads what the copy path writes). Here both paths convert
+the same sources to the same layouts and ``torch.load`` / ``pickle.load`` must see the same
+objects: every tensor equal (values, dtype, shape), the same keys in the same order, the same args,
+the same torch_dist metadata. The pickles and zips the copy path writes by hand are also checked
+against what ``pickle`` and ``torch.save`` make of the real objects, and a CLI conversion to a
+Megatron format must not import torch.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from converters.engine import convert
+from tests.cases import write_hf_model
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGETS = [("megatron", 2, 2, 1), ("megatron", 4, 1, 1), ("megatron", 1, 2, 2), ("megatron-dist", 2, 2, 2),
+           ("megatron-dist", 1, 1, 1)]
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    from transformers import LlamaConfig, Qwen2Config
+
+    root = tmp_path_factory.mktemp("copy_targets")
+    cfgs = {
+        "qwen2": Qwen2Config(vocab_size=101, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                             num_key_value_heads=2, num_hidden_layers=4, tie_word_embeddings=False),
+        "llama_tied_bias": LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                       num_key_value_heads=1, num_hidden_layers=4, tie_word_embeddings=True,
+                                       attention_bias=True, mlp_bias=True),
+    }
+    out = {}
+    for name, cfg in cfgs.items():
+        hf = write_hf_model(root, name, cfg, seed=5)
+        out[name, "hf"] = hf
+        # Megatron sources written by the torch path (independent of the writers under test)
+        for fmt, tp, pp, vpp in [("megatron", 2, 2, 2), ("megatron-dist", 2, 1, 1)]:
+            dst = root / f"{name}-{fmt}-{tp}{pp}{vpp}"
+            _torch_path(hf, dst, to=fmt, tp=tp, pp=pp, vpp=vpp)
+            out[name, f"{fmt}-{tp}{pp}{vpp}"] = dst
+    return out
+
+
+def _torch_path(src, dst, **kw):
+    old = os.environ.get("PMZ_COPY_PATH")
+    os.environ["PMZ_COPY_PATH"] = "0"
+    try:
+        return convert(src, dst, **kw)
+    finally:
+        if old is None:
+            del os.environ["PMZ_COPY_PATH"]
+        else:
+            os.environ["PMZ_COPY_PATH"] = old
+
+
+def _tree(path: Path) -> list[Path]:
+    return sorted(p.relative_to(path) for p in path.rglob("*") if p.is_file())
+
+
+def _same_rank_file(a: Path, b: Path) -> None:
+    import argparse
+
+    for weights_only in (False, True):  # Megatron-LM loads with weights_only=False, newer code with True
+        with torch.serialization.safe_globals([argparse.Namespace]):  # as Megatron-LM allows it
+            x = torch.load(a, weights_only=weights_only)
+            y = torch.load(b, weights_only=weights_only)
+        assert list(x) == list(y), f"{b}: top-level keys {list(y)} != {list(x)}"
+        assert vars(x["args"]) == vars(y["args"]), f"{b}: args differ"
+        for k in x:
+            if k == "args":
+                continue
+            if not k.startswith("model"):
+                assert x[k] == y[k] and type(x[k]) is type(y[k]), f"{b}: {k}"
+                continue
+            assert list(x[k]) == list(y[k]), f"{b}: key order of {k}"
+            for name, t in x[k].items():
+                u = y[k][name]
+                if t is None:
+                    assert u is None, f"{b}: {k}.{name}"
+                else:
+                    assert u.dtype == t.dtype and u.shape == t.shape and u.is_contiguous(), f"{b}: {k}.{name}"
+                    assert torch.equal(u, t), f"{b}: {k}.{name} values differ"
+
+
+def _same_dist(a: Path, b: Path) -> None:
+    from converters.formats import open_reader
+
+    x, y = pickle.loads((a / ".metadata").read_bytes()), pickle.loads((b / ".metadata").read_bytes())
+    assert x.state_dict_metadata == y.state_dict_metadata
+    # archive sizes differ (torch.save adds a random serialization id and data descriptors), so
+    # offsets do too; the chunks, their files and their contents must match
+    assert x.storage_data.keys() == y.storage_data.keys()
+    assert all(x.storage_data[k].relative_path == y.storage_data[k].relative_path for k in x.storage_data)
+    cx, cy = (torch.load(d / "common.pt", weights_only=False) for d in (a, b))
+    assert vars(cx.pop("args")) == vars(cy.pop("args")) and cx == cy
+    ra, rb = open_reader(a), open_reader(b)
+    for unit in ra.units():
+        ua, ub = ra.read_unit(unit), rb.read_unit(unit)
+        assert ua.keys() == ub.keys()
+        for n in ua:
+            assert ub[n].dtype == ua[n].dtype and torch.equal(ub[n], ua[n]), f"{b}: {n}"
+
+
+@pytest.mark.parametrize("model", ["qwen2", "llama_tied_bias"])
+@pytest.mark.parametrize("source", ["hf", "megatron-222", "megatron-dist-211"])
+def test_copy_path_writes_what_the_torch_path_writes(sources, tmp_path, monkeypatch, model, source):
+    import converters.engine as engine
+
+    used = []
+    real = engine._convert_by_copy
+    monkeypatch.setattr(engine, "_convert_by_copy", lambda *a, **k: used.append(real(*a, **k)) or used[-1])
+    src = sources[model, source]
+    for fmt, tp, pp, vpp in TARGETS:
+        slow, fast = tmp_path / f"slow-{fmt}{tp}{pp}{vpp}", tmp_path / f"fast-{fmt}{tp}{pp}{vpp}"
+        _torch_path(src, slow, to=fmt, tp=tp, pp=pp, vpp=vpp)
+        convert(src, fast, to=fmt, tp=tp, pp=pp, vpp=vpp, workers=2)
+        assert used[-1] is True, "the copy path was not taken"
+        assert _tree(fast) == _tree(slow)
+        for rel in _tree(slow):
+            if rel.name == "model_optim_rng.pt":
+                _same_rank_file(slow / rel, fast / rel)
+            elif rel.suffix not in (".distcp", ".pt") and rel.name != ".metadata":
+                assert (fast / rel).read_bytes() == (slow / rel).read_bytes(), rel
+        if fmt == "megatron-dist":
+            it = next(p for p in _tree(slow) if p.name == ".metadata").parent
+            _same_dist(slow / it, fast / it)
+
+
+def test_megatron_to_megatron_keeps_the_layout_on_the_copy_path(sources, tmp_path):
+    src = sources["qwen2", "megatron-222"]
+    convert(src, tmp_path / "same", to="megatron")
+    _torch_path(src, tmp_path / "slow", to="megatron")
+    assert _tree(tmp_path / "same") == _tree(tmp_path / "slow")
+    for rel in _tree(tmp_path / "slow"):
+        if rel.name == "model_optim_rng.pt":
+            _same_rank_file(tmp_path / "slow" / rel, tmp_path / "same" / rel)
+
+
+def test_a_dtype_change_takes_the_torch_path(sources, tmp_path, monkeypatch):
+    import converters.copy_targets as ct
+
+    monkeypatch.setattr(ct, "write_megatron_by_copy", lambda *a, **k: pytest.fail("copy path used"))
+    convert(sources["qwen2", "hf"], tmp_path / "bf16", to="megatron", dtype="bfloat16")
+    state = torch.load(next((tmp_path / "bf16").rglob("model_optim_rng.pt")), weights_only=False)
+    assert {t.dtype for t in state["model"].values() if t is not None} == {torch.bfloat16}
+
+
+def test_cli_conversion_to_megatron_never_imports_torch(sources, tmp_path):
+    probe = ("import runpy, sys\n"
+             "sys.argv = ['pmz'] + sys.argv[1:]\n"
+             "try:\n"
+             "    runpy.run_module('converters.cli', run_name='__main__')\n"
+             "except SystemExit as e:\n"
+             "    assert not e.code, e.code\n"
+             "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    for i, (fmt, src) in enumerate([("megatron", sources["qwen2", "hf"]),
+                                    ("megatron-dist", sources["qwen2", "megatron-222"])]):
+        out = tmp_path / f"out{i}"
+        proc = subprocess.run([sys.executable, "-c", probe, "convert", str(src), str(out), "--to", fmt, "--tp", "2",
+                               "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        assert (out / "latest_checkpointed_iteration.txt").is_file()
+
+
+# ------------------------------------------------------------------------- the hand-made containers
+
+
+def test_pickle_writer_builds_the_real_objects():
+    import argparse
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from converters import pickle_writer as pw
+    from converters.copy_targets import _dist_metadata
+
+    values = {"i": 7, "big": 1 << 40, "neg": -(1 << 35), "m": 300, "f": 0.1, "s": "é", "n": None, "t": True,
+              "l": [1, (2, 3)], "tt": (1, 2, 3, 4), "e": (), "b": b"\x00\xff", "d": {"k": [None]}}
+    ns = pickle.loads(pw.dumps(pw.namespace({**values, "dtype": pw.torch_dtype("BF16")})))
+    assert ns == argparse.Namespace(**values, dtype=torch.bfloat16)
+    tensors = {"w": {"size": (4, 3), "chunks": [((2, 0), (2, 3), "__1_0.distcp", 10, 20),
+                                                 ((0, 0), (2, 3), "__0_0.distcp", 0, 10)]}}
+    got = pickle.loads(pw.dumps(_dist_metadata(tensors, [("x/shard_0_1", "__0_0.distcp", 30, 5)], "F16")))
+    props = TensorProperties(dtype=torch.float16)
+    chunks = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in [((0, 0), (2, 3)), ((2, 0), (2, 3))]]
+    want = Metadata(state_dict_metadata={"w": TensorStorageMetadata(props, torch.Size((4, 3)), chunks),
+                                         "x/shard_0_1": BytesStorageMetadata()},
+                    storage_data={MetadataIndex("w", torch.Size((2, 0))): _StorageInfo("__1_0.distcp", 10, 20),
+                                  MetadataIndex("w", torch.Size((0, 0))): _StorageInfo("__0_0.distcp", 0, 10),
+                                  MetadataIndex("x/shard_0_1"): _StorageInfo("__0_0.distcp", 30, 5)})
+    assert got == want
+    assert list(got.storage_data.items()) == list(want.storage_data.items())
+
+
+def test_torch_zip_archives_load_in_torch_and_zipfile(tmp_path):
+    import zipfile
+
+    import numpy as np
+
+    from converters import pickle_writer as pw
+    from converters.raw_files import read_torch_archive
+    from converters.torch_zip import archive_bytes, layout_archive
+
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    b = np.arange(5, dtype=np.int64)
+    obj = {"a": pw.tensor("0", "F32", (3, 4)), "b": pw.tensor("1", "I64", (5,)), "c": None}
+    data = archive_bytes(pw.dumps(obj), [a.tobytes(), b.tobytes()])
+    for weights_only in (True, False):
+        got = torch.load(io.BytesIO(data), weights_only=weights_only)
+        assert torch.equal(got["a"], torch.from_numpy(a)) and torch.equal(got["b"], torch.from_numpy(b))
+        assert got["c"] is None
+    assert zipfile.ZipFile(io.BytesIO(data)).read("archive/data.pkl") == pw.dumps(obj)
+    # zip64: a storage past 4 GiB (a sparse file), then one after it
+    n = (1 << 32) + 64
+    big = {"s": pw.tensor("0", "U8", (16,)), "big": pw.tensor("1", "U8", (n,)), "after": pw.tensor("2", "U8", (8,))}
+    lay = layout_archive(pw.dumps(big), [16, n, 8])
+    path = tmp_path / "big.pt"
+    with open(path, "wb") as f:
+        f.truncate(lay.end)
+        for off, piece in lay.pieces + [(lay.storage_offsets[0], bytes(range(16))),
+                                        (lay.storage_offsets[1] + n - 1, b"\x05"),
+                                        (lay.storage_offsets[2], b"\x07" * 8)]:
+            f.seek(off)
+            f.write(piece)
+    assert all(o % 64 == 0 for o in lay.storage_offsets)
+    got = torch.load(path, mmap=True, weights_only=True)
+    assert got["s"].tolist() == list(range(16)) and got["after"].tolist() == [7] * 8
+    assert got["big"].shape == (n,) and int(got["big"][-1]) == 5
+    raw = read_torch_archive(path)
+    assert raw["after"].offset == lay.storage_offsets[2]
