@@ -181,6 +181,7 @@ DIRECTIONS = {  # name: (source dir key, pmz convert arguments)
     "hf->legacy": ("hf", ["--to", "megatron", "--tp", "2", "--pp", "2"]),
     "hf->dist": ("hf", ["--to", "megatron-dist", "--tp", "2", "--pp", "2"]),
     "legacy->legacy": ("legacy", ["--to", "megatron", "--tp", "1", "--pp", "2"]),
+    "dist->legacy": ("dist", ["--to", "megatron", "--tp", "4", "--pp", "1"]),
 }
 
 
