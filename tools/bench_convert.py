@@ -59,7 +59,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--_layers", type=int, default=12, help=argparse.SUPPRESS)
     p.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
     # Internal child modes (the orchestrator runs itself with these).
+    p.add_argument("--peers", action="store_true",
+                   help="also time a load-all-and-merge converter on legacy->hf (sizes <= 2 GB: it holds the "
+                        "whole model in memory)")
     p.add_argument("--_setup", nargs=2, metavar=("HF_DIR", "MCORE_DIR"), help=argparse.SUPPRESS)
+    p.add_argument("--_naive", nargs=2, metavar=("LEGACY_DIR", "HF_DIR"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -134,6 +138,36 @@ def child_setup(args: argparse.Namespace) -> None:
     print(json.dumps({"hf_bytes": total, "setup_convert_s": time.perf_counter() - t0}))
 
 
+def child_naive(args: argparse.Namespace) -> None:
+    """The peer: a load-all-and-merge converter, as the simple tools do it (every rank file loaded
+    whole, TP shards concatenated, the whole HF state dict built in memory, then saved)."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+    from safetensors.torch import save_file
+
+    from converters.megatron_layout import megatron_to_hf, merge_tp, tp_split_kind
+    from converters.megatron_legacy import LegacyReader
+    from converters.megatron_stages import unit_megatron_keys
+
+    src, dst = Path(args._naive[0]), Path(args._naive[1])
+    meta = LegacyReader(src)  # only for the file names, the model config and the stage layout
+    lay = meta.layout
+    files = {(t, p): torch.load(meta.it_dir / (f"mp_rank_{t:02d}" + (f"_{p:03d}" if lay.pp > 1 else ""))
+                                / "model_optim_rng.pt", map_location="cpu", weights_only=False)
+             for t in range(meta.tp) for p in range(lay.pp)}
+    out = {}
+    for unit in meta.units():
+        p, v = lay.unit_location(unit)
+        local = None if not isinstance(unit, int) else lay.where[unit][2]
+        for entry, key in unit_megatron_keys(meta.wmap, unit, local):
+            shards = [files[t, p]["model" if lay.vpp == 1 else f"model{v}"][key] for t in range(meta.tp)]
+            full = merge_tp(tp_split_kind(entry, shards[0].dim()), shards, key)
+            out.update(zip(entry.hf, (t.contiguous() for t in megatron_to_hf(entry, full, meta.cfg))))
+    dst.mkdir()
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    meta.hf_config.save(str(dst))
+
+
 # --------------------------------------------------------------------------------------------- orchestrator
 
 def run_child(cmd: list[str]) -> dict:
@@ -189,6 +223,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args._setup:
         child_setup(args)
+        return 0
+    if args._naive:
+        child_naive(args)
         return 0
 
     t_script = time.perf_counter()
@@ -248,6 +285,17 @@ def main(argv=None) -> int:
                 print(f"  {name:<15} {nbytes / 1e9:6.2f} GB  cp {t_cp:6.2f} s  pmz {t_cv:6.2f} s  "
                       f"ratio {ratio:4.2f}x  peak RSS {rss:6.0f} MiB (cp {cp_rss:.0f} MiB)  "
                       f"[pmz runs: {', '.join(format(r['wall'], '.2f') for r in cvs)}]", flush=True)
+            if args.peers and size_gb <= 2:
+                out = work / "out"
+                naive = me + ["--_naive", str(srcs["legacy"]), str(out)]
+                timed(naive, out)
+                runs = [timed(naive, out) for _ in range(args.reps)]
+                t_naive = statistics.median(r["wall"] for r in runs)
+                cp_legacy = [timed(["cp", "-r", str(srcs["legacy"]), str(out)], out) for _ in range(args.reps)]
+                t_cp = statistics.median(r["wall"] for r in cp_legacy)
+                print(f"  peer: load-all-and-merge legacy->hf  cp {t_cp:6.2f} s  peer {t_naive:6.2f} s  ratio "
+                      f"{t_cp / t_naive:4.2f}x  peak RSS {max(r['maxrss_kb'] for r in runs) / 1024:6.0f} MiB",
+                      flush=True)
             for p in srcs.values():
                 remove(p)
         print(f"\nscript wall time {time.perf_counter() - t_script:.0f} s")
