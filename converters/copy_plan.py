@@ -622,26 +622,38 @@ def _interleave(op: Interleave, fd_of, out: int, dst: int, buffer_bytes: int) ->
     for r in range(0, op.rows, step):
         k = min(step, op.rows - r)
         block = buf[: k * width].reshape(k, width)
-        col = 0
-        for path, offset, rb, stride in op.parts:
-            # rows of a part are read as one span, gaps included, unless a gap costs more to read
-            # than a system call (~16 KiB of memory copy)
-            span = (k - 1) * stride + rb
-            if stride - rb <= 16384:
-                raw = os.pread(fd_of(path), span, offset + r * stride)
-                if len(raw) != span:
-                    raise CheckpointError(f"{path}: ends before byte {offset + r * stride + span}")
-                rows = np.lib.stride_tricks.as_strided(np.frombuffer(raw, dtype=np.uint8), (k, rb), (stride, 1))
-                block[:, col:col + rb] = rows
-            else:
-                fd = fd_of(path)
-                for i in range(k):
-                    raw = os.pread(fd, rb, offset + (r + i) * stride)
-                    if len(raw) != rb:
-                        raise CheckpointError(f"{path}: ends before byte {offset + (r + i) * stride + rb}")
-                    block[i, col:col + rb] = np.frombuffer(raw, dtype=np.uint8)
-            col += rb
+        read_rows(op.parts, fd_of, r, block)
         os.pwrite(out, block, dst + r * width)
+
+
+def read_rows(parts: tuple, fd_of, r: int, block) -> None:
+    """Rows ``r .. r + len(block)`` of an interleaved band into ``block`` (a uint8 [rows, width] array)."""
+    import numpy as np
+
+    k, col = block.shape[0], 0
+    for path, offset, rb, stride in parts:
+        fd = fd_of(path)
+        if len(parts) == 1 and stride == rb:  # one contiguous block: read straight into the buffer
+            n = os.preadv(fd, [block], offset + r * stride)
+            if n != k * rb:
+                raise CheckpointError(f"{path}: ends before byte {offset + (r + k) * stride}")
+            return
+        # rows of a part are read as one span, gaps included, unless a gap costs more to read
+        # than a system call (~16 KiB of memory copy)
+        span = (k - 1) * stride + rb
+        if stride - rb <= 16384:
+            raw = os.pread(fd, span, offset + r * stride)
+            if len(raw) != span:
+                raise CheckpointError(f"{path}: ends before byte {offset + r * stride + span}")
+            rows = np.lib.stride_tricks.as_strided(np.frombuffer(raw, dtype=np.uint8), (k, rb), (stride, 1))
+            block[:, col:col + rb] = rows
+        else:
+            for i in range(k):
+                raw = os.pread(fd, rb, offset + (r + i) * stride)
+                if len(raw) != rb:
+                    raise CheckpointError(f"{path}: ends before byte {offset + (r + i) * stride + rb}")
+                block[i, col:col + rb] = np.frombuffer(raw, dtype=np.uint8)
+        col += rb
 
 
 def open_raw_source(path: str, *, arch: str | None = None, hf_config: str | None = None,

@@ -257,31 +257,92 @@ class _FilePlan:
     work: list[tuple[int, list[Op], int]]  # (offset, ops, nbytes)
 
 
-def _legacy_file(source: RawSource, target: CopyTarget, directory: Path, p: int, t: int) -> _FilePlan:
-    storages: list[tuple[list[Op], int]] = []
+def _legacy_file(source: RawSource, target: CopyTarget, directory: Path, p: int, t: int,
+                 bands: dict[tuple, dict]) -> _FilePlan:
+    """Rank file (p, t). Column-parallel shards (``linear_proj``, ``linear_fc2``) are not filled per
+    file: their source rows are read once for all TP ranks (``bands``, see ``scatter_bands``)."""
+    storages: list[tuple[list[Op] | None, int]] = []
     state: dict[str, Any] = {}
+    scattered: list[tuple[int, tuple]] = []
 
-    def add(key: str, entry: WeightEntry) -> pw.Reduce:
+    def add(key: str, entry: WeightEntry, chunk_name: str) -> pw.Reduce:
+        full = megatron_full_shape(entry, target.hf_shapes, source.cfg, target.padded_vocab)
+        if target.tp > 1 and tp_split_kind(entry, len(full)) == COL1:
+            if full[1] % target.tp:
+                raise LayoutError(f"{key}: size {full[1]} of dim 1 not divisible by tp={target.tp}")
+            group = (p, chunk_name, key)
+            if group not in bands:
+                segments = full_segments(entry, source.cfg, target.hf_shapes, target.padded_vocab)
+                width = row_nbytes(full, source.planned[entry.hf[0]].dtype)
+                bands[group] = {"ops": full_rows_ops(source, segments, [(0, full[0])], 0, width), "width": width,
+                                "outputs": [None] * target.tp}
+            scattered.append((len(storages), group))
+            storages.append((None, full[0] * bands[group]["width"] // target.tp))
+            return pw.tensor(str(len(storages) - 1), target.tag, (full[0], full[1] // target.tp, *full[2:]))
         shape, ops = shard_ops(source, entry, target.hf_shapes, target.padded_vocab, target.tp, t, key)
-        nbytes = sum(op.nbytes for op in ops)
-        storages.append((ops, nbytes))
+        storages.append((ops, sum(op.nbytes for op in ops)))
         return pw.tensor(str(len(storages) - 1), target.tag, shape)
 
     for v in range(target.vpp):
-        chunk = state.setdefault("model" if target.vpp == 1 else f"model{v}", {})
+        name = "model" if target.vpp == 1 else f"model{v}"
+        chunk = state.setdefault(name, {})
         for unit, local in target.layout.stage_units(p, v):
             for entry, key in unit_megatron_keys(source.wmap, unit, local):
-                chunk[key] = add(key, entry)
+                chunk[key] = add(key, entry, name)
             chunk.update({f"{m}._extra_state": None for m in extra_state_modules(unit, local)})
         if source.cfg.tie_word_embeddings and target.pp > 1 and p == target.pp - 1 and v == target.vpp - 1:
             # Megatron's last stage keeps its own copy of the tied embedding as output_layer.weight.
             entry = source.wmap.first_entries[0]
-            chunk["output_layer.weight"] = add("output_layer.weight", entry)
+            chunk["output_layer.weight"] = add("output_layer.weight", entry, name)
     obj = {"args": _args_node(target), "checkpoint_version": 3.0, "iteration": target.iteration or 0, **state}
     lay = layout_archive(pw.dumps(obj), [n for _, n in storages])
-    path = directory / legacy_rank_dir_name(t, p, target.pp) / RANK_FILE
-    return _FilePlan(str(path), lay.end, lay.pieces,
-                     [(off, ops, n) for off, (ops, n) in zip(lay.storage_offsets, storages)])
+    path = str(directory / legacy_rank_dir_name(t, p, target.pp) / RANK_FILE)
+    for i, group in scattered:
+        bands[group]["outputs"][t] = (path, lay.storage_offsets[i])
+    return _FilePlan(path, lay.end, lay.pieces,
+                     [(off, ops, n) for off, (ops, n) in zip(lay.storage_offsets, storages) if ops is not None])
+
+
+def scatter_bands(ops: list[Op], width: int, outputs: list[tuple[str, int]], buffer_bytes: int) -> int:
+    """Write column band ``t`` of the rows ``ops`` produce to ``outputs[t]`` (path, offset), reading
+    each source row once: a TP split by columns would otherwise read every row ``tp`` times."""
+    import numpy as np
+
+    from converters.copy_plan import read_rows
+
+    tp = len(outputs)
+    band = width // tp
+    sources: dict[str, int] = {}
+    outs = [os.open(path, os.O_WRONLY) for path, _ in outputs]
+
+    def fd_of(p: str) -> int:
+        if p not in sources:
+            sources[p] = os.open(p, os.O_RDONLY)
+        return sources[p]
+
+    step = max(1, buffer_bytes // max(1, width))
+    buf = np.empty(step * width, dtype=np.uint8)
+    row = 0
+    try:
+        for op in ops:
+            if isinstance(op, Interleave):
+                parts, rows = op.parts, op.rows
+                step = max(1, buffer_bytes // max(1, width, max(q[3] for q in parts)))
+            else:
+                parts, rows = ((op.path, op.offset, width, width),), op.nbytes // width
+            for r in range(0, rows, step):
+                k = min(step, rows - r)
+                block = buf[: k * width].reshape(k, width) if k * width <= buf.size else np.empty((k, width), np.uint8)
+                read_rows(parts, fd_of, r, block)
+                for t, (fd, (_, dst)) in enumerate(zip(outs, outputs)):
+                    os.pwrite(fd, np.ascontiguousarray(block[:, t * band:(t + 1) * band]), dst + (row + r) * band)
+            row += rows
+    except OSError as exc:
+        raise CheckpointError(f"{outputs[0][0]}: write failed ({exc.strerror or exc})") from exc
+    finally:
+        for fd in outs + list(sources.values()):
+            os.close(fd)
+    return row * width
 
 
 def _dist_files(source: RawSource, target: CopyTarget, directory: Path) -> tuple[list[_FilePlan], bytes]:
@@ -367,11 +428,11 @@ def _create(plan: _FilePlan) -> None:
             f.write(data)
 
 
-def _tasks(plans: list[_FilePlan], workers: int, buffer_bytes: int) -> list[tuple]:
-    """Fill tasks of about equal bytes (a big file is cut between several)."""
-    total = sum(n for p in plans for *_, n in p.work) or 1
+def _tasks(plans: list[_FilePlan], bands: dict[tuple, dict], workers: int, buffer_bytes: int) -> list[tuple]:
+    """Fill tasks of about equal bytes (a big file is cut between several), then the column bands."""
+    total = sum(n for p in plans for *_, n in p.work) + sum(op.nbytes for b in bands.values() for op in b["ops"])
     target = max(1, total // max(1, 2 * workers))
-    tasks = []
+    tasks: list[tuple] = []
     for plan in plans:
         batch, acc = [], 0
         for off, ops, n in plan.work:
@@ -382,6 +443,7 @@ def _tasks(plans: list[_FilePlan], workers: int, buffer_bytes: int) -> list[tupl
                 batch, acc = [], 0
         if batch:
             tasks.append((fill_file, (plan.path, batch, buffer_bytes)))
+    tasks += [(scatter_bands, (b["ops"], b["width"], b["outputs"], buffer_bytes)) for b in bands.values()]
     return tasks
 
 
@@ -397,15 +459,17 @@ def write_megatron_by_copy(source: RawSource, target: CopyTarget, directory: str
     folder = root / name
     folder.mkdir()
     try:
+        bands: dict[tuple, dict] = {}
         if target.fmt == "megatron":
-            plans = [_legacy_file(source, target, folder, p, t) for p in range(target.pp) for t in range(target.tp)]
+            plans = [_legacy_file(source, target, folder, p, t, bands) for p in range(target.pp)
+                     for t in range(target.tp)]
         else:
             plans, metadata = _dist_files(source, target, folder)
     except LayoutError as exc:
         raise CheckpointError(f"{source.path}: {exc}") from exc
     for plan in plans:
         _create(plan)
-    run_tasks(_tasks(plans, workers, buffer_bytes), workers, "copying Megatron tensors", progress)
+    run_tasks(_tasks(plans, bands, workers, buffer_bytes), workers, "copying Megatron tensors", progress)
     if target.fmt != "megatron":
         (folder / ".metadata").write_bytes(metadata)
         common = {"args": _args_node(target), "checkpoint_version": 3.0, "iteration": target.iteration or 0}
