@@ -80,12 +80,13 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _check_hf_sizes(*paths: str) -> None:
     """config.json of an HF checkpoint against its safetensors headers, before a reader builds tables
     sized by the config (the HF reader does not check this itself yet)."""
-    from converters.formats import detect_format
     from converters.hf_config import check_hf_directory
+    from converters.megatron_sources import locate_source
 
     for path in paths:
-        if detect_format(path) == "hf":
-            check_hf_directory(path)
+        location = locate_source(path)
+        if location.format == "hf":
+            check_hf_directory(location.path)
 
 
 # ---------------------------------------------------------------------------------------------- arguments

@@ -658,25 +658,45 @@ def read_rows(parts: tuple, fd_of, r: int, block) -> None:
 
 def open_raw_source(path: str, *, arch: str | None = None, hf_config: str | None = None,
                     vocab_size: int | None = None) -> RawSource:
-    """The copy path's view of a checkpoint; ``Unsupported`` where the torch path must read it."""
-    from converters.formats import detect_format
+    """The copy path's view of a checkpoint; ``Unsupported`` where the torch path must read it.
+
+    ``path`` is located as the torch path does (verl actor folders, Megatron-Bridge iterations: see
+    ``converters/megatron_sources``); a torch_dist checkpoint without Megatron args is described by
+    ``hf_config`` (or the HF config found beside it) and checked against its ``.metadata`` first."""
     from converters.hf_config import read_hf_config
     from converters.megatron_files import hf_config_from_args, resolve_iteration_dir
+    from converters.megatron_sources import check_config_against_dist, config_without_args, locate_source
 
-    fmt = detect_format(path)
-    if fmt == "hf":
+    location = locate_source(path)
+    path, hf_config = location.path, hf_config or location.hf_config_dir
+    if location.format == "hf":
         return HFRawSource(path, read_hf_config(path))
-    if fmt == "megatron":
+    if location.format == "megatron":
         return LegacyRawSource(path, arch=arch, hf_config_dir=hf_config, vocab_size=vocab_size)
     it_dir = resolve_iteration_dir(Path(path))
+    if not (it_dir / ".metadata").is_file():
+        raise Unsupported("torch_dist layout without .metadata")
     common = it_dir / "common.pt"
-    if not (it_dir / ".metadata").is_file() or not common.is_file():
-        raise Unsupported("torch_dist layout without common.pt")
-    data = read_torch_archive(common)
+    data = read_torch_archive(common) if common.is_file() else None
     args = data.get("args") if isinstance(data, dict) else None
+    md = read_pickle(it_dir / ".metadata")
+    try:
+        shapes = {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks")}
+        args_inside = any(getattr(idx, "fqn", None) == "args" for idx in md.storage_data)
+    except (AttributeError, TypeError) as exc:
+        raise CheckpointError(f"{it_dir}/.metadata: unexpected structure ({exc})") from exc
+    if args is None and args_inside:
+        raise Unsupported("torch_dist with its args stored as a checkpoint item")
     if args is None:
-        raise Unsupported("torch_dist without Megatron args")
-    config = hf_config_from_args(args, arch=arch, hf_config_dir=hf_config, vocab_size=vocab_size, where=str(it_dir))
+        config = config_without_args(hf_config, str(it_dir))
+    else:
+        config = hf_config_from_args(args, arch=arch, hf_config_dir=hf_config, vocab_size=vocab_size,
+                                     where=str(it_dir))
+    from converters.checkpoint import architecture_for
+
+    model_arch = architecture_for(getattr(config, "model_type", None), path)
+    config_path = f"{hf_config}/config.json" if hf_config else "the config from the Megatron args"
+    check_config_against_dist(model_arch.model_config(config), shapes, config_path, str(it_dir))
     source = DistRawSource(str(it_dir), config, path)
     source.hf_config_dir = hf_config
     return source

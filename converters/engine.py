@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from converters.checkpoint import reopen
 from converters.formats import detect_format, open_reader  # noqa: F401 (part of this module's API)
+from converters.megatron_sources import locate_source
 from converters.tasks import os_error_of, run_tasks
 from models.common.errors import CheckpointError
 from models.common.sizes import parse_size  # noqa: F401 (part of this module's API)
@@ -367,7 +368,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
         raise CheckpointError(f"{dst_path}: destination is the source or contains it ({src_path})")
     check_destination(dst_path, overwrite)
     workers = workers or min(4, os.cpu_count() or 1)
-    if detect_format(src) == "hf":
+    # verl actor folders, Megatron-Bridge iterations...: the folder holding the tensors, and the HF
+    # config found beside it (tokenizer files come from there too) unless --hf-config is given
+    location = locate_source(src)
+    src, hf_config = location.path, hf_config or location.hf_config_dir
+    if location.format == "hf":
         from converters.hf_config import check_hf_directory
 
         check_hf_directory(src)  # an absurd config.json fails here, before anything is sized by it

@@ -3,41 +3,35 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from converters.checkpoint import CheckpointReader
-from models.common.errors import CheckpointError
 
 
 def detect_format(path: str | os.PathLike) -> str:
-    """'hf', 'megatron' (legacy torch) or 'megatron-dist' (torch_dist); CheckpointError otherwise."""
-    from converters.megatron_files import resolve_iteration_dir
+    """'hf', 'megatron' (legacy torch) or 'megatron-dist' (torch_dist); CheckpointError otherwise.
 
-    p = Path(path)
-    if not p.exists():
-        raise CheckpointError(f"{p}: no such file or directory")
-    if not p.is_dir():
-        raise CheckpointError(f"{p}: not a checkpoint directory")
-    if (p / "config.json").exists() and (any(p.glob("*.safetensors")) or (p / "model.safetensors.index.json").exists()):
-        return "hf"
-    it_dir = resolve_iteration_dir(p)
-    if (it_dir / "metadata.json").exists():
-        return "megatron-dist"
-    if any(it_dir.glob("mp_rank_*")):
-        return "megatron"
-    raise CheckpointError(f"{p}: not a recognized checkpoint (HF: config.json + *.safetensors; Megatron: "
-                          f"latest_checkpointed_iteration.txt / iter_*/ with mp_rank_* or metadata.json)")
+    ``path`` may also be a verl ``global_step_N/actor`` folder (or the verl root holding the tracker),
+    or a Megatron-Bridge checkpoint: see ``converters/megatron_sources.locate_source``."""
+    from converters.megatron_sources import locate_source
+
+    return locate_source(path).format
 
 
 def open_reader(path: str | os.PathLike, *, arch: str | None = None, hf_config: str | None = None,
                 vocab_size: int | None = None) -> CheckpointReader:
-    """A reader for any supported checkpoint; Megatron sources take ``arch``/``hf_config``/``vocab_size``."""
-    fmt = detect_format(path)
-    if fmt == "hf":
+    """A reader for any supported checkpoint; Megatron sources take ``arch``/``hf_config``/``vocab_size``.
+
+    Where the checkpoint has no Megatron args, the HF config found beside it (verl's huggingface/,
+    Megatron-Bridge's hf/) describes the model unless ``hf_config`` is given."""
+    from converters.megatron_sources import locate_source
+
+    location = locate_source(path)
+    path, hf_config = location.path, hf_config or location.hf_config_dir
+    if location.format == "hf":
         from converters.hf import HFReader
 
         return HFReader(path)
-    if fmt == "megatron":
+    if location.format == "megatron":
         from converters.megatron_legacy import LegacyReader
 
         return LegacyReader(path, arch=arch, hf_config_dir=hf_config, vocab_size=vocab_size)

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from converters.formats import open_reader
+from converters.megatron_sources import SourceLocation, locate_source
 
 
 def inspect_checkpoint(path: str | os.PathLike, *, vocab_size: int | None = None, hf_config: str | None = None) -> dict:
-    """Format, architecture, parallel layout, parameter count, dtype and bytes on disk."""
+    """Format, layout recognized, where the model description came from, architecture, parallel layout,
+    parameter count, dtype, bytes on disk, and the non-model entries a conversion skips."""
+    location = locate_source(path)
     reader = open_reader(path, vocab_size=vocab_size, hf_config=hf_config)
     shapes = reader.hf_shapes()
     params = 0
@@ -20,15 +24,50 @@ def inspect_checkpoint(path: str | os.PathLike, *, vocab_size: int | None = None
         params += n
     cfg = reader.cfg
     size = sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
-    return {
+    layout = {k: v for k, v in reader.info.layout.items() if v is not None}
+    info: dict[str, Any] = {
         "format": reader.info.format,
+        "layout": location.layout + (f" (tensors in {location.path})" if Path(location.path) != Path(path) else ""),
+        "model_description": _config_source(reader, location, hf_config),
         "architecture": reader.arch.name,
         "model": f"{cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, ffn {cfg.intermediate_size}, "
                  f"heads {cfg.num_attention_heads} (kv {cfg.num_key_value_heads}, head_dim {cfg.head_dim}), "
                  f"vocab {cfg.vocab_size}, {'tied' if cfg.tie_word_embeddings else 'untied'} embeddings",
-        "parallel_layout": ", ".join(f"{k}={v}" for k, v in reader.info.layout.items() if v is not None),
+        "parallel_layout": ", ".join(f"{k}={v}" for k, v in layout.items()),
         "files": reader.info.files,
         "parameters": params,
         "dtype": str(reader.info.dtype).replace("torch.", ""),
         "bytes": size,
     }
+    if reader.info.format == "megatron-dist" and getattr(reader, "args", None) is None:
+        info["parallel_layout"] = ("saved with: unknown (no Megatron args; torch_dist tensors are global); "
+                                   + info["parallel_layout"])
+    skipped = dict(getattr(reader, "skipped", {}) or {})
+    common = [k for k in getattr(reader, "common", {}) or {} if k not in ("args", "checkpoint_version", "iteration")]
+    if common:
+        skipped["common.pt"] = ", ".join(sorted(map(str, common)))
+    if skipped:
+        info["skipped"] = "; ".join(f"{k}: {v}" for k, v in skipped.items()) + " (not read)"
+    if location.notes:
+        info["notes"] = "; ".join(location.notes)
+    return info
+
+
+def _config_source(reader: Any, location: SourceLocation, hf_config: str | None) -> str:
+    """Where the model's description (sizes, architecture) came from."""
+    if reader.info.format == "hf":
+        return f"config.json in {location.path}"
+    args = getattr(reader, "args", None)
+    checked = " (checked against the Megatron args)" if args is not None else ""
+    if hf_config:
+        return f"--hf-config {hf_config}{checked}"
+    if location.hf_config_dir:
+        return f"{location.config_origin}: {location.hf_config_dir}{checked}"
+    where = "common.pt" if reader.info.format == "megatron-dist" else "the rank files"
+    from converters.megatron_files import HF_CONFIG_DIR, resolve_iteration_dir
+
+    it_dir = resolve_iteration_dir(Path(location.path))
+    for root in (it_dir, it_dir.parent):
+        if (root / HF_CONFIG_DIR / "config.json").is_file():
+            return f"{HF_CONFIG_DIR}/ sidecar {root / HF_CONFIG_DIR} (checked against the Megatron args in {where})"
+    return f"Megatron args in {where}"

@@ -30,6 +30,7 @@ import torch
 from converters.checkpoint import EMBED, FINAL, CheckpointReader, ReaderInfo, Unit, reopen
 from converters.megatron_files import args_layout, hf_config_from_args, resolve_iteration_dir
 from converters.megatron_layout import LayoutError, megatron_full_shape, megatron_to_hf
+from converters.megatron_sources import check_config_against_dist, config_without_args, is_model_key, skipped_summary
 from converters.safe_pickle import safe_pickle_load, safe_torch_load
 from models.common.sources import CheckpointError
 
@@ -73,31 +74,45 @@ class DistReader(CheckpointReader):
             raise CheckpointError(f"{md_path}: missing or corrupt ({type(exc).__name__}: {exc})") from exc
         self.storage = {(idx.fqn, tuple(idx.offset) if idx.offset is not None else None): info
                         for idx, info in self.md.storage_data.items()}
+        self.common: dict = {}
         self.args = self._read_args()
-        lay = args_layout(self.args)
-        self._set_model(hf_config_from_args(self.args, arch=arch, hf_config_dir=hf_config_dir, vocab_size=vocab_size,
-                                            where=str(self.it_dir)), self.path)
+        where = str(self.it_dir)
+        if self.args is None:  # dist_checkpointing.save alone, verl, Megatron-Bridge: an HF config describes it
+            config = config_without_args(hf_config_dir, where)
+            lay: dict[str, Any] = {"tp": None, "pp": None, "vpp": None}
+        else:
+            config = hf_config_from_args(self.args, arch=arch, hf_config_dir=hf_config_dir, vocab_size=vocab_size,
+                                         where=where)
+            lay = args_layout(self.args)
+        self._set_model(config, self.path)
+        config_path = f"{hf_config_dir}/config.json" if hf_config_dir else "the config from the Megatron args"
+        check_config_against_dist(self.cfg, {k: tuple(v.size) for k, v in self.tensors.items()}, config_path, where)
+        self.skipped = skipped_summary(self.md.state_dict_metadata)
         emb = self.tensors.get("embedding.word_embeddings.weight")
         self.padded_vocab = int(emb.size[0]) if emb is not None else self.cfg.vocab_size
         files = sorted({info.relative_path for info in self.storage.values()})
-        dtype = next((v.properties.dtype for v in self.tensors.values()), torch.float32)
+        dtype = next((v.properties.dtype for k, v in self.tensors.items() if is_model_key(k)), torch.float32)
+        iteration = getattr(self.args, "iteration", None) if self.args is not None else self.common.get("iteration")
         self.info = ReaderInfo("megatron-dist", self.arch.name,
                                {"saved_with_tp": lay["tp"], "saved_with_pp": lay["pp"], "saved_with_vpp": lay["vpp"],
-                                "padded_vocab": self.padded_vocab, "iteration": getattr(self.args, "iteration", None)},
+                                "padded_vocab": self.padded_vocab, "iteration": iteration},
                                len(files), dtype)
 
     def _read_args(self) -> Any:
+        """Megatron-LM's args from common.pt (or an 'args' item); None when the checkpoint has none."""
         common = self.it_dir / "common.pt"
         if common.exists():
             try:
                 data = safe_torch_load(common, mmap=False)
             except Exception as exc:
                 raise CheckpointError(f"{common}: unreadable ({type(exc).__name__}: {exc})") from exc
-            if isinstance(data, dict) and data.get("args") is not None:
-                return data["args"]
+            if isinstance(data, dict):
+                self.common = data
+                if data.get("args") is not None:
+                    return data["args"]
         if ("args", None) in self.storage:  # newer Megatron keeps common state inside the checkpoint
             return safe_torch_load(io.BytesIO(self._read_bytes("args", None)), mmap=False)
-        raise CheckpointError(f"{self.it_dir}: no Megatron args (neither common.pt nor an 'args' item)")
+        return None
 
     def _read_bytes(self, fqn: str, offset) -> bytes:
         info = self.storage.get((fqn, offset))
@@ -182,11 +197,12 @@ class DistReader(CheckpointReader):
                 problems.append(f"tensor {key} has global shape {tuple(meta.size)}, the config implies {tuple(shape)}")
         names = {k for k, _ in expected}
         tied_copy = {"output_layer.weight"} if self.cfg.tie_word_embeddings else set()
-        unused = sorted(k for k in self.tensors if k not in names and k not in tied_copy and not k.startswith(
-            ("optimizer.", "rng_state", "rerun_state")))
+        unused = sorted(k for k in self.tensors if k not in names and k not in tied_copy and is_model_key(k))
         if unused:
             problems.append(f"unused tensor(s) {', '.join(unused[:8])} (not part of a {self.arch.name} model)")
-        for info in {(i.relative_path, i.offset + i.length) for i in self.storage.values()}:
+        # files holding model bytes only: optimizer/RNG state may live (or be missing) elsewhere
+        for info in {(i.relative_path, i.offset + i.length) for (fqn, _), i in self.storage.items()
+                     if is_model_key(fqn)}:
             path = self.it_dir / info[0]
             if not path.exists():
                 problems.append(f"missing data file {info[0]}")

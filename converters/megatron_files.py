@@ -32,20 +32,40 @@ def resolve_iteration_dir(path: Path) -> Path:
     tracker = path / TRACKER
     if not tracker.exists():
         return path
-    try:
-        text = tracker.read_text().strip()
-    except OSError as exc:
-        raise CheckpointError(f"{tracker}: unreadable ({exc})") from exc
+    text = read_tracker(tracker)
     if text == "release":
         it_dir = path / "release"
     else:
-        try:
-            it_dir = path / f"iter_{int(text):07d}"
-        except ValueError as exc:
-            raise CheckpointError(f"{tracker}: expected an iteration number or 'release', found {text!r}") from exc
+        it_dir = path / f"iter_{tracker_step(tracker, text):07d}"
     if not it_dir.is_dir():
         raise CheckpointError(f"{tracker} names {it_dir.name}, but {it_dir} does not exist")
     return it_dir
+
+
+def read_tracker(tracker: Path) -> str:
+    """The stripped text of a ``latest_checkpointed_iteration.txt``; CheckpointError naming the file
+    when it cannot be read or is not text (a binary or truncated file, another encoding)."""
+    try:
+        raw = tracker.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"{tracker}: unreadable ({exc.strerror or exc})") from exc
+    try:
+        return raw.decode("utf-8").strip()
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{tracker}: not a text file (byte 0x{raw[exc.start]:02x} at offset {exc.start} is not "
+                              f"UTF-8); expected an iteration number or 'release'") from exc
+
+
+def tracker_step(tracker: Path, text: str) -> int:
+    """The iteration / step number a tracker's text names (CheckpointError naming the file otherwise)."""
+    try:
+        step = int(text)
+    except ValueError:
+        step = -1
+    if step < 0:
+        shown = repr(text[:40]) + ("..." if len(text) > 40 else "")
+        raise CheckpointError(f"{tracker}: expected an iteration number or 'release', found {shown}")
+    return step
 
 
 def legacy_rank_dir_name(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> str:

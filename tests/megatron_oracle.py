@@ -625,3 +625,90 @@ def read_torch_dist(root: str) -> tuple[dict, dict]:
         dcp.load(tensors, storage_reader=reader, no_dist=True)
     common = torch.load(os.path.join(it_dir, "common.pt"), map_location="cpu", weights_only=False)
     return tensors, common
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints as training frameworks write them (no Megatron args)
+# ----------------------------------------------------------------------------------------------
+
+
+def optimizer_like_state(model_state: dict, seed: int) -> dict:
+    """An optimizer-like sharded state beside ``model_state``: for every model ShardedTensor an
+    ``optimizer.state.exp_avg.<model key>`` ShardedTensor with the same sharding (the key scheme of
+    megatron-core's distributed optimizer in ``fully_sharded_model_space``; gated-fc1 factories are
+    left out). Random values, so a reader that mistakes them for weights shows."""
+    import dataclasses
+
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for i, value in enumerate(nested_values(model_state)):
+        if isinstance(value, ShardedTensor):  # stacked layers share a key: index the entries instead
+            key = f"optimizer.state.exp_avg.{value.key}"
+            out[i] = dataclasses.replace(value, key=key, data=torch.randn(value.data.shape, generator=gen))
+    return {"state": out}
+
+
+def rng_state_object() -> object:
+    """verl's RNG entry: a ShardedObject ``rng_state`` over (pp, tp), replicated over data parallel."""
+    import random
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    state = [{"random_rng_state": random.getstate(), "torch_rng_state": torch.get_rng_state(),
+              "rng_tracker_states": {}}]
+    return ShardedObject("rng_state", state, (ps.get_pipeline_model_parallel_world_size(),
+                                              ps.get_tensor_model_parallel_world_size()),
+                         (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
+                         replica_id=ps.get_data_parallel_rank())
+
+
+def save_framework_checkpoints(root: str, spec: OracleSpec, vpp_spec: OracleSpec) -> dict:
+    """Real megatron-core ``dist_checkpointing.save`` calls, as frameworks make them (run on 4 ranks):
+
+    * ``model_only``: ``dist_checkpointing.save(model.sharded_state_dict(), dir)`` at TP2 x PP2 (no
+      args, an empty common state);
+    * ``verl/global_step_5/actor/dist_ckpt``: verl's ``{"model", "optimizer", "rng_state",
+      "lr_scheduler"}`` of the same model (optimizer-like sharded state, RNG ShardedObject);
+    * ``lora``: the model plus a LoRA-adapter-like tensor;
+    * ``verl_vpp/global_step_7/actor/dist_ckpt``: ``vpp_spec`` at TP1 x PP2 x VPP2 (data parallel 2)
+      saved as verl does with virtual stages: ``{"model0", "model1", "optimizer", "rng_state"}``.
+
+    Returns the fixed prompt's logits of both models (every rank).
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    chunks = build_chunks(spec, 2, 2, None)
+    logits = forward_logits(chunks, spec)
+    dist_checkpointing.save(chunks[0].sharded_state_dict(), _fresh_dir(root, "model_only"))
+    actor = os.path.join(root, "verl", "global_step_5", "actor")
+    model = chunks[0].sharded_state_dict()
+    state = {"model": model, "optimizer": optimizer_like_state(model, seed=1), "rng_state": rng_state_object(),
+             "lr_scheduler": {"max_lr": 1e-5, "num_steps": 5}}
+    dist_checkpointing.save(state, _fresh_dir(actor, "dist_ckpt"))
+    lora = chunks[0].sharded_state_dict()
+    key = "decoder.layers.self_attention.linear_qkv.adapter.linear_in.weight"
+    if dist.get_rank() == 0:  # one writer holds the whole (tiny) adapter tensor
+        lora["adapter"] = ShardedTensor.from_rank_offsets(key, torch.zeros(8, spec.hidden_size), replica_id=0)
+    dist_checkpointing.save(lora, _fresh_dir(root, "lora"))
+
+    vchunks = build_chunks(vpp_spec, 1, 2, 2)
+    vpp_logits = forward_logits(vchunks, vpp_spec)
+    state = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(vchunks)}
+    state["optimizer"] = optimizer_like_state({k: v for k, v in state.items()}, seed=2)
+    state["rng_state"] = rng_state_object()
+    dist_checkpointing.save(state, _fresh_dir(os.path.join(root, "verl_vpp", "global_step_7", "actor"), "dist_ckpt"))
+    dist.barrier()
+    return {"logits": logits, "vpp_logits": vpp_logits}
+
+
+def _fresh_dir(parent: str, name: str) -> str:
+    path = os.path.join(parent, name)
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    return path
