@@ -27,7 +27,7 @@ def inspect_checkpoint(path: str | os.PathLike, *, vocab_size: int | None = None
     layout = {k: v for k, v in reader.info.layout.items() if v is not None}
     info: dict[str, Any] = {
         "format": reader.info.format,
-        "layout": location.layout + (f" (tensors in {location.path})" if Path(location.path) != Path(path) else ""),
+        "layout": _layout(reader, location, path),
         "model_description": _config_source(reader, location, hf_config),
         "architecture": reader.arch.name,
         "model": f"{cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, ffn {cfg.intermediate_size}, "
@@ -42,12 +42,14 @@ def inspect_checkpoint(path: str | os.PathLike, *, vocab_size: int | None = None
     if reader.info.format == "megatron-dist" and getattr(reader, "args", None) is None:
         info["parallel_layout"] = ("saved with: unknown (no Megatron args; torch_dist tensors are global); "
                                    + info["parallel_layout"])
-    skipped = dict(getattr(reader, "skipped", {}) or {})
+    skipped = [f"{k}: {v}" for k, v in (getattr(reader, "skipped", {}) or {}).items()]
+    if skipped:
+        skipped[-1] += " (bytes not read)"
     common = [k for k in getattr(reader, "common", {}) or {} if k not in ("args", "checkpoint_version", "iteration")]
     if common:
-        skipped["common.pt"] = ", ".join(sorted(map(str, common)))
+        skipped.append(f"common.pt: {', '.join(sorted(map(str, common)))} (ignored)")
     if skipped:
-        info["skipped"] = "; ".join(f"{k}: {v}" for k, v in skipped.items()) + " (not read)"
+        info["skipped"] = "; ".join(skipped)
     if location.notes:
         info["notes"] = "; ".join(location.notes)
     return info
@@ -71,3 +73,10 @@ def _config_source(reader: Any, location: SourceLocation, hf_config: str | None)
         if (root / HF_CONFIG_DIR / "config.json").is_file():
             return f"{HF_CONFIG_DIR}/ sidecar {root / HF_CONFIG_DIR} (checked against the Megatron args in {where})"
     return f"Megatron args in {where}"
+
+
+def _layout(reader: Any, location: SourceLocation, path: str | os.PathLike) -> str:
+    name = location.layout
+    if name == "Megatron torch_dist" and getattr(reader, "args", None) is None:
+        name = "torch_dist without Megatron args (dist_checkpointing.save alone?)"
+    return name + (f" (tensors in {location.path})" if Path(location.path) != Path(path) else "")
