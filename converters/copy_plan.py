@@ -423,12 +423,14 @@ class DistRawSource(RawSource):
         common = Path(it_dir) / "common.pt"
         data = read_torch_archive(common) if common.is_file() else None
         args = data.get("args") if isinstance(data, dict) else None
+        iteration = data.get("iteration") if isinstance(data, dict) else None
         if args is not None:
             from converters.megatron_files import args_layout
 
             self.layout = args_layout(args)
-            iteration = getattr(args, "iteration", None)
-            self.iteration = iteration if isinstance(iteration, int) and not isinstance(iteration, bool) else None
+            if getattr(args, "iteration", None) is not None:
+                iteration = args.iteration
+        self.iteration = iteration if isinstance(iteration, int) and not isinstance(iteration, bool) else None
         md = read_pickle(Path(it_dir) / ".metadata")
         try:
             tensors = {k: v for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks")}
@@ -608,8 +610,21 @@ def _copy_range(src: int, src_off: int, dst: int, dst_off: int, n: int, buffer_b
         chunk = os.pread(src, min(n - done, buffer_bytes), src_off + done)
         if not chunk:
             raise CheckpointError(f"{name}: ends before byte {src_off + n}")
-        os.pwrite(dst, chunk, dst_off + done)
+        pwrite_all(dst, chunk, dst_off + done)
         done += len(chunk)
+
+
+def pwrite_all(fd: int, data, offset: int) -> None:
+    """All of ``data`` at ``offset``: a short write (a nearly full disk, a file size limit, some
+    network file systems) is continued, so its error surfaces instead of a silent hole of zeros."""
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        if n <= 0:
+            import errno
+
+            raise OSError(errno.EIO, f"wrote nothing at byte {offset}")
+        view, offset = view[n:], offset + n
 
 
 def _interleave(op: Interleave, fd_of, out: int, dst: int, buffer_bytes: int) -> None:
@@ -623,7 +638,7 @@ def _interleave(op: Interleave, fd_of, out: int, dst: int, buffer_bytes: int) ->
         k = min(step, op.rows - r)
         block = buf[: k * width].reshape(k, width)
         read_rows(op.parts, fd_of, r, block)
-        os.pwrite(out, block, dst + r * width)
+        pwrite_all(out, block, dst + r * width)
 
 
 def read_rows(parts: tuple, fd_of, r: int, block) -> None:

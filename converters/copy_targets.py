@@ -91,7 +91,8 @@ def select(pt: PlannedTensor, r0: int, r1: int, b0: int, b1: int) -> list[Op]:
             k, parts = op.rows, op.parts
         else:
             if op.nbytes % width:
-                raise AssertionError(f"operation of {op.nbytes} bytes is not whole rows of {width}")
+                raise CheckpointError(f"internal: an operation of {op.nbytes} bytes is not whole rows of {width} "
+                                      f"bytes (tensor {pt.shape})")
             k = op.nbytes // width
             parts = None if isinstance(op, Zeros) else ((op.path, op.offset, width, width),)
         lo, hi = max(r0, row), min(r1, row + k)
@@ -104,7 +105,7 @@ def select(pt: PlannedTensor, r0: int, r1: int, b0: int, b1: int) -> list[Op]:
         if row >= r1:
             break
     if row < r1:
-        raise AssertionError(f"planned tensor has {row} rows, {r1} requested")
+        raise CheckpointError(f"internal: a planned tensor {pt.shape} has {row} rows, {r1} requested")
     return _merge_copies(out)
 
 
@@ -266,21 +267,23 @@ def _legacy_file(source: RawSource, target: CopyTarget, directory: Path, p: int,
     scattered: list[tuple[int, tuple]] = []
 
     def add(key: str, entry: WeightEntry, chunk_name: str) -> pw.Reduce:
-        full = megatron_full_shape(entry, target.hf_shapes, source.cfg, target.padded_vocab)
-        if target.tp > 1 and tp_split_kind(entry, len(full)) == COL1:
-            if full[1] % target.tp:
-                raise LayoutError(f"{key}: size {full[1]} of dim 1 not divisible by tp={target.tp}")
-            group = (p, chunk_name, key)
-            if group not in bands:
-                segments = full_segments(entry, source.cfg, target.hf_shapes, target.padded_vocab)
-                width = row_nbytes(full, source.planned[entry.hf[0]].dtype)
-                bands[group] = {"ops": full_rows_ops(source, segments, [(0, full[0])], 0, width), "width": width,
-                                "outputs": [None] * target.tp}
-            scattered.append((len(storages), group))
-            storages.append((None, full[0] * bands[group]["width"] // target.tp))
-            return pw.tensor(str(len(storages) - 1), target.tag, (full[0], full[1] // target.tp, *full[2:]))
         shape, ops = shard_ops(source, entry, target.hf_shapes, target.padded_vocab, target.tp, t, key)
-        storages.append((ops, sum(op.nbytes for op in ops)))
+        full = megatron_full_shape(entry, target.hf_shapes, source.cfg, target.padded_vocab)
+        group = (p, chunk_name, key)
+        if group not in bands and target.tp > 1 and tp_split_kind(entry, len(full)) == COL1 and any(
+                isinstance(op, Interleave) for op in ops):
+            # this rank's band cuts through source rows (an HF or torch_dist source, or a TP
+            # increase): fill all ranks' bands from one read of each row. Bands that are whole
+            # source blocks (the same or a lower TP) stay file-to-file copies.
+            segments = full_segments(entry, source.cfg, target.hf_shapes, target.padded_vocab)
+            width = row_nbytes(full, source.planned[entry.hf[0]].dtype)
+            bands[group] = {"ops": full_rows_ops(source, segments, [(0, full[0])], 0, width), "width": width,
+                            "outputs": [None] * target.tp}
+        if group in bands:
+            scattered.append((len(storages), group))
+            storages.append((None, sum(op.nbytes for op in ops)))
+        else:
+            storages.append((ops, sum(op.nbytes for op in ops)))
         return pw.tensor(str(len(storages) - 1), target.tag, shape)
 
     for v in range(target.vpp):
@@ -308,37 +311,51 @@ def scatter_bands(ops: list[Op], width: int, outputs: list[tuple[str, int]], buf
     each source row once: a TP split by columns would otherwise read every row ``tp`` times."""
     import numpy as np
 
-    from converters.copy_plan import read_rows
+    from converters.copy_plan import pwrite_all, read_rows
 
     tp = len(outputs)
     band = width // tp
     sources: dict[str, int] = {}
-    outs = [os.open(path, os.O_WRONLY) for path, _ in outputs]
+    outs: list[int] = []
 
     def fd_of(p: str) -> int:
         if p not in sources:
-            sources[p] = os.open(p, os.O_RDONLY)
+            try:
+                sources[p] = os.open(p, os.O_RDONLY)
+            except OSError as exc:
+                raise CheckpointError(f"{p}: cannot read ({exc.strerror or exc})") from exc
         return sources[p]
 
-    step = max(1, buffer_bytes // max(1, width))
-    buf = np.empty(step * width, dtype=np.uint8)
     row = 0
     try:
+        for path, _ in outputs:
+            try:
+                outs.append(os.open(path, os.O_WRONLY))
+            except OSError as exc:
+                raise CheckpointError(f"{path}: cannot open for writing ({exc.strerror or exc})") from exc
+        buf = np.empty(max(1, buffer_bytes // width) * width, dtype=np.uint8)
         for op in ops:
+            if isinstance(op, Zeros):  # not produced for column-parallel weights; holes are zeros anyway
+                row += op.nbytes // width
+                continue
             if isinstance(op, Interleave):
                 parts, rows = op.parts, op.rows
-                step = max(1, buffer_bytes // max(1, width, max(q[3] for q in parts)))
             else:
                 parts, rows = ((op.path, op.offset, width, width),), op.nbytes // width
+            step = max(1, buffer_bytes // max(width, *(q[3] for q in parts)))
             for r in range(0, rows, step):
                 k = min(step, rows - r)
-                block = buf[: k * width].reshape(k, width) if k * width <= buf.size else np.empty((k, width), np.uint8)
+                block = buf[: k * width].reshape(k, width)
                 read_rows(parts, fd_of, r, block)
-                for t, (fd, (_, dst)) in enumerate(zip(outs, outputs)):
-                    os.pwrite(fd, np.ascontiguousarray(block[:, t * band:(t + 1) * band]), dst + (row + r) * band)
+                for t, (fd, (path, dst)) in enumerate(zip(outs, outputs)):
+                    try:
+                        pwrite_all(fd, np.ascontiguousarray(block[:, t * band:(t + 1) * band]),
+                                   dst + (row + r) * band)
+                    except OSError as exc:
+                        raise CheckpointError(f"{path}: write failed ({exc.strerror or exc})") from exc
             row += rows
-    except OSError as exc:
-        raise CheckpointError(f"{outputs[0][0]}: write failed ({exc.strerror or exc})") from exc
+    except OSError as exc:  # reading a source (writes are named above)
+        raise CheckpointError(f"reading {', '.join(sorted(sources))}: {exc.strerror or exc}") from exc
     finally:
         for fd in outs + list(sources.values()):
             os.close(fd)

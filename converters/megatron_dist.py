@@ -92,7 +92,9 @@ class DistReader(CheckpointReader):
         self.padded_vocab = int(emb.size[0]) if emb is not None else self.cfg.vocab_size
         files = sorted({info.relative_path for info in self.storage.values()})
         dtype = next((v.properties.dtype for k, v in self.tensors.items() if is_model_key(k)), torch.float32)
-        iteration = getattr(self.args, "iteration", None) if self.args is not None else self.common.get("iteration")
+        iteration = getattr(self.args, "iteration", None) if self.args is not None else None
+        if iteration is None:  # Megatron-Bridge keeps it in common.pt only
+            iteration = self.common.get("iteration")
         self.info = ReaderInfo("megatron-dist", self.arch.name,
                                {"saved_with_tp": lay["tp"], "saved_with_pp": lay["pp"], "saved_with_vpp": lay["vpp"],
                                 "padded_vocab": self.padded_vocab, "iteration": iteration},

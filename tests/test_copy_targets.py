@@ -139,14 +139,52 @@ def test_copy_path_writes_what_the_torch_path_writes(sources, tmp_path, monkeypa
             _same_dist(slow / it, fast / it)
 
 
-def test_megatron_to_megatron_keeps_the_layout_on_the_copy_path(sources, tmp_path):
+def test_megatron_to_megatron_keeps_the_layout_on_the_copy_path(sources, tmp_path, monkeypatch):
+    import converters.engine as engine
+
+    used = []
+    real = engine._convert_by_copy
+    monkeypatch.setattr(engine, "_convert_by_copy", lambda *a, **k: used.append(real(*a, **k)) or used[-1])
     src = sources["qwen2", "megatron-222"]
     convert(src, tmp_path / "same", to="megatron")
+    assert used == [True], "the copy path was not taken"
     _torch_path(src, tmp_path / "slow", to="megatron")
     assert _tree(tmp_path / "same") == _tree(tmp_path / "slow")
     for rel in _tree(tmp_path / "slow"):
         if rel.name == "model_optim_rng.pt":
             _same_rank_file(tmp_path / "slow" / rel, tmp_path / "same" / rel)
+
+
+@pytest.mark.parametrize("fmt", ["megatron", "megatron-dist"])
+def test_small_buffers_uneven_stages_and_bf16(sources, tmp_path, fmt):
+    """Multi-block fills (a 1 KiB buffer: every interleaved or scattered tensor takes many rounds),
+    uneven first/last pipeline stages and bf16 storages, against the torch path's writer."""
+    from converters.copy_plan import open_raw_source
+    from converters.copy_targets import plan_copy_target, write_megatron_by_copy
+    from converters.formats import open_reader
+    from converters.megatron_write import plan_megatron_target, write_megatron
+
+    bf16 = tmp_path / "bf16"
+    _torch_path(sources["qwen2", "hf"], bf16, to="hf", dtype="bfloat16")
+    for name, src in (("hf", bf16), ("legacy", sources["qwen2", "megatron-222"])):
+        layout = dict(tp=4, pp=2, vpp=1, first=1, last=3)
+        slow, fast = tmp_path / f"slow-{name}", tmp_path / f"fast-{name}"
+        reader = open_reader(src)
+        target = plan_megatron_target(reader, dtype=reader.info.dtype, divisible_by=128,
+                                      fmt="torch" if fmt == "megatron" else "torch_dist", **layout)
+        slow.mkdir()
+        write_megatron(reader, target, str(slow), fmt=fmt, workers=1, progress=False)
+        source = open_raw_source(str(src))
+        fast.mkdir()
+        write_megatron_by_copy(source, plan_copy_target(source, fmt=fmt, divisible_by=128, **layout), str(fast),
+                               workers=2, progress=False, buffer_bytes=1024)
+        assert _tree(fast) == _tree(slow)
+        for rel in _tree(slow):
+            if rel.name == "model_optim_rng.pt":
+                _same_rank_file(slow / rel, fast / rel)
+        if fmt == "megatron-dist":
+            it = next(p for p in _tree(slow) if p.name == ".metadata").parent
+            _same_dist(slow / it, fast / it)
 
 
 def test_a_dtype_change_takes_the_torch_path(sources, tmp_path, monkeypatch):
