@@ -641,6 +641,18 @@ def _interleave(op: Interleave, fd_of, out: int, dst: int, buffer_bytes: int) ->
         pwrite_all(out, block, dst + r * width)
 
 
+_SCRATCH: list = []
+
+
+def _scratch(n: int):
+    """A reusable uint8 buffer of ``n`` bytes (one per process; grows to the largest span read)."""
+    import numpy as np
+
+    if not _SCRATCH or _SCRATCH[0].size < n:
+        _SCRATCH[:] = [np.empty(n, dtype=np.uint8)]
+    return _SCRATCH[0][:n]
+
+
 def read_rows(parts: tuple, fd_of, r: int, block) -> None:
     """Rows ``r .. r + len(block)`` of an interleaved band into ``block`` (a uint8 [rows, width] array)."""
     import numpy as np
@@ -657,11 +669,10 @@ def read_rows(parts: tuple, fd_of, r: int, block) -> None:
         # than a system call (~16 KiB of memory copy)
         span = (k - 1) * stride + rb
         if stride - rb <= 16384:
-            raw = os.pread(fd, span, offset + r * stride)
-            if len(raw) != span:
+            raw = _scratch(span)  # reused: a fresh bytes object per read would fault in new pages each time
+            if os.preadv(fd, [raw], offset + r * stride) != span:
                 raise CheckpointError(f"{path}: ends before byte {offset + r * stride + span}")
-            rows = np.lib.stride_tricks.as_strided(np.frombuffer(raw, dtype=np.uint8), (k, rb), (stride, 1))
-            block[:, col:col + rb] = rows
+            block[:, col:col + rb] = np.lib.stride_tricks.as_strided(raw, (k, rb), (stride, 1))
         else:
             for i in range(k):
                 raw = os.pread(fd, rb, offset + (r + i) * stride)
@@ -725,6 +736,8 @@ def write_hf_by_copy(source: RawSource, directory: str, *, max_shard_bytes: int,
     from models.common.hf_files import copy_companion_files
 
     tag, files = plan_hf_files(source, max_shard_bytes)
+    if any(isinstance(op, Interleave) for p in source.planned.values() for op in p.ops):
+        import numpy  # noqa: F401 - once here, before the workers fork, not once in each of them
     run_tasks(hf_tasks(source, files, tag, directory, workers, buffer_bytes), workers, "copying HF shards", progress)
     write_index(files, directory, tag)
     config = source.hf_config

@@ -449,9 +449,9 @@ def _tasks(plans: list[_FilePlan], bands: dict[tuple, dict], workers: int, buffe
     """Fill tasks of about equal bytes (a big file is cut between several), then the column bands."""
     total = sum(n for p in plans for *_, n in p.work) + sum(op.nbytes for b in bands.values() for op in b["ops"])
     target = max(1, total // max(1, 2 * workers))
-    tasks: list[tuple] = []
+    per_file: list[list[tuple]] = []
     for plan in plans:
-        batch, acc = [], 0
+        tasks, batch, acc = [], [], 0
         for off, ops, n in plan.work:
             batch.append((off, ops))
             acc += n
@@ -460,8 +460,12 @@ def _tasks(plans: list[_FilePlan], bands: dict[tuple, dict], workers: int, buffe
                 batch, acc = [], 0
         if batch:
             tasks.append((fill_file, (plan.path, batch, buffer_bytes)))
-    tasks += [(scatter_bands, (b["ops"], b["width"], b["outputs"], buffer_bytes)) for b in bands.values()]
-    return tasks
+        per_file.append(tasks)
+    # round-robin over the files: workers running at the same time write different files (writes to
+    # one file serialize on its inode lock)
+    ordered = [t for i in range(max(map(len, per_file), default=0)) for tasks in per_file if i < len(tasks)
+               for t in [tasks[i]]]
+    return ordered + [(scatter_bands, (b["ops"], b["width"], b["outputs"], buffer_bytes)) for b in bands.values()]
 
 
 def write_megatron_by_copy(source: RawSource, target: CopyTarget, directory: str, *, workers: int, progress: bool,
@@ -486,6 +490,7 @@ def write_megatron_by_copy(source: RawSource, target: CopyTarget, directory: str
         raise CheckpointError(f"{source.path}: {exc}") from exc
     for plan in plans:
         _create(plan)
+    import numpy  # noqa: F401 - once here, before the workers fork, not once in each of them
     run_tasks(_tasks(plans, bands, workers, buffer_bytes), workers, "copying Megatron tensors", progress)
     if target.fmt != "megatron":
         (folder / ".metadata").write_bytes(metadata)
