@@ -66,6 +66,20 @@ def write_hf_model(root: Path, name: str, config, seed: int = 0) -> Path:
     return path
 
 
+def copy_path_configs() -> dict:
+    """Two small models that exercise every Megatron layout the converters handle: GQA with
+    biases (qwen2), one KV head with tied embeddings and all-linear biases (llama)."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    return {
+        "qwen2": Qwen2Config(vocab_size=101, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                             num_key_value_heads=2, num_hidden_layers=4, tie_word_embeddings=False),
+        "llama_tied_bias": LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                       num_key_value_heads=1, num_hidden_layers=4, tie_word_embeddings=True,
+                                       attention_bias=True, mlp_bias=True),
+    }
+
+
 def write_all(root: Path) -> dict[str, str]:
     return {name: str(write_hf_model(root, name, cfg, seed=i)) for i, (name, cfg) in enumerate(_case_configs().items())}
 

@@ -16,23 +16,15 @@ from pathlib import Path
 import pytest
 
 from converters.engine import convert
-from tests.cases import write_hf_model
+from tests.cases import copy_path_configs, write_hf_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
-    from transformers import LlamaConfig, Qwen2Config
-
     root = tmp_path_factory.mktemp("copy_path")
-    cfgs = {
-        "qwen2": Qwen2Config(vocab_size=101, hidden_size=64, intermediate_size=96, num_attention_heads=4,
-                             num_key_value_heads=2, num_hidden_layers=4, tie_word_embeddings=False),
-        "llama_tied_bias": LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4,
-                                       num_key_value_heads=1, num_hidden_layers=4, tie_word_embeddings=True,
-                                       attention_bias=True, mlp_bias=True),
-    }
+    cfgs = copy_path_configs()
     out = {}
     for name, cfg in cfgs.items():
         hf = write_hf_model(root, name, cfg, seed=3)
