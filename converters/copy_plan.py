@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
+from converters.checkpoint import EMBED, FINAL, Unit
 from converters.megatron_layout import (
     COL1,
     GATE_UP,
@@ -47,10 +48,6 @@ from converters.safetensors_layout import FilePlan, header, nbytes, plan_shards,
 from models.common.errors import CheckpointError
 from models.common.weight_map import GATE_UP_STACKED, IGNORED_SUFFIXES, WeightEntry
 
-EMBED, FINAL = "embed", "final"
-Unit = Union[int, str]
-TE_NORM_ALIASES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-                   "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
 DEFAULT_BUFFER = 32 << 20  # bytes of interleaved rows assembled at a time
 
 
@@ -296,8 +293,7 @@ class LegacyRawSource(RawSource):
             legacy_rank_dir_name,
             resolve_iteration_dir,
         )
-        from parallel.config import ParallelConfig, ParallelConfigError
-        from parallel.pipeline_layout import stage_layer_ranges
+        from converters.megatron_stages import RANK_FILE, MegatronLayout, chunk_state, lookup_key, unit_megatron_keys
 
         self.path = str(path)
         self.hf_config_dir = hf_config_dir
@@ -306,7 +302,7 @@ class LegacyRawSource(RawSource):
         if not names:
             raise CheckpointError(f"{it_dir}: no mp_rank_* folders")
         has_pp = any(RANK_DIR.match(n).group(2) for n in names)
-        first = it_dir / ("mp_rank_00_000" if has_pp else "mp_rank_00") / "model_optim_rng.pt"
+        first = it_dir / ("mp_rank_00_000" if has_pp else "mp_rank_00") / RANK_FILE
         if not first.is_file():
             raise CheckpointError(f"{first}: missing rank file")
         data = read_torch_archive(first)
@@ -325,32 +321,23 @@ class LegacyRawSource(RawSource):
             raise Unsupported("rank folders differ from the args (the torch path names them)")
         self._set_model(hf_config_from_args(args, arch=arch, hf_config_dir=hf_config_dir, vocab_size=vocab_size,
                                             where=str(it_dir)), self.path)
-        try:
-            ranges = stage_layer_ranges(self.cfg.num_hidden_layers, ParallelConfig(
-                pp=pp, vpp=vpp, num_layers_in_first_pipeline_stage=lay["first"],
-                num_layers_in_last_pipeline_stage=lay["last"]))
-        except ParallelConfigError as exc:
-            raise CheckpointError(f"{it_dir}: {exc}") from exc
+        stages = MegatronLayout(self.cfg.num_hidden_layers, pp, vpp, lay["first"], lay["last"], str(it_dir))
         padded = int(getattr(args, "padded_vocab_size", 0) or self.cfg.vocab_size)
         from models.common.weight_map import hf_shapes
 
         shapes = hf_shapes(self.cfg, self.wmap)
         self.planned = {}
         for p in range(pp):
-            files = [it_dir / legacy_rank_dir_name(t, p, pp) / "model_optim_rng.pt" for t in range(tp)]
+            files = [it_dir / legacy_rank_dir_name(t, p, pp) / RANK_FILE for t in range(tp)]
             archives = [data if f == first else read_torch_archive(f) for f in files]
             for v in range(vpp):
-                states = [self._chunk(a, v, vpp, f) for a, f in zip(archives, files)]
+                states = [chunk_state(a, v, vpp, f) for a, f in zip(archives, files)]
                 used: set[str] = set()
-                units: list[tuple[Unit, int | None]] = [(EMBED, None)] if p == 0 and v == 0 else []
-                units += [(i, j) for j, i in enumerate(ranges[p][v])]
-                if p == pp - 1 and v == vpp - 1:
-                    units.append((FINAL, None))
-                for unit, local in units:
-                    for entry, key in self._unit_keys(unit, local):
+                for unit, local in stages.stage_units(p, v):
+                    for entry, key in unit_megatron_keys(self.wmap, unit, local):
                         shards = []
                         for f, s in zip(files, states):
-                            found, t = self._lookup(s, key)
+                            found, t = lookup_key(s, key)
                             if t is None:
                                 raise CheckpointError(f"{f}: missing tensor {key} (chunk {v})")
                             if isinstance(t, NonContiguous) or not isinstance(t, RawTensor):
@@ -374,32 +361,6 @@ class LegacyRawSource(RawSource):
                                               f"{self.arch.name} model)")
         self.check_shapes()
 
-    @staticmethod
-    def _chunk(data: Any, v: int, vpp: int, path: Path) -> dict:
-        key = "model" if vpp == 1 else f"model{v}"
-        state = data.get(key) if isinstance(data, dict) else None
-        if state is None and vpp == 1 and isinstance(data, dict):
-            state = data.get("model0")
-        if not isinstance(state, dict):
-            raise CheckpointError(f"{path}: no '{key}' state dict")
-        return state
-
-    @staticmethod
-    def _lookup(state: dict, key: str) -> tuple[str, Any]:
-        if key in state:
-            return key, state[key]
-        for local, te in TE_NORM_ALIASES.items():
-            if key.endswith(local) and key[: -len(local)] + te in state:
-                return key[: -len(local)] + te, state[key[: -len(local)] + te]
-        return key, None
-
-    def _unit_keys(self, unit: Unit, local: int | None) -> list[tuple[WeightEntry, str]]:
-        if unit == EMBED:
-            return [(e, e.megatron) for e in self.wmap.first_entries]
-        if unit == FINAL:
-            return [(e, e.megatron) for e in self.wmap.last_entries]
-        return [(t.format(int(unit)), t.megatron.format(i=local)) for t in self.wmap.layer_entries]
-
     def _check_shard(self, entry: WeightEntry, key: str, shard: tuple, full: tuple, tp: int, where: Path) -> None:
         kind = tp_split_kind(entry, len(full))
         expected = list(full)
@@ -418,6 +379,8 @@ class DistRawSource(RawSource):
     format = "megatron-dist"
 
     def __init__(self, it_dir: str, hf_config: Any, where: str) -> None:
+        from converters.megatron_stages import dist_key
+
         self.path = str(it_dir)
         self._set_model(hf_config, where)
         common = Path(it_dir) / "common.pt"
@@ -505,20 +468,6 @@ class DistRawSource(RawSource):
             raise CheckpointError(f"{it_dir}: unused tensor(s) {', '.join(unused[:8])} (not part of a "
                                   f"{self.arch.name} model)")
         self.check_shapes()
-
-
-def dist_key(template: str, layer: int | None, tensors: dict) -> tuple[str, int | None]:
-    """(torch_dist key, index along the stacked layer dim or None) of a weight-map Megatron name."""
-    if layer is None:
-        return template, None
-    per_layer = template.format(i=layer)
-    if per_layer in tensors:  # saved without layer stacking
-        return per_layer, None
-    key = template.replace("layers.{i}.", "layers.")
-    for local, te in TE_NORM_ALIASES.items():
-        if key == "decoder.layers." + local:
-            key = "decoder.layers." + te
-    return key, layer
 
 
 def _trailing(dims: tuple[int, ...]) -> int:

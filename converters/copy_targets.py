@@ -28,7 +28,6 @@ from converters import pickle_writer as pw
 from converters.copy_plan import (
     DEFAULT_BUFFER,
     ITEMSIZE,
-    TE_NORM_ALIASES,
     Copy,
     Interleave,
     Op,
@@ -39,7 +38,7 @@ from converters.copy_plan import (
     _merge_copies,
     fill_file,
 )
-from converters.megatron_files import TRACKER, legacy_rank_dir_name, target_arg_fields
+from converters.megatron_files import legacy_rank_dir_name, target_arg_fields
 from converters.megatron_layout import (
     COL1,
     GATE_UP,
@@ -51,12 +50,16 @@ from converters.megatron_layout import (
     tp_split_kind,
 )
 from converters.megatron_stages import (
+    DIST_DATA_FILES,
+    DIST_METADATA_JSON,
     EMBED,
     FINAL,
     LINEAR_MODULES,
     RANK_FILE,
     MegatronLayout,
     extra_state_modules,
+    iteration_folder,
+    stacked_key,
     unit_megatron_keys,
 )
 from converters.raw_files import TAG_TO_TORCH_NAME
@@ -64,9 +67,6 @@ from converters.torch_zip import archive_bytes, layout_archive
 from models.common.errors import CheckpointError
 from models.common.weight_map import GATE_UP_STACKED, PLAIN, QKV_INTERLEAVED, VOCAB_PADDED, WeightEntry
 
-DIST_DATA_FILES = 4  # as megatron_dist: units dealt round-robin over __0_0.distcp .. __3_0.distcp
-DIST_METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
-                      "common_backend_version": 1}
 DCP = "torch.distributed.checkpoint.metadata"
 
 
@@ -122,16 +122,6 @@ def _band(parts: tuple, first: int, rows: int, b0: int, b1: int) -> Op:
         if rb == stride or rows == 1:
             return Copy(path, offset, rows * rb if rb == stride else rb)
     return Interleave(rows, tuple(picked))
-
-
-def stacked_key(template: str) -> str:
-    """``decoder.layers.{i}.x.weight`` -> torch_dist's stacked ``decoder.layers.x.weight`` (norms
-    under their Transformer-Engine names), as ``megatron_dist.stacked_key``."""
-    key = template.replace("layers.{i}.", "layers.")
-    for local, te in TE_NORM_ALIASES.items():
-        if key == "decoder.layers." + local:
-            return "decoder.layers." + te
-    return key
 
 
 def full_segments(entry: WeightEntry, cfg: Any, hf_shapes: dict,
@@ -475,10 +465,7 @@ def write_megatron_by_copy(source: RawSource, target: CopyTarget, directory: str
     from converters.tasks import run_tasks
 
     root = Path(directory)
-    name = f"iter_{target.iteration:07d}" if target.iteration is not None else "release"
-    (root / TRACKER).write_text(str(target.iteration) if target.iteration is not None else "release")
-    folder = root / name
-    folder.mkdir()
+    folder = iteration_folder(root, target.iteration)
     try:
         bands: dict[tuple, dict] = {}
         if target.fmt == "megatron":

@@ -31,25 +31,15 @@ from converters.checkpoint import EMBED, FINAL, CheckpointReader, ReaderInfo, Un
 from converters.megatron_files import args_layout, hf_config_from_args, resolve_iteration_dir
 from converters.megatron_layout import LayoutError, megatron_full_shape, megatron_to_hf
 from converters.megatron_sources import check_config_against_dist, config_without_args, is_model_key, skipped_summary
+from converters.megatron_stages import (
+    DIST_DATA_FILES,
+    DIST_METADATA_JSON,
+    LAYER_PREFIX,
+    dist_key,
+    stacked_key,
+)
 from converters.safe_pickle import safe_pickle_load, safe_torch_load
 from models.common.sources import CheckpointError
-
-METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
-                 "common_backend_version": 1}
-LAYER_PREFIX = "decoder.layers."
-DIST_DATA_FILES = 4  # __0_0.distcp .. __3_0.distcp, units dealt round-robin
-# torch_dist always names the layer norms the Transformer-Engine way.
-TE_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-            "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
-
-
-def stacked_key(template: str) -> str:
-    """``decoder.layers.{i}.x.weight`` -> ``decoder.layers.x.weight`` with TE norm names."""
-    key = template.replace("layers.{i}.", "layers.")
-    for local, te in TE_NAMES.items():
-        if key == LAYER_PREFIX + local:
-            return LAYER_PREFIX + te
-    return key
 
 
 class DistReader(CheckpointReader):
@@ -132,15 +122,6 @@ class DistReader(CheckpointReader):
                                   f"{info.offset}..{info.offset + info.length}")
         return data
 
-    def _key_for(self, template: str, layer: int | None) -> tuple[str, int | None]:
-        """(torch_dist key, leading index or None) of a weight-map Megatron name."""
-        if layer is None:
-            return template, None
-        per_layer = template.format(i=layer)
-        if per_layer in self.tensors:  # checkpoints saved without layer stacking
-            return per_layer, None
-        return stacked_key(template), layer
-
     def read_tensor(self, key: str, index: int | None) -> torch.Tensor:
         """The global tensor ``key`` (or its slice ``[index]`` along dim 0), from overlapping chunks only."""
         meta = self.tensors.get(key)
@@ -181,7 +162,7 @@ class DistReader(CheckpointReader):
             out.append((entry.megatron, megatron_full_shape(entry, shapes, self.cfg, self.padded_vocab)))
         for tmpl in self.wmap.layer_entries:
             full = megatron_full_shape(tmpl.format(0), shapes, self.cfg, self.padded_vocab)
-            key, idx = self._key_for(tmpl.megatron, 0)
+            key, idx = dist_key(tmpl.megatron, 0, self.tensors)
             if idx is None:
                 out += [(tmpl.megatron.format(i=i), full) for i in range(L)]
             else:
@@ -220,7 +201,7 @@ class DistReader(CheckpointReader):
         out = {}
         for tmpl in templates:
             entry = tmpl if layer is None else tmpl.format(layer)
-            key, idx = self._key_for(tmpl.megatron, layer)
+            key, idx = dist_key(tmpl.megatron, layer, self.tensors)
             try:
                 out.update(zip(entry.hf, megatron_to_hf(entry, self.read_tensor(key, idx), self.cfg)))
             except LayoutError as exc:
@@ -310,7 +291,7 @@ def write_dist(reader: CheckpointReader, target, directory: str, *, workers: int
         pickle.dump(metadata, f)
     torch.save({"args": target.args, "checkpoint_version": 3.0, "iteration": target.iteration or 0},
                Path(directory) / "common.pt")
-    (Path(directory) / "metadata.json").write_text(json.dumps(METADATA_JSON))
+    (Path(directory) / "metadata.json").write_text(json.dumps(DIST_METADATA_JSON))
 
 
 __all__ = ["DistReader", "write_dist"]

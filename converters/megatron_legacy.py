@@ -33,16 +33,17 @@ from converters.megatron_layout import (
     slices_of_shards,
     tp_split_kind,
 )
-from converters.megatron_stages import RANK_FILE, MegatronLayout, unit_megatron_keys
+from converters.megatron_stages import (
+    RANK_FILE,
+    TE_NORM_ALIASES,
+    MegatronLayout,
+    chunk_state,
+    lookup_key,
+    unit_megatron_keys,
+)
 from converters.safe_pickle import safe_torch_load
 from models.common.sources import CheckpointError
 from models.common.weights import PLAIN, WeightEntry
-
-# Transformer-Engine spec keeps the norms inside the following linear layers.
-TE_NORM_ALIASES = {
-    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
-}
 
 
 def load_rank_file(path: Path) -> dict:
@@ -56,28 +57,6 @@ def load_rank_file(path: Path) -> dict:
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: not a Megatron checkpoint (top level is {type(data).__name__})")
     return data
-
-
-def chunk_state(data: dict, chunk: int, vpp: int, path: Path) -> dict:
-    key = "model" if vpp == 1 else f"model{chunk}"
-    state = data.get(key)
-    if state is None and vpp == 1:
-        state = data.get("model0")
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{path}: no '{key}' state dict (keys: {sorted(data)})")
-    return state
-
-
-def lookup(state: dict, key: str) -> torch.Tensor | None:
-    """``state[key]``, also under its Transformer-Engine name for fused norms."""
-    if key in state:
-        return state[key]
-    for local, te in TE_NORM_ALIASES.items():
-        if key.endswith(local):
-            alt = key[: -len(local)] + te
-            if alt in state:
-                return state[alt]
-    return None
 
 
 class LegacyReader(CheckpointReader):
@@ -149,7 +128,7 @@ class LegacyReader(CheckpointReader):
                     shapes = []
                     for t in range(self.tp):
                         path, state = states[t][v]
-                        tensor = lookup(state, key)
+                        tensor = lookup_key(state, key)[1]
                         if tensor is None:
                             raise CheckpointError(f"{path}: missing tensor {key} (chunk {v})")
                         shapes.append(tuple(tensor.shape))
@@ -215,7 +194,7 @@ class LegacyReader(CheckpointReader):
         states = [chunk_state(load_rank_file(f), v, self.vpp, f) for f in files]
         out: dict[str, list[torch.Tensor]] = {}
         for entry, key in unit_megatron_keys(self.wmap, unit, local):
-            shards = [lookup(s, key) for s in states]
+            shards = [lookup_key(s, key)[1] for s in states]
             if any(s is None for s in shards):
                 raise CheckpointError(f"{self.it_dir}: missing tensor {key} on pp rank {p}")
             kind = tp_split_kind(entry, shards[0].dim())

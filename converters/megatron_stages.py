@@ -1,23 +1,34 @@
-"""Where units live in a Megatron checkpoint: pipeline stages, virtual chunks, stage-local layer keys.
+"""Where things live in a Megatron checkpoint: pipeline stages, virtual chunks, stage-local layer
+keys, Transformer-Engine norm names, torch_dist's stacked keys, the iteration folder.
 
-Torch-free, shared by the readers (``megatron_legacy``), the torch writers (``megatron_write``)
-and the copy path's writers (``copy_targets``).
+Torch-free, and the one copy of these facts: shared by the readers (``megatron_legacy``,
+``megatron_dist``), the torch writers (``megatron_write``, ``megatron_dist``) and the copy path
+(``copy_plan``, ``copy_targets``).
 """
 
 from __future__ import annotations
 
-from typing import Union
+from pathlib import Path
+from typing import Any
 
+from converters.checkpoint import EMBED, FINAL, Unit
+from converters.megatron_files import TRACKER
 from models.common.errors import CheckpointError
 from models.common.weight_map import WeightEntry
 from parallel.config import ParallelConfig, ParallelConfigError
 from parallel.pipeline_layout import stage_layer_ranges
 
-EMBED, FINAL = "embed", "final"
-Unit = Union[int, str]
 RANK_FILE = "model_optim_rng.pt"
 # Megatron-LM saves an (empty) extra state for every linear layer; its strict load expects it.
 LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+# The Transformer-Engine spec keeps the norms inside the following linear layers; torch_dist always
+# uses these names, legacy checkpoints either.
+TE_NORM_ALIASES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+                   "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+LAYER_PREFIX = "decoder.layers."
+DIST_DATA_FILES = 4  # torch_dist output: __0_0.distcp .. __3_0.distcp, units dealt round-robin
+DIST_METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                      "common_backend_version": 1}
 
 
 class MegatronLayout:
@@ -71,3 +82,56 @@ def extra_state_modules(unit: Unit, local_index: int | None) -> list[str]:
     if isinstance(unit, int):
         return [f"decoder.layers.{local_index}.{m}" for m in LINEAR_MODULES]
     return ["output_layer"] if unit == FINAL else []
+
+
+def chunk_state(data: Any, chunk: int, vpp: int, path: Path) -> dict:
+    """The state dict of virtual chunk ``chunk`` in a legacy rank file (``model`` or ``model{v}``)."""
+    key = "model" if vpp == 1 else f"model{chunk}"
+    state = data.get(key) if isinstance(data, dict) else None
+    if state is None and vpp == 1 and isinstance(data, dict):
+        state = data.get("model0")
+    if not isinstance(state, dict):
+        found = sorted(data) if isinstance(data, dict) else type(data).__name__
+        raise CheckpointError(f"{path}: no '{key}' state dict (keys: {found})")
+    return state
+
+
+def lookup_key(state: dict, key: str) -> tuple[str, Any]:
+    """(key found, ``state`` value or None) for ``key``, also under its Transformer-Engine name."""
+    if key in state:
+        return key, state[key]
+    for local, te in TE_NORM_ALIASES.items():
+        alt = key[: -len(local)] + te
+        if key.endswith(local) and alt in state:
+            return alt, state[alt]
+    return key, None
+
+
+def stacked_key(template: str) -> str:
+    """``decoder.layers.{i}.x.weight`` -> torch_dist's stacked ``decoder.layers.x.weight`` (norms
+    under their Transformer-Engine names)."""
+    key = template.replace("layers.{i}.", "layers.")
+    for local, te in TE_NORM_ALIASES.items():
+        if key == LAYER_PREFIX + local:
+            return LAYER_PREFIX + te
+    return key
+
+
+def dist_key(template: str, layer: int | None, tensors: dict) -> tuple[str, int | None]:
+    """(torch_dist key, index along the stacked layer dim or None) of a weight-map Megatron name:
+    per-layer keys when the checkpoint was saved without layer stacking."""
+    if layer is None:
+        return template, None
+    per_layer = template.format(i=layer)
+    if per_layer in tensors:
+        return per_layer, None
+    return stacked_key(template), layer
+
+
+def iteration_folder(root: Path, iteration: int | None) -> Path:
+    """``iter_XXXXXXX`` for a known iteration, ``release`` otherwise; writes the tracker file."""
+    name = f"iter_{iteration:07d}" if iteration is not None else "release"
+    (root / TRACKER).write_text(str(iteration) if iteration is not None else "release")
+    folder = root / name
+    folder.mkdir()
+    return folder

@@ -17,12 +17,13 @@ from typing import Any
 import torch
 
 from converters.checkpoint import EMBED, CheckpointReader, Unit, reopen
-from converters.megatron_files import HF_CONFIG_DIR, TRACKER, args_for_target, legacy_rank_dir_name
+from converters.megatron_files import HF_CONFIG_DIR, args_for_target, legacy_rank_dir_name
 from converters.megatron_layout import hf_to_megatron, megatron_padded_vocab, split_tp, tp_split_kind
 from converters.megatron_stages import (
     RANK_FILE,
     MegatronLayout,
     extra_state_modules,
+    iteration_folder,
     unit_megatron_keys,
 )
 from parallel.config import ParallelConfig
@@ -105,15 +106,6 @@ def write_legacy_rank(reopen_args: tuple, target: MegatronTarget, directory: str
     with open(path, "wb") as f:
         torch.save({"args": target.args, "checkpoint_version": 3.0, "iteration": target.iteration or 0, **state}, f)
     return path.stat().st_size
-
-
-def iteration_folder(root: Path, iteration: int | None) -> Path:
-    """``iter_XXXXXXX`` for a known iteration, ``release`` otherwise; writes the tracker file."""
-    name = f"iter_{iteration:07d}" if iteration is not None else "release"
-    (root / TRACKER).write_text(str(iteration) if iteration is not None else "release")
-    folder = root / name
-    folder.mkdir()
-    return folder
 
 
 def write_megatron(reader: CheckpointReader, target: MegatronTarget, directory: str, *, fmt: str, workers: int,

@@ -62,11 +62,11 @@ MUTATIONS = (
              (("models/common/vllm_format.py", "VOCAB_MULTIPLE = 64", "VOCAB_MULTIPLE = 128"),),
              ("tests/test_vllm.py",)),
     Mutation("te-norm-names", "torch_dist TE norm names swapped (input vs pre-MLP)",
-             (("converters/megatron_dist.py",
-               'TE_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",\n'
-               '            "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}',
-               'TE_NAMES = {"input_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",\n'
-               '            "pre_mlp_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight"}'),),
+             (("converters/megatron_stages.py",
+               'TE_NORM_ALIASES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",\n'
+               '                   "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}',
+               'TE_NORM_ALIASES = {"input_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",\n'
+               '                   "pre_mlp_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight"}'),),
              ("tests/test_convert_megatron.py",)),
     Mutation("rope-base-from-args", "rotary_base from Megatron args ignored (always 10000)",
              (("converters/megatron_files.py", '"rope_theta": float(_arg(args, "rotary_base", 10000))}',
