@@ -89,7 +89,8 @@ class Unsupported(Exception):
 
 
 class Opaque:
-    """Stand-in for a global we will not import; records what it was called with."""
+    """Stand-in for a global the checkpoint names but we will not import (an enum, a function...);
+    records what it was called with. Shared with ``safe_pickle``'s torch-side unpickler."""
 
     _qualname = "?"
 
@@ -108,7 +109,12 @@ class Opaque:
         self.state = state
 
     def __repr__(self) -> str:
-        return f"<opaque {self._qualname}>"
+        return f"<opaque {self._qualname}{self.args if getattr(self, 'args', ()) else ''}>"
+
+
+def opaque_class(module: str, name: str) -> type:
+    """A subclass of ``Opaque`` standing for ``module.name``."""
+    return type(name, (Opaque,), {"_qualname": f"{module}.{name}"})
 
 
 class TorchDtype(str):
@@ -198,7 +204,7 @@ class _Unpickler(pickle.Unpickler):
             if cls is None:
                 cls = _records[name] = type(name, (Record,), {"_qualname": f"{module}.{name}"})
             return cls
-        return type(name, (Opaque,), {"_qualname": f"{module}.{name}"})
+        return opaque_class(module, name)
 
     def persistent_load(self, pid: Any) -> Any:
         if not (isinstance(pid, tuple) and pid and pid[0] == "storage"):

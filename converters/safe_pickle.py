@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from converters.raw_files import opaque_class
+
 # (module, name) -> object for globals that may resolve to the real thing.
 _ALLOWED: dict[tuple[str, str], Any] = {
     ("argparse", "Namespace"): argparse.Namespace,
@@ -49,33 +51,6 @@ _DCP_NAMES = {"Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorag
               "TensorProperties", "_StorageInfo", "StorageMeta", "_MEM_FORMAT_ENCODING"}
 
 
-class Opaque:
-    """Stand-in for a global the checkpoint names but we will not import (an enum, a function...)."""
-
-    _qualname = "?"
-
-    def __new__(cls, *args, **kwargs):
-        obj = super().__new__(cls)
-        obj.args = args
-        return obj
-
-    def __init__(self, *args, **kwargs) -> None:
-        pass
-
-    def __call__(self, *args, **kwargs) -> "Opaque":
-        return type(self)(*args)
-
-    def __setstate__(self, state) -> None:
-        self.state = state
-
-    def __repr__(self) -> str:
-        return f"<opaque {self._qualname}{self.args if getattr(self, 'args', ()) else ''}>"
-
-
-def _opaque(module: str, name: str) -> type:
-    return type(name, (Opaque,), {"_qualname": f"{module}.{name}"})
-
-
 class RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         obj = _ALLOWED.get((module, name))
@@ -83,7 +58,7 @@ class RestrictedUnpickler(pickle.Unpickler):
             return obj
         if module in _DCP_MODULES and name in _DCP_NAMES:
             return super().find_class(module, name)
-        return _opaque(module, name)
+        return opaque_class(module, name)
 
 
 class _PickleModule(SimpleNamespace):

@@ -15,7 +15,6 @@ CRC would mean reading every byte in Python. The pickle and the small records ca
 
 from __future__ import annotations
 
-import os
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -52,10 +51,6 @@ class ArchiveLayout:
     @property
     def size(self) -> int:
         return self.end - self.base
-
-    def write_headers(self, fd: int) -> None:
-        for offset, data in self.pieces:
-            _pwrite_all(fd, data, offset)
 
 
 def layout_archive(pickle_bytes: bytes, storage_sizes: list[int], *, base: int = 0,
@@ -127,13 +122,6 @@ def archive_bytes(pickle_bytes: bytes, storages: list[bytes] = ()) -> bytes:
     for offset, data in zip(lay.storage_offsets, storages):
         buf[offset:offset + len(data)] = data
     return bytes(buf)
-
-
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
 
 
 __all__ = ["ArchiveLayout", "layout_archive", "archive_bytes", "ALIGNMENT"]
