@@ -378,13 +378,13 @@ class DistRawSource(RawSource):
 
     format = "megatron-dist"
 
-    def __init__(self, it_dir: str, hf_config: Any, where: str) -> None:
+    def __init__(self, it_dir: str, hf_config: Any, where: str, md: Any, data: Any) -> None:
+        """``md``: the unpickled ``.metadata``; ``data``: what ``common.pt`` holds (None without one),
+        both as ``open_raw_source`` read them."""
         from converters.megatron_stages import dist_key
 
         self.path = str(it_dir)
         self._set_model(hf_config, where)
-        common = Path(it_dir) / "common.pt"
-        data = read_torch_archive(common) if common.is_file() else None
         args = data.get("args") if isinstance(data, dict) else None
         iteration = data.get("iteration") if isinstance(data, dict) else None
         if args is not None:
@@ -394,7 +394,6 @@ class DistRawSource(RawSource):
             if getattr(args, "iteration", None) is not None:
                 iteration = args.iteration
         self.iteration = iteration if isinstance(iteration, int) and not isinstance(iteration, bool) else None
-        md = read_pickle(Path(it_dir) / ".metadata")
         try:
             tensors = {k: v for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks")}
             storage = {(idx.fqn, tuple(idx.offset) if getattr(idx, "offset", None) is not None else None): info
@@ -672,7 +671,7 @@ def open_raw_source(path: str, *, arch: str | None = None, hf_config: str | None
     model_arch = architecture_for(getattr(config, "model_type", None), path)
     config_path = f"{hf_config}/config.json" if hf_config else "the config from the Megatron args"
     check_config_against_dist(model_arch.model_config(config), shapes, config_path, str(it_dir))
-    source = DistRawSource(str(it_dir), config, path)
+    source = DistRawSource(str(it_dir), config, path, md, data)
     source.hf_config_dir = hf_config
     return source
 
