@@ -7,6 +7,8 @@ divisible by TP, explicit head_dim, and the RoPE scaling types.
 
 from __future__ import annotations
 
+import hashlib
+import os
 from pathlib import Path
 
 import torch
@@ -78,6 +80,18 @@ def copy_path_configs() -> dict:
                                        num_key_value_heads=1, num_hidden_layers=4, tie_word_embeddings=True,
                                        attention_bias=True, mlp_bias=True),
     }
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """Every path under ``folder`` (hidden ones included) with a digest of each file's bytes."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(folder):
+        for d in dirnames:
+            out[os.path.relpath(os.path.join(dirpath, d), folder) + "/"] = "dir"
+        for f in filenames:
+            p = os.path.join(dirpath, f)
+            out[os.path.relpath(p, folder)] = hashlib.sha256(Path(p).read_bytes()).hexdigest()
+    return out
 
 
 def write_all(root: Path) -> dict[str, str]:

@@ -10,7 +10,6 @@ file / tensor / numbers involved, the destination's parent directory must be exa
 from __future__ import annotations
 
 import errno
-import hashlib
 import io
 import os
 import pickle
@@ -24,7 +23,7 @@ import torch
 from converters import convert
 from converters.cli import main
 from models.common.sources import CheckpointError
-from tests.cases import write_hf_model
+from tests.cases import snapshot, write_hf_model
 
 VOCAB = 100  # padded to 256 at tp=2 (make_vocab_size_divisible_by 128)
 
@@ -79,18 +78,6 @@ def edit_pt(path: Path, fn) -> None:
     data = torch.load(path, map_location="cpu", weights_only=False)
     fn(data)
     torch.save(data, path)
-
-
-def snapshot(folder: Path) -> dict[str, str]:
-    """Every path under ``folder`` (hidden ones included) with a digest of each file's bytes."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(folder):
-        for d in dirnames:
-            out[os.path.relpath(os.path.join(dirpath, d), folder) + "/"] = "dir"
-        for f in filenames:
-            p = os.path.join(dirpath, f)
-            out[os.path.relpath(p, folder)] = hashlib.sha256(Path(p).read_bytes()).hexdigest()
-    return out
 
 
 def run_cli(capsys, argv: list[str]) -> tuple[int, str, str]:

@@ -12,7 +12,6 @@ races) while the workers are known to be mid-conversion.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import resource
 import shutil
@@ -27,7 +26,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.cases import write_hf_model
+from tests.cases import snapshot, write_hf_model
 
 ROOT = Path(__file__).resolve().parent.parent
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux process semantics")
@@ -67,17 +66,6 @@ def _config(layers: int = 4):
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory) -> Path:
     return write_hf_model(tmp_path_factory.mktemp("faults_src"), "hf", _config(), seed=11)
-
-
-def snapshot(folder: Path) -> dict[str, str]:
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(folder):
-        for d in dirnames:
-            out[os.path.relpath(os.path.join(dirpath, d), folder) + "/"] = "dir"
-        for f in filenames:
-            p = os.path.join(dirpath, f)
-            out[os.path.relpath(p, folder)] = hashlib.sha256(Path(p).read_bytes()).hexdigest()
-    return out
 
 
 def _env(hook: Path | None = None, **extra: str) -> dict[str, str]:
