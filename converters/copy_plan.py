@@ -507,13 +507,7 @@ def hf_tasks(source: RawSource, files: list[FilePlan], tag: str, directory: str,
 def fill_file(path: str, work: list[tuple[int, list[Op]]], buffer_bytes: int = DEFAULT_BUFFER) -> int:
     """Write every op's bytes at consecutive offsets starting at each work item's offset."""
     out = os.open(path, os.O_WRONLY)
-    sources: dict[str, int] = {}
-
-    def fd_of(p: str) -> int:
-        if p not in sources:
-            sources[p] = os.open(p, os.O_RDONLY)
-        return sources[p]
-
+    fd_of = SourceFiles()
     written = 0
     try:
         for dst, ops in work:
@@ -530,9 +524,25 @@ def fill_file(path: str, work: list[tuple[int, list[Op]]], buffer_bytes: int = D
         raise CheckpointError(f"{path}: write failed ({exc.strerror or exc})") from exc
     finally:
         os.close(out)
-        for fd in sources.values():
-            os.close(fd)
+        fd_of.close()
     return written
+
+
+class SourceFiles:
+    """Source files opened once per task: ``fd_of(path)`` -> read-only descriptor; ``close()`` all."""
+
+    def __init__(self) -> None:
+        self.fds: dict[str, int] = {}
+
+    def __call__(self, path: str) -> int:
+        if path not in self.fds:
+            self.fds[path] = os.open(path, os.O_RDONLY)
+        return self.fds[path]
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
 
 
 _COPY_FILE_RANGE = hasattr(os, "copy_file_range")

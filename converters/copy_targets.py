@@ -33,6 +33,7 @@ from converters.copy_plan import (
     Op,
     PlannedTensor,
     RawSource,
+    SourceFiles,
     Unsupported,
     Zeros,
     _merge_copies,
@@ -305,16 +306,8 @@ def scatter_bands(ops: list[Op], width: int, outputs: list[tuple[str, int]], buf
 
     tp = len(outputs)
     band = width // tp
-    sources: dict[str, int] = {}
+    fd_of = SourceFiles()
     outs: list[int] = []
-
-    def fd_of(p: str) -> int:
-        if p not in sources:
-            try:
-                sources[p] = os.open(p, os.O_RDONLY)
-            except OSError as exc:
-                raise CheckpointError(f"{p}: cannot read ({exc.strerror or exc})") from exc
-        return sources[p]
 
     row = 0
     try:
@@ -344,11 +337,13 @@ def scatter_bands(ops: list[Op], width: int, outputs: list[tuple[str, int]], buf
                     except OSError as exc:
                         raise CheckpointError(f"{path}: write failed ({exc.strerror or exc})") from exc
             row += rows
-    except OSError as exc:  # reading a source (writes are named above)
-        raise CheckpointError(f"reading {', '.join(sorted(sources))}: {exc.strerror or exc}") from exc
+    except OSError as exc:  # opening (the error names the file) or reading a source; writes are named above
+        where = exc.filename or ", ".join(sorted(fd_of.fds))
+        raise CheckpointError(f"{where}: cannot read ({exc.strerror or exc})") from exc
     finally:
-        for fd in outs + list(sources.values()):
+        for fd in outs:
             os.close(fd)
+        fd_of.close()
     return row * width
 
 
