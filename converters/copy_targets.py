@@ -448,8 +448,9 @@ def _tasks(plans: list[_FilePlan], bands: dict[tuple, dict], workers: int, buffe
         per_file.append(tasks)
     # round-robin over the files: workers running at the same time write different files (writes to
     # one file serialize on its inode lock)
-    ordered = [t for i in range(max(map(len, per_file), default=0)) for tasks in per_file if i < len(tasks)
-               for t in [tasks[i]]]
+    ordered: list[tuple] = []
+    for i in range(max(map(len, per_file), default=0)):
+        ordered += [tasks[i] for tasks in per_file if i < len(tasks)]
     return ordered + [(scatter_bands, (b["ops"], b["width"], b["outputs"], buffer_bytes)) for b in bands.values()]
 
 
