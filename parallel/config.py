@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 CP_COMM = ("ring", "allgather")
+MOE_DISPATCHERS = ("alltoall", "allgather")  # parallel/experts.py
 RECOMPUTE = ("none", "full")
 
 
@@ -54,6 +55,9 @@ class ParallelConfig:
         cp/ulysses ranks, which hold the same parameters) with ``torch.distributed.fsdp.fully_shard``.
     recompute: activation recomputation: "none", or "full" (each decoder layer keeps only its
         input and reruns its forward in backward; ``torch.utils.checkpoint``).
+    moe_dispatcher: how MoE tokens reach experts on other EP ranks: "alltoall" (variable-size
+        all-to-all of the routed tokens) or "allgather" (all-gather the EP group's tokens,
+        reduce-scatter the outputs); see ``parallel/experts.py``.
     """
 
     tp: int = 1
@@ -69,6 +73,7 @@ class ParallelConfig:
     cp_comm: str = "ring"
     fsdp: bool = False
     recompute: str = "none"
+    moe_dispatcher: str = "alltoall"
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "vpp", "cp", "ep", "vocab_padding_multiple", "ulysses"):
@@ -88,6 +93,9 @@ class ParallelConfig:
         if self.recompute not in RECOMPUTE:
             raise ParallelConfigError(f"ParallelConfig.recompute={self.recompute!r}: "
                                       f"choose one of {', '.join(RECOMPUTE)}")
+        if self.moe_dispatcher not in MOE_DISPATCHERS:
+            raise ParallelConfigError(f"ParallelConfig.moe_dispatcher={self.moe_dispatcher!r}: "
+                                      f"choose one of {', '.join(MOE_DISPATCHERS)}")
         if not isinstance(self.fsdp, bool):
             raise ParallelConfigError(f"ParallelConfig.fsdp must be True or False, got {self.fsdp!r}")
         if self.fsdp and self.pp > 1:
@@ -154,7 +162,11 @@ class ParallelConfig:
             problems.append(f"intermediate_size={ffn} is not divisible by tp={tp}")
         if vocab is not None and vocab < 1:
             problems.append(f"vocab_size={vocab} must be positive")
-        num_experts = _attr(model_config, "num_experts", "num_local_experts", "num_moe_experts")
+        moe = getattr(model_config, "moe", None)  # our ModelConfig keeps the MoE sizes in .moe
+        num_experts = _attr(moe or model_config, "num_experts", "num_local_experts", "num_moe_experts")
+        shared = _attr(moe or model_config, "shared_expert_intermediate_size", default=0)
+        if num_experts and shared % tp:
+            problems.append(f"shared_expert_intermediate_size={shared} is not divisible by tp={tp}")
         if self.ep > 1:
             if not num_experts:
                 problems.append(f"ep={self.ep} needs an MoE model, but the config has no experts")

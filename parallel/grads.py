@@ -6,7 +6,8 @@ Three reductions, each coalesced into one flat all-reduce per group:
   * packed QKV parameters tagged ``kv_replicas`` (tp > num_kv_heads): the K/V rows of a replicated
     KV head received gradient only from this rank's query heads: summed over the replicas;
   * every parameter, over the replica group (the dp, cp and ulysses ranks holding the same
-    parameters): summed, then scaled by ``replica_scale`` (``1/dp`` when each DP rank's loss is its
+    parameters; for experts split over EP, tagged ``expert_parallel``, the expert-data-parallel
+    group: the ranks holding the same experts): summed, then scaled by ``replica_scale`` (``1/dp`` when each DP rank's loss is its
     own mean; None when losses are already normalized by the global token count). cp/ulysses
     ranks saw different tokens of the same sequences, so their gradients are always summed.
 
@@ -82,16 +83,27 @@ def _kv_replica_sum(params: list[nn.Parameter], tp_group: Any) -> None:
 
 
 def finalize_grads(params: Iterable[nn.Parameter], *, tp_group: Any = None, replica_group: Any = None,
-                   replica_scale: float | None = None, replicas_reduced: bool = False) -> None:
+                   replica_scale: float | None = None, replicas_reduced: bool = False,
+                   expert_replica_group: Any = None) -> None:
     """Apply the TP (SP and KV-replica) and replica (dp/cp/ulysses) reductions to ``.grad``.
 
     ``replicas_reduced``: the replica reduction was already done (FSDP2's reduce-scatter).
+    ``expert_replica_group``: where parameters tagged ``expert_parallel`` are reduced instead of
+    ``replica_group`` (their EP group already summed the token contributions of its members).
     """
     params = [p for p in params if p.requires_grad and p.grad is not None]
     if group_size(tp_group) > 1:
         for grads in _by_dtype(local_rows(p.grad)[0] for p in params if getattr(p, "sequence_parallel", False)):
             _all_reduce_coalesced(grads, tp_group)
         _kv_replica_sum([p for p in params if getattr(p, "kv_replicas", None)], tp_group)
-    if not replicas_reduced and group_size(replica_group) > 1:
-        for grads in _by_dtype(p.grad for p in params):
-            _all_reduce_coalesced(grads, replica_group, scale=replica_scale)
+    if replicas_reduced:
+        return
+    experts = [p for p in params if getattr(p, "expert_parallel", False)]
+    dense = [p for p in params if not getattr(p, "expert_parallel", False)]
+    for group, members in ((replica_group, dense), (expert_replica_group, experts)):
+        if group_size(group) > 1:
+            for grads in _by_dtype(p.grad for p in members):
+                _all_reduce_coalesced(grads, group, scale=replica_scale)
+        elif replica_scale is not None and replica_scale != 1.0:
+            for p in members:  # one holder (e.g. dp=ep: the EP group was the whole DP): only the scaling
+                p.grad.mul_(replica_scale)

@@ -41,6 +41,7 @@ class ParallelGroups:
     dp_group: Any = None
     cp_group: Any = None
     ep_group: Any = None
+    edp_group: Any = None  # expert-data-parallel: the ranks of the replica group holding this rank's experts
     ulysses_group: Any = None
     replica_group: Any = None
     tp_rank: int = 0
@@ -160,6 +161,7 @@ def build_groups(config: ParallelConfig, device: torch.device | str | None = Non
         )
         groups.ep_group = ep_mesh.get_group("ep")
         groups.ep_rank = ep_mesh.get_coordinate()[2]
+        groups.edp_group = ep_mesh.get_group("edp") if dcp // config.ep > 1 else None
     return groups
 
 
@@ -197,6 +199,7 @@ def groups_from_megatron(config: ParallelConfig | None = None) -> ParallelGroups
         cp_group=ps.get_context_parallel_group() if cp > 1 else None,
         replica_group=ps.get_data_parallel_group(with_context_parallel=True) if dp * cp > 1 else None,
         ep_group=ps.get_expert_model_parallel_group() if ep > 1 else None,
+        edp_group=ps.get_expert_data_parallel_group() if ep > 1 and dp * cp > ep else None,
         tp_rank=ps.get_tensor_model_parallel_rank(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         dp_rank=ps.get_data_parallel_rank(),

@@ -77,6 +77,11 @@ def build_model(arch: Architecture, source: Any, parallel_config: ParallelConfig
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     parallel_config.validate(cfg, world_size=world)
     wmap = arch.weight_map(cfg, parallel_config.padded_vocab_size(cfg.vocab_size))
+    if cfg.moe is None and parallel_config.ep > 1:
+        raise ParallelConfigError(f"{parallel_config.describe()}: ep > 1 needs a mixture-of-experts model, "
+                                  f"{arch.name} has none")
+    if cfg.moe is not None:
+        _check_moe_layout(arch, parallel_config, lora)
     lora_targets = None
     if lora is not None:
         from models.common.lora import check_lora_config
@@ -100,7 +105,8 @@ def build_model(arch: Architecture, source: Any, parallel_config: ParallelConfig
     model = ParallelCausalLM(cfg, groups, wmap, dtype=dtype, device=device)
     model.hf_config = hf_config  # what save_pretrained writes as config.json
     model.source_dir = str(source) if isinstance(source, (str, os.PathLike)) else None  # tokenizer files for exports
-    load_weights(dict(model.named_parameters()), model.load_entries(), tensor_source, groups.tp_rank, groups.tp_size)
+    load_weights(dict(model.named_parameters()), model.load_entries(), tensor_source, groups.tp_rank, groups.tp_size,
+                 groups.ep_rank, groups.ep_size)
     if lora is not None:
         from models.common.lora import apply_lora
 
@@ -110,3 +116,13 @@ def build_model(arch: Architecture, source: Any, parallel_config: ParallelConfig
 
         shard_model(model, groups)
     return model
+
+
+def _check_moe_layout(arch: Architecture, pconfig: ParallelConfig, lora: Any) -> None:
+    """What mixture-of-experts models do not support yet, refused before any group exists."""
+    if pconfig.fsdp:
+        raise ParallelConfigError(f"{arch.name} {pconfig.describe()}: fsdp is not supported with experts yet")
+    if pconfig.ulysses > 1:
+        raise ParallelConfigError(f"{arch.name} {pconfig.describe()}: ulysses is not supported with experts yet")
+    if lora is not None:
+        raise ParallelConfigError(f"{arch.name}: LoRA on mixture-of-experts models is not supported yet")

@@ -34,6 +34,29 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """Mixture-of-experts switches (transformers' Qwen2-MoE names).
+
+    Routing is Qwen2-MoE's: softmax over all ``num_experts`` router logits (fp32), top-k, the top-k
+    weights renormalised to sum to one only when ``norm_topk_prob``. Layer ``i`` is sparse when
+    ``i not in mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``; other layers keep the
+    dense MLP of ``intermediate_size``. ``shared_expert_intermediate_size == 0``: no shared expert.
+    """
+
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.001
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Sizes and switches of a dense decoder-only model (HF naming where one exists)."""
 
@@ -54,6 +77,13 @@ class ModelConfig:
     hidden_act: str = "silu"
     initializer_range: float = 0.02
     architecture: str = "llama"
+    moe: MoeConfig | None = None  # None: every layer has the dense MLP
+
+    def sparse_layers(self) -> frozenset[int]:
+        """Global indices of the layers whose MLP is a mixture of experts."""
+        if self.moe is None:
+            return frozenset()
+        return frozenset(i for i in range(self.num_hidden_layers) if self.moe.is_sparse(i))
 
     @classmethod
     def from_hf(cls, hf_config: Any, *, architecture: str, qkv_bias: bool, o_bias: bool,

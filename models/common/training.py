@@ -231,7 +231,7 @@ def finalize_pipeline_grads(lm) -> None:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     finalize_grads(params, tp_group=groups.tp_group, replica_group=groups.replica_group,
-                   replicas_reduced=groups.config.fsdp)
+                   replicas_reduced=groups.config.fsdp, expert_replica_group=groups.edp_group)
     if lm.config.tie_word_embeddings and groups.pp_size > 1 and _tied_pair_trains(lm):
         if lm.is_first_stage:
             grad = lm.model.embed_tokens.weight.grad

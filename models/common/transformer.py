@@ -45,10 +45,15 @@ class CausalLMOutput:
     """``loss``: mean over non-ignored tokens (None without labels).
     ``logits``: ``[batch, seq, V/tp]`` this rank's real vocabulary columns, or ``[batch, seq, V]``
     with ``gather_logits=True`` (packed input: batch 1, seq = total tokens).
+    ``aux_loss``/``router_logits`` (mixture-of-experts models with ``output_router_logits``): the
+    load-balancing loss (already added to ``loss``, times ``router_aux_loss_coef``, when labels are
+    given) and each sparse layer's router logits ``[batch * seq, E]``, as transformers returns them.
     """
 
     loss: torch.Tensor | None
     logits: torch.Tensor | None
+    aux_loss: torch.Tensor | None = None
+    router_logits: tuple[torch.Tensor, ...] | None = None
 
 
 class ParallelAttention(nn.Module):
@@ -92,13 +97,14 @@ class ParallelAttention(nn.Module):
 
 
 class ParallelMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, dtype, device) -> None:
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, dtype, device, intermediate_size: int | None = None):
         super().__init__()
         sp = groups.sequence_parallel
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias,
+        inter = cfg.intermediate_size if intermediate_size is None else intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter] * 2, bias=cfg.mlp_bias,
                                                        tp_group=groups.tp_group, sequence_parallel=sp,
                                                        dtype=dtype, device=device)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias,
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=cfg.mlp_bias,
                                            tp_group=groups.tp_group, sequence_parallel=sp, dtype=dtype, device=device)
 
     def forward(self, x):
@@ -107,7 +113,9 @@ class ParallelMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, dtype, device) -> None:
+    """Pre-norm attention and MLP; the MLP of layer ``layer`` is a mixture of experts when ``cfg.moe`` says so."""
+
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, dtype, device, layer: int = 0) -> None:
         super().__init__()
         sp = groups.sequence_parallel
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, sequence_parallel=sp, dtype=dtype,
@@ -115,7 +123,12 @@ class DecoderLayer(nn.Module):
         self.self_attn = ParallelAttention(cfg, groups, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, sequence_parallel=sp, dtype=dtype,
                                                 device=device)
-        self.mlp = ParallelMLP(cfg, groups, dtype, device)
+        if layer in cfg.sparse_layers():
+            from models.common.moe import ParallelMoE
+
+            self.mlp = ParallelMoE(cfg, groups, dtype, device)
+        else:
+            self.mlp = ParallelMLP(cfg, groups, dtype, device)
 
     def forward(self, x, cos, sin, attention_mask=None, cu_seqlens=None, max_seqlen=None, seq=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention_mask, cu_seqlens, max_seqlen, seq)
@@ -132,7 +145,7 @@ class ParallelDecoder(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, padded_vocab, cfg.hidden_size,
                                                    tp_group=groups.tp_group, sequence_parallel=sp, dtype=dtype,
                                                    device=device) if has_embedding else None
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, groups, dtype, device) for i in layer_ids})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, groups, dtype, device, i) for i in layer_ids})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, sequence_parallel=sp, dtype=dtype,
                             device=device) if has_norm else None
 
@@ -212,7 +225,8 @@ class ParallelCausalLM(nn.Module):
                 attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 gather_logits: bool = False, cu_seqlens: torch.Tensor | None = None,
                 max_seqlen: int | None = None, return_logits: bool = True,
-                sequence_plan: SequencePlan | None = None, targets: torch.Tensor | None = None) -> CausalLMOutput:
+                sequence_plan: SequencePlan | None = None, targets: torch.Tensor | None = None,
+                output_router_logits: bool | None = None) -> CausalLMOutput:
         """Padded batch ``input_ids [b, s]`` (optional ``attention_mask [b, s]``, 1 = token), or a packed
         batch ``input_ids [T]``/``[1, T]`` with ``cu_seqlens [n + 1]``. ``labels`` like ``input_ids``;
         shifted inside, ``-100`` ignored (transformers semantics).
@@ -220,7 +234,12 @@ class ParallelCausalLM(nn.Module):
         With context/Ulysses parallelism every rank of the group passes the same full batch (the
         model takes its own tokens; logits come back whole), or, with ``sequence_plan``, only its own
         tokens (``plan.token_index``) and their ``targets`` (HF-shifted labels, ``-100`` ignored);
-        logits then stay local. See ``models/common/sequence_parallel.py``."""
+        logits then stay local. See ``models/common/sequence_parallel.py``.
+
+        Mixture-of-experts models: ``output_router_logits`` (default: the HF config's) returns the
+        load-balancing loss and router logits and adds ``router_aux_loss_coef * aux_loss`` to the loss,
+        as transformers does (not with cp/ulysses yet)."""
+        want_aux = self._wants_router_logits(output_router_logits)
         if self.groups.pp_size > 1:
             raise RuntimeError("with pipeline parallelism use model.forward_backward(...) (stages run in a schedule)")
         if self.groups.config.fsdp:
@@ -230,21 +249,42 @@ class ParallelCausalLM(nn.Module):
         if self.groups.sequence_split or sequence_plan is not None:
             from models.common.sequence_parallel import split_sequence_forward
 
+            if want_aux:
+                raise ValueError(f"output_router_logits with cp/ulysses {self.groups.config.describe()} is not "
+                                 f"supported yet (the load-balancing loss needs statistics over the whole sequence)")
             return split_sequence_forward(self, input_ids, position_ids, attention_mask, labels, cu_seqlens,
                                           gather_logits, return_logits, sequence_plan, targets)
         if targets is not None:
             raise ValueError("targets= is for already-sliced inputs (with sequence_plan=); pass labels= instead")
         ids, pos, mask, labels, cu, seq_len = self._prepare(input_ids, position_ids, attention_mask, labels, cu_seqlens)
+        blocks = self.moe_blocks() if want_aux else []
+        if blocks:
+            valid = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+            valid[:, :seq_len] = 1 if mask is None else mask[:, :seq_len].to(torch.float32)
+            for blk in blocks:
+                blk.token_mask = valid.t().reshape(-1)  # the layers' token order: [s, b] flattened
         if mask is not None and bool(mask.all()):
             mask = None  # no padding: plain causal kernel
-        h = self.model.embed_tokens(ids.t())  # [s(/tp), b, hidden]
-        h = self.run_layers(h, self.layer_ids(), pos, mask, cu, max_seqlen)
+        try:
+            h = self.model.embed_tokens(ids.t())  # [s(/tp), b, hidden]
+            h = self.run_layers(h, self.layer_ids(), pos, mask, cu, max_seqlen)
+            aux_loss = router_logits = None
+            if blocks:
+                from models.common.moe import full_router_logits, load_balancing_loss
+
+                aux_loss = load_balancing_loss(blocks, self.groups)
+                router_logits = tuple(full_router_logits(blk, ids.numel(), ids.shape[0], seq_len) for blk in blocks)
+        finally:
+            for blk in blocks:
+                blk.token_mask = blk.stats = None
         logits = self.lm_head(self.model.norm(h))  # [s, b, V_pad/tp]
         loss = None
         if labels is not None:
             target = self.shift_labels(labels, cu_seqlens, ids.shape[1]).t()  # [s, b]
             count = (target != IGNORE_INDEX).sum()
             loss = self.token_losses(logits, target).sum() / count.clamp(min=1)
+            if aux_loss is not None:
+                loss = loss + self.config.moe.router_aux_loss_coef * aux_loss
         out_logits = None
         if return_logits:
             logits = logits[:seq_len].transpose(0, 1)  # [b, s, V_pad/tp]
@@ -252,7 +292,22 @@ class ParallelCausalLM(nn.Module):
                 out_logits = gather_last_dim(logits, self.groups.tp_group)[..., : self.config.vocab_size]
             else:
                 out_logits = logits[..., : self.lm_head.valid_columns]
-        return CausalLMOutput(loss=loss, logits=out_logits)
+        return CausalLMOutput(loss=loss, logits=out_logits, aux_loss=aux_loss, router_logits=router_logits)
+
+    def moe_blocks(self) -> list:
+        """This rank's mixture-of-experts blocks in layer order (empty for dense models)."""
+        from models.common.moe import ParallelMoE
+
+        return [layer.mlp for layer in self.model.layers.values() if isinstance(layer.mlp, ParallelMoE)]
+
+    def _wants_router_logits(self, requested: bool | None) -> bool:
+        if self.config.moe is None:
+            if requested:
+                raise ValueError("output_router_logits=True needs a mixture-of-experts model")
+            return False
+        if requested is None:
+            requested = bool(getattr(getattr(self, "hf_config", None), "output_router_logits", False))
+        return requested
 
     # ------------------------------------------------------------------ pieces (also used by pipeline stages)
     def packed_logits(self, ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None,
@@ -390,7 +445,8 @@ class ParallelCausalLM(nn.Module):
         over cp/ulysses ranks, average over DP (FSDP2 already reduced over the replicas)."""
         groups = self.groups
         finalize_grads(self.parameters(), tp_group=groups.tp_group, replica_group=groups.replica_group,
-                       replica_scale=1.0 / groups.dp_size, replicas_reduced=groups.config.fsdp)
+                       replica_scale=1.0 / groups.dp_size, replicas_reduced=groups.config.fsdp,
+                       expert_replica_group=groups.edp_group)
 
     # ------------------------------------------------------------------ sequence split (cp / ulysses)
     def plan_sequences(self, lengths, total: int | None = None) -> SequencePlan:

@@ -28,37 +28,82 @@ IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 @dataclass(frozen=True)
 class WeightEntry:
-    """One parallel parameter: ``param`` packs ``hf`` names (each sharded by its rule) along dim 0."""
+    """One parallel parameter: ``param`` packs ``hf`` names (each sharded by its rule) along dim 0.
+
+    Expert entries (``experts`` = E > 0) describe a stack ``[E_local, ...]`` of per-expert packed
+    tensors: the templates name one expert with ``{e}`` and ``format`` expands ``hf`` to all E
+    experts in order (``hf[e*k:(e+1)*k]`` are expert e's k parts, each under ``rules[j]``); the
+    parameter of expert-parallel rank r holds experts ``[r*E/ep, (r+1)*E/ep)``. ``megatron`` keeps
+    its ``{e}`` (converters put the expert id Megatron uses there).
+    ``shapes``: full HF shape of each part (one expert's, for expert entries); None = inferred from
+    the module name (the dense decoder's tensors, see ``hf_shapes``).
+    """
 
     param: str
     hf: tuple[str, ...]
     rules: tuple[Rule, ...]
     megatron: str | None = None
     megatron_layout: str = PLAIN
+    experts: int = 0
+    shapes: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def packed(self) -> "Packed":
+        """How one parameter (one expert's slice, for expert entries) packs its parts."""
         from parallel.sharding import Packed
 
         return Packed(tuple(zip(self.hf, self.rules)))
 
+    @property
+    def parts(self) -> int:
+        """HF tensors per packed parameter (per expert for expert entries)."""
+        return len(self.rules)
+
+    def expert_hf(self, e: int) -> tuple[str, ...]:
+        """The HF names of expert ``e`` (a formatted expert entry)."""
+        return self.hf[e * self.parts:(e + 1) * self.parts]
+
+    def expert(self, e: int) -> "WeightEntry":
+        """Expert ``e`` of a formatted expert entry as a plain entry (its names, rules and Megatron name)."""
+        mc = self.megatron.replace("{e}", str(e)) if self.megatron else None
+        return WeightEntry(self.param, self.expert_hf(e), self.rules, mc, self.megatron_layout, 0, self.shapes)
+
     def format(self, layer: int) -> "WeightEntry":
-        return WeightEntry(self.param.format(i=layer), tuple(h.format(i=layer) for h in self.hf), self.rules,
-                           self.megatron.format(i=layer) if self.megatron else None, self.megatron_layout)
+        def fill(name: str) -> str:
+            return name.replace("{i}", str(layer))
+
+        hf = tuple(fill(h) for h in self.hf)
+        if self.experts:
+            hf = tuple(h.replace("{e}", str(e)) for e in range(self.experts) for h in hf)
+        return WeightEntry(fill(self.param), hf, self.rules, fill(self.megatron) if self.megatron else None,
+                           self.megatron_layout, self.experts, self.shapes)
 
 
 @dataclass(frozen=True)
 class WeightMap:
-    """Per-layer templates (``{i}`` = global layer index) plus the non-layer entries."""
+    """Per-layer templates (``{i}`` = global layer index) plus the non-layer entries.
+
+    ``moe_layer_entries`` replace ``layer_entries`` for the layers in ``moe_layers`` (mixture-of-experts
+    MLPs; empty for dense models).
+    """
 
     layer_entries: tuple[WeightEntry, ...]
     first_entries: tuple[WeightEntry, ...]  # embedding (first pipeline stage)
     last_entries: tuple[WeightEntry, ...]  # final norm, lm_head (last pipeline stage)
+    moe_layer_entries: tuple[WeightEntry, ...] = ()
+    moe_layers: frozenset[int] = frozenset()
+
+    @property
+    def has_experts(self) -> bool:
+        return bool(self.moe_layers)
+
+    def layer_templates(self, layer: int) -> tuple[WeightEntry, ...]:
+        return self.moe_layer_entries if layer in self.moe_layers else self.layer_entries
 
     def entries(self, layers: Iterable[int], first: bool = True, last: bool = True) -> list[WeightEntry]:
         out = list(self.first_entries) if first else []
         for i in layers:
-            out.extend(e.format(i) for e in self.layer_entries)
+            out.extend(e.format(i) for e in self.layer_templates(i))
         if last:
             out.extend(self.last_entries)
         return out
@@ -118,25 +163,82 @@ def dense_decoder_weight_map(cfg: ModelConfig, padded_vocab_size: int, *, hf_pre
 
 def hf_shapes(cfg: ModelConfig, weight_map: WeightMap) -> dict[str, tuple[int, ...]]:
     """Full HF tensor shapes implied by ``cfg`` for every HF name in the map (all layers)."""
-    h, hd = cfg.hidden_size, cfg.head_dim
     shapes = {}
     for entry in weight_map.entries(range(cfg.num_hidden_layers)):
+        if entry.shapes is not None:
+            for j, name in enumerate(entry.hf):
+                shapes[name] = tuple(entry.shapes[j % entry.parts])
+            continue
         for name in entry.hf:
-            leaf = name.rsplit(".", 2)
-            module, kind = leaf[-2], leaf[-1]
-            if module == "q_proj":
-                shape = (cfg.num_attention_heads * hd, h)
-            elif module in ("k_proj", "v_proj"):
-                shape = (cfg.num_key_value_heads * hd, h)
-            elif module == "o_proj":
-                shape = (h, cfg.num_attention_heads * hd)
-            elif module in ("gate_proj", "up_proj"):
-                shape = (cfg.intermediate_size, h)
-            elif module == "down_proj":
-                shape = (h, cfg.intermediate_size)
-            elif module in ("embed_tokens", "lm_head"):
-                shape = (cfg.vocab_size, h)
-            else:  # norms
-                shape = (h,)
-            shapes[name] = shape[:1] if kind == "bias" else shape
+            shapes[name] = _dense_shape(cfg, name)
     return shapes
+
+
+def _dense_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
+    h, hd = cfg.hidden_size, cfg.head_dim
+    leaf = name.rsplit(".", 2)
+    module, kind = leaf[-2], leaf[-1]
+    if module == "q_proj":
+        shape = (cfg.num_attention_heads * hd, h)
+    elif module in ("k_proj", "v_proj"):
+        shape = (cfg.num_key_value_heads * hd, h)
+    elif module == "o_proj":
+        shape = (h, cfg.num_attention_heads * hd)
+    elif module in ("gate_proj", "up_proj"):
+        shape = (cfg.intermediate_size, h)
+    elif module == "down_proj":
+        shape = (h, cfg.intermediate_size)
+    elif module in ("embed_tokens", "lm_head"):
+        shape = (cfg.vocab_size, h)
+    else:  # norms
+        shape = (h,)
+    return shape[:1] if kind == "bias" else shape
+
+
+def moe_decoder_weight_map(cfg: ModelConfig, padded_vocab_size: int, *, hf_prefix: str = "model.",
+                           hf_lm_head: str = "lm_head.weight") -> WeightMap:
+    """The dense decoder's map plus Qwen2-MoE's sparse MLP on ``cfg.sparse_layers()``.
+
+    Sparse layer ``i`` (HF names as transformers writes them on disk, per expert):
+      router        ``mlp.gate.weight [E, H]``                     replicated over TP
+      experts       ``mlp.experts.{e}.{gate,up}_proj.weight``      packed per expert into
+                    ``mlp.experts.w13_weight [E/ep, 2I, H]`` and ``down_proj`` into
+                    ``mlp.experts.w2_weight [E/ep, H, I]`` (vLLM's names): split over EP, whole on
+                    every TP rank (each TP rank runs the experts on its own share of the tokens)
+      shared expert ``mlp.shared_expert.{gate,up,down}_proj``      column/row over TP like the dense MLP
+                    (zero rows when ``shared_expert_intermediate_size`` is 0, as transformers has it)
+      shared gate   ``mlp.shared_expert_gate.weight [1, H]``       replicated
+    Megatron names follow megatron-core's local spec (``mlp.router``, ``mlp.experts.local_experts.{e}``,
+    ``mlp.shared_experts`` with ``gate_weight``).
+    """
+    moe = cfg.moe
+    assert moe is not None, "moe_decoder_weight_map needs cfg.moe"
+    dense = dense_decoder_weight_map(cfg, padded_vocab_size, hf_prefix=hf_prefix, hf_lm_head=hf_lm_head)
+    col, row, rep = Split(0), Split(1), Replicated()
+    h, e_count, inter = cfg.hidden_size, moe.num_experts, moe.moe_intermediate_size
+    layer = f"{hf_prefix}layers.{{i}}.mlp."
+    mc = "decoder.layers.{i}.mlp."
+    param = "model.layers.{i}.mlp."
+    sparse = [e for e in dense.layer_entries if ".mlp." not in e.param]
+    sparse.append(WeightEntry(param + "gate.weight", (layer + "gate.weight",), (rep,), mc + "router.weight",
+                              shapes=((e_count, h),)))
+    sparse.append(WeightEntry(param + "experts.w13_weight",
+                              (layer + "experts.{e}.gate_proj.weight", layer + "experts.{e}.up_proj.weight"),
+                              (rep, rep), mc + "experts.local_experts.{e}.linear_fc1.weight", GATE_UP_STACKED,
+                              experts=e_count, shapes=((inter, h), (inter, h))))
+    sparse.append(WeightEntry(param + "experts.w2_weight", (layer + "experts.{e}.down_proj.weight",), (rep,),
+                              mc + "experts.local_experts.{e}.linear_fc2.weight", experts=e_count,
+                              shapes=((h, inter),)))
+    shared = moe.shared_expert_intermediate_size  # 0: zero-size tensors, as transformers writes them
+    sparse.append(WeightEntry(param + "shared_expert.gate_up_proj.weight",
+                              (layer + "shared_expert.gate_proj.weight", layer + "shared_expert.up_proj.weight"),
+                              (col, col), mc + "shared_experts.linear_fc1.weight", GATE_UP_STACKED,
+                              shapes=((shared, h), (shared, h))))
+    sparse.append(WeightEntry(param + "shared_expert.down_proj.weight", (layer + "shared_expert.down_proj.weight",),
+                              (row,), mc + "shared_experts.linear_fc2.weight", shapes=((h, shared),)))
+    sparse.append(WeightEntry(param + "shared_expert_gate.weight", (layer + "shared_expert_gate.weight",), (rep,),
+                              mc + "shared_experts.gate_weight", shapes=((1, h),)))
+    norms = [e for e in sparse if e.param.endswith("layernorm.weight")]
+    sparse = [e for e in sparse if e not in norms] + norms  # same order as the dense layer: MLP, then norms
+    return WeightMap(dense.layer_entries, dense.first_entries, dense.last_entries, tuple(sparse),
+                     cfg.sparse_layers())

@@ -28,6 +28,7 @@ from models.common.weight_map import (  # noqa: F401
     hf_shapes,
 )
 from parallel.collectives import gather_shards
+from parallel.sharding import Replicated
 
 
 def validate_source(source: TensorSource, expected: dict[str, tuple[int, ...]], where: str,
@@ -52,27 +53,51 @@ def validate_source(source: TensorSource, expected: dict[str, tuple[int, ...]], 
 
 @torch.no_grad()
 def load_weights(params: dict[str, torch.nn.Parameter], entries: list[WeightEntry], source: TensorSource,
-                 tp_rank: int, tp_size: int) -> None:
-    """Fill each parameter with this rank's pieces of its HF tensors (read lazily from ``source``)."""
+                 tp_rank: int, tp_size: int, ep_rank: int = 0, ep_size: int = 1) -> None:
+    """Fill each parameter with this rank's pieces of its HF tensors (read lazily from ``source``).
+
+    Expert entries fill ``[E/ep, ...]`` stacks with experts ``[ep_rank*E/ep, (ep_rank+1)*E/ep)``.
+    """
     for entry in entries:
         param = params[entry.param]
-        pieces = [source.read(name, rule.piece(source.shape(name), tp_rank, tp_size), param.dtype)
-                  for name, rule in zip(entry.hf, entry.rules)]
-        value = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
+        if entry.experts:
+            local = entry.experts // ep_size
+            value = torch.stack([_packed_piece(source, entry.expert(ep_rank * local + j), param.dtype, tp_rank, tp_size)
+                                 for j in range(local)])
+        else:
+            value = _packed_piece(source, entry, param.dtype, tp_rank, tp_size)
         if tuple(value.shape) != tuple(param.shape):
             raise CheckpointError(f"{entry.param}: checkpoint gives shape {tuple(value.shape)} for this rank, "
-                                  f"the model expects {tuple(param.shape)} (HF tensors {', '.join(entry.hf)})")
+                                  f"the model expects {tuple(param.shape)} (HF tensors {', '.join(entry.hf[:4])})")
         param.copy_(value)
+
+
+def _packed_piece(source: TensorSource, entry: WeightEntry, dtype: torch.dtype, tp_rank: int,
+                  tp_size: int) -> torch.Tensor:
+    pieces = [source.read(name, rule.piece(source.shape(name), tp_rank, tp_size), dtype)
+              for name, rule in zip(entry.hf, entry.rules)]
+    return torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
 
 
 @torch.no_grad()
 def export_hf_state(params: dict[str, torch.nn.Parameter], entries: list[WeightEntry],
-                    shapes: dict[str, tuple[int, ...]], tp_group) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, full_tensor)`` gathered over TP, merged with the same rules (every rank gets all).
+                    shapes: dict[str, tuple[int, ...]], tp_group, ep_group=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full_tensor)`` gathered over TP (and EP for experts), merged with the same rules
+    (every rank gets all).
 
-    A collective per parameter: every TP rank must iterate to the end in the same order.
+    A collective per parameter: every TP (and EP) rank must iterate to the end in the same order.
+    Expert stacks are gathered one parameter (one layer's experts) at a time.
     """
     for entry in entries:
-        gathered = gather_shards(params[entry.param].detach(), tp_group)
-        full = entry.packed.merge(gathered, [shapes[n] for n in entry.hf])
-        yield from zip(entry.hf, full)
+        local = params[entry.param].detach()
+        if not entry.experts:
+            full = entry.packed.merge(gather_shards(local, tp_group), [shapes[n] for n in entry.hf])
+            yield from zip(entry.hf, full)
+            continue
+        stacked = torch.cat(gather_shards(local, ep_group), dim=0)  # [E, ...] in expert order
+        replicated = all(isinstance(rule, Replicated) for rule in entry.rules)  # no TP gather needed
+        for e in range(entry.experts):
+            expert = entry.expert(e)
+            shards = [stacked[e]] if replicated else gather_shards(stacked[e], tp_group)
+            full = expert.packed.merge(shards, [shapes[n] for n in expert.hf])
+            yield from zip(expert.hf, full)

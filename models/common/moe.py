@@ -1,0 +1,157 @@
+"""Qwen2-MoE's sparse MLP block with expert parallelism, and transformers' load-balancing loss.
+
+Layout over ranks (``ParallelConfig(tp, ep, sequence_parallel)``):
+  * router (``gate``) and shared-expert gate: whole on every rank;
+  * shared expert: a tensor-parallel SwiGLU MLP like the dense one (column/row over TP);
+  * routed experts: split over the EP group (carved from the data-parallel ranks, see
+    ``parallel/groups.py``), whole on every TP rank. The TP ranks of a slot share the layer's
+    tokens out: under SP each already holds ``seq/tp`` of them; without SP the replicated tokens
+    are cut into tp shares, each TP rank routes and dispatches its share, and the outputs are
+    all-gathered back. So expert work is never repeated over TP.
+
+Gradient bookkeeping (``parallel/grads.py``): router and experts see only this rank's token share,
+so their gradients are partial sums over TP (tagged ``sequence_parallel``); experts are held by
+one rank of each EP group, so with ep > 1 they are reduced over the expert-data-parallel group
+(tagged ``expert_parallel``) instead of all replicas.
+
+The load-balancing loss is transformers' ``load_balancing_loss_func``: over all sparse layers,
+``E * sum_e (assignments to e / rows) * (router probability mass of e / rows)``, where rows and
+assignments count non-padding tokens of every sparse layer together. Each block records its
+per-expert sums for the current forward (``AuxStats``); the causal LM adds them up over its
+layers and over the TP token shares.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.common.config import ModelConfig
+from parallel.collectives import gather_for_replicas, reduce_from_group, scatter_to_sequence
+from parallel.experts import dispatch, route
+from parallel.groups import ParallelGroups
+
+
+@dataclass
+class AuxStats:
+    """One sparse layer's routing statistics over this rank's valid tokens."""
+
+    assignments: torch.Tensor  # [E] float: top-k assignments per expert (no gradient)
+    probability: torch.Tensor  # [E] fp32: summed router probabilities (differentiable)
+    rows: torch.Tensor  # [] float: valid tokens
+    logits: torch.Tensor  # [T_local, E]: router logits of this rank's token share (valid or not)
+
+
+class _Weight(nn.Module):
+    """A bare ``weight`` parameter (HF names the router ``mlp.gate.weight``, the gate ``shared_expert_gate.weight``)."""
+
+    def __init__(self, rows: int, cols: int, dtype, device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, cols, dtype=dtype, device=device))
+
+
+class LocalExperts(nn.Module):
+    """This EP rank's experts: ``w13_weight [E/ep, 2I, H]`` (``[gate | up]``), ``w2_weight [E/ep, H, I]``."""
+
+    def __init__(self, num_local: int, hidden: int, inter: int, dtype, device) -> None:
+        super().__init__()
+        self.w13_weight = nn.Parameter(torch.empty(num_local, 2 * inter, hidden, dtype=dtype, device=device))
+        self.w2_weight = nn.Parameter(torch.empty(num_local, hidden, inter, dtype=dtype, device=device))
+
+
+class ParallelMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, dtype, device) -> None:
+        super().__init__()
+        from models.common.transformer import ParallelMLP
+
+        moe = cfg.moe
+        assert moe is not None
+        self.moe = moe
+        self.groups = groups
+        self.num_experts = moe.num_experts
+        self.dispatch = dispatch(groups.config.moe_dispatcher)
+        self.gate = _Weight(moe.num_experts, cfg.hidden_size, dtype, device)
+        self.experts = LocalExperts(moe.num_experts // groups.ep_size, cfg.hidden_size, moe.moe_intermediate_size,
+                                    dtype, device)
+        self.shared_expert = ParallelMLP(cfg, groups, dtype, device,
+                                         intermediate_size=moe.shared_expert_intermediate_size)
+        self.shared_expert_gate = _Weight(1, cfg.hidden_size, dtype, device)
+        tp_split = groups.tp_size > 1
+        for p in (self.gate.weight, self.experts.w13_weight, self.experts.w2_weight):
+            p.sequence_parallel = tp_split  # each TP rank routed only its share of the tokens
+        if groups.sequence_parallel:
+            self.shared_expert_gate.weight.sequence_parallel = True
+        if groups.ep_size > 1:
+            for p in self.experts.parameters():
+                p.expert_parallel = True
+        # Set by the causal LM around a forward that wants the load-balancing loss:
+        self.token_mask: torch.Tensor | None = None  # [tokens of the layer input] 1 = real token (s-major)
+        self.stats: AuxStats | None = None
+
+    def _token_share(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Without SP, this TP rank's share of the replicated tokens (padded to a multiple of tp)."""
+        tp = self.groups.tp_size
+        if tp == 1 or self.groups.sequence_parallel:
+            return tokens
+        pad = (-tokens.shape[0]) % tp
+        return scatter_to_sequence(F.pad(tokens, (0, 0, 0, pad)), self.groups.tp_group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s, b, h = x.shape
+        tokens = x.reshape(-1, h)
+        share = self._token_share(tokens)
+        logits = F.linear(share, self.gate.weight)
+        weights, experts, probs = route(logits, self.moe.top_k, self.moe.norm_topk_prob)
+        routed = self.dispatch(share, experts, weights, self.experts.w13_weight, self.experts.w2_weight,
+                               self.num_experts, self.groups.ep_group)
+        if share is not tokens:
+            routed = gather_for_replicas(routed, self.groups.tp_group)[: tokens.shape[0]]
+        if self.token_mask is not None:
+            self.stats = self._stats(logits, experts, probs)
+        out = routed
+        if self.moe.shared_expert_intermediate_size:
+            shared = self.shared_expert(x) * torch.sigmoid(F.linear(x, self.shared_expert_gate.weight))
+            out = out + shared.reshape(-1, h)
+        return out.view(s, b, h)
+
+    def _stats(self, logits, experts, probs) -> AuxStats:
+        mask = self.token_mask
+        tp = self.groups.tp_size
+        if tp > 1:  # the same share of the mask as of the tokens
+            mask = F.pad(mask, (0, (-mask.shape[0]) % tp)).chunk(tp)[self.groups.tp_rank]
+        mask = mask.to(torch.float32)
+        one_hot = torch.zeros_like(probs).scatter_add_(1, experts, mask[:, None].expand_as(experts).contiguous())
+        return AuxStats(one_hot.sum(0), (probs * mask[:, None]).sum(0), mask.sum(), logits)
+
+
+def load_balancing_loss(blocks: list[ParallelMoE], groups: ParallelGroups) -> torch.Tensor:
+    """transformers' aux loss over ``blocks`` (every sparse layer of the model on this rank), summed over
+    the TP token shares; call after a forward in which the blocks recorded ``stats``."""
+    stats = [blk.stats for blk in blocks]
+    if any(st is None for st in stats):
+        raise RuntimeError("load_balancing_loss: a sparse layer recorded no routing statistics in this forward")
+    assignments = torch.stack([st.assignments for st in stats]).sum(0)
+    probability = torch.stack([st.probability for st in stats]).sum(0)
+    rows = torch.stack([st.rows for st in stats]).sum()
+    if groups.tp_size > 1:
+        packed = torch.cat([assignments, rows[None]])
+        torch.distributed.all_reduce(packed, group=groups.tp_group)
+        assignments, rows = packed[:-1], packed[-1]
+        probability = reduce_from_group(probability, groups.tp_group)  # bwd: each share's own gradient
+    num_experts = assignments.shape[0]
+    return num_experts * torch.sum((assignments / rows) * (probability / rows))
+
+
+def full_router_logits(block: ParallelMoE, tokens: int, batch: int, seq_len: int) -> torch.Tensor:
+    """A block's router logits for the whole batch, ``[batch * seq_len, E]`` in transformers' (batch-major) order.
+
+    ``tokens``: rows of the layer input (``s_padded * batch``, s-major)."""
+    logits = block.stats.logits
+    groups = block.groups
+    if groups.tp_size > 1:
+        logits = gather_for_replicas(logits, groups.tp_group)
+    logits = logits[:tokens].view(-1, batch, logits.shape[-1])[:seq_len]
+    return logits.transpose(0, 1).reshape(batch * seq_len, -1)
