@@ -19,6 +19,7 @@ raise ``Unsupported`` and the engine falls back to the torch path.
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
@@ -45,10 +46,11 @@ from converters.raw_files import (
     read_torch_archive,
 )
 from converters.safetensors_layout import FilePlan, header, nbytes, plan_shards, split_file_plan, tensor_offsets
+from converters.tasks import check_stop
 from models.common.errors import CheckpointError
 from models.common.weight_map import GATE_UP_STACKED, IGNORED_SUFFIXES, WeightEntry
 
-DEFAULT_BUFFER = 32 << 20  # bytes of interleaved rows assembled at a time
+DEFAULT_BUFFER = 32 << 20  # bytes of interleaved rows assembled at a time, shared by the worker threads
 
 
 @dataclass(frozen=True)
@@ -504,6 +506,11 @@ def hf_tasks(source: RawSource, files: list[FilePlan], tag: str, directory: str,
     return tasks
 
 
+def thread_buffer(buffer_bytes: int, workers: int) -> int:
+    """Each worker thread's share of the buffer budget (all threads share one process's memory)."""
+    return max(1, buffer_bytes // max(1, workers))
+
+
 def fill_file(path: str, work: list[tuple[int, list[Op]]], buffer_bytes: int = DEFAULT_BUFFER) -> int:
     """Write every op's bytes at consecutive offsets starting at each work item's offset."""
     out = os.open(path, os.O_WRONLY)
@@ -546,14 +553,34 @@ class SourceFiles:
 
 
 _COPY_FILE_RANGE = hasattr(os, "copy_file_range")
+_CHUNK = 64 << 20  # bytes per copy_file_range call: a stopping run waits for one chunk at most
+_GAP_READ = 16 << 10  # a gap between rows up to this size is read (into _DISCARD), not skipped by a system call
+try:
+    _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX"))
+except (AttributeError, ValueError, OSError):
+    _IOV_MAX = 16
+if _IOV_MAX < 2:
+    _IOV_MAX = 16
+_DISCARD = memoryview(bytearray(_GAP_READ))  # gap bytes land here; shared, nobody reads it
+_buffers = threading.local()
+
+
+def _buffer(n: int) -> memoryview:
+    """This thread's reusable buffer, ``n`` bytes of it (grown to the largest request; a fresh buffer
+    per read would fault its pages in every time). Freed with the thread."""
+    buf = getattr(_buffers, "buf", None)
+    if buf is None or len(buf) < n:
+        buf = _buffers.buf = bytearray(n)
+    return memoryview(buf)[:n]
 
 
 def _copy_range(src: int, src_off: int, dst: int, dst_off: int, n: int, buffer_bytes: int, name: str) -> None:
     done = 0
     global _COPY_FILE_RANGE
     while _COPY_FILE_RANGE and done < n:
+        check_stop()
         try:
-            k = os.copy_file_range(src, dst, n - done, src_off + done, dst_off + done)
+            k = os.copy_file_range(src, dst, min(n - done, _CHUNK), src_off + done, dst_off + done)
         except OSError as exc:
             import errno
 
@@ -564,12 +591,16 @@ def _copy_range(src: int, src_off: int, dst: int, dst_off: int, n: int, buffer_b
         if k == 0:
             break
         done += k
+    if done < n:
+        buf = _buffer(min(n - done, max(1, buffer_bytes)))
     while done < n:
-        chunk = os.pread(src, min(n - done, buffer_bytes), src_off + done)
-        if not chunk:
+        check_stop()
+        m = min(n - done, len(buf))
+        k = os.preadv(src, [buf[:m]], src_off + done)
+        if k <= 0:
             raise CheckpointError(f"{name}: ends before byte {src_off + n}")
-        pwrite_all(dst, chunk, dst_off + done)
-        done += len(chunk)
+        pwrite_all(dst, buf[:k], dst_off + done)
+        done += k
 
 
 def pwrite_all(fd: int, data, offset: int) -> None:
@@ -585,58 +616,71 @@ def pwrite_all(fd: int, data, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def _interleave(op: Interleave, fd_of, out: int, dst: int, buffer_bytes: int) -> None:
-    import numpy as np
+def pwritev_all(fd: int, buffers: list, offset: int) -> None:
+    """``buffers`` one after the other at ``offset`` (``pwritev``, at most IOV_MAX of them per call;
+    short writes are continued as in ``pwrite_all``)."""
+    _vector_io(os.pwritev, fd, buffers, offset, None)
 
+
+def preadv_exact(fd: int, buffers: list, offset: int, name: str) -> None:
+    """Fill ``buffers`` one after the other from ``offset`` of ``fd`` (``preadv``); the file ending
+    first is an error naming ``name``."""
+    _vector_io(os.preadv, fd, buffers, offset, name)
+
+
+def _vector_io(call, fd: int, buffers: list, offset: int, name: str | None) -> None:
+    i = 0
+    while i < len(buffers):
+        chunk = buffers[i:i + _IOV_MAX]
+        n = call(fd, chunk, offset)
+        if n <= 0:
+            if name is not None:
+                raise CheckpointError(f"{name}: ends before byte {offset + sum(len(b) for b in buffers[i:])}")
+            import errno
+
+            raise OSError(errno.EIO, f"wrote nothing at byte {offset}")
+        offset += n
+        for b in chunk:
+            if n < len(b):  # a short transfer: go on from the rest of this buffer
+                buffers = [b[n:], *buffers[i + 1:]]
+                i = 0
+                break
+            n -= len(b)
+            i += 1
+
+
+def _interleave(op: Interleave, fd_of, out: int, dst: int, buffer_bytes: int) -> None:
     width = sum(p[2] for p in op.parts)
-    # a row's span is read per part: bound the buffer by the widest stride, not only the output width
-    step = max(1, buffer_bytes // max(1, width, max(p[3] for p in op.parts)))
-    buf = np.empty(min(step, op.rows) * width, dtype=np.uint8)
+    step = max(1, min(op.rows, buffer_bytes // max(1, width)))
+    buf = _buffer(step * width)
     for r in range(0, op.rows, step):
+        check_stop()
         k = min(step, op.rows - r)
-        block = buf[: k * width].reshape(k, width)
-        read_rows(op.parts, fd_of, r, block)
+        block = buf[: k * width]
+        read_rows(op.parts, fd_of, r, block, width)
         pwrite_all(out, block, dst + r * width)
 
 
-_SCRATCH: list = []
-
-
-def _scratch(n: int):
-    """A reusable uint8 buffer of ``n`` bytes (one per process; grows to the largest span read)."""
-    import numpy as np
-
-    if not _SCRATCH or _SCRATCH[0].size < n:
-        _SCRATCH[:] = [np.empty(n, dtype=np.uint8)]
-    return _SCRATCH[0][:n]
-
-
-def read_rows(parts: tuple, fd_of, r: int, block) -> None:
-    """Rows ``r .. r + len(block)`` of an interleaved band into ``block`` (a uint8 [rows, width] array)."""
-    import numpy as np
-
-    k, col = block.shape[0], 0
+def read_rows(parts: tuple, fd_of, r: int, block: memoryview, width: int) -> None:
+    """Rows ``r .. r + k`` of an interleaved band into ``block`` (``k`` rows of ``width`` bytes, row
+    after row): each part's rows are read straight into their columns of the block (``preadv`` with
+    one buffer per row), without a copy in this process."""
+    k = len(block) // width
+    col = 0
     for path, offset, rb, stride in parts:
         fd = fd_of(path)
-        if len(parts) == 1 and stride == rb:  # one contiguous block: read straight into the buffer
-            n = os.preadv(fd, [block], offset + r * stride)
-            if n != k * rb:
-                raise CheckpointError(f"{path}: ends before byte {offset + (r + k) * stride}")
-            return
-        # rows of a part are read as one span, gaps included, unless a gap costs more to read
-        # than a system call (~16 KiB of memory copy)
-        span = (k - 1) * stride + rb
-        if stride - rb <= 16384:
-            raw = _scratch(span)  # reused: a fresh bytes object per read would fault in new pages each time
-            if os.preadv(fd, [raw], offset + r * stride) != span:
-                raise CheckpointError(f"{path}: ends before byte {offset + r * stride + span}")
-            block[:, col:col + rb] = np.lib.stride_tricks.as_strided(raw, (k, rb), (stride, 1))
-        else:
+        start = offset + r * stride
+        if rb == width == stride:  # whole rows, one after the other: one read
+            preadv_exact(fd, [block], start, path)
+        elif stride - rb <= _GAP_READ:  # one read of the whole span; the gaps between rows land in _DISCARD
+            gap = _DISCARD[:stride - rb]
+            rows = [block[i * width + col:i * width + col + rb] for i in range(k)]
+            if stride > rb:
+                rows = [b for row in rows for b in (row, gap)][:-1]
+            preadv_exact(fd, rows, start, path)
+        else:  # rows far apart: one read per row
             for i in range(k):
-                raw = os.pread(fd, rb, offset + (r + i) * stride)
-                if len(raw) != rb:
-                    raise CheckpointError(f"{path}: ends before byte {offset + (r + i) * stride + rb}")
-                block[i, col:col + rb] = np.frombuffer(raw, dtype=np.uint8)
+                preadv_exact(fd, [block[i * width + col:i * width + col + rb]], start + i * stride, path)
         col += rb
 
 
@@ -694,9 +738,8 @@ def write_hf_by_copy(source: RawSource, directory: str, *, max_shard_bytes: int,
     from models.common.hf_files import copy_companion_files
 
     tag, files = plan_hf_files(source, max_shard_bytes)
-    if any(isinstance(op, Interleave) for p in source.planned.values() for op in p.ops):
-        import numpy  # noqa: F401 - once here, before the workers fork, not once in each of them
-    run_tasks(hf_tasks(source, files, tag, directory, workers, buffer_bytes), workers, "copying HF shards", progress)
+    tasks = hf_tasks(source, files, tag, directory, workers, thread_buffer(buffer_bytes, workers))
+    run_tasks(tasks, workers, "copying HF shards", progress, threads=True)
     write_index(files, directory, tag)
     config = source.hf_config
     if source.hf_config_dir and source.format != "hf":

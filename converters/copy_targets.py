@@ -38,6 +38,7 @@ from converters.copy_plan import (
     Zeros,
     _merge_copies,
     fill_file,
+    thread_buffer,
 )
 from converters.megatron_files import legacy_rank_dir_name, target_arg_fields
 from converters.megatron_layout import (
@@ -299,10 +300,11 @@ def _legacy_file(source: RawSource, target: CopyTarget, directory: Path, p: int,
 
 def scatter_bands(ops: list[Op], width: int, outputs: list[tuple[str, int]], buffer_bytes: int) -> int:
     """Write column band ``t`` of the rows ``ops`` produce to ``outputs[t]`` (path, offset), reading
-    each source row once: a TP split by columns would otherwise read every row ``tp`` times."""
-    import numpy as np
-
-    from converters.copy_plan import pwrite_all, read_rows
+    each source row once: a TP split by columns would otherwise read every row ``tp`` times. Rows
+    are read into one buffer (``read_rows``) and each band is written from it with ``pwritev`` (one
+    buffer per row): no copy in this process."""
+    from converters.copy_plan import _buffer, pwritev_all, read_rows
+    from converters.tasks import check_stop
 
     tp = len(outputs)
     band = width // tp
@@ -316,7 +318,8 @@ def scatter_bands(ops: list[Op], width: int, outputs: list[tuple[str, int]], buf
                 outs.append(os.open(path, os.O_WRONLY))
             except OSError as exc:
                 raise CheckpointError(f"{path}: cannot open for writing ({exc.strerror or exc})") from exc
-        buf = np.empty(max(1, buffer_bytes // width) * width, dtype=np.uint8)
+        step = max(1, buffer_bytes // width)
+        buf = _buffer(step * width)
         for op in ops:
             if isinstance(op, Zeros):  # not produced for column-parallel weights; holes are zeros anyway
                 row += op.nbytes // width
@@ -325,15 +328,16 @@ def scatter_bands(ops: list[Op], width: int, outputs: list[tuple[str, int]], buf
                 parts, rows = op.parts, op.rows
             else:
                 parts, rows = ((op.path, op.offset, width, width),), op.nbytes // width
-            step = max(1, buffer_bytes // max(width, *(q[3] for q in parts)))
             for r in range(0, rows, step):
+                check_stop()
                 k = min(step, rows - r)
-                block = buf[: k * width].reshape(k, width)
-                read_rows(parts, fd_of, r, block)
+                block = buf[: k * width]
+                read_rows(parts, fd_of, r, block, width)
                 for t, (fd, (path, dst)) in enumerate(zip(outs, outputs)):
+                    lo = t * band
                     try:
-                        pwrite_all(fd, np.ascontiguousarray(block[:, t * band:(t + 1) * band]),
-                                   dst + (row + r) * band)
+                        pwritev_all(fd, [block[i * width + lo:i * width + lo + band] for i in range(k)],
+                                    dst + (row + r) * band)
                     except OSError as exc:
                         raise CheckpointError(f"{path}: write failed ({exc.strerror or exc})") from exc
             row += rows
@@ -473,8 +477,8 @@ def write_megatron_by_copy(source: RawSource, target: CopyTarget, directory: str
         raise CheckpointError(f"{source.path}: {exc}") from exc
     for plan in plans:
         _create(plan)
-    import numpy  # noqa: F401 - once here, before the workers fork, not once in each of them
-    run_tasks(_tasks(plans, bands, workers, buffer_bytes), workers, "copying Megatron tensors", progress)
+    run_tasks(_tasks(plans, bands, workers, thread_buffer(buffer_bytes, workers)), workers,
+              "copying Megatron tensors", progress, threads=True)
     if target.fmt != "megatron":
         (folder / ".metadata").write_bytes(metadata)
         common = {"args": _args_node(target), "checkpoint_version": 3.0, "iteration": target.iteration or 0}

@@ -24,8 +24,6 @@ from __future__ import annotations
 import errno
 import os
 import re
-import secrets
-import shutil
 import signal
 import sys
 import time
@@ -118,7 +116,7 @@ class _Staging:
         self.dst = dst
         self.overwrite = overwrite
         check_destination(dst, overwrite)
-        self.tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        self.tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}-{_token()}"
         self._created: list[Path] = []
         self._lock: int | None = None
 
@@ -188,7 +186,7 @@ class _Staging:
         """``tmp`` takes the place of the existing ``dst`` (atomically where RENAME_EXCHANGE works)."""
         old = self.tmp
         if not _renameat2(self.tmp, self.dst, RENAME_EXCHANGE):
-            old = self.dst.parent / f".{self.dst.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+            old = self.dst.parent / f".{self.dst.name}.tmp-{os.getpid()}-{_token()}"
             os.rename(self.dst, old)
             os.rename(self.tmp, self.dst)
         self._unlock()
@@ -276,8 +274,14 @@ def remove_stale_temp_dirs(dst: Path) -> list[Path]:
     return removed
 
 
+def _token() -> str:
+    return os.urandom(4).hex()  # as secrets.token_hex(4), without importing secrets (hashlib, random)
+
+
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
+        import shutil
+
         shutil.rmtree(path, ignore_errors=True)
     else:
         try:

@@ -1,11 +1,18 @@
-"""Running conversion tasks in worker processes (the lowest converter layer: nothing here imports
-other converter modules, so readers, writers and the engine can all point down to it).
+"""Running conversion tasks in worker threads or processes (the lowest converter layer: nothing here
+imports other converter modules, so readers, writers and the engine can all point down to it).
 
-Workers die with the process that started them: on Linux each sets ``PR_SET_PDEATHSIG`` (SIGKILL
-when the parent dies), and everywhere each checks ``os.getppid()`` before a task, so a killed
-conversion leaves no process writing into its temp dir. Workers ignore SIGINT (Ctrl-C reaches the
-whole process group; the parent alone handles it and terminates the pool) and take SIGTERM's
-default action (the pool is terminated with it).
+Threads (``threads=True``: the copy path, whose tasks are system calls that release the GIL --
+``copy_file_range``, ``preadv``, ``pwritev``) live and die with the process: a killed conversion
+leaves nothing writing into its temp dir. They block SIGINT/SIGTERM, so those reach the main thread
+only (also while it masks them around publishing and cleaning up); when the run stops early (an
+error, Ctrl-C, SIGTERM) they stop at their next chunk (``stop_requested``) and the caller waits for
+them before it removes the temp dir.
+
+Worker processes (the torch path) die with the process that started them: on Linux each sets
+``PR_SET_PDEATHSIG`` (SIGKILL when the parent dies), and everywhere each checks ``os.getppid()``
+before a task, so a killed conversion leaves no process writing into its temp dir. Workers ignore
+SIGINT (Ctrl-C reaches the whole process group; the parent alone handles it and terminates the
+pool) and take SIGTERM's default action (the pool is terminated with it).
 
 A write that fails in a task (disk full, file size limit, read-only file system) reaches the
 caller as an ``OSError`` whose ``filename`` names the file being written, also when ``torch.save``
@@ -16,15 +23,32 @@ wrapped it in its opaque ``inline_container`` RuntimeError or safetensors in its
 from __future__ import annotations
 
 import io
-import multiprocessing as mp
 import os
 import re
 import signal
 import sys
+import threading
 from typing import Any, Callable, Sequence
 
 _PARENT: int | None = None  # pid of the process that started this worker (None outside workers)
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+_JOIN_TIMEOUT_S = 30.0  # how long an interrupted run waits for its threads to reach a stopping point
+_local = threading.local()  # .stop: the Event of the thread-run this worker thread belongs to
+
+
+class Stopped(Exception):
+    """Raised inside a worker thread's task when the run is stopping (another task failed, Ctrl-C)."""
+
+
+def stop_requested() -> bool:
+    """True in a worker thread whose run is stopping: long tasks check it between chunks."""
+    stop = getattr(_local, "stop", None)
+    return stop is not None and stop.is_set()
+
+
+def check_stop() -> None:
+    if stop_requested():
+        raise Stopped()
 
 
 def _die_with_parent(parent: int) -> None:
@@ -54,7 +78,7 @@ def _task_entry(payload: tuple) -> Any:
     fn, args = payload
     if _PARENT is not None and os.getppid() != _PARENT:
         os._exit(1)  # orphaned: nobody will use what this task writes
-    if "torch" in sys.modules:  # one thread per worker process; the copy path never loads torch
+    if _PARENT is not None and "torch" in sys.modules:  # one thread per worker process (not in threads)
         sys.modules["torch"].set_num_threads(1)
     try:
         return fn(*args)
@@ -67,8 +91,10 @@ def _task_entry(payload: tuple) -> Any:
         raise err from None
 
 
-def run_tasks(tasks: Sequence[tuple[Callable, tuple]], workers: int, desc: str, progress: bool) -> list:
-    """Run ``fn(*args)`` for each task, in worker processes when ``workers > 1``; results in task order."""
+def run_tasks(tasks: Sequence[tuple[Callable, tuple]], workers: int, desc: str, progress: bool, *,
+              threads: bool = False) -> list:
+    """Run ``fn(*args)`` for each task, in ``workers`` threads (``threads=True``) or worker processes
+    when ``workers > 1``; results in task order."""
     bar = None
     if progress:
         from tqdm import tqdm
@@ -81,7 +107,11 @@ def run_tasks(tasks: Sequence[tuple[Callable, tuple]], workers: int, desc: str, 
                 results.append(fn(*args))
                 if bar:
                     bar.update(1)
+        elif threads:
+            results = _run_in_threads(tasks, min(workers, len(tasks)), bar)
         else:
+            import multiprocessing as mp
+
             method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
             # Workers start with SIGINT/SIGTERM blocked until their initializer has set their own
             # handlers: a Ctrl-C during the fork must not raise KeyboardInterrupt inside a worker.
@@ -99,6 +129,60 @@ def run_tasks(tasks: Sequence[tuple[Callable, tuple]], workers: int, desc: str, 
     finally:
         if bar:
             bar.close()
+    return results
+
+
+def _run_in_threads(tasks: Sequence[tuple[Callable, tuple]], n: int, bar) -> list:
+    import queue
+
+    results: list = [None] * len(tasks)
+    done: queue.SimpleQueue = queue.SimpleQueue()  # (task index, exception or None)
+    stop = threading.Event()
+    lock = threading.Lock()
+    pending = iter(range(len(tasks)))
+
+    def work() -> None:
+        _local.stop = stop
+        while not stop.is_set():
+            with lock:
+                i = next(pending, None)
+            if i is None:
+                return
+            try:
+                results[i] = _task_entry(tasks[i])
+            except Stopped:
+                return
+            except BaseException as exc:  # noqa: B036 - handed to the main thread, which raises it
+                stop.set()
+                done.put((i, exc))
+                return
+            done.put((i, None))
+
+    # The threads inherit SIGINT/SIGTERM blocked: the main thread alone handles them.
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        pool = [threading.Thread(target=work, name=f"pmz-copy-{k}", daemon=True) for k in range(n)]
+        for t in pool:
+            t.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    try:
+        for _ in range(len(tasks)):
+            _, exc = done.get()  # a signal interrupts the wait (KeyboardInterrupt, SIGTERM's exception)
+            if exc is not None:
+                raise exc
+            if bar:
+                bar.update(1)
+    finally:
+        stop.set()
+        # Wait for the threads (they stop at their next chunk) so nothing writes once the caller
+        # removes the temp dir; a thread stuck in a system call past the timeout is a daemon and
+        # goes with the process.
+        import time
+
+        deadline = time.monotonic() + _JOIN_TIMEOUT_S
+        for t in pool:
+            t.join(max(0.0, deadline - time.monotonic()))
     return results
 
 

@@ -3,11 +3,13 @@ subprocesses of ``python -m converters.cli``, real signals, real file size limit
 
 Every case must end in one line on stderr with the right exit status (1 error, 130 Ctrl-C, 143
 SIGTERM), leave the source untouched and nothing beside the destination (no temp dir, no parent
-directory created for it), and leave no worker process behind.
+directory created for it), and leave no worker behind: neither a thread of the copy path nor a
+process of the torch path's pool may go on writing once the conversion has ended or was killed.
 
 Slow phases are made deterministic with a ``sitecustomize`` hook (on PYTHONPATH of the child only)
-that makes each worker task announce itself and wait for a "go" file: the test acts (signals,
-races) while the workers are known to be mid-conversion.
+that makes each worker task announce itself (its thread id: a worker process's main thread id is
+its pid) and wait for a "go" file, or for its run to stop, as a long copy does between chunks: the
+test acts (signals, races) while the workers are known to be mid-conversion.
 """
 
 from __future__ import annotations
@@ -34,18 +36,19 @@ linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Li
 HOOK = '''
 import os
 if os.environ.get("PMZ_TEST_MARKS"):
+    import threading
     import time
     import converters.tasks as _tasks
     _original = _tasks._task_entry
 
     def _task_entry(payload):
-        marks = os.environ["PMZ_TEST_MARKS"]
-        open(os.path.join(marks, f"worker-{os.getpid()}"), "w").close()
+        marks, me = os.environ["PMZ_TEST_MARKS"], threading.get_native_id()
+        open(os.path.join(marks, f"worker-{me}"), "w").close()
         go, deadline = os.environ["PMZ_TEST_GO"], time.monotonic() + 120
-        while not os.path.exists(go) and time.monotonic() < deadline:
+        while not os.path.exists(go) and not _tasks.stop_requested() and time.monotonic() < deadline:
             time.sleep(0.02)
         result = _original(payload)
-        open(os.path.join(marks, f"done-{os.getpid()}-{time.monotonic_ns()}"), "w").close()
+        open(os.path.join(marks, f"done-{me}-{time.monotonic_ns()}"), "w").close()
         return result
 
     _task_entry.__qualname__ = _task_entry.__name__ = "_task_entry"
@@ -98,6 +101,7 @@ def temp_dirs(parent: Path, name: str) -> list[Path]:
 
 
 def alive(pid: int) -> bool:
+    """A process, or a thread (``/proc/<tid>`` exists while the thread runs), that has not ended."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
@@ -114,7 +118,8 @@ def wait_for(condition, timeout: float = 60.0, what: str = "condition") -> None:
 
 
 class HeldRun:
-    """A ``pmz convert`` child whose worker tasks wait (after announcing their pid) for ``release()``."""
+    """A ``pmz convert`` child whose worker tasks wait (after announcing their thread id) for
+    ``release()``."""
 
     def __init__(self, tmp: Path, argv: list, workers: int = 2) -> None:
         self.hook = tmp / "hook"
@@ -129,7 +134,7 @@ class HeldRun:
                                       str(workers), "--quiet"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, start_new_session=True)
 
-    def worker_pids(self) -> list[int]:
+    def worker_pids(self) -> list[int]:  # thread ids (copy path) or process ids (torch path)
         return [int(p.name.split("-")[1]) for p in self.marks.glob("worker-*")]
 
     def wait_workers_busy(self) -> list[int]:
@@ -166,16 +171,28 @@ def held_runs():
 # ---------------------------------------------------------------------------------------------- signals
 
 
+# The copy path runs its tasks in threads, the torch path (a dtype change) in worker processes.
+PATHS = pytest.mark.parametrize("path_extra", [[], ["--dtype", "bf16"]], ids=["copy-threads", "torch-processes"])
+
+
+def _check_workers(run: HeldRun, pids: list[int], path_extra: list) -> None:
+    """The workers are what the path promises: threads of the conversion process, or other processes."""
+    threads = [p for p in pids if Path(f"/proc/{run.proc.pid}/task/{p}").exists()]
+    assert threads == (pids if not path_extra else []), (pids, threads)
+
+
 @linux_only
+@PATHS
 @pytest.mark.parametrize("to,extra", [("hf", []), ("megatron", ["--tp", "2"])])
-def test_ctrl_c_mid_conversion(hf, tmp_path, held_runs, to, extra):
+def test_ctrl_c_mid_conversion(hf, tmp_path, held_runs, to, extra, path_extra):
     """Ctrl-C reaches the whole process group: one line, exit 130, temp dir and new parents gone,
     no KeyboardInterrupt traceback from the parent or from any pool worker."""
     before = snapshot(hf)
     dst = tmp_path / "out" / "ckpt"
-    run = HeldRun(tmp_path, ["convert", hf, dst, "--to", to, *extra])
+    run = HeldRun(tmp_path, ["convert", hf, dst, "--to", to, *extra, *path_extra])
     held_runs.append(run)
     pids = run.wait_workers_busy()
+    _check_workers(run, pids, path_extra)
     assert temp_dirs(dst.parent, dst.name), "the conversion should be writing into its temp dir by now"
     os.killpg(run.proc.pid, signal.SIGINT)
     rc, out, err = run.finish(timeout=60)
@@ -188,11 +205,13 @@ def test_ctrl_c_mid_conversion(hf, tmp_path, held_runs, to, extra):
 
 
 @linux_only
-def test_sigterm_cleans_up_like_ctrl_c(hf, tmp_path, held_runs):
+@PATHS
+def test_sigterm_cleans_up_like_ctrl_c(hf, tmp_path, held_runs, path_extra):
     dst = tmp_path / "out" / "hf"
-    run = HeldRun(tmp_path, ["convert", hf, dst, "--to", "hf"])
+    run = HeldRun(tmp_path, ["convert", hf, dst, "--to", "hf", *path_extra])
     held_runs.append(run)
     pids = run.wait_workers_busy()
+    _check_workers(run, pids, path_extra)
     os.kill(run.proc.pid, signal.SIGTERM)  # the parent only, as a service manager or `kill` would
     rc, out, err = run.finish(timeout=60)
     assert rc == 143, (rc, err)
@@ -202,13 +221,15 @@ def test_sigterm_cleans_up_like_ctrl_c(hf, tmp_path, held_runs):
 
 
 @linux_only
-def test_sigkill_workers_die_with_parent_and_next_run_cleans_up(hf, tmp_path, held_runs):
+@PATHS
+def test_sigkill_workers_die_with_parent_and_next_run_cleans_up(hf, tmp_path, held_runs, path_extra):
     """SIGKILL cannot be handled: the workers must die with the parent (they would otherwise go on
     writing into the temp dir), and the next run for the same destination removes the stale temp dir."""
     dst = tmp_path / "out" / "hf"
-    run = HeldRun(tmp_path, ["convert", hf, dst, "--to", "hf"])
+    run = HeldRun(tmp_path, ["convert", hf, dst, "--to", "hf", *path_extra])
     held_runs.append(run)
     pids = run.wait_workers_busy()
+    _check_workers(run, pids, path_extra)
     os.kill(run.proc.pid, signal.SIGKILL)
     run.proc.wait()  # not communicate(): orphaned workers would hold its stdout/stderr pipes open
     wait_for(lambda: not any(alive(p) for p in pids), timeout=10, what="orphaned workers to die")
