@@ -215,6 +215,8 @@ class ParallelConfig:
             parts.append(f"ulysses={self.ulysses}")
         if self.ep > 1:
             parts.append(f"ep={self.ep}")
+            if self.moe_dispatcher != "alltoall":
+                parts.append(f"moe_dispatcher={self.moe_dispatcher}")
         parts.append(f"sp={'on' if self.sequence_parallel else 'off'}")
         if self.fsdp:
             parts.append("fsdp")

@@ -66,11 +66,12 @@ def expert_mlp(x: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.
             gate, up = F.linear(x[start:start + n], w13[j]).chunk(2, dim=-1)
             outs.append(F.linear(F.silu(gate) * up, w2[j]))
         start += n
-    if not outs:  # nothing routed here: an empty result that still reaches the weights in backward
-        return x.new_zeros((0, w2.shape[1])) + 0.0 * (w13.sum() + w2.sum())
-    out = torch.cat(outs) if len(outs) > 1 else outs[0]
-    if len(outs) < len(counts):  # idle experts still get a zero gradient (same grad tensors on every rank)
-        out = out + 0.0 * (w13.sum() + w2.sum())
+    out = torch.cat(outs) if len(outs) > 1 else outs[0] if outs else x.new_zeros((0, w2.shape[1]))
+    if len(outs) < len(counts):
+        # Idle experts (or no token at all): a zero term keeps every weight and the input in the graph,
+        # so every rank's backward produces the same gradient tensors and runs the same collectives
+        # (the dispatch all-to-all's backward would otherwise be skipped on a rank that got no token).
+        out = out + 0.0 * (w13.sum() + w2.sum() + x.sum())
     return out
 
 

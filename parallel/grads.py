@@ -7,8 +7,9 @@ Three reductions, each coalesced into one flat all-reduce per group:
     KV head received gradient only from this rank's query heads: summed over the replicas;
   * every parameter, over the replica group (the dp, cp and ulysses ranks holding the same
     parameters; for experts split over EP, tagged ``expert_parallel``, the expert-data-parallel
-    group: the ranks holding the same experts): summed, then scaled by ``replica_scale`` (``1/dp`` when each DP rank's loss is its
-    own mean; None when losses are already normalized by the global token count). cp/ulysses
+    group: the ranks holding the same experts): summed, then scaled by ``replica_scale``
+    (``1/dp`` when each DP rank's loss is its own mean; None when losses are already normalized by
+    the global token count). cp/ulysses
     ranks saw different tokens of the same sequences, so their gradients are always summed.
 
 Under FSDP2 the replica reduction already happened in its reduce-scatter and each ``.grad`` is a

@@ -205,6 +205,11 @@ def iter_export(model, format: str = "hf", *, bucket_bytes: int = DEFAULT_BUCKET
         failure.run(_raise, "merge_lora=True but the model has no LoRA adapter")
     if transport not in TRANSPORTS:
         failure.run(_raise, f"unknown transport {transport!r} (choose {', '.join(TRANSPORTS)})")
+    if model.weight_map.has_experts and (format == "vllm" or transport == "shm"):
+        # HF buckets gather each layer's experts over EP (export_hf_state); the vLLM move plan and
+        # the shared-memory writers do not know expert stacks yet.
+        failure.run(_raise, f"format={format!r} transport={transport!r} is not supported for mixture-of-experts "
+                            f"models yet (use format='hf', transport='collective')")
     problem = failure.agree(same=(format, target_tp, target_rank, bucket_bytes, str(dtype), merge_lora, transport))
     if problem:
         raise ExportError(f"iter_export: {problem}")
@@ -240,7 +245,7 @@ def iter_export(model, format: str = "hf", *, bucket_bytes: int = DEFAULT_BUCKET
                 _fill_by_broadcast(buffer, moves, groups)
             else:
                 positions = {m.name: m for m in plan.metas}
-                for name, full in export_hf_state(named, list(plan.entries), shapes, groups.tp_group):
+                for name, full in export_hf_state(named, list(plan.entries), shapes, groups.tp_group, groups.ep_group):
                     meta = positions[name]
                     buffer[meta.offset:meta.offset + meta.numel].copy_(full.reshape(-1))
         if groups.pp_size > 1:

@@ -174,7 +174,7 @@ def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, max_s
             continue
         writer = _first_replica(groups) and groups.tp_rank == index % groups.tp_size
         tensors = {}
-        for name, full in export_hf_state(named, list(plan.entries), shapes, groups.tp_group):
+        for name, full in export_hf_state(named, list(plan.entries), shapes, groups.tp_group, groups.ep_group):
             if writer:
                 tensors[name] = full.to(device="cpu", dtype=dtype).contiguous()
         if writer:
@@ -190,6 +190,12 @@ def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, max_s
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
     staged.commit(finish)
+
+
+def _check_dense(model) -> None:
+    if model.weight_map.has_experts:
+        raise ValueError("save_vllm_sharded_state: mixture-of-experts models are not supported yet "
+                         "(save_pretrained writes the HF checkpoint vLLM also loads)")
 
 
 def _copy_source_files(model, directory) -> None:
@@ -226,7 +232,7 @@ def save_vllm_sharded_state(model, directory, *, tp: int, pp: int = 1, dtype: to
         except vllm_format.VllmLayoutError as exc:
             raise ExportError(str(exc)) from None
 
-    staged.check((_check_saveable, model, merge_lora), (check_layout,))
+    staged.check((_check_saveable, model, merge_lora), (check_layout,), (_check_dense, model))
     limit = _parse_shard_size(max_shard_size)
     cfg = model.config
     dtype = dtype or next(model.parameters()).dtype

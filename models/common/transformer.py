@@ -371,7 +371,8 @@ class ParallelCausalLM(nn.Module):
         wmap = self.weight_map
         tensors = tensors if tensors is not None else dict(self.named_parameters())
         tensors = {name: unshard(t) for name, t in tensors.items()}  # FSDP2 shards -> this TP rank's tensor
-        yield from export_hf_state(tensors, self.weight_entries(), hf_shapes(self.config, wmap), self.groups.tp_group)
+        yield from export_hf_state(tensors, self.weight_entries(), hf_shapes(self.config, wmap), self.groups.tp_group,
+                                   self.groups.ep_group)
 
     def iter_export(self, format: str = "hf", *, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = None,
                     merge_lora: bool = False, target_tp: int | None = None, target_rank: int | None = None,

@@ -1,0 +1,86 @@
+"""Qwen2-MoE with expert parallelism against transformers' Qwen2MoeForCausalLM (gloo, CPU, fp32).
+
+One group of processes per world size runs every layout of that size; each rank compares with a
+transformers model built from the same directory: logits, loss including the load-balancing loss,
+router logits, a padded batch, and two SGD steps (gradients of every HF tensor, experts included).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import pytest
+
+from tests.distributed import run_distributed
+from tests.workers_moe import MOE_CASES, dispatch_suite, suite, write_moe_model
+
+FP32_TOL = 1e-5
+GRAD_REL_TOL = 1e-4
+
+LAYOUTS = {
+    1: [("shared", {}), ("plain", {})],
+    2: [("shared", {"ep": 2}), ("plain", {"ep": 2}), ("shared", {"ep": 2, "moe_dispatcher": "allgather"}),
+        ("shared", {"tp": 2}), ("plain", {"tp": 2, "sequence_parallel": True})],
+    4: [("shared", {"ep": 4}), ("shared", {"tp": 2, "ep": 2, "sequence_parallel": True}),
+        ("plain", {"tp": 2, "ep": 2, "moe_dispatcher": "allgather"}), ("shared", {"pp": 2, "ep": 2})],
+}
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    return tuple(sorted((name, write_moe_model(root, name, seed=i)) for i, name in enumerate(MOE_CASES)))
+
+
+@functools.lru_cache(maxsize=None)
+def _records(world: int, dirs: tuple) -> list[tuple]:
+    per_rank = run_distributed(world, suite, dict(dirs), LAYOUTS[world])
+    return [rec for rank_records in per_rank for rec in rank_records]
+
+
+def _bound(metric: str) -> tuple[str, float]:
+    if metric == "loss_change":
+        return "min", 1e-3
+    if metric.startswith("grads_step"):
+        return "max", GRAD_REL_TOL
+    if metric == "router_layers":
+        return "max", 0.0
+    return "max", FP32_TOL
+
+
+METRICS = {"logits": "logits|masked_logits|logits_after_steps", "loss": "loss|step\\d_loss", "aux": "aux_loss",
+           "masked_aux": "masked_aux_loss", "router": "router_logits|router_layers", "grads": "grads_step\\d",
+           "moved": "loss_change"}
+
+
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+@pytest.mark.parametrize("metric", sorted(METRICS))
+def test_moe_parity(moe_dirs, world, metric):
+    records = _records(world, moe_dirs)
+    pat = re.compile(METRICS[metric])
+    selected = [r for r in records if pat.fullmatch(r[2])]
+    assert selected, f"no records for {metric}"
+    bad = []
+    for case, layout, name, value in selected:
+        kind, bound = _bound(name)
+        if (kind == "max" and not value <= bound) or (kind == "min" and not value >= bound):
+            bad.append(f"{case} {layout} {name}={value:.3g} (bound {kind} {bound})")
+    layouts = {(case, layout) for case, layout, *_ in selected}
+    if metric in ("logits", "loss", "grads"):  # every layout (pipeline ones have no aux/router records)
+        assert len(layouts) == len(LAYOUTS[world]), f"layouts without {metric} records: {layouts}"
+    assert not bad, "; ".join(bad)
+
+
+DISPATCH_CASES = [(d, counts, skew) for d in ("alltoall", "allgather")
+                  for counts, skew in (([9, 4], False), ([6, 5], True), ([7, 0], False))]
+
+
+def test_dispatchers_match_dense_reference():
+    """Both dispatchers against a per-token reference: uneven token counts, a rank whose experts get no
+    token (skewed router), a rank with no tokens at all; outputs and every gradient."""
+    per_rank = run_distributed(2, dispatch_suite, DISPATCH_CASES)
+    records = [rec for rank_records in per_rank for rec in rank_records]
+    assert len(records) == 2 * len(DISPATCH_CASES) * 5
+    bad = [f"{case} {layout} {name}={value:.3g}" for case, layout, name, value in records if not value <= FP32_TOL]
+    assert not bad, "; ".join(bad)
