@@ -44,14 +44,14 @@ def _bound(metric: str) -> tuple[str, float]:
         return "min", 1e-3
     if metric.startswith("grads_step"):
         return "max", GRAD_REL_TOL
-    if metric == "router_layers":
-        return "max", 0.0
+    if metric in ("router_layers", "saved_tensors"):
+        return "max", 0.0  # bitwise
     return "max", FP32_TOL
 
 
 METRICS = {"logits": "logits|masked_logits|logits_after_steps", "loss": "loss|step\\d_loss", "aux": "aux_loss",
            "masked_aux": "masked_aux_loss", "router": "router_logits|router_layers", "grads": "grads_step\\d",
-           "moved": "loss_change"}
+           "moved": "loss_change", "saved": "saved_tensors"}
 
 
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
@@ -67,7 +67,7 @@ def test_moe_parity(moe_dirs, world, metric):
         if (kind == "max" and not value <= bound) or (kind == "min" and not value >= bound):
             bad.append(f"{case} {layout} {name}={value:.3g} (bound {kind} {bound})")
     layouts = {(case, layout) for case, layout, *_ in selected}
-    if metric in ("logits", "loss", "grads"):  # every layout (pipeline ones have no aux/router records)
+    if metric in ("logits", "loss", "grads", "saved"):  # every layout (pipeline ones have no aux/router records)
         assert len(layouts) == len(LAYOUTS[world]), f"layouts without {metric} records: {layouts}"
     assert not bad, "; ".join(bad)
 

@@ -9,6 +9,8 @@ transformers 5 fuses experts in memory (``mlp.experts.gate_up_proj [E, 2I, H]``,
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from parallel import ParallelConfig
@@ -31,8 +33,6 @@ MOE_CASES = {
 def write_moe_model(root, name: str, seed: int = 0) -> str:
     """A random Qwen2-MoE saved by transformers (per-expert names on disk), every tensor randomized
     (norms and the shared-expert gate too, which transformers initializes to constants)."""
-    from pathlib import Path
-
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     torch.manual_seed(seed)
@@ -85,6 +85,36 @@ def _grad_diff(model, hf) -> float:
     return worst
 
 
+def _save_and_compare(model, path: str, pconfig: ParallelConfig) -> float:
+    """save_pretrained (experts gathered over EP, one layer at a time) must write every tensor of the
+    source checkpoint bitwise, under the same names; returns the largest difference (inf: names differ)."""
+    import re
+    import shutil
+
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    out = f"{path}_saved_{re.sub('[^a-z0-9]+', '_', pconfig.describe())}"
+    model.save_pretrained(out)
+    worst = 0.0
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        def tensors(folder):
+            merged = {}
+            for f in sorted(Path(folder).glob("*.safetensors")):
+                merged.update(load_file(str(f)))
+            return merged
+
+        saved, source = tensors(out), tensors(path)
+        if set(saved) != set(source):
+            worst = float("inf")
+        else:
+            worst = max((_max_diff(saved[n], source[n]) for n in source), default=0.0)
+        shutil.rmtree(out)
+    if dist.is_initialized():
+        dist.barrier()
+    return worst
+
+
 def _batch(vocab: int, seed: int = 7):
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (2, 11), generator=gen)
@@ -118,6 +148,7 @@ def parity(case: str, path: str, pconfig: ParallelConfig, steps: int = 2, lr: fl
         valid = mask.bool()
         records += [(*tag, "masked_logits", _max_diff(out.logits[valid], ref.logits[valid])),
                     (*tag, "masked_aux_loss", _max_diff(out.aux_loss, ref.aux_loss))]
+    records.append((*tag, "saved_tensors", _save_and_compare(model, path, pconfig)))
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     ref_opt = torch.optim.SGD(hf.parameters(), lr=lr)
     first = None
