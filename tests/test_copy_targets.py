@@ -278,3 +278,110 @@ def test_torch_zip_archives_load_in_torch_and_zipfile(tmp_path):
     assert got["big"].shape == (n,) and int(got["big"][-1]) == 5
     raw = read_torch_archive(path)
     assert raw["after"].offset == lay.storage_offsets[2]
+
+
+# ------------------------------------------------------------------------- the byte movers
+
+
+def _rows_reference(data: bytes, parts, r: int, k: int) -> bytes:
+    return b"".join(data[off + (r + i) * stride:off + (r + i) * stride + rb]
+                    for i in range(k) for _path, off, rb, stride in parts)
+
+
+@pytest.mark.parametrize("stride_extra", [0, 7, (16 << 10) + 1], ids=["contiguous", "small-gaps", "far-apart"])
+def test_read_rows_places_each_part_in_its_columns(tmp_path, stride_extra):
+    """``read_rows`` reads rows straight into their columns of the block: contiguous parts, parts
+    whose row gaps are read into the discard buffer, and parts whose rows are read one by one."""
+    from converters.copy_plan import SourceFiles, read_rows
+
+    path = tmp_path / "src.bin"
+    data = os.urandom(600_000)
+    path.write_bytes(data)
+    rows = 9
+    parts = ((str(path), 3, 5, 5 + stride_extra), (str(path), 101, 11, 11 + stride_extra), (str(path), 50_003, 1, 1))
+    width = sum(p[2] for p in parts)
+    fd_of = SourceFiles()
+    try:
+        for r, k in [(0, rows), (2, 4), (8, 1)]:
+            block = memoryview(bytearray(k * width))
+            read_rows(parts, fd_of, r, block, width)
+            assert bytes(block) == _rows_reference(data, parts, r, k), (r, k)
+        whole = ((str(path), 64, 40, 40),)
+        block = memoryview(bytearray(3 * 40))
+        read_rows(whole, fd_of, 1, block, 40)
+        assert bytes(block) == data[104:224]
+        with pytest.raises(Exception, match="ends before byte"):
+            read_rows(((str(path), len(data) - 30, 20, 20),), fd_of, 0, memoryview(bytearray(40)), 20)
+    finally:
+        fd_of.close()
+
+
+def test_vector_io_continues_short_transfers(tmp_path, monkeypatch):
+    """A short ``preadv``/``pwritev`` (a nearly full disk, a signal) is continued from the byte it
+    stopped at, across buffer boundaries and past IOV_MAX buffers; a write that makes no progress is
+    an error, not a silent hole."""
+    import converters.copy_plan as cp
+
+    src = tmp_path / "src.bin"
+    data = os.urandom(5000)
+    src.write_bytes(data)
+    dst = tmp_path / "dst.bin"
+    dst.write_bytes(b"\0" * 5000)
+    real_read, real_write = os.preadv, os.pwritev
+
+    def short(real, limit):
+        def call(fd, buffers, offset):
+            out, left = [], limit  # at most `limit` bytes per call, cut inside a buffer
+            for b in buffers:
+                if left <= 0:
+                    break
+                out.append(b[:left])
+                left -= len(out[-1])
+            return real(fd, out, offset)
+        return call
+
+    monkeypatch.setattr(cp, "_IOV_MAX", 3)
+    monkeypatch.setattr(os, "preadv", short(real_read, 7))
+    monkeypatch.setattr(os, "pwritev", short(real_write, 5))
+    buf = bytearray(2000)
+    views = [memoryview(buf)[i:i + 13] for i in range(0, 1300, 13)] + [memoryview(buf)[1300:2000]]
+    fd = os.open(src, os.O_RDONLY)
+    out = os.open(dst, os.O_WRONLY)
+    try:
+        cp.preadv_exact(fd, views, 17, "src")
+        assert bytes(buf) == data[17:2017]
+        cp.pwritev_all(out, views, 100)
+        assert dst.read_bytes()[100:2100] == data[17:2017]
+        monkeypatch.setattr(os, "pwritev", lambda fd, buffers, offset: 0)
+        with pytest.raises(OSError, match="wrote nothing"):
+            cp.pwritev_all(out, views, 0)
+    finally:
+        os.close(fd)
+        os.close(out)
+
+
+def test_scatter_bands_writes_every_ranks_band(tmp_path):
+    """One read of each source row, one ``pwritev`` per rank and block: rank t's file gets column
+    band t of every row, also when a block (a tiny buffer) is a few rows."""
+    from converters.copy_plan import Copy, Interleave
+    from converters.copy_targets import scatter_bands
+
+    rows, width, tp = 37, 24, 4
+    src = tmp_path / "src.bin"
+    data = os.urandom(10 + rows * width)
+    src.write_bytes(data)
+    band = width // tp
+    a = 10 + 20 * width  # 20 whole rows, then 17 rows interleaved from two blocks of 10 and 14 bytes a row
+    b = a + 17 * 10
+    ops = [Copy(str(src), 10, 20 * width), Interleave(17, ((str(src), a, 10, 10), (str(src), b, 14, 14)))]
+    full = data[10:a] + b"".join(data[a + i * 10:a + i * 10 + 10] + data[b + i * 14:b + i * 14 + 14] for i in range(17))
+    outputs = []
+    for t in range(tp):
+        f = tmp_path / f"out{t}.bin"
+        f.write_bytes(b"\xff" * (5 + rows * band))
+        outputs.append((str(f), 5))
+    assert scatter_bands(ops, width, outputs, buffer_bytes=3 * width) == rows * width
+    for t, (f, _) in enumerate(outputs):
+        got = Path(f).read_bytes()
+        assert got[:5] == b"\xff" * 5
+        assert got[5:] == b"".join(full[i * width + t * band:i * width + (t + 1) * band] for i in range(rows)), t
