@@ -59,13 +59,13 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch
 
 def expert_mlp(x: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """SwiGLU experts on rows grouped by expert: rows ``[sum(counts[:j]), sum(counts[:j+1]))`` go to local expert j."""
+    # split/unbind, not x[a:b] / w13[j]: one backward node each that assembles its gradient once
+    # (per-expert slicing builds a zero-filled full-size gradient per expert: O(experts^2) memory traffic)
     outs = []
-    start = 0
-    for j, n in enumerate(counts):
+    for rows, w_in, w_out, n in zip(x.split(counts), w13.unbind(0), w2.unbind(0), counts):
         if n:
-            gate, up = F.linear(x[start:start + n], w13[j]).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(gate) * up, w2[j]))
-        start += n
+            gate, up = F.linear(rows, w_in).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(gate) * up, w_out))
     out = torch.cat(outs) if len(outs) > 1 else outs[0] if outs else x.new_zeros((0, w2.shape[1]))
     if len(outs) < len(counts):
         # Idle experts (or no token at all): a zero term keeps every weight and the input in the graph,
