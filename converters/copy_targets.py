@@ -303,7 +303,7 @@ def scatter_bands(ops: list[Op], width: int, outputs: list[tuple[str, int]], buf
     each source row once: a TP split by columns would otherwise read every row ``tp`` times. Rows
     are read into one buffer (``read_rows``) and each band is written from it with ``pwritev`` (one
     buffer per row): no copy in this process."""
-    from converters.copy_plan import _buffer, pwritev_all, read_rows
+    from converters.copy_plan import _buffer, pwritev_all, read_rows, row_views
     from converters.tasks import check_stop
 
     tp = len(outputs)
@@ -336,8 +336,7 @@ def scatter_bands(ops: list[Op], width: int, outputs: list[tuple[str, int]], buf
                 for t, (fd, (path, dst)) in enumerate(zip(outs, outputs)):
                     lo = t * band
                     try:
-                        pwritev_all(fd, [block[i * width + lo:i * width + lo + band] for i in range(k)],
-                                    dst + (row + r) * band)
+                        pwritev_all(fd, row_views(block, k, width, lo, band), dst + (row + r) * band)
                     except OSError as exc:
                         raise CheckpointError(f"{path}: write failed ({exc.strerror or exc})") from exc
             row += rows
