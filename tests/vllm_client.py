@@ -10,9 +10,10 @@ Steps (each starts one engine; results go to OUT_FILE as JSON / safetensors):
   logprobs  prompt log-probs of an engine (``load_format`` "auto" or "sharded_state", TP N), through
             a peft LoRA adapter directory when ``adapter`` is given (vLLM's own LoRA support)
   push      a TP-1 engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) from an HF directory; our
-            parallel model is built from the same directory, trained two SGD steps, and its weights
-            pushed with ``push_to_vllm(llm, model.iter_export("hf"))``; log-probs before and after
-            the push and our own model's log-probs are recorded
+            parallel model (the architecture its config names) is built from the same directory,
+            trained two SGD steps, and its weights pushed with
+            ``push_to_vllm(llm, model.iter_export("hf"))``; log-probs before and after the push and our
+            own model's log-probs are recorded
 The project is imported from the repository root (PYTHONPATH); vLLM pins its own transformers.
 """
 
@@ -99,11 +100,14 @@ def step_logprobs(args: dict, out: str) -> None:
 
 
 def step_push(args: dict, out: str) -> None:
+    import importlib
+
     import torch
 
     from models.common.engine_push import push_to_vllm
-    from models.qwen2 import build_parallel_model
 
+    model_type = json.load(open(os.path.join(args["model"], "config.json")))["model_type"]
+    build_parallel_model = importlib.import_module(f"models.{model_type}").build_parallel_model
     assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0", "push needs the engine in this process"
     llm = _engine(args["model"], 1)
     before = _prompt_logprobs(llm, args["prompts"])
