@@ -84,3 +84,40 @@ def test_dispatchers_match_dense_reference():
     assert len(records) == 2 * len(DISPATCH_CASES) * 5
     bad = [f"{case} {layout} {name}={value:.3g}" for case, layout, name, value in records if not value <= FP32_TOL]
     assert not bad, "; ".join(bad)
+
+
+def _edited_copy(src, dst, edit):
+    """A copy of the HF directory ``src`` whose tensors pass through ``edit(dict)``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_bad_moe_checkpoints_and_layouts_are_refused_by_name(moe_dirs, tmp_path):
+    """Missing expert, wrong router shape, experts not divisible by ep: one clear error, before any
+    process group exists (single process here: a collective would fail differently)."""
+    from pathlib import Path
+
+    from models.common.sources import CheckpointError
+    from models.qwen2_moe import build_parallel_model
+    from parallel import ParallelConfig, ParallelConfigError
+
+    src = Path(dict(moe_dirs)["shared"])
+    missing = _edited_copy(src, tmp_path / "missing",
+                           lambda t: t.pop("model.layers.2.mlp.experts.5.up_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"missing tensor.*layers\.2\.mlp\.experts\.5\.up_proj"):
+        build_parallel_model(missing)
+    router = _edited_copy(src, tmp_path / "router", lambda t: t.update(
+        {"model.layers.0.mlp.gate.weight": t["model.layers.0.mlp.gate.weight"][:6].clone()}))
+    with pytest.raises(CheckpointError, match=r"layers\.0\.mlp\.gate\.weight \(6, 64\) \(expected \(8, 64\)\)"):
+        build_parallel_model(router)
+    with pytest.raises(ParallelConfigError, match="num_experts=8 is not divisible by ep=3"):
+        build_parallel_model(src, ParallelConfig(ep=3))
+    with pytest.raises(ParallelConfigError, match=r"ep=2 does not divide dp\*cp = 1\*1"):
+        build_parallel_model(src, ParallelConfig(ep=2))
