@@ -29,8 +29,8 @@ How to run
 
     Temp data (up to ~5x the checkpoint) goes under ``--workdir`` (default /tmp) and is deleted at
     the end (``--keep`` keeps it). The last line is machine-readable:
-    ``<direction>@<size>GB=<ratio of medians>x/<peak RSS>MiB ... targets_met=yes|no`` (the targets
-    are judged on the ratio of medians).
+    ``<direction>@<size>GB=<ratio of medians>x,min<ratio of mins>x/<peak RSS>MiB ... targets_met=yes|no``
+    (the speed target must hold for both ratios).
 """
 
 from __future__ import annotations
@@ -300,7 +300,7 @@ def main(argv=None) -> int:
                 rss = max(r["maxrss_kb"] for r in cvs) / 1024
                 cp_rss = max(r["maxrss_kb"] for r in cps) / 1024
                 ratio, ratio_min = t_cp / t_cv, min(cp_s) / min(cv_s)
-                results[(size_gb, name)] = (ratio, rss)
+                results[(size_gb, name)] = (ratio, ratio_min, rss)
                 print(f"  {name:<15} {nbytes / 1e9:6.2f} GB  cp min {min(cp_s):5.2f} s med {t_cp:5.2f} s  "
                       f"pmz min {min(cv_s):5.2f} s med {t_cv:5.2f} s  ratio med {ratio:4.2f}x min {ratio_min:4.2f}x  "
                       f"peak RSS {rss:4.0f} MiB (cp {cp_rss:.0f} MiB)  load {load:.1f}", flush=True)
@@ -320,10 +320,11 @@ def main(argv=None) -> int:
             for p in srcs.values():
                 remove(p)
         print(f"\nscript wall time {time.perf_counter() - t_script:.0f} s")
-        summary = " ".join(f"{name}@{size:g}GB={ratio:.2f}x/{rss:.0f}MiB" for (size, name), (ratio, rss)
-                           in results.items())
-        met = all(r >= COPY_TARGET for r, _ in results.values()) and all(
-            m <= RSS_LIMIT_MIB for _, m in results.values())
+        summary = " ".join(f"{name}@{size:g}GB={ratio:.2f}x,min{ratio_min:.2f}x/{rss:.0f}MiB"
+                           for (size, name), (ratio, ratio_min, rss) in results.items())
+        # a noisy round only adds time: both ratios must reach the target (the median alone can be
+        # flattered by slow cp rounds, the min alone by one lucky pmz round)
+        met = all(min(r, rm) >= COPY_TARGET and m <= RSS_LIMIT_MIB for r, rm, m in results.values())
         print(f"{summary} targets_met={'yes' if met else 'no'}")
         return 0
     finally:
