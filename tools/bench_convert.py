@@ -239,6 +239,11 @@ def main(argv=None) -> int:
         return 0
 
     t_script = time.perf_counter()
+    directions = [d.strip() for d in args.directions.split(",") if d.strip()]
+    unknown = [d for d in directions if d not in DIRECTIONS]
+    if unknown:
+        print(f"unknown direction(s) {unknown}; choose from {', '.join(DIRECTIONS)}", file=sys.stderr)
+        return 2
     base = Path(args.workdir) if args.workdir else Path(tempfile.gettempdir())
     base.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench_convert_", dir=base))
@@ -248,11 +253,6 @@ def main(argv=None) -> int:
     # even where PYTHONDONTWRITEBYTECODE is set for development
     pmz_env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     pmz_env["PYTHONPYCACHEPREFIX"] = str(work / "pycache")
-    directions = [d.strip() for d in args.directions.split(",") if d.strip()]
-    unknown = [d for d in directions if d not in DIRECTIONS]
-    if unknown:
-        print(f"unknown direction(s) {unknown}; choose from {', '.join(DIRECTIONS)}", file=sys.stderr)
-        return 2
     results = {}
     try:
         print(f"workdir {work}; {os.cpu_count()} CPUs; python {sys.version.split()[0]}", flush=True)
