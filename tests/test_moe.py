@@ -21,7 +21,8 @@ GRAD_REL_TOL = 1e-4
 LAYOUTS = {
     1: [("shared", {}), ("plain", {})],
     2: [("shared", {"ep": 2}), ("plain", {"ep": 2}), ("shared", {"ep": 2, "moe_dispatcher": "allgather"}),
-        ("shared", {"tp": 2}), ("plain", {"tp": 2, "sequence_parallel": True})],
+        ("shared", {"tp": 2}), ("plain", {"tp": 2, "sequence_parallel": True}),
+        ("shared", {"ep": 2, "recompute": "full"})],
     4: [("shared", {"ep": 4}), ("shared", {"tp": 2, "ep": 2, "sequence_parallel": True}),
         ("plain", {"tp": 2, "ep": 2, "moe_dispatcher": "allgather"}), ("shared", {"pp": 2, "ep": 2})],
 }

@@ -16,8 +16,8 @@ one rank of each EP group, so with ep > 1 they are reduced over the expert-data-
 
 The load-balancing loss is transformers' ``load_balancing_loss_func``: over all sparse layers,
 ``E * sum_e (assignments to e / rows) * (router probability mass of e / rows)``, where rows and
-assignments count non-padding tokens of every sparse layer together. Each block records its
-per-expert sums for the current forward (``AuxStats``); the causal LM adds them up over its
+assignments count non-padding tokens of every sparse layer together. Each block keeps references to its
+router outputs of the current forward (``AuxStats``); the causal LM sums them over its
 layers and over the TP token shares.
 """
 
@@ -37,12 +37,16 @@ from parallel.groups import ParallelGroups
 
 @dataclass
 class AuxStats:
-    """One sparse layer's routing statistics over this rank's valid tokens."""
+    """What one sparse layer's router produced in this forward, for this rank's token share.
 
-    assignments: torch.Tensor  # [E] float: top-k assignments per expert (no gradient)
-    probability: torch.Tensor  # [E] fp32: summed router probabilities (differentiable)
-    rows: torch.Tensor  # [] float: valid tokens
-    logits: torch.Tensor  # [T_local, E]: router logits of this rank's token share (valid or not)
+    Only references to tensors the forward computes anyway: recording them adds no operation, so a
+    layer rerun by activation recomputation (which records nothing) repeats the same operations.
+    """
+
+    experts: torch.Tensor  # [T_local, k] chosen experts
+    probs: torch.Tensor  # [T_local, E] fp32 router probabilities (differentiable)
+    logits: torch.Tensor  # [T_local, E] router logits
+    mask: torch.Tensor  # [T_local] fp32, 1 = real token (not padding)
 
 
 class _Weight(nn.Module):
@@ -110,21 +114,19 @@ class ParallelMoE(nn.Module):
         if share is not tokens:
             routed = gather_for_replicas(routed, self.groups.tp_group)[: tokens.shape[0]]
         if self.token_mask is not None:
-            self.stats = self._stats(logits, experts, probs)
+            self.stats = AuxStats(experts, probs, logits, self._mask_share(self.token_mask))
         out = routed
         if self.moe.shared_expert_intermediate_size:
             shared = self.shared_expert(x) * torch.sigmoid(F.linear(x, self.shared_expert_gate.weight))
             out = out + shared.reshape(-1, h)
         return out.view(s, b, h)
 
-    def _stats(self, logits, experts, probs) -> AuxStats:
-        mask = self.token_mask
+    def _mask_share(self, mask: torch.Tensor) -> torch.Tensor:
+        """The token mask cut like the tokens (this TP rank's share)."""
         tp = self.groups.tp_size
-        if tp > 1:  # the same share of the mask as of the tokens
+        if tp > 1:
             mask = F.pad(mask, (0, (-mask.shape[0]) % tp)).chunk(tp)[self.groups.tp_rank]
-        mask = mask.to(torch.float32)
-        one_hot = torch.zeros_like(probs).scatter_add_(1, experts, mask[:, None].expand_as(experts).contiguous())
-        return AuxStats(one_hot.sum(0), (probs * mask[:, None]).sum(0), mask.sum(), logits)
+        return mask.to(torch.float32)
 
 
 def load_balancing_loss(blocks: list[ParallelMoE], groups: ParallelGroups) -> torch.Tensor:
@@ -133,9 +135,13 @@ def load_balancing_loss(blocks: list[ParallelMoE], groups: ParallelGroups) -> to
     stats = [blk.stats for blk in blocks]
     if any(st is None for st in stats):
         raise RuntimeError("load_balancing_loss: a sparse layer recorded no routing statistics in this forward")
-    assignments = torch.stack([st.assignments for st in stats]).sum(0)
-    probability = torch.stack([st.probability for st in stats]).sum(0)
-    rows = torch.stack([st.rows for st in stats]).sum()
+    assignments = probability = rows = 0
+    for st in stats:  # masked sums over this rank's tokens, all sparse layers together
+        weight = st.mask[:, None]
+        assignments = assignments + torch.zeros_like(st.probs).scatter_add_(
+            1, st.experts, weight.expand_as(st.experts).contiguous()).sum(0)
+        probability = probability + (st.probs * weight).sum(0)
+        rows = rows + st.mask.sum()
     if groups.tp_size > 1:
         packed = torch.cat([assignments, rows[None]])
         torch.distributed.all_reduce(packed, group=groups.tp_group)
