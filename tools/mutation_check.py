@@ -89,6 +89,22 @@ MUTATIONS = (
     Mutation("vllm-kv-replica", "vLLM target: replicated KV head chosen by rank % kv instead of rank // (n/kv)",
              (("parallel/sharding.py", "        head = rank // rep\n", "        head = rank % self.num_kv_heads\n"),),
              ("tests/test_sharding_rules.py", "tests/test_tp_parity.py", "tests/test_vllm.py")),
+    Mutation("moe-expert-offset", "EP rank r loads experts from r*(E/ep)+1 (off by one expert)",
+             (("models/common/weights.py", "entry.expert(ep_rank * local + j)",
+               "entry.expert((ep_rank * local + j + 1) % entry.experts)"),),
+             ("tests/test_moe.py",)),
+    Mutation("moe-no-renormalise", "top-k weights never renormalised (norm_topk_prob ignored)",
+             (("parallel/experts.py", "        weights = weights / weights.sum(dim=-1, keepdim=True)\n",
+               "        weights = weights\n"),),
+             ("tests/test_moe.py",)),
+    Mutation("moe-expert-grads-over-replicas", "expert gradients reduced over all replicas instead of the edp group",
+             (("parallel/grads.py", '    experts = [p for p in params if getattr(p, "expert_parallel", False)]\n',
+               "    experts = []\n"),),
+             ("tests/test_moe.py",)),
+    Mutation("moe-aux-no-mask", "padding tokens counted in the load-balancing loss",
+             (("models/common/moe.py", "        weight = st.mask[:, None]\n",
+               "        weight = torch.ones_like(st.mask)[:, None]\n"),),
+             ("tests/test_moe.py",)),
 )
 
 
