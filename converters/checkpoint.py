@@ -29,8 +29,9 @@ def architectures() -> dict[str, Architecture]:
     """Registered architectures by HF model_type."""
     from models.llama.architecture import ARCHITECTURE as LLAMA
     from models.qwen2.architecture import ARCHITECTURE as QWEN2
+    from models.qwen2_moe.architecture import ARCHITECTURE as QWEN2_MOE
 
-    return {t: arch for arch in (LLAMA, QWEN2) for t in arch.hf_model_types}
+    return {t: arch for arch in (LLAMA, QWEN2, QWEN2_MOE) for t in arch.hf_model_types}
 
 
 def architecture_for(model_type: str | None, where: str) -> Architecture:
@@ -52,7 +53,7 @@ def unit_entries(wmap: WeightMap, unit: Unit) -> list[WeightEntry]:
         return list(wmap.first_entries)
     if unit == FINAL:
         return list(wmap.last_entries)
-    return [e.format(int(unit)) for e in wmap.layer_entries]
+    return [e.format(int(unit)) for e in wmap.layer_templates(int(unit))]
 
 
 def all_units(cfg: ModelConfig) -> list[Unit]:

@@ -50,7 +50,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 def _cmd_convert(args: argparse.Namespace) -> int:
     from converters.engine import convert
 
-    dst = convert(args.src, args.dst, to=args.to, tp=args.tp, pp=args.pp, vpp=args.vpp, hf_config=args.hf_config,
+    dst = convert(args.src, args.dst, to=args.to, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep,
+                  hf_config=args.hf_config,
                   arch=args.arch, vocab_size=args.vocab_size, dtype=args.dtype, overwrite=args.overwrite,
                   workers=args.workers, max_shard_size=args.max_shard_size,
                   make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, progress=not args.quiet)
@@ -179,7 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vpp", type=_positive_int, metavar="N",
                    help="target virtual pipeline chunks per stage (Megatron targets; default: a Megatron source's "
                         "when --pp is not given, else 1)")
-    p.add_argument("--arch", choices=["llama", "qwen2"],
+    p.add_argument("--ep", type=_positive_int, metavar="N",
+                   help="target expert-parallel size (Megatron targets of a MoE model; experts are also split over "
+                        "--tp, Megatron-LM's default expert TP; default: a Megatron source's, else 1)")
+    p.add_argument("--arch", choices=["llama", "qwen2", "qwen2_moe"],
                    help="architecture of a Megatron source (default: from its args)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="output dtype (default: the source's)")
     p.add_argument("--max-shard-size", default="5GB", type=_size, metavar="SIZE",
@@ -232,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "convert" and args.to == "hf":
-        given = [f"--{k}" for k in ("tp", "pp", "vpp") if getattr(args, k) is not None]
+        given = [f"--{k}" for k in ("tp", "pp", "vpp", "ep") if getattr(args, k) is not None]
         if given:
             print(f"pmz convert: error: {'/'.join(given)} given for --to hf: an HF checkpoint has no parallel "
                   f"layout (--tp/--pp/--vpp apply to Megatron and vLLM targets) (see pmz convert --help)",

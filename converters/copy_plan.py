@@ -225,6 +225,8 @@ class RawSource:
         self.hf_config = hf_config
         self.arch = architecture_for(getattr(hf_config, "model_type", None), where)
         self.cfg = self.arch.model_config(hf_config)
+        if self.cfg.moe is not None:
+            raise Unsupported("mixture of experts (the torch path converts it)")
         self.wmap = conversion_weight_map(self.arch, self.cfg)
 
     def units(self) -> list[tuple[Unit, list[WeightEntry]]]:
@@ -303,6 +305,8 @@ class LegacyRawSource(RawSource):
         names = sorted(p.name for p in it_dir.iterdir() if p.is_dir() and RANK_DIR.match(p.name))
         if not names:
             raise CheckpointError(f"{it_dir}: no mp_rank_* folders")
+        if any(RANK_DIR.match(n).group(3) for n in names):
+            raise Unsupported("expert parallel")  # mp_rank_TT_PPP_EEE: PP and EP
         has_pp = any(RANK_DIR.match(n).group(2) for n in names)
         first = it_dir / ("mp_rank_00_000" if has_pp else "mp_rank_00") / RANK_FILE
         if not first.is_file():
@@ -739,6 +743,8 @@ def open_raw_source(path: str, *, arch: str | None = None, hf_config: str | None
     from converters.checkpoint import architecture_for
 
     model_arch = architecture_for(getattr(config, "model_type", None), path)
+    if model_arch.model_config(config).moe is not None:
+        raise Unsupported("mixture of experts (the torch path converts it)")
     config_path = f"{hf_config}/config.json" if hf_config else "the config from the Megatron args"
     check_config_against_dist(model_arch.model_config(config), shapes, config_path, str(it_dir))
     source = DistRawSource(str(it_dir), config, path, md, data)

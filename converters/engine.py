@@ -341,7 +341,7 @@ def _describe_write_error(err: OSError, tmp: Path, dst: Path) -> str:
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int | None = None, pp: int | None = None,
-            vpp: int | None = None, hf_config: str | None = None, arch: str | None = None,
+            vpp: int | None = None, ep: int | None = None, hf_config: str | None = None, arch: str | None = None,
             vocab_size: int | None = None, dtype: str | torch.dtype | None = None, overwrite: bool = False,
             workers: int | None = None, max_shard_size: str | int = "5GB", make_vocab_size_divisible_by: int = 128,
             progress: bool = False) -> Path:
@@ -351,6 +351,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
     are recorded in its args) or "vllm" (vLLM ``sharded_state`` for an engine with TP ``tp`` and
     PP ``pp``). tp/pp/vpp left at None: a Megatron target keeps a Megatron source's layout (tp
     alone; pp with vpp and uneven first/last stages), else 1; an HF target takes none of them.
+    ep: expert parallelism of a Megatron target (MoE models; default: a Megatron source's, else 1).
+    MoE models always take the torch path (the copy path plans dense models only).
     Missing parent directories of ``dst`` are created. Raises CheckpointError/ValueError with
     nothing left at ``dst`` (nor any directory created for it).
     """
@@ -359,7 +361,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
     shard_bytes = check_options(tp=tp, pp=pp, vpp=vpp, workers=workers, vocab_size=vocab_size,
                                 make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                                 max_shard_size=max_shard_size)
-    given = [f"--{k} {v}" for k, v in (("tp", tp), ("pp", pp), ("vpp", vpp)) if v is not None]
+    if ep is not None and (isinstance(ep, bool) or not isinstance(ep, int) or ep <= 0):
+        raise ValueError(f"--ep must be a positive integer, got {ep!r}")
+    if to == "vllm" and ep not in (None, 1):
+        raise ValueError(f"--ep {ep}: vLLM targets take no expert-parallel layout")
+    given = [f"--{k} {v}" for k, v in (("tp", tp), ("pp", pp), ("vpp", vpp), ("ep", ep)) if v is not None]
     if to == "hf" and given:
         raise ValueError(f"{' '.join(given)}: an HF checkpoint has no parallel layout (--tp/--pp/--vpp apply to "
                          f"Megatron and vLLM targets)")
@@ -380,10 +386,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
         from converters.hf_config import check_hf_directory
 
         check_hf_directory(src)  # an absurd config.json fails here, before anything is sized by it
-    if to != "vllm" and _convert_by_copy(src, dst_path, to=to, overwrite=overwrite, hf_config=hf_config, arch=arch,
-                                         vocab_size=vocab_size, dtype=wanted_dtype, shard_bytes=shard_bytes,
-                                         workers=workers, progress=progress, tp=tp, pp=pp, vpp=vpp,
-                                         divisible_by=make_vocab_size_divisible_by):
+    # --ep > 1 is for MoE models, which the copy path leaves to the torch path anyway
+    if to != "vllm" and ep in (None, 1) and _convert_by_copy(
+            src, dst_path, to=to, overwrite=overwrite, hf_config=hf_config, arch=arch, vocab_size=vocab_size,
+            dtype=wanted_dtype, shard_bytes=shard_bytes, workers=workers, progress=progress, tp=tp, pp=pp, vpp=vpp,
+            divisible_by=make_vocab_size_divisible_by):
         return dst_path
     out_dtype = parse_dtype(wanted_dtype)
     reader = open_reader(src, arch=arch, hf_config=hf_config, vocab_size=vocab_size)
@@ -430,7 +437,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
         pp, vpp, first, last = layout["pp"], vpp or layout["vpp"], layout["first"], layout["last"]
     target = plan_megatron_target(reader, tp=tp or layout["tp"], pp=pp, vpp=vpp or 1, dtype=out_dtype,
                                   divisible_by=make_vocab_size_divisible_by, first=first, last=last,
-                                  fmt="torch" if to == "megatron" else "torch_dist")
+                                  fmt="torch" if to == "megatron" else "torch_dist", ep=ep or layout["ep"])
     with _Staging(dst_path, overwrite) as tmp:
         write_megatron(reader, target, str(tmp), fmt=to, workers=workers, progress=progress,
                        hf_config_dir=hf_config)
@@ -446,7 +453,8 @@ def source_layout(reader: Any) -> dict[str, Any]:
         value = layout.get(key, layout.get(f"saved_with_{key}"))
         return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
 
-    out: dict[str, Any] = {"tp": count("tp"), "pp": count("pp"), "vpp": count("vpp"), "first": None, "last": None}
+    out: dict[str, Any] = {"tp": count("tp"), "pp": count("pp"), "vpp": count("vpp"), "ep": count("ep"),
+                           "first": None, "last": None}
     args = getattr(reader, "args", None)
     if reader.info.format in ("megatron", "megatron-dist") and args is not None:
         from converters.megatron_files import args_layout

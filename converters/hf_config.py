@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 from models.common.errors import CheckpointError
 from models.common.hf_files import read_config_json
 
-ARCHITECTURE_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURE_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 
 
 class HFConfig:
@@ -115,7 +115,7 @@ def check_hf_directory(directory: str | Path) -> None:
 
 
 def config_from_fields(model_type: str, **fields: Any) -> HFConfig:
-    """A complete config.json for a Llama/Qwen2 model from its fields (used for Megatron sources)."""
+    """A complete config.json for a Llama/Qwen2/Qwen2-MoE model from its fields (used for Megatron sources)."""
     base = {"architectures": [ARCHITECTURE_CLASS[model_type]], "model_type": model_type, "hidden_act": "silu",
             "initializer_range": 0.02, "use_cache": True, "attention_dropout": 0.0}
     if model_type == "llama":

@@ -22,6 +22,7 @@ import io
 import json
 import os
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +31,15 @@ import torch
 from converters.checkpoint import EMBED, FINAL, CheckpointReader, ReaderInfo, Unit, reopen
 from converters.megatron_files import args_layout, hf_config_from_args, resolve_iteration_dir
 from converters.megatron_layout import LayoutError, megatron_full_shape, megatron_to_hf
+from converters.megatron_moe import dist_expert_key
 from converters.megatron_sources import check_config_against_dist, config_without_args, is_model_key, skipped_summary
 from converters.megatron_stages import (
     DIST_DATA_FILES,
     DIST_METADATA_JSON,
     LAYER_PREFIX,
+    absent_tensors,
     dist_key,
+    not_in_megatron,
     stacked_key,
 )
 from converters.safe_pickle import safe_pickle_load, safe_torch_load
@@ -87,6 +91,8 @@ class DistReader(CheckpointReader):
             iteration = self.common.get("iteration")
         self.info = ReaderInfo("megatron-dist", self.arch.name,
                                {"saved_with_tp": lay["tp"], "saved_with_pp": lay["pp"], "saved_with_vpp": lay["vpp"],
+                                **({"saved_with_ep": lay.get("ep"), "experts_stored": "stacked per layer and expert"}
+                                   if self.cfg.moe is not None else {}),
                                 "padded_vocab": self.padded_vocab, "iteration": iteration},
                                len(files), dtype)
 
@@ -122,16 +128,20 @@ class DistReader(CheckpointReader):
                                   f"{info.offset}..{info.offset + info.length}")
         return data
 
-    def read_tensor(self, key: str, index: int | None) -> torch.Tensor:
-        """The global tensor ``key`` (or its slice ``[index]`` along dim 0), from overlapping chunks only."""
+    def read_tensor(self, key: str, index: int | tuple[int, ...] | None) -> torch.Tensor:
+        """The global tensor ``key`` (or its slice ``[index]`` along the leading dims: a layer, or a
+        layer and an expert), from overlapping chunks only."""
         meta = self.tensors.get(key)
         if meta is None:
             raise CheckpointError(f"{self.it_dir}: missing tensor {key}")
         size = tuple(meta.size)
         lo = [0] * len(size)
         hi = list(size)
-        if index is not None:
-            lo[0], hi[0] = index, index + 1
+        lead = () if index is None else (index,) if isinstance(index, int) else tuple(index)
+        for d, i in enumerate(lead):
+            if not 0 <= i < size[d]:
+                raise CheckpointError(f"{self.it_dir}: {key} has global shape {size}, no index {i} along dim {d}")
+            lo[d], hi[d] = i, i + 1
         out = torch.empty([h - low for low, h in zip(lo, hi)], dtype=meta.properties.dtype)
         covered = 0
         for chunk in meta.chunks:
@@ -151,23 +161,41 @@ class DistReader(CheckpointReader):
             covered += src.numel()
         if covered != out.numel():
             raise CheckpointError(f"{self.it_dir}: chunks of {key} cover {covered} of {out.numel()} elements")
-        return out[0] if index is not None else out
+        return out[(0,) * len(lead)] if lead else out
+
+    def _layer_keys(self, layer: int) -> list[tuple[Any, str, Any]]:
+        """(plain entry, torch_dist key, index) of every stored tensor of a layer; experts one entry
+        per global expert, at ``(layer, expert)`` of the stacked key or ``(expert,)`` of a per-layer one."""
+        out = []
+        templates = self.wmap.layer_templates(layer)
+        skipped = not_in_megatron(templates)
+        for tmpl in templates:
+            if tmpl.param in skipped:
+                continue  # no shared expert: Megatron stores nothing
+            entry = tmpl.format(layer)
+            if tmpl.experts:
+                for e in range(tmpl.experts):
+                    key, idx = dist_expert_key(tmpl.megatron, layer, e, self.tensors)
+                    out.append((entry.expert(e), key, idx))
+            else:
+                key, idx = dist_key(tmpl.megatron, layer, self.tensors)
+                out.append((entry, key, idx))
+        return out
 
     def _expected(self) -> list[tuple[str, tuple[int, ...]]]:
         """(torch_dist key, global shape) of every tensor a conversion needs."""
         shapes = self.hf_shapes()
         L = self.cfg.num_hidden_layers
-        out = []
+        out: dict[str, tuple[int, ...]] = {}
         for entry in self.wmap.first_entries + self.wmap.last_entries:
-            out.append((entry.megatron, megatron_full_shape(entry, shapes, self.cfg, self.padded_vocab)))
-        for tmpl in self.wmap.layer_entries:
-            full = megatron_full_shape(tmpl.format(0), shapes, self.cfg, self.padded_vocab)
-            key, idx = dist_key(tmpl.megatron, 0, self.tensors)
-            if idx is None:
-                out += [(tmpl.megatron.format(i=i), full) for i in range(L)]
-            else:
-                out.append((key, (L, *full)))
-        return out
+            out[entry.megatron] = megatron_full_shape(entry, shapes, self.cfg, self.padded_vocab)
+        experts = self.cfg.moe.num_experts if self.cfg.moe is not None else 0
+        for i in range(L):
+            for entry, key, idx in self._layer_keys(i):
+                full = megatron_full_shape(entry, shapes, self.cfg, self.padded_vocab)
+                lead = () if idx is None else (L,) if isinstance(idx, int) else (L, experts)[-len(idx):]
+                out.setdefault(key, (*lead, *full))
+        return list(out.items())
 
     def validate(self) -> None:
         expected = self._expected()
@@ -195,13 +223,13 @@ class DistReader(CheckpointReader):
             raise CheckpointError(f"{self.it_dir}: " + "; ".join(sorted(set(problems))[:10]))
 
     def read_unit(self, unit: Unit) -> dict[str, torch.Tensor]:
-        layer = None if unit in (EMBED, FINAL) else int(unit)
-        templates = (self.wmap.first_entries if unit == EMBED else self.wmap.last_entries if unit == FINAL
-                     else self.wmap.layer_entries)
-        out = {}
-        for tmpl in templates:
-            entry = tmpl if layer is None else tmpl.format(layer)
-            key, idx = dist_key(tmpl.megatron, layer, self.tensors)
+        if unit in (EMBED, FINAL):
+            entries = [(e, e.megatron, None)
+                       for e in (self.wmap.first_entries if unit == EMBED else self.wmap.last_entries)]
+        else:
+            entries = self._layer_keys(int(unit))
+        out = {n: torch.zeros(shape, dtype=self.info.dtype) for n, shape in absent_tensors(self.wmap, unit).items()}
+        for entry, key, idx in entries:
             try:
                 out.update(zip(entry.hf, megatron_to_hf(entry, self.read_tensor(key, idx), self.cfg)))
             except LayoutError as exc:
@@ -221,32 +249,74 @@ def _torch_save_bytes(obj: Any) -> bytes:
 
 def write_dist_units(reopen_args: tuple, target, directory: str, units: list, file_name: str) -> list[tuple]:
     """Write ``units`` into ``file_name``; returns (key, global_shape, dtype, offsets, sizes, storage) records."""
-    from converters.megatron_stages import LINEAR_MODULES
     from converters.megatron_write import megatron_unit_tensors
 
     reader = reopen(reopen_args)
     L = reader.cfg.num_hidden_layers
+    wmap = reader.wmap
+    # megatron-core stacks layers only when they are uniform: with dense layers between MoE ones
+    # every key carries its global layer number (norms still under their TE names)
+    stacked = not wmap.has_experts or len(wmap.moe_layers) == L
+    E = reader.cfg.moe.num_experts if reader.cfg.moe is not None else 0
     records = []
+
+    def put(key: str, gshape, dtype, offsets, chunk_shape, payload) -> None:
+        raw = _torch_save_bytes(payload)
+        records.append((key, gshape, dtype, offsets, chunk_shape, (file_name, f.tell(), len(raw))))
+        f.write(raw)
+
     with open(Path(directory) / file_name, "wb") as f:
         for unit in units:
             layer = None if unit in (EMBED, FINAL) else int(unit)
             for _entry, key, full in megatron_unit_tensors(reader, unit, layer, target.padded_vocab, target.dtype):
+                expert = _EXPERT.search(key)
+                lead: tuple[int, ...] = ()
                 if layer is None:
-                    gkey, gshape, offsets, chunk = key, tuple(full.shape), (0,) * full.dim(), full
+                    gkey, gshape, offsets = key, (), ()
+                elif expert is not None:  # experts stacked per layer and per global expert
+                    e = int(expert.group(1))
+                    gkey = key.replace(expert.group(0), ".mlp.experts.experts.")
+                    if stacked:
+                        gkey = gkey.replace(f"layers.{layer}.", "layers.", 1)
+                        gshape, offsets, lead = (L, E), (layer, e), (1, 1)
+                    else:
+                        gshape, offsets, lead = (E,), (e,), (1,)
                 else:
                     gkey = stacked_key(key.replace(f"layers.{layer}.", "layers.{i}.", 1))
-                    gshape, offsets, chunk = (L, *full.shape), (layer,) + (0,) * full.dim(), full.unsqueeze(0)
-                raw = _torch_save_bytes(chunk.contiguous())
-                records.append((gkey, gshape, full.dtype, offsets, tuple(chunk.shape), (file_name, f.tell(), len(raw))))
-                f.write(raw)
+                    if stacked:
+                        gshape, offsets, lead = (L,), (layer,), (1,)
+                    else:
+                        gkey, gshape, offsets = gkey.replace(LAYER_PREFIX, f"{LAYER_PREFIX}{layer}.", 1), (), ()
+                chunk = full.reshape(*lead, *full.shape).contiguous()
+                put(gkey, (*gshape, *full.shape), full.dtype, (*offsets, *(0,) * full.dim()), tuple(chunk.shape),
+                    chunk)
             if layer is not None:
-                for module in LINEAR_MODULES:
-                    raw = _torch_save_bytes([None])
-                    key = f"{LAYER_PREFIX}{module}._extra_state/shard_{layer}_{L}"
-                    records.append((key, None, None, None, None, (file_name, f.tell(), len(raw))))
-                    f.write(raw)
+                for module, suffix in _dist_extra_states(wmap, layer, L, E, stacked):
+                    put(f"{module}._extra_state/{suffix}", None, None, None, None, [None])
     reader.close()
     return records
+
+
+_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+
+
+def _dist_extra_states(wmap, layer: int, L: int, E: int, stacked: bool) -> list[tuple[str, str]]:
+    """(module, shard suffix) of the empty ``_extra_state`` items megatron-core writes for a layer:
+    ``shard_{layer}_{L}`` stacked, ``shard_0_1`` per layer; experts ``shard_{layer}.{e}_{L}.{E}``
+    stacked, ``shard_{e}_{E}`` per layer."""
+    from converters.megatron_stages import LINEAR_MODULES
+
+    prefix = LAYER_PREFIX if stacked else f"{LAYER_PREFIX}{layer}."
+    where = f"shard_{layer}_{L}" if stacked else "shard_0_1"
+    if layer not in wmap.moe_layers:
+        return [(prefix + m, where) for m in LINEAR_MODULES]
+    out = [(prefix + m, where) for m in LINEAR_MODULES[:2]]
+    for j in (1, 2):
+        out += [(f"{prefix}mlp.experts.experts.linear_fc{j}",
+                 f"shard_{layer}.{e}_{L}.{E}" if stacked else f"shard_{e}_{E}") for e in range(E)]
+    if not not_in_megatron(wmap.moe_layer_entries):
+        out += [(f"{prefix}mlp.shared_experts.linear_fc{j}", where) for j in (1, 2)]
+    return out
 
 
 def write_dist(reader: CheckpointReader, target, directory: str, *, workers: int, progress: bool) -> None:

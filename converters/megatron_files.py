@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from converters.hf_config import config_from_fields, read_hf_config
+from converters.megatron_moe import check_hf_against_args, moe_arg_fields, moe_hf_fields, num_experts_of
 from models.common.config import UnsupportedConfigError
 from models.common.errors import CheckpointError
 
@@ -95,7 +96,7 @@ def args_layout(args: Any) -> dict[str, int]:
 
 
 def detect_arch(args: Any, where: str) -> str:
-    """llama or qwen2 from the args' switches; UnsupportedConfigError for anything else."""
+    """llama, qwen2 or qwen2_moe from the args' switches; UnsupportedConfigError for anything else."""
     problems = []
     if _arg(args, "normalization", "LayerNorm") != "RMSNorm":
         problems.append(f"normalization={_arg(args, 'normalization', 'LayerNorm')}")
@@ -103,11 +104,15 @@ def detect_arch(args: Any, where: str) -> str:
         problems.append("swiglu=False")
     if _arg(args, "position_embedding_type", "learned_absolute") != "rope":
         problems.append(f"position_embedding_type={_arg(args, 'position_embedding_type')}")
-    if _arg(args, "num_experts"):
-        problems.append(f"num_experts={_arg(args, 'num_experts')} (MoE)")
     if problems:
         raise UnsupportedConfigError(f"{where}: unknown architecture: Megatron args with {', '.join(problems)} "
                                      f"match neither llama nor qwen2 (pass --arch to force)")
+    if num_experts_of(args):
+        # Qwen2-MoE is the one MoE architecture here; its router options are checked when read
+        if not _arg(args, "add_qkv_bias", False):
+            raise UnsupportedConfigError(f"{where}: Megatron MoE args without add_qkv_bias: not a Qwen2-MoE model "
+                                         f"(the only mixture-of-experts architecture supported)")
+        return "qwen2_moe"
     # add_bias_linear puts a bias on every linear layer: Llama with attention_bias and mlp_bias.
     if _arg(args, "add_qkv_bias", False) and not _arg(args, "add_bias_linear", False):
         return "qwen2"
@@ -153,12 +158,17 @@ def hf_config_from_args(args: Any, *, arch: str | None, hf_config_dir: str | Non
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     if arch == "qwen2":
         return config_from_fields("qwen2", **common, rope_parameters=rope)
+    if arch == "qwen2_moe":
+        if not num_experts_of(args):
+            raise CheckpointError(f"{where}: --arch qwen2_moe, but the Megatron args have no num_experts")
+        moe = moe_hf_fields(args, common["num_hidden_layers"], common["intermediate_size"], where)
+        return config_from_fields("qwen2_moe", **common, **moe, rope_parameters=rope)
     if arch == "llama":
         all_bias = bool(_arg(args, "add_bias_linear", False))
         if _arg(args, "add_qkv_bias", False) and not all_bias:
             raise UnsupportedConfigError(f"{where}: --arch llama cannot hold a bias on q/k/v only (that is qwen2)")
         return config_from_fields("llama", **common, rope_parameters=rope, attention_bias=all_bias, mlp_bias=all_bias)
-    raise CheckpointError(f"{where}: unknown architecture {arch!r} (supported: llama, qwen2)")
+    raise CheckpointError(f"{where}: unknown architecture {arch!r} (supported: llama, qwen2, qwen2_moe)")
 
 
 def _check_against_args(config: Any, args: Any, where: str, hf_dir: str) -> None:
@@ -183,6 +193,8 @@ def _check_against_args(config: Any, args: Any, where: str, hf_dir: str) -> None
             ours = config.hidden_size // config.num_attention_heads
         if value is not None and ours is not None and ours != value:
             bad.append(f"{h}={ours} vs {m}={value}")
+    if detected == "qwen2_moe":
+        bad += check_hf_against_args(config, args, where, hf_dir)
     padded = _arg(args, "padded_vocab_size")
     if padded is not None and getattr(config, "vocab_size", 0) > padded:
         bad.append(f"vocab_size={config.vocab_size} exceeds the checkpoint's padded vocab {padded}")
@@ -191,25 +203,27 @@ def _check_against_args(config: Any, args: Any, where: str, hf_dir: str) -> None
 
 
 def args_for_target(hf_config: Any, cfg, *, tp: int, pp: int, vpp: int, padded_vocab: int, dtype, fmt: str,
-                    divisible_by: int, first: int | None = None, last: int | None = None) -> argparse.Namespace:
+                    divisible_by: int, first: int | None = None, last: int | None = None,
+                    ep: int = 1) -> argparse.Namespace:
     """Megatron-LM-style args for a checkpoint we write (what our readers and Megatron-LM read back)."""
     import torch
 
     fields = target_arg_fields(hf_config, cfg, tp=tp, pp=pp, vpp=vpp, padded_vocab=padded_vocab,
                                dtype_name=str(dtype).removeprefix("torch."), fmt=fmt, divisible_by=divisible_by,
-                               first=first, last=last)
+                               first=first, last=last, ep=ep)
     return argparse.Namespace(**{**fields, "params_dtype": getattr(torch, fields["params_dtype"])})
 
 
 def target_arg_fields(hf_config: Any, cfg, *, tp: int, pp: int, vpp: int, padded_vocab: int, dtype_name: str,
-                      fmt: str, divisible_by: int, first: int | None = None, last: int | None = None) -> dict:
+                      fmt: str, divisible_by: int, first: int | None = None, last: int | None = None,
+                      ep: int = 1) -> dict:
     """The fields of ``args_for_target`` without torch: ``params_dtype`` is the dtype's name
     (``"bfloat16"``); the torch-free writers pickle it as ``torch.bfloat16``."""
     if not (cfg.o_bias == cfg.mlp_bias and (cfg.qkv_bias or not cfg.o_bias)):
         raise UnsupportedConfigError(
             f"Megatron has one switch for all linear biases (add_bias_linear) plus add_qkv_bias; this model has "
             f"qkv_bias={cfg.qkv_bias}, o_proj bias={cfg.o_bias}, mlp bias={cfg.mlp_bias}, which it cannot express")
-    return dict(
+    fields = dict(
         num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
         num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_key_value_heads,
         group_query_attention=cfg.num_key_value_heads != cfg.num_attention_heads, kv_channels=cfg.head_dim,
@@ -226,3 +240,6 @@ def target_arg_fields(hf_config: Any, cfg, *, tp: int, pp: int, vpp: int, padded
         ckpt_format=fmt, use_dist_ckpt=fmt != "torch", transformer_impl="local",
         hf_model_type=getattr(hf_config, "model_type", None),
     )
+    if cfg.moe is not None:
+        fields.update(moe_arg_fields(cfg, tp=tp, ep=ep))
+    return fields

@@ -39,7 +39,13 @@ class LayoutError(ValueError):
 
 
 def tp_split_kind(entry: WeightEntry, ndim: int) -> str:
-    """The legacy TP split of ``entry``'s Megatron tensor."""
+    """The legacy TP split of ``entry``'s Megatron tensor.
+
+    Experts (``...local_experts.{e}.linear_fc{1,2}``) are split over the expert-TP group like a
+    dense MLP (fc1 ``[gate_r; up_r]``, fc2 on dim 1) although every TP rank of our models holds them
+    whole: Megatron-LM's default expert-TP size is the TP size, the layout we read and write."""
+    if entry.megatron and ".local_experts." in entry.megatron:
+        return GATE_UP if entry.megatron_layout == GATE_UP_STACKED else COL1
     if entry.megatron_layout in (QKV_INTERLEAVED, VOCAB_PADDED):
         return ROW0
     if entry.megatron_layout == GATE_UP_STACKED:
@@ -143,9 +149,11 @@ def megatron_to_hf(entry: WeightEntry, full: torch.Tensor, cfg: ModelConfig) -> 
     if layout == QKV_INTERLEAVED:
         return qkv_deinterleave(full, cfg)
     if layout == GATE_UP_STACKED:
-        if full.shape[0] != 2 * cfg.intermediate_size:
-            raise LayoutError(f"{entry.megatron}: {full.shape[0]} rows, expected 2*ffn = {2 * cfg.intermediate_size}")
-        return [t.contiguous() for t in full.chunk(2, dim=0)]
+        # experts and the shared expert carry their own widths (entry.shapes), dense MLPs the config's
+        rows = [s[0] for s in entry.shapes] if entry.shapes is not None else [cfg.intermediate_size] * 2
+        if full.shape[0] != sum(rows):
+            raise LayoutError(f"{entry.megatron}: {full.shape[0]} rows, expected 2*ffn = {sum(rows)}")
+        return [t.contiguous() for t in full.split(rows, dim=0)]
     if layout == VOCAB_PADDED:
         if full.shape[0] < cfg.vocab_size:
             raise LayoutError(f"{entry.megatron}: {full.shape[0]} rows, fewer than vocab_size={cfg.vocab_size}")

@@ -9,6 +9,7 @@ a rank file are local to its pipeline stage / virtual chunk (``model`` or ``mode
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -33,13 +34,15 @@ from converters.megatron_layout import (
     slices_of_shards,
     tp_split_kind,
 )
+from converters.megatron_moe import num_experts_of
 from converters.megatron_stages import (
     RANK_FILE,
     TE_NORM_ALIASES,
     MegatronLayout,
+    absent_tensors,
     chunk_state,
     lookup_key,
-    unit_megatron_keys,
+    unit_megatron_keys_ep,
 )
 from converters.safe_pickle import safe_torch_load
 from models.common.sources import CheckpointError
@@ -68,27 +71,32 @@ class LegacyReader(CheckpointReader):
         names = sorted(p.name for p in self.it_dir.iterdir() if p.is_dir() and RANK_DIR.match(p.name))
         if not names:
             raise CheckpointError(f"{self.it_dir}: no mp_rank_* folders")
-        has_pp = any(RANK_DIR.match(n).group(2) for n in names)
-        first_file = self.it_dir / ("mp_rank_00_000" if has_pp else "mp_rank_00") / RANK_FILE
+        # the first rank's folder: mp_rank_00, mp_rank_00_000 (PP or EP: the args say which) or
+        # mp_rank_00_000_000 (PP and EP)
+        first = next((n for n in ("mp_rank_00", "mp_rank_00_000", "mp_rank_00_000_000") if n in names), names[0])
+        first_file = self.it_dir / first / RANK_FILE
         data = load_rank_file(first_file)
         self.args = data.get("args")
         if self.args is None:
             raise CheckpointError(f"{first_file}: no 'args' (not written by Megatron-LM?)")
         lay = args_layout(self.args)
-        self.tp, self.pp, self.vpp = lay["tp"], lay["pp"], lay["vpp"]
-        if lay["ep"] > 1:
-            raise CheckpointError(f"{self.it_dir}: expert-parallel (ep={lay['ep']}) checkpoints are not supported yet")
-        expected = {legacy_rank_dir_name(t, p, self.pp) for t in range(self.tp) for p in range(self.pp)}
+        self.tp, self.pp, self.vpp, self.ep = lay["tp"], lay["pp"], lay["vpp"], lay["ep"]
+        self._check_expert_layout(first_file)
+        expected = {legacy_rank_dir_name(t, p, self.pp, e, self.ep)
+                    for t in range(self.tp) for p in range(self.pp) for e in range(self.ep)}
         missing = sorted(expected - set(names))
         extra = sorted(set(names) - expected)
+        shown = f"tp={self.tp} pp={self.pp}" + (f" ep={self.ep}" if self.ep > 1 else "")
         if missing:
-            raise CheckpointError(f"{self.it_dir}: missing rank folder(s) {', '.join(missing)} "
-                                  f"for tp={self.tp} pp={self.pp}")
+            raise CheckpointError(f"{self.it_dir}: missing rank folder(s) {', '.join(missing)} for {shown}")
         if extra:
-            raise CheckpointError(f"{self.it_dir}: unexpected rank folder(s) {', '.join(extra)} "
-                                  f"for tp={self.tp} pp={self.pp}")
+            raise CheckpointError(f"{self.it_dir}: unexpected rank folder(s) {', '.join(extra)} for {shown}")
         self._set_model(hf_config_from_args(self.args, arch=arch, hf_config_dir=hf_config_dir, vocab_size=vocab_size,
                                             where=str(self.it_dir)), self.path)
+        experts = self.cfg.moe.num_experts if self.cfg.moe is not None else 0
+        if self.ep > 1 and (not experts or experts % self.ep):
+            raise CheckpointError(f"{first_file}: args say expert_model_parallel_size={self.ep}, but the model has "
+                                  f"{experts} experts (not a multiple of it)")
         self.layout = MegatronLayout(self.cfg.num_hidden_layers, self.pp, self.vpp, lay["first"], lay["last"],
                                      str(self.it_dir))
         self.padded_vocab = int(getattr(self.args, "padded_vocab_size", 0) or self.cfg.vocab_size)
@@ -96,56 +104,78 @@ class LegacyReader(CheckpointReader):
                       if isinstance(v, torch.Tensor) and v.is_floating_point()), torch.float32)
         self.info = ReaderInfo("megatron", self.arch.name,
                                {"tp": self.tp, "pp": self.pp, "vpp": self.vpp, "padded_vocab": self.padded_vocab,
-                                "iteration": getattr(self.args, "iteration", data.get("iteration"))},
-                               self.tp * self.pp, dtype)
+                                "iteration": getattr(self.args, "iteration", data.get("iteration")),
+                                **({"ep": self.ep, "etp": self.tp} if self.cfg.moe is not None else {})},
+                               self.tp * self.pp * self.ep, dtype)
         self._buffers: dict[tuple, torch.Tensor] = {}
         del data
 
-    def rank_file(self, t: int, p: int) -> Path:
-        return self.it_dir / legacy_rank_dir_name(t, p, self.pp) / RANK_FILE
+    def _check_expert_layout(self, first_file: Path) -> None:
+        """Only the expert layout megatron-core writes by default is read: experts split over TP
+        (expert_tensor_parallel_size = tp), one SequentialMLP per expert."""
+        if not num_experts_of(self.args):
+            return
+        etp = getattr(self.args, "expert_tensor_parallel_size", None)
+        if etp is not None and int(etp) != self.tp:
+            raise CheckpointError(f"{first_file}: expert_tensor_parallel_size={etp} with "
+                                  f"tensor_model_parallel_size={self.tp}: only expert TP = TP (Megatron-LM's default) "
+                                  f"legacy checkpoints are read (convert from torch_dist, which stores experts whole)")
+        if getattr(self.args, "moe_grouped_gemm", False):
+            raise CheckpointError(f"{first_file}: moe_grouped_gemm=True: legacy checkpoints with grouped-GEMM experts "
+                                  f"(one weight{{e}} per expert in a grouped linear) are not read yet")
 
-    def _expected_keys(self, p: int, v: int) -> list[tuple[Unit, WeightEntry, str]]:
-        out = []
-        if p == 0 and v == 0:
-            out += [(EMBED, e, k) for e, k in unit_megatron_keys(self.wmap, EMBED, None)]
-        for j, i in enumerate(self.layout.ranges[p][v]):
-            out += [(i, e, k) for e, k in unit_megatron_keys(self.wmap, i, j)]
-        if p == self.pp - 1 and v == self.vpp - 1:
-            out += [(FINAL, e, k) for e, k in unit_megatron_keys(self.wmap, FINAL, None)]
-        return out
+    def rank_file(self, t: int, p: int, e: int = 0) -> Path:
+        return self.it_dir / legacy_rank_dir_name(t, p, self.pp, e, self.ep) / RANK_FILE
+
+    def _expected_keys(self, p: int, v: int) -> list[tuple[Unit, WeightEntry, str, int | None]]:
+        """(unit, entry, key, EP rank of an expert tensor or None) held by chunk ``v`` of stage ``p``."""
+        return [(unit, e, k, r) for unit, local in self.layout.stage_units(p, v)
+                for e, k, r in unit_megatron_keys_ep(self.wmap, unit, local, self.ep)]
 
     def validate(self) -> None:
-        """Every rank file loads; every expected tensor is there, with one shape across TP ranks; nothing unused."""
+        """Every rank file loads; every expected tensor is there, with one shape across TP ranks; nothing
+        unused. With EP every file holds the stage's non-expert tensors and its own experts only."""
         for p in range(self.pp):
-            states = []
-            for t in range(self.tp):
-                path = self.rank_file(t, p)
-                data = load_rank_file(path)
-                states.append([(path, chunk_state(data, v, self.vpp, path)) for v in range(self.vpp)])
-            for v in range(self.vpp):
-                used: set[str] = set()
-                for _unit, entry, key in self._expected_keys(p, v):
-                    shapes = []
-                    for t in range(self.tp):
-                        path, state = states[t][v]
-                        tensor = lookup_key(state, key)[1]
-                        if tensor is None:
-                            raise CheckpointError(f"{path}: missing tensor {key} (chunk {v})")
-                        shapes.append(tuple(tensor.shape))
-                    if len(set(shapes)) != 1:
-                        raise CheckpointError(f"{self.it_dir}: tensor {key} (pp rank {p}, chunk {v}) has different "
-                                              f"shapes across TP ranks: {shapes}")
-                    used.add(key)
-                    self._check_shape(entry, key, shapes[0], p)
+            states = []  # [e][t][v]
+            for e in range(self.ep):
+                states.append([])
                 for t in range(self.tp):
-                    path, state = states[t][v]
-                    unused = sorted(k for k in state if k not in used and not k.endswith("_extra_state")
-                                    and not self._alias_used(k, used) and not self._tied_copy(k, p, v))
-                    if unused:
-                        raise CheckpointError(f"{path}: unused tensor(s) {', '.join(unused[:8])}"
-                                              f"{' ...' if len(unused) > 8 else ''} "
-                                              f"(not part of a {self.arch.name} model)")
+                    path = self.rank_file(t, p, e)
+                    data = load_rank_file(path)
+                    states[e].append([(path, chunk_state(data, v, self.vpp, path)) for v in range(self.vpp)])
+            for v in range(self.vpp):
+                used: list[set[str]] = [set() for _ in range(self.ep)]
+                for _unit, entry, key, ep_rank in self._expected_keys(p, v):
+                    for e in range(self.ep) if ep_rank is None else (ep_rank,):
+                        shapes = []
+                        for t in range(self.tp):
+                            path, state = states[e][t][v]
+                            tensor = lookup_key(state, key)[1]
+                            if tensor is None:
+                                raise CheckpointError(f"{path}: missing tensor {key} (chunk {v})")
+                            shapes.append(tuple(tensor.shape))
+                        if len(set(shapes)) != 1:
+                            raise CheckpointError(f"{self.it_dir}: tensor {key} (pp rank {p}, chunk {v}) has "
+                                                  f"different shapes across TP ranks: {shapes}")
+                        used[e].add(key)
+                        self._check_shape(entry, key, shapes[0], p, e)
+                for e in range(self.ep):
+                    for t in range(self.tp):
+                        path, state = states[e][t][v]
+                        unused = sorted(k for k in state if k not in used[e] and not k.endswith("_extra_state")
+                                        and not self._alias_used(k, used[e]) and not self._tied_copy(k, p, v))
+                        if unused:
+                            more = self._expert_count_hint(unused)
+                            raise CheckpointError(f"{path}: unused tensor(s) {', '.join(unused[:8])}"
+                                                  f"{' ...' if len(unused) > 8 else ''} "
+                                                  f"(not part of a {self.arch.name} model{more})")
             del states
+
+    def _expert_count_hint(self, unused: list[str]) -> str:
+        if self.cfg.moe is None or not any(".local_experts." in k for k in unused):
+            return ""
+        return (f": {self.cfg.moe.num_experts} experts over ep={self.ep} give "
+                f"{self.cfg.moe.num_experts // self.ep} local experts per file")
 
     def _alias_used(self, key: str, used: set[str]) -> bool:
         for local, te in TE_NORM_ALIASES.items():
@@ -157,7 +187,7 @@ class LegacyReader(CheckpointReader):
         """With tied embeddings and PP > 1 the last stage stores its own copy as output_layer.weight."""
         return self.cfg.tie_word_embeddings and key == "output_layer.weight" and p == self.pp - 1 and v == self.vpp - 1
 
-    def _check_shape(self, entry: WeightEntry, key: str, shard_shape: tuple, p: int) -> None:
+    def _check_shape(self, entry: WeightEntry, key: str, shard_shape: tuple, p: int, e: int = 0) -> None:
         from converters.megatron_layout import megatron_full_shape
 
         full = megatron_full_shape(entry, self.hf_shapes(), self.cfg, self.padded_vocab)
@@ -168,7 +198,8 @@ class LegacyReader(CheckpointReader):
         elif kind == COL1:
             expected[1] //= self.tp
         if tuple(expected) != shard_shape:
-            raise CheckpointError(f"{self.rank_file(0, p).parent.parent}: tensor {key} has shape {shard_shape} per "
+            where = self.rank_file(0, p, e).parent if self.ep > 1 else self.rank_file(0, p).parent.parent
+            raise CheckpointError(f"{where}: tensor {key} has shape {shard_shape} per "
                                   f"TP rank, the model config implies {tuple(expected)} (tp={self.tp})")
 
     @staticmethod
@@ -190,10 +221,14 @@ class LegacyReader(CheckpointReader):
         """
         p, v = self.layout.unit_location(unit)
         local = None if unit in (EMBED, FINAL) else self.layout.where[int(unit)][2]
-        files = [self.rank_file(t, p).resolve() for t in range(self.tp)]
-        states = [chunk_state(load_rank_file(f), v, self.vpp, f) for f in files]
-        out: dict[str, list[torch.Tensor]] = {}
-        for entry, key in unit_megatron_keys(self.wmap, unit, local):
+        keys = unit_megatron_keys_ep(self.wmap, unit, local, self.ep)
+        ep_ranks = sorted({0} | {r for _, _, r in keys if r is not None})
+        all_files = {e: [self.rank_file(t, p, e).resolve() for t in range(self.tp)] for e in ep_ranks}
+        all_states = {e: [chunk_state(load_rank_file(f), v, self.vpp, f) for f in fs] for e, fs in all_files.items()}
+        out: dict[str, list[torch.Tensor]] = {n: [torch.zeros(shape, dtype=self.info.dtype)]
+                                              for n, shape in absent_tensors(self.wmap, unit).items()}
+        for entry, key, ep_rank in keys:
+            files, states = all_files[ep_rank or 0], all_states[ep_rank or 0]
             shards = [lookup_key(s, key)[1] for s in states]
             if any(s is None for s in shards):
                 raise CheckpointError(f"{self.it_dir}: missing tensor {key} on pp rank {p}")
@@ -212,10 +247,11 @@ class LegacyReader(CheckpointReader):
                     out[entry.hf[0]] = [shards[0].clone()]
                 elif reuse_buffers and kind == COL1 and entry.megatron_layout == PLAIN:
                     shape = (shards[0].shape[0], shards[0].shape[1] * self.tp)
-                    buf = self._buffers.get((key.rsplit(".", 2)[-2], shape, shards[0].dtype))
+                    # one buffer per tensor of a unit (each expert its own), reused by the next layer
+                    slot = (_LAYER_NUMBER.sub("", key), ep_rank, shape, shards[0].dtype)
+                    buf = self._buffers.get(slot)
                     if buf is None:
-                        buf = self._buffers[(key.rsplit(".", 2)[-2], shape, shards[0].dtype)] = \
-                            torch.empty(shape, dtype=shards[0].dtype)
+                        buf = self._buffers[slot] = torch.empty(shape, dtype=shards[0].dtype)
                     out[entry.hf[0]] = [torch.cat(shards, dim=1, out=buf)]
                 else:
                     full = merge_tp(kind, shards, key)
@@ -223,6 +259,9 @@ class LegacyReader(CheckpointReader):
             except LayoutError as exc:
                 raise CheckpointError(f"{self.it_dir}: {exc}") from exc
         return out
+
+
+_LAYER_NUMBER = re.compile(r"^decoder\.layers\.\d+\.")
 
 
 def _mapped(piece: torch.Tensor, source: Path) -> torch.Tensor:

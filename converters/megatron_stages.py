@@ -69,18 +69,79 @@ class MegatronLayout:
 
 
 def unit_megatron_keys(reader_wmap, unit: Unit, local_index: int | None) -> list[tuple[WeightEntry, str]]:
-    """(entry with global HF names, Megatron key with the stage-local layer number) for a unit."""
+    """(entry with global HF names, Megatron key with the stage-local layer number) for a unit
+    (experts numbered globally: the layout of an EP=1 checkpoint)."""
+    return [(e, k) for e, k, _ in unit_megatron_keys_ep(reader_wmap, unit, local_index, 1)]
+
+
+def not_in_megatron(templates) -> set[str]:
+    """HF-side parameters of a layer that Megatron does not store: the shared expert of a Qwen2-MoE
+    model without one (transformers keeps 0-row tensors and a gate whose output is multiplied by
+    zero; megatron-core builds no shared_experts module, so its gate is not stored either)."""
+    shared = [t for t in templates if t.megatron and ".shared_experts." in t.megatron]
+    if any(t.shapes is not None and any(0 in s for s in t.shapes) for t in shared):
+        return {t.param for t in shared}
+    return set()
+
+
+def unit_megatron_keys_ep(reader_wmap, unit: Unit, local_index: int | None,
+                          ep: int) -> list[tuple[WeightEntry, str, int | None]]:
+    """(entry, legacy Megatron key, EP rank holding it or None) for a unit at expert parallelism ``ep``.
+
+    Expert entries become one plain entry per global expert e (its HF names; ``entry.megatron``
+    with the global id) whose key names the stage-local layer and the local expert id
+    ``e % (E/ep)`` in the file of EP rank ``e // (E/ep)``. Shared-expert entries of width 0 (no
+    shared expert) have no Megatron tensor and are left out."""
     if unit == EMBED:
-        return [(e, e.megatron) for e in reader_wmap.first_entries]
+        return [(e, e.megatron, None) for e in reader_wmap.first_entries]
     if unit == FINAL:
-        return [(e, e.megatron) for e in reader_wmap.last_entries]
-    return [(t.format(int(unit)), t.megatron.format(i=local_index)) for t in reader_wmap.layer_entries]
+        return [(e, e.megatron, None) for e in reader_wmap.last_entries]
+    out: list[tuple[WeightEntry, str, int | None]] = []
+    templates = reader_wmap.layer_templates(int(unit))
+    skipped = not_in_megatron(templates)
+    for t in templates:
+        if t.param in skipped:
+            continue
+        if not t.experts:
+            out.append((t.format(int(unit)), t.megatron.format(i=local_index), None))
+            continue
+        per_rank = t.experts // ep
+        formatted = t.format(int(unit))
+        for e in range(t.experts):
+            key = t.megatron.replace("{i}", str(local_index)).replace("{e}", str(e % per_rank))
+            out.append((formatted.expert(e), key, e // per_rank))
+    return out
 
 
-def extra_state_modules(unit: Unit, local_index: int | None) -> list[str]:
-    """Modules whose (empty) ``_extra_state`` a Megatron-LM rank file holds for this unit."""
+def absent_tensors(reader_wmap, unit: Unit) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of the tensors of a unit that Megatron does not store (``not_in_megatron``);
+    readers of Megatron checkpoints give them as zeros."""
+    if unit in (EMBED, FINAL):
+        return {}
+    out = {}
+    templates = reader_wmap.layer_templates(int(unit))
+    skipped = not_in_megatron(templates)
+    for t in templates:
+        if t.param in skipped:
+            entry = t.format(int(unit))
+            out.update((name, tuple(entry.shapes[j % entry.parts])) for j, name in enumerate(entry.hf))
+    return out
+
+
+def extra_state_modules(unit: Unit, local_index: int | None, wmap: Any = None, ep: int = 1,
+                        ep_rank: int = 0) -> list[str]:
+    """Modules whose (empty) ``_extra_state`` a Megatron-LM rank file holds for this unit (MoE
+    layers: attention, this EP rank's local experts and the shared expert, as megatron-core writes)."""
     if isinstance(unit, int):
-        return [f"decoder.layers.{local_index}.{m}" for m in LINEAR_MODULES]
+        prefix = f"decoder.layers.{local_index}."
+        if wmap is None or unit not in wmap.moe_layers:
+            return [prefix + m for m in LINEAR_MODULES]
+        modules = [prefix + m for m in LINEAR_MODULES[:2]]
+        local = next((t.experts for t in wmap.moe_layer_entries if t.experts), 0) // ep
+        modules += [f"{prefix}mlp.experts.local_experts.{i}.linear_fc{j}" for i in range(local) for j in (1, 2)]
+        if not not_in_megatron(wmap.moe_layer_entries):
+            modules += [f"{prefix}mlp.shared_experts.linear_fc{j}" for j in (1, 2)]
+        return modules
     return ["output_layer"] if unit == FINAL else []
 
 
@@ -125,7 +186,12 @@ def dist_key(template: str, layer: int | None, tensors: dict) -> tuple[str, int 
     per_layer = template.format(i=layer)
     if per_layer in tensors:
         return per_layer, None
-    return stacked_key(template), layer
+    stacked = stacked_key(template)
+    # unstacked checkpoints (mixed dense and MoE layers) keep the norms under their TE names too
+    te_per_layer = stacked.replace(LAYER_PREFIX, f"{LAYER_PREFIX}{layer}.", 1)
+    if te_per_layer in tensors:
+        return te_per_layer, None
+    return stacked, layer
 
 
 def iteration_folder(root: Path, iteration: int | None) -> Path:
