@@ -38,6 +38,11 @@ def model_config(hf_config: Any) -> ModelConfig:
         norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)),
         decoder_sparse_step=step,
         mlp_only_layers=tuple(int(i) for i in (getattr(hf_config, "mlp_only_layers", None) or ())),
-        router_aux_loss_coef=float(getattr(hf_config, "router_aux_loss_coef", 0.001)),
+        # transformers' default where config.json leaves it out (plain-dict configs read None)
+        router_aux_loss_coef=float(_or(getattr(hf_config, "router_aux_loss_coef", None), 0.001)),
     )
     return dataclasses.replace(base, moe=moe)
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
