@@ -11,6 +11,8 @@ reload does not update the experts (docs/architecture.md, "Mixture of experts").
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -74,17 +76,38 @@ def moe_vllm(tmp_path_factory):
     served = run_client("logprobs", {"model": str(root / "trained"), "tp": 1, "prompts": PROMPTS}, root / "lp.json")
     sharded = run_client("logprobs", {"model": str(root / "trained_vllm_tp2"), "tp": 2, "prompts": PROMPTS,
                                       "load_format": "sharded_state"}, root / "lp_sharded.json")
-    return ours, served, sharded
+    return ours, served, sharded, root
 
 
 def test_vllm_serves_ep2_trained_moe_with_our_logprobs(moe_vllm):
-    ours, served, _ = moe_vllm
+    ours, served = moe_vllm[:2]
     assert ours[0] == ours[1]  # both EP ranks compute the same model
     assert _max_diff(served["logprobs"], ours[0]) <= LOGPROB_TOL
+
+
+def test_pmz_convert_moe_to_vllm_equals_live_save(moe_vllm, tmp_path):
+    """``pmz convert <HF> --to vllm --tp 2`` (offline, from the saved HF checkpoint) writes the files
+    ``save_vllm_sharded_state`` wrote from the EP=2 model (which vLLM serves, test below), bitwise."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    root = moe_vllm[3]
+    out = tmp_path / "converted"
+    subprocess.run([sys.executable, "-m", "converters.cli", "convert", str(root / "trained"), str(out), "--to", "vllm",
+                    "--tp", "2"], check=True, capture_output=True, cwd=str(Path(__file__).resolve().parents[1]))
+    for rank in (0, 1):
+        name = f"model-rank-{rank}-part-0.safetensors"
+        ours, live = load_file(str(out / name)), load_file(str(root / "trained_vllm_tp2" / name))
+        assert sorted(ours) == sorted(live)
+        assert any(".routed_experts.w13_weight" in k for k in ours)
+        for key in live:
+            assert ours[key].shape == live[key].shape and torch.equal(ours[key], live[key]), key
 
 
 def test_vllm_loads_moe_sharded_state_at_tp2_with_our_logprobs(moe_vllm):
     """save_vllm_sharded_state(tp=2) from EP=2: vLLM's strict sharded_state loader takes the fused
     expert stacks (intermediate split over its TP) and serves our model's log-probs."""
-    ours, _, sharded = moe_vllm
+    ours, sharded = moe_vllm[0], moe_vllm[2]
     assert _max_diff(sharded["logprobs"], ours[0]) <= LOGPROB_TOL
