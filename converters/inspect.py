@@ -33,6 +33,7 @@ def inspect_checkpoint(path: str | os.PathLike, *, vocab_size: int | None = None
         "model": f"{cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, ffn {cfg.intermediate_size}, "
                  f"heads {cfg.num_attention_heads} (kv {cfg.num_key_value_heads}, head_dim {cfg.head_dim}), "
                  f"vocab {cfg.vocab_size}, {'tied' if cfg.tie_word_embeddings else 'untied'} embeddings",
+        **_experts(cfg),
         "parallel_layout": ", ".join(f"{k}={v}" for k, v in layout.items()),
         "files": reader.info.files,
         "parameters": params,
@@ -80,3 +81,16 @@ def _layout(reader: Any, location: SourceLocation, path: str | os.PathLike) -> s
     if name == "Megatron torch_dist" and getattr(reader, "args", None) is None:
         name = "torch_dist without Megatron args (dist_checkpointing.save alone?)"
     return name + (f" (tensors in {location.path})" if Path(location.path) != Path(path) else "")
+
+
+def _experts(cfg) -> dict[str, str]:
+    """The mixture-of-experts line (nothing for dense models)."""
+    moe = cfg.moe
+    if moe is None:
+        return {}
+    sparse = sorted(cfg.sparse_layers())
+    shared = f"shared expert {moe.shared_expert_intermediate_size}" if moe.shared_expert_intermediate_size \
+        else "no shared expert"
+    return {"experts": f"{moe.num_experts} x ffn {moe.moe_intermediate_size}, top-{moe.top_k} "
+                       f"({'renormalised' if moe.norm_topk_prob else 'softmax over all, not renormalised'}), "
+                       f"{shared}, on {len(sparse)} of {cfg.num_hidden_layers} layers"}

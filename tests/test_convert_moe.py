@@ -397,3 +397,18 @@ def test_ep_needs_experts(tmp_path, capsys):
     capsys.readouterr()
     _fails(capsys, ["convert", str(src), str(tmp_path / "mc"), "--to", "megatron", "--ep", "2"], tmp_path / "mc",
            "--ep 2: expert parallelism needs a mixture-of-experts model")
+
+
+def test_inspect_shows_experts_and_ep_layout(legacy_ep2, capsys):
+    """``pmz inspect`` of an EP=2 legacy checkpoint: the expert line (from tests/workers_moe's config
+    of the "shared" case) and the EP layout."""
+    from tests.workers_moe import MOE_CASES
+
+    case = MOE_CASES["shared"]
+    assert pmz(["inspect", str(legacy_ep2)]) == 0
+    out = capsys.readouterr().out
+    sparse = sum(1 for i in range(case["num_hidden_layers"]) if i not in case["mlp_only_layers"])
+    assert (f"{case['num_experts']} x ffn {case['moe_intermediate_size']}, top-{case['num_experts_per_tok']} "
+            f"(softmax over all, not renormalised), shared expert {case['shared_expert_intermediate_size']}, "
+            f"on {sparse} of {case['num_hidden_layers']} layers") in out
+    assert "ep=2" in out
