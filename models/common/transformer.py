@@ -434,6 +434,8 @@ class ParallelCausalLM(nn.Module):
         labels laid out like ``input_ids`` (``out[..., t] = log p(labels[..., t] | tokens < t)``; 0 where
         ignored), on every rank, in the original sample order. Schedules: "gpipe", "1f1b",
         "interleaved_1f1b" (chosen for "1f1b" when vpp > 1), "looped_bfs", "interleaved_zero_bubble".
+        Mixture-of-experts models train on cross entropy alone here: the load-balancing loss is not
+        added (use ``model(..., output_router_logits=True)`` at pp=1 for it).
         """
         from models.common.training import forward_backward
 
