@@ -228,15 +228,14 @@ class MoeLayout:
         return f"tp{self.tp}pp{self.pp}ep{self.ep}{etp}"
 
 
-def moe_megatron_args(spec: MoeSpec, layout: MoeLayout, fmt: str):
-    """Megatron-LM's ``args`` for the model: the dense subset plus the MoE arguments, named as
-    Megatron-LM names them (``num_experts``; the rest are TransformerConfig field names)."""
-    args = megatron_args(spec, layout.tp, layout.pp, None, fmt)
-    freq = 1 if spec.moe_layer_freq is None else list(spec.moe_layer_freq)
-    args.__dict__.update(
-        num_experts=spec.num_experts,
+def _moe_fields(spec: MoeSpec, layout: MoeLayout) -> dict:
+    """The MoE fields of megatron-core's TransformerConfig, configured as Qwen2-MoE (one list for the
+    model built here and the args saved with it)."""
+    return dict(
+        num_moe_experts=spec.num_experts,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.expert_tp,
+        moe_layer_freq=1 if spec.moe_layer_freq is None else list(spec.moe_layer_freq),
         moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
         moe_router_topk=spec.topk,
         moe_shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
@@ -245,6 +244,19 @@ def moe_megatron_args(spec: MoeSpec, layout: MoeLayout, fmt: str):
         moe_router_score_function="softmax",
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="allgather",
+        moe_grouped_gemm=False,
+    )
+
+
+def moe_megatron_args(spec: MoeSpec, layout: MoeLayout, fmt: str):
+    """Megatron-LM's ``args`` for the model: the dense subset plus the MoE arguments, named as
+    Megatron-LM names them (``num_experts``; the rest are TransformerConfig field names)."""
+    args = megatron_args(spec, layout.tp, layout.pp, None, fmt)
+    fields = _moe_fields(spec, layout)
+    fields["num_experts"] = fields.pop("num_moe_experts")
+    args.__dict__.update(
+        fields,
         moe_z_loss_coeff=None,
         moe_router_topk_scaling_factor=None,
         moe_router_enable_expert_bias=False,
@@ -252,9 +264,6 @@ def moe_megatron_args(spec: MoeSpec, layout: MoeLayout, fmt: str):
         moe_router_group_topk=None,
         moe_router_dtype=None,
         moe_input_jitter_eps=None,
-        moe_layer_freq=freq,
-        moe_grouped_gemm=False,
-        moe_token_dispatcher_type="allgather",
     )
     return args
 
@@ -322,8 +331,6 @@ def moe_transformer_config(spec: MoeSpec, layout: MoeLayout):
         kv_channels=spec.kv_channels,
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.expert_tp,
         pipeline_dtype=torch.float32,
         normalization="RMSNorm",
         layernorm_epsilon=spec.norm_epsilon,
@@ -342,19 +349,7 @@ def moe_transformer_config(spec: MoeSpec, layout: MoeLayout):
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
-        # MoE, configured as Qwen2-MoE.
-        num_moe_experts=spec.num_experts,
-        moe_layer_freq=1 if spec.moe_layer_freq is None else list(spec.moe_layer_freq),
-        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
-        moe_router_topk=spec.topk,
-        moe_shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
-        moe_shared_expert_gate=spec.has_shared_expert,
-        moe_router_pre_softmax=spec.pre_softmax,
-        moe_router_score_function="softmax",
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
-        moe_token_dispatcher_type="allgather",
-        moe_grouped_gemm=False,
+        **_moe_fields(spec, layout),  # MoE, configured as Qwen2-MoE
     )
 
 
