@@ -38,7 +38,7 @@ def write_vllm_rank(reopen_args: tuple, directory: str, pp_rank: int, tp_rank: i
             hf = reader.read_unit(unit)
             for t in wanted:
                 if t.entry is not None and t.key not in values and all(n in hf for n in t.entry.hf):
-                    values[t.key] = _pack(t.entry, hf, tp_rank, tp).to(dtype)
+                    values[t.key] = vllm_format.pack_shard(t.entry, hf, tp_rank, tp).to(dtype)
             del hf
         written = 0
 
@@ -55,14 +55,6 @@ def write_vllm_rank(reopen_args: tuple, directory: str, pp_rank: int, tp_rank: i
         return written
     finally:
         reader.close()
-
-
-def _pack(entry, hf: dict, tp_rank: int, tp: int) -> torch.Tensor:
-    """vLLM rank ``tp_rank``'s packed shard of ``entry`` (``[E, ...]``: each expert packed alike)."""
-    if entry.experts:
-        return torch.stack([entry.expert(e).packed.pack([hf[n] for n in entry.expert_hf(e)], tp_rank, tp)
-                            for e in range(entry.experts)])
-    return entry.packed.pack([hf[n] for n in entry.hf], tp_rank, tp)
 
 
 def write_vllm(reader: CheckpointReader, directory: str, *, tp: int, pp: int, dtype: torch.dtype,

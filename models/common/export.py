@@ -246,8 +246,8 @@ def iter_export(model, format: str = "hf", *, bucket_bytes: int = DEFAULT_BUCKET
                 _fill_by_broadcast(buffer, moves, groups)
                 for entry, meta in zip(plan.entries, plan.metas):
                     if entry.experts:
-                        _fill_vllm_experts(buffer, entry, meta, named[entry.param], shapes, groups, target_tp,
-                                           target_rank)
+                        _fill_vllm_experts(buffer, entry, meta, named, src_entries[entry.param], shapes, groups,
+                                           target_tp, target_rank)
             else:
                 positions = {m.name: m for m in plan.metas}
                 for name, full in export_hf_state(named, list(plan.entries), shapes, groups.tp_group, groups.ep_group):
@@ -338,19 +338,13 @@ def _plan_moves(buffer: torch.Tensor, plan: BucketPlan, named, model, format: st
     return moves
 
 
-def _fill_vllm_experts(buffer: torch.Tensor, entry: WeightEntry, meta: TensorMeta, local: torch.Tensor,
-                       shapes: dict, groups, target_tp: int, target_rank: int) -> None:
-    """One layer's expert stack for vLLM rank ``target_rank`` of ``target_tp``: gathered over EP (every
-    TP rank holds whole experts), then each expert cut with vLLM's rules (``entry``). Memory: one
-    layer's experts."""
-    from parallel.collectives import gather_shards
-
-    stacked = torch.cat(gather_shards(local.detach(), groups.ep_group), dim=0)  # [E, ...] in expert order
-    out = buffer[meta.offset:meta.offset + meta.numel].view(meta.shape)
-    for e in range(entry.experts):
-        expert = entry.expert(e)
-        parts = stacked[e].split([shapes[name][0] for name in expert.hf], dim=0)
-        out[e].copy_(expert.packed.pack(parts, target_rank, target_tp))
+def _fill_vllm_experts(buffer: torch.Tensor, entry: WeightEntry, meta: TensorMeta, named: dict,
+                       src_entry: WeightEntry, shapes: dict, groups, target_tp: int, target_rank: int) -> None:
+    """One layer's expert stack for vLLM rank ``target_rank`` of ``target_tp``: the full experts
+    (``export_hf_state``: gathered over EP, one layer at a time) cut with vLLM's rules (``entry``)."""
+    full = dict(export_hf_state(named, [src_entry], shapes, groups.tp_group, groups.ep_group))
+    buffer[meta.offset:meta.offset + meta.numel].view(meta.shape).copy_(
+        vllm_format.pack_shard(entry, full, target_rank, target_tp))
 
 
 def _fill_by_broadcast(buffer: torch.Tensor, moves: list[_Move], groups) -> None:

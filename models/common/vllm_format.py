@@ -179,6 +179,16 @@ def parameter_key(entry: WeightEntry, cfg: ModelConfig) -> str:
     return _moe_key(entry, cfg, sharded=False) or entry.param
 
 
+def pack_shard(entry: WeightEntry, full: dict, rank: int, size: int):
+    """vLLM rank ``rank``'s packed shard of ``entry`` from its full HF tensors ``full`` (by name);
+    expert entries give ``[E, ...]`` with every expert packed alike."""
+    import torch
+
+    if entry.experts:
+        return torch.stack([pack_shard(entry.expert(e), full, rank, size) for e in range(entry.experts)])
+    return entry.packed.pack([full[n] for n in entry.hf], rank, size)
+
+
 def shard_shape(entry: WeightEntry, shapes: dict[str, Sequence[int]], size: int) -> tuple[int, ...]:
     """Shape of one rank's packed shard of ``entry`` at TP ``size`` (``[E, ...]`` for expert stacks)."""
     if entry.experts:
