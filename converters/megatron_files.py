@@ -19,7 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from converters.hf_config import config_from_fields, read_hf_config
-from converters.megatron_moe import check_hf_against_args, moe_arg_fields, moe_hf_fields, num_experts_of
+from converters.megatron_moe import (
+    arg_value,
+    check_hf_against_args,
+    moe_arg_fields,
+    moe_hf_fields,
+    num_experts_of,
+)
 from models.common.config import UnsupportedConfigError
 from models.common.errors import CheckpointError
 
@@ -78,43 +84,38 @@ def legacy_rank_dir_name(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, 
     return name
 
 
-def _arg(args: Any, name: str, default: Any = None) -> Any:
-    value = getattr(args, name, default)
-    return default if value is None else value
-
-
 def args_layout(args: Any) -> dict[str, int]:
     """tp/pp/vpp/ep and uneven-stage counts recorded in Megatron args."""
     return {
-        "tp": int(_arg(args, "tensor_model_parallel_size", 1)),
-        "pp": int(_arg(args, "pipeline_model_parallel_size", 1)),
-        "vpp": int(_arg(args, "virtual_pipeline_model_parallel_size", 1) or 1),
-        "ep": int(_arg(args, "expert_model_parallel_size", 1)),
-        "first": _arg(args, "decoder_first_pipeline_num_layers"),
-        "last": _arg(args, "decoder_last_pipeline_num_layers"),
+        "tp": int(arg_value(args, "tensor_model_parallel_size", 1)),
+        "pp": int(arg_value(args, "pipeline_model_parallel_size", 1)),
+        "vpp": int(arg_value(args, "virtual_pipeline_model_parallel_size", 1) or 1),
+        "ep": int(arg_value(args, "expert_model_parallel_size", 1)),
+        "first": arg_value(args, "decoder_first_pipeline_num_layers"),
+        "last": arg_value(args, "decoder_last_pipeline_num_layers"),
     }
 
 
 def detect_arch(args: Any, where: str) -> str:
     """llama, qwen2 or qwen2_moe from the args' switches; UnsupportedConfigError for anything else."""
     problems = []
-    if _arg(args, "normalization", "LayerNorm") != "RMSNorm":
-        problems.append(f"normalization={_arg(args, 'normalization', 'LayerNorm')}")
-    if not _arg(args, "swiglu", False):
+    if arg_value(args, "normalization", "LayerNorm") != "RMSNorm":
+        problems.append(f"normalization={arg_value(args, 'normalization', 'LayerNorm')}")
+    if not arg_value(args, "swiglu", False):
         problems.append("swiglu=False")
-    if _arg(args, "position_embedding_type", "learned_absolute") != "rope":
-        problems.append(f"position_embedding_type={_arg(args, 'position_embedding_type')}")
+    if arg_value(args, "position_embedding_type", "learned_absolute") != "rope":
+        problems.append(f"position_embedding_type={arg_value(args, 'position_embedding_type')}")
     if problems:
         raise UnsupportedConfigError(f"{where}: unknown architecture: Megatron args with {', '.join(problems)} "
                                      f"match neither llama nor qwen2 (pass --arch to force)")
     if num_experts_of(args):
         # Qwen2-MoE is the one MoE architecture here; its router options are checked when read
-        if not _arg(args, "add_qkv_bias", False):
+        if not arg_value(args, "add_qkv_bias", False):
             raise UnsupportedConfigError(f"{where}: Megatron MoE args without add_qkv_bias: not a Qwen2-MoE model "
                                          f"(the only mixture-of-experts architecture supported)")
         return "qwen2_moe"
     # add_bias_linear puts a bias on every linear layer: Llama with attention_bias and mlp_bias.
-    if _arg(args, "add_qkv_bias", False) and not _arg(args, "add_bias_linear", False):
+    if arg_value(args, "add_qkv_bias", False) and not arg_value(args, "add_bias_linear", False):
         return "qwen2"
     return "llama"
 
@@ -133,28 +134,29 @@ def hf_config_from_args(args: Any, *, arch: str | None, hf_config_dir: str | Non
         _check_against_args(config, args, where, hf_config_dir)
         return config
     arch = arch or detect_arch(args, where)
-    vocab = vocab_size or _arg(args, "vocab_size")
+    vocab = vocab_size or arg_value(args, "vocab_size")
     if not vocab:
         raise CheckpointError(f"{where}: the checkpoint records only the padded vocab "
-                              f"({_arg(args, 'padded_vocab_size')}); pass --hf-config DIR or --vocab-size N")
+                              f"({arg_value(args, 'padded_vocab_size')}); pass --hf-config DIR or --vocab-size N")
     heads = int(args.num_attention_heads)
-    groups = int(_arg(args, "num_query_groups", heads)) if _arg(args, "group_query_attention", False) else heads
+    grouped = arg_value(args, "group_query_attention", False)
+    groups = int(arg_value(args, "num_query_groups", heads)) if grouped else heads
     common = dict(
         vocab_size=int(vocab),
         hidden_size=int(args.hidden_size),
-        intermediate_size=int(_arg(args, "ffn_hidden_size", 4 * args.hidden_size)),
+        intermediate_size=int(arg_value(args, "ffn_hidden_size", 4 * args.hidden_size)),
         num_hidden_layers=int(args.num_layers),
         num_attention_heads=heads,
         num_key_value_heads=groups,
-        head_dim=int(_arg(args, "kv_channels", args.hidden_size // heads)),
-        max_position_embeddings=int(_arg(args, "max_position_embeddings", _arg(args, "seq_length", 4096))),
-        rms_norm_eps=float(_arg(args, "norm_epsilon", 1e-5)),
-        tie_word_embeddings=not _arg(args, "untie_embeddings_and_output_weights", False),
+        head_dim=int(arg_value(args, "kv_channels", args.hidden_size // heads)),
+        max_position_embeddings=int(arg_value(args, "max_position_embeddings", arg_value(args, "seq_length", 4096))),
+        rms_norm_eps=float(arg_value(args, "norm_epsilon", 1e-5)),
+        tie_word_embeddings=not arg_value(args, "untie_embeddings_and_output_weights", False),
     )
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(_arg(args, "rotary_base", 10000))}
-    if _arg(args, "use_rope_scaling", False):
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(arg_value(args, "rotary_base", 10000))}
+    if arg_value(args, "use_rope_scaling", False):
         rope = {"rope_type": "llama3", "rope_theta": rope["rope_theta"],
-                "factor": float(_arg(args, "rope_scaling_factor", 8.0)), "low_freq_factor": 1.0,
+                "factor": float(arg_value(args, "rope_scaling_factor", 8.0)), "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     if arch == "qwen2":
         return config_from_fields("qwen2", **common, rope_parameters=rope)
@@ -164,8 +166,8 @@ def hf_config_from_args(args: Any, *, arch: str | None, hf_config_dir: str | Non
         moe = moe_hf_fields(args, common["num_hidden_layers"], common["intermediate_size"], where)
         return config_from_fields("qwen2_moe", **common, **moe, rope_parameters=rope)
     if arch == "llama":
-        all_bias = bool(_arg(args, "add_bias_linear", False))
-        if _arg(args, "add_qkv_bias", False) and not all_bias:
+        all_bias = bool(arg_value(args, "add_bias_linear", False))
+        if arg_value(args, "add_qkv_bias", False) and not all_bias:
             raise UnsupportedConfigError(f"{where}: --arch llama cannot hold a bias on q/k/v only (that is qwen2)")
         return config_from_fields("llama", **common, rope_parameters=rope, attention_bias=all_bias, mlp_bias=all_bias)
     raise CheckpointError(f"{where}: unknown architecture {arch!r} (supported: llama, qwen2, qwen2_moe)")
@@ -178,14 +180,14 @@ def _check_against_args(config: Any, args: Any, where: str, hf_dir: str) -> None
         raise CheckpointError(f"{where}: the Megatron args describe a {detected} model, the HF config at {hf_dir} "
                               f"a {getattr(config, 'model_type', None)} model")
     heads = getattr(args, "num_attention_heads", None)
-    groups = _arg(args, "num_query_groups", heads) if _arg(args, "group_query_attention", False) else heads
-    pairs = [("num_hidden_layers", _arg(args, "num_layers"), "num_layers"),
-             ("hidden_size", _arg(args, "hidden_size"), "hidden_size"),
+    groups = arg_value(args, "num_query_groups", heads) if arg_value(args, "group_query_attention", False) else heads
+    pairs = [("num_hidden_layers", arg_value(args, "num_layers"), "num_layers"),
+             ("hidden_size", arg_value(args, "hidden_size"), "hidden_size"),
              ("num_attention_heads", heads, "num_attention_heads"),
-             ("intermediate_size", _arg(args, "ffn_hidden_size"), "ffn_hidden_size"),
+             ("intermediate_size", arg_value(args, "ffn_hidden_size"), "ffn_hidden_size"),
              ("num_key_value_heads", groups, "num_query_groups"),
-             ("head_dim", _arg(args, "kv_channels"), "kv_channels"),
-             ("vocab_size", _arg(args, "vocab_size"), "vocab_size")]
+             ("head_dim", arg_value(args, "kv_channels"), "kv_channels"),
+             ("vocab_size", arg_value(args, "vocab_size"), "vocab_size")]
     bad = []
     for h, value, m in pairs:
         ours = getattr(config, h, None)
@@ -195,7 +197,7 @@ def _check_against_args(config: Any, args: Any, where: str, hf_dir: str) -> None
             bad.append(f"{h}={ours} vs {m}={value}")
     if detected == "qwen2_moe":
         bad += check_hf_against_args(config, args, where, hf_dir)
-    padded = _arg(args, "padded_vocab_size")
+    padded = arg_value(args, "padded_vocab_size")
     if padded is not None and getattr(config, "vocab_size", 0) > padded:
         bad.append(f"vocab_size={config.vocab_size} exceeds the checkpoint's padded vocab {padded}")
     if bad:

@@ -31,21 +31,22 @@ LOCAL_EXPERTS = ".mlp.experts.local_experts.{e}."
 DIST_EXPERTS = ".mlp.experts.experts."
 
 
-def _arg(args: Any, name: str, default: Any = None) -> Any:
+def arg_value(args: Any, name: str, default: Any = None) -> Any:
+    """A Megatron argument, ``default`` when absent or None (Megatron-LM stores unset options as None)."""
     value = getattr(args, name, default)
     return default if value is None else value
 
 
 def num_experts_of(args: Any) -> int | None:
     """Megatron-LM calls it ``num_experts``, TransformerConfig ``num_moe_experts``."""
-    value = _arg(args, "num_experts") or _arg(args, "num_moe_experts")
+    value = arg_value(args, "num_experts") or arg_value(args, "num_moe_experts")
     return int(value) if value else None
 
 
 def moe_layer_pattern(args: Any, num_layers: int, where: str) -> list[int]:
     """``moe_layer_freq`` as megatron-core expands it: an int k makes layer i MoE iff ``i % k == 0``;
     a list gives 1 (MoE) or 0 (dense) per layer."""
-    freq = _arg(args, "moe_layer_freq", 1)
+    freq = arg_value(args, "moe_layer_freq", 1)
     if isinstance(freq, bool) or not isinstance(freq, (int, list, tuple)):
         raise UnsupportedConfigError(f"{where}: moe_layer_freq={freq!r}: expected an integer or a 0/1 list per layer")
     if isinstance(freq, int):
@@ -63,32 +64,32 @@ def check_router(args: Any, where: str) -> None:
     """UnsupportedConfigError (one line, the first reason) for Megatron MoE options that make the
     model something other than Qwen2-MoE: converting them would silently change the model."""
     reasons = []
-    score = _arg(args, "moe_router_score_function", "softmax")
+    score = arg_value(args, "moe_router_score_function", "softmax")
     if score != "softmax":
         reasons.append(f"moe_router_score_function={score!r} (Qwen2-MoE scores experts with a softmax)")
-    scaling = _arg(args, "moe_router_topk_scaling_factor")
+    scaling = arg_value(args, "moe_router_topk_scaling_factor")
     if scaling not in (None, 1, 1.0):
         reasons.append(f"moe_router_topk_scaling_factor={scaling} (Qwen2-MoE does not scale the routing weights)")
-    if _arg(args, "moe_router_num_groups") or _arg(args, "moe_router_group_topk"):
-        reasons.append(f"group-limited routing (moe_router_num_groups={_arg(args, 'moe_router_num_groups')}, "
-                       f"moe_router_group_topk={_arg(args, 'moe_router_group_topk')}; "
+    if arg_value(args, "moe_router_num_groups") or arg_value(args, "moe_router_group_topk"):
+        reasons.append(f"group-limited routing (moe_router_num_groups={arg_value(args, 'moe_router_num_groups')}, "
+                       f"moe_router_group_topk={arg_value(args, 'moe_router_group_topk')}; "
                        f"Qwen2-MoE picks from all experts)")
-    if _arg(args, "moe_router_enable_expert_bias", False):
+    if arg_value(args, "moe_router_enable_expert_bias", False):
         reasons.append("moe_router_enable_expert_bias=True (an expert bias steers the selection; Qwen2-MoE has none)")
-    balancing = _arg(args, "moe_router_load_balancing_type", "aux_loss")
+    balancing = arg_value(args, "moe_router_load_balancing_type", "aux_loss")
     if balancing == "sinkhorn":
         reasons.append("moe_router_load_balancing_type='sinkhorn' (another routing algorithm)")
-    if _arg(args, "moe_expert_capacity_factor") is not None:
-        reasons.append(f"moe_expert_capacity_factor={_arg(args, 'moe_expert_capacity_factor')} (token dropping; "
+    if arg_value(args, "moe_expert_capacity_factor") is not None:
+        reasons.append(f"moe_expert_capacity_factor={arg_value(args, 'moe_expert_capacity_factor')} (token dropping; "
                        f"Qwen2-MoE is drop-less)")
-    if _arg(args, "moe_apply_probs_on_input", False):
+    if arg_value(args, "moe_apply_probs_on_input", False):
         reasons.append("moe_apply_probs_on_input=True (Qwen2-MoE weights the expert outputs)")
-    if _arg(args, "moe_latent_size"):
-        reasons.append(f"moe_latent_size={_arg(args, 'moe_latent_size')} (latent experts)")
-    if _arg(args, "add_bias_linear", False):
+    if arg_value(args, "moe_latent_size"):
+        reasons.append(f"moe_latent_size={arg_value(args, 'moe_latent_size')} (latent experts)")
+    if arg_value(args, "add_bias_linear", False):
         reasons.append("add_bias_linear=True (router and expert biases; Qwen2-MoE has none)")
-    shared = _arg(args, "moe_shared_expert_intermediate_size")
-    if shared and not _arg(args, "moe_shared_expert_gate", False):
+    shared = arg_value(args, "moe_shared_expert_intermediate_size")
+    if shared and not arg_value(args, "moe_shared_expert_gate", False):
         reasons.append("a shared expert without moe_shared_expert_gate (Qwen2-MoE gates it with a sigmoid)")
     if reasons:
         raise UnsupportedConfigError(f"{where}: not a Qwen2-MoE model: {reasons[0]}"
@@ -99,19 +100,19 @@ def moe_hf_fields(args: Any, num_layers: int, ffn_hidden_size: int, where: str) 
     """The Qwen2-MoE config.json fields of Megatron MoE args (router checked first)."""
     check_router(args, where)
     experts = num_experts_of(args)
-    topk = int(_arg(args, "moe_router_topk", 2))
+    topk = int(arg_value(args, "moe_router_topk", 2))
     pattern = moe_layer_pattern(args, num_layers, where)
     return dict(
         num_experts=experts,
         num_experts_per_tok=topk,
-        moe_intermediate_size=int(_arg(args, "moe_ffn_hidden_size", ffn_hidden_size)),
-        shared_expert_intermediate_size=int(_arg(args, "moe_shared_expert_intermediate_size", 0) or 0),
+        moe_intermediate_size=int(arg_value(args, "moe_ffn_hidden_size", ffn_hidden_size)),
+        shared_expert_intermediate_size=int(arg_value(args, "moe_shared_expert_intermediate_size", 0) or 0),
         # pre_softmax: softmax over all experts then top-k, unnormalised; megatron's default
         # (top-k, then softmax over the k) is the renormalised form
-        norm_topk_prob=not bool(_arg(args, "moe_router_pre_softmax", False)),
+        norm_topk_prob=not bool(arg_value(args, "moe_router_pre_softmax", False)),
         decoder_sparse_step=1,
         mlp_only_layers=[i for i, moe in enumerate(pattern) if not moe],
-        router_aux_loss_coef=float(_arg(args, "moe_aux_loss_coeff", 0.0) or 0.0),
+        router_aux_loss_coef=float(arg_value(args, "moe_aux_loss_coeff", 0.0) or 0.0),
         output_router_logits=False,
         qkv_bias=True,
     )
@@ -119,7 +120,7 @@ def moe_hf_fields(args: Any, num_layers: int, ffn_hidden_size: int, where: str) 
 
 def check_hf_against_args(config: Any, args: Any, where: str, hf_dir: str) -> list[str]:
     """Mismatches between an HF Qwen2-MoE config and the MoE args of the checkpoint."""
-    fields = moe_hf_fields(args, int(args.num_layers), int(_arg(args, "ffn_hidden_size", 0)), where)
+    fields = moe_hf_fields(args, int(args.num_layers), int(arg_value(args, "ffn_hidden_size", 0)), where)
     bad = []
     for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
                  "norm_topk_prob"):
