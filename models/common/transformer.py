@@ -123,7 +123,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = ParallelAttention(cfg, groups, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, sequence_parallel=sp, dtype=dtype,
                                                 device=device)
-        if layer in cfg.sparse_layers():
+        if cfg.moe is not None and cfg.moe.is_sparse(layer):
             from models.common.moe import ParallelMoE
 
             self.mlp = ParallelMoE(cfg, groups, dtype, device)
