@@ -13,7 +13,7 @@ import re
 import pytest
 
 from tests.distributed import run_distributed
-from tests.workers_moe import MOE_CASES, dispatch_suite, suite, write_moe_model
+from tests.workers_moe import MOE_CASES, aux_refusals_under_cp, dispatch_suite, suite, write_moe_model
 
 FP32_TOL = 1e-5
 GRAD_REL_TOL = 1e-4
@@ -22,9 +22,13 @@ LAYOUTS = {
     1: [("shared", {}), ("plain", {})],
     2: [("shared", {"ep": 2}), ("plain", {"ep": 2}), ("shared", {"ep": 2, "moe_dispatcher": "allgather"}),
         ("shared", {"tp": 2}), ("plain", {"tp": 2, "sequence_parallel": True}),
-        ("shared", {"ep": 2, "recompute": "full"})],
+        ("shared", {"ep": 2, "recompute": "full"}),
+        # forward_backward with the aux loss: micro-batches at pp=1, interleaved stages (a chunk without sparse layers)
+        ("shared", {"ep": 2}, {"microbatches": 2}), ("plain", {"pp": 2, "vpp": 2})],
     4: [("shared", {"ep": 4}), ("shared", {"tp": 2, "ep": 2, "sequence_parallel": True}),
-        ("plain", {"tp": 2, "ep": 2, "moe_dispatcher": "allgather"}), ("shared", {"pp": 2, "ep": 2})],
+        ("plain", {"tp": 2, "ep": 2, "moe_dispatcher": "allgather"}), ("shared", {"pp": 2, "ep": 2}),
+        ("shared", {"pp": 2, "ep": 2}, {"microbatches": 1, "schedule": "gpipe"}),
+        ("plain", {"tp": 2, "pp": 2, "sequence_parallel": True, "recompute": "full"})],
 }
 
 
@@ -50,7 +54,8 @@ def _bound(metric: str) -> tuple[str, float]:
     return "max", FP32_TOL
 
 
-METRICS = {"logits": "logits|masked_logits|logits_after_steps", "loss": "loss|step\\d_loss", "aux": "aux_loss",
+METRICS = {"logits": "logits|masked_logits|logits_after_steps", "loss": "loss|step\\d_loss",
+           "aux": "aux_loss|step\\d_microbatch_aux_loss",
            "masked_aux": "masked_aux_loss", "router": "router_logits|router_layers", "grads": "grads_step\\d",
            "moved": "loss_change", "saved": "saved_tensors"}
 
@@ -122,3 +127,11 @@ def test_bad_moe_checkpoints_and_layouts_are_refused_by_name(moe_dirs, tmp_path)
         build_parallel_model(src, ParallelConfig(ep=3))
     with pytest.raises(ParallelConfigError, match=r"ep=2 does not divide dp\*cp = 1\*1"):
         build_parallel_model(src, ParallelConfig(ep=2))
+
+
+def test_aux_loss_with_context_parallel_is_refused_on_every_rank(moe_dirs):
+    per_rank = run_distributed(2, aux_refusals_under_cp, dict(moe_dirs)["plain"])
+    for messages in per_rank:
+        assert len(messages) == 2
+        for message in messages:
+            assert re.search(r"(output_router_logits|load-balancing loss) with cp/ulysses \(.*cp=2", message), message

@@ -123,13 +123,29 @@ def _batch(vocab: int, seed: int = 7):
     return ids, labels
 
 
-def parity(case: str, path: str, pconfig: ParallelConfig, steps: int = 2, lr: float = 0.3) -> list[tuple]:
-    """Logits, loss with the aux loss, router logits, a padded batch, and two SGD steps (grads compared)."""
+def _reference_microbatch_loss(hf, ids, labels, schedule_mbs: int):
+    """transformers' loss for ``forward_backward(..., num_microbatches=schedule_mbs, aux_loss=True)`` on
+    the 2-row batch: cross entropy over the whole batch plus the coefficient times the load-balancing
+    loss of each micro-batch averaged (one micro-batch: the whole batch; two: one row each)."""
+    ce = hf(ids, labels=labels).loss
+    if schedule_mbs == 1:
+        aux = hf(ids, labels=labels, output_router_logits=True).aux_loss
+    else:
+        aux = sum(hf(ids[r:r + 1], output_router_logits=True).aux_loss for r in range(ids.shape[0])) / ids.shape[0]
+    return ce + hf.config.router_aux_loss_coef * aux, aux
+
+
+def parity(case: str, path: str, pconfig: ParallelConfig, steps: int = 2, lr: float = 0.3,
+           microbatches: int | None = None, schedule: str = "1f1b") -> list[tuple]:
+    """Logits, loss with the aux loss, router logits, a padded batch, and two SGD steps (grads compared).
+
+    Pipeline layouts, and others when ``microbatches`` is given, train through ``forward_backward``
+    with the load-balancing loss (per micro-batch, see ``_reference_microbatch_loss``)."""
     from transformers import AutoModelForCausalLM
 
     from models.qwen2_moe import build_parallel_model
 
-    tag = (case, pconfig.describe())
+    tag = (case, pconfig.describe() + (f" forward_backward({microbatches} {schedule})" if microbatches else ""))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model = build_parallel_model(path, pconfig)
     ids, labels = _batch(hf.config.vocab_size)
@@ -155,9 +171,12 @@ def parity(case: str, path: str, pconfig: ParallelConfig, steps: int = 2, lr: fl
     for step in range(steps):
         opt.zero_grad()
         ref_opt.zero_grad()
-        if pconfig.pp > 1:  # pipeline schedules: cross entropy only (the aux loss needs pp=1, see docs)
-            loss = model.forward_backward(ids, labels, num_microbatches=2)
-            ref_loss = hf(ids, labels=labels).loss
+        if pconfig.pp > 1 or microbatches is not None:
+            n_mbs = microbatches or 2
+            loss, aux = model.forward_backward(ids, labels, num_microbatches=n_mbs, schedule=schedule, aux_loss=True,
+                                               return_aux_loss=True)
+            ref_loss, ref_aux = _reference_microbatch_loss(hf, ids, labels, n_mbs)
+            records.append((*tag, f"step{step}_microbatch_aux_loss", _max_diff(aux, ref_aux)))
         else:
             loss = model(ids, labels=labels, return_logits=False, output_router_logits=True).loss
             loss.backward()
@@ -179,8 +198,8 @@ def parity(case: str, path: str, pconfig: ParallelConfig, steps: int = 2, lr: fl
 
 def suite(dirs: dict[str, str], layouts: list[tuple[str, dict]]) -> list[tuple]:
     records = []
-    for case, kwargs in layouts:
-        records += parity(case, dirs[case], ParallelConfig(**kwargs))
+    for case, kwargs, *options in layouts:
+        records += parity(case, dirs[case], ParallelConfig(**kwargs), **(options[0] if options else {}))
     return records
 
 
@@ -253,3 +272,21 @@ def dispatch_suite(cases: list[tuple]) -> list[tuple]:
     for case in cases:
         records += dispatch_case(*case)
     return records
+
+
+def aux_refusals_under_cp(path: str) -> list[str]:
+    """The load-balancing loss with cp=2 (forward and forward_backward): the error messages, raised
+    before any collective (every rank must get one, none may hang)."""
+    from models.qwen2_moe import build_parallel_model
+
+    model = build_parallel_model(path, ParallelConfig(cp=2))
+    ids, labels = _batch(model.config.vocab_size)
+    messages = []
+    for call in (lambda: model(ids, labels=labels, output_router_logits=True),
+                 lambda: model.forward_backward(ids, labels, aux_loss=True)):
+        try:
+            call()
+            messages.append("no error")
+        except ValueError as exc:
+            messages.append(str(exc))
+    return messages

@@ -105,6 +105,10 @@ MUTATIONS = (
              (("models/common/moe.py", "        weight = st.mask[:, None]\n",
                "        weight = torch.ones_like(st.mask)[:, None]\n"),),
              ("tests/test_moe.py",)),
+    Mutation("moe-aux-carry-detached", "pipeline stages pass router statistics without their gradient",
+             (("models/common/moe.py", "    return carry + torch.cat([assignments, probability, rows[None]])\n",
+               "    return carry + torch.cat([assignments, probability.detach(), rows[None]])\n"),),
+             ("tests/test_moe.py",)),
 )
 
 

@@ -129,26 +129,67 @@ class ParallelMoE(nn.Module):
         return mask.to(torch.float32)
 
 
-def load_balancing_loss(blocks: list[ParallelMoE], groups: ParallelGroups) -> torch.Tensor:
-    """transformers' aux loss over ``blocks`` (every sparse layer of the model on this rank), summed over
-    the TP token shares; call after a forward in which the blocks recorded ``stats``."""
+def router_sums(blocks: list[ParallelMoE], groups: ParallelGroups) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The statistics of transformers' load-balancing loss over ``blocks`` (sparse layers that recorded
+    ``stats`` in this forward), summed over real tokens, those layers and the TP token shares.
+
+    Returns ``(assignments [E], probability [E], rows [])``: top-k assignments per expert and the
+    row count (plain numbers, no gradient), and the router probability mass per expert
+    (differentiable). Sums add up over layers, so pipeline stages can each contribute theirs.
+    """
     stats = [blk.stats for blk in blocks]
     if any(st is None for st in stats):
         raise RuntimeError("load_balancing_loss: a sparse layer recorded no routing statistics in this forward")
-    assignments = probability = rows = 0
+    num_experts = blocks[0].num_experts
+    like = stats[0].probs  # fp32, on the model's device
+    assignments, probability, rows = like.new_zeros(num_experts), like.new_zeros(num_experts), like.new_zeros(())
     for st in stats:  # masked sums over this rank's tokens, all sparse layers together
         weight = st.mask[:, None]
-        assignments = assignments + torch.zeros_like(st.probs).scatter_add_(
-            1, st.experts, weight.expand_as(st.experts).contiguous()).sum(0)
+        with torch.no_grad():
+            assignments = assignments + torch.zeros_like(st.probs).scatter_add_(
+                1, st.experts, weight.expand_as(st.experts).contiguous()).sum(0)
+            rows = rows + st.mask.sum()
         probability = probability + (st.probs * weight).sum(0)
-        rows = rows + st.mask.sum()
     if groups.tp_size > 1:
         packed = torch.cat([assignments, rows[None]])
         torch.distributed.all_reduce(packed, group=groups.tp_group)
         assignments, rows = packed[:-1], packed[-1]
         probability = reduce_from_group(probability, groups.tp_group)  # bwd: each share's own gradient
-    num_experts = assignments.shape[0]
-    return num_experts * torch.sum((assignments / rows) * (probability / rows))
+    return assignments, probability, rows
+
+
+def balance_loss(assignments: torch.Tensor, probability: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``E * sum_e (assignments_e / rows) * (probability_e / rows)``: transformers' ``load_balancing_loss_func``
+    from the sums of ``router_sums`` (gradient through ``probability`` only, as there)."""
+    rows = rows.detach().clamp(min=1.0)
+    return assignments.shape[0] * torch.sum((assignments.detach() / rows) * (probability / rows))
+
+
+def load_balancing_loss(blocks: list[ParallelMoE], groups: ParallelGroups) -> torch.Tensor:
+    """transformers' aux loss over ``blocks`` (every sparse layer of the model on this rank), summed over
+    the TP token shares; call after a forward in which the blocks recorded ``stats``."""
+    return balance_loss(*router_sums(blocks, groups))
+
+
+def carry_router_sums(carry: torch.Tensor | None, blocks: list[ParallelMoE], groups: ParallelGroups,
+                      num_experts: int) -> torch.Tensor:
+    """``carry`` (``[assignments | probability | rows]``, ``2E + 1`` fp32; ``None`` = zeros) plus the
+    ``router_sums`` of ``blocks``: how pipeline stages pass one micro-batch's load-balancing
+    statistics along with its hidden states. The probability part stays differentiable, so the
+    last stage's ``balance_loss`` of the carry sends each stage the gradient of its own layers."""
+    if carry is None:
+        like = next(iter(blocks[0].parameters())) if blocks else None
+        carry = torch.zeros(2 * num_experts + 1, dtype=torch.float32, device=like.device if like is not None else None)
+    if not blocks:
+        return carry
+    assignments, probability, rows = router_sums(blocks, groups)
+    return carry + torch.cat([assignments, probability, rows[None]])
+
+
+def split_carry(carry: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(assignments, probability, rows)`` of a ``carry_router_sums`` tensor."""
+    num_experts = (carry.shape[0] - 1) // 2
+    return carry[:num_experts], carry[num_experts:2 * num_experts], carry[2 * num_experts]
 
 
 def full_router_logits(block: ParallelMoE, tokens: int, batch: int, seq_len: int) -> torch.Tensor:

@@ -84,9 +84,15 @@ class PipelineChunk(nn.Module):
     Input: token ids ``[1, T]`` (first chunk) or hidden states ``[T(/tp), 1, hidden]``; output:
     hidden states, or vocab-sharded logits ``[T, 1, V/tp]`` on the last chunk. The language model is
     held in a list so its parameters are not registered twice under new names.
+
+    With ``aux`` (mixture-of-experts load-balancing loss), a second tensor travels with the hidden
+    states: the micro-batch's router statistics summed over the chunks so far
+    (``models.common.moe.carry_router_sums``), each chunk adding its sparse layers' over the real
+    tokens (``token_mask``). The last chunk returns ``(logits, carry)``; the loss of the carry sends
+    every chunk the gradient of its own router probabilities back through the schedule.
     """
 
-    def __init__(self, lm: nn.Module, chunk: int) -> None:
+    def __init__(self, lm: nn.Module, chunk: int, aux: bool = False) -> None:
         super().__init__()
         self._lm = [lm]
         self.layer_ids = lm.chunk_layers[chunk]
@@ -97,21 +103,41 @@ class PipelineChunk(nn.Module):
         self.embed_tokens = lm.model.embed_tokens if self.first else None
         self.norm = lm.model.norm if self.last else None
         self.lm_head = lm.lm_head if self.last else None
+        self.aux = aux
+        sparse = set(id(blk) for blk in lm.moe_blocks()) if aux else set()
+        self._sparse = [layer.mlp for layer in self.layers if id(layer.mlp) in sparse]  # a plain list: no new names
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                seq: SequenceShard | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, carry: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None, seq: SequenceShard | None = None,
+                token_mask: torch.Tensor | None = None):
         lm = self._lm[0]
         h = self.embed_tokens(x.t()) if self.first else x
-        h = lm.run_layers(h, self.layer_ids, position_ids, None, None if seq is not None else cu_seqlens, seq=seq)
-        return self.lm_head(self.norm(h)) if self.last else h
+        for blk in self._sparse:
+            blk.token_mask = token_mask
+        try:
+            h = lm.run_layers(h, self.layer_ids, position_ids, None, None if seq is not None else cu_seqlens, seq=seq)
+            if self.aux:
+                from models.common.moe import carry_router_sums
+
+                carry = carry_router_sums(carry, self._sparse, lm.groups, lm.config.moe.num_experts)
+        finally:
+            for blk in self._sparse:
+                blk.token_mask = blk.stats = None
+        out = self.lm_head(self.norm(h)) if self.last else h
+        return (out, carry) if self.aux else out
 
 
 def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, num_microbatches: int = 1,
                      schedule: str = "1f1b", forward_only: bool = False, cu_seqlens: torch.Tensor | None = None,
                      attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                     max_tokens_per_microbatch: int | None = None) -> torch.Tensor:
+                     max_tokens_per_microbatch: int | None = None, aux_loss: bool | None = None,
+                     return_aux_loss: bool = False):
     """See ``ParallelCausalLM.forward_backward``."""
     groups = lm.groups
+    aux = lm._wants_router_logits(aux_loss) and not forward_only
+    if aux and groups.sequence_split:
+        raise ValueError(f"the load-balancing loss with cp/ulysses {groups.config.describe()} is not supported yet "
+                         f"(it needs router statistics over whole sequences); pass aux_loss=False")
     pp, vpp, tp = groups.pp_size, groups.config.vpp, groups.tp_size
     if schedule == "1f1b" and vpp > 1:
         schedule = "interleaved_1f1b"
@@ -138,13 +164,17 @@ def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = 
             shards[m] = shard
             mbs[m] = (shard.take(ids[0])[None], shard.take(pos[0])[None], shard.take(tgt[0], IGNORE_INDEX)[None], cu)
     local_count = sum(int((s.targets != IGNORE_INDEX).sum()) for s in samples)
-    count = torch.tensor([local_count], dtype=torch.float64)
+    count = torch.tensor([local_count, len(mbs)], dtype=torch.float64)
     if groups.dp_group is not None:
         dist.all_reduce(count, group=groups.dp_group)
-    global_count = max(float(count.item()), 1.0)
+    global_count, global_mbs = max(float(count[0]), 1.0), float(count[1])
+    # The load-balancing loss is transformers' per micro-batch (all its layers and real tokens), averaged
+    # over the micro-batches of all DP ranks: exactly transformers' for one micro-batch and one replica.
+    token_masks = [(torch.arange(total) < sum(len(samples[i].ids) for i in group)).to(torch.float32)
+                   for group in plan.groups] if aux else [None] * len(mbs)
 
     loss_fn = _TokenLoss(lm)
-    loss_fn.forward_only, loss_fn.global_count = forward_only, global_count
+    loss_fn.reset(forward_only, global_count, lm.config.moe.router_aux_loss_coef / global_mbs if aux else 0.0)
 
     if groups.config.fsdp:
         from parallel.fsdp import set_replica_scale
@@ -152,62 +182,94 @@ def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = 
         set_replica_scale(lm, None)  # losses are already over the global token count: sum
     if pp == 1:
         outputs = []
-        for (ids, pos, tgt, cu), shard in zip(mbs, shards):
+        chunk = PipelineChunk(lm, 0, aux) if aux else None
+        for (ids, pos, tgt, cu), shard, token_mask in zip(mbs, shards, token_masks):
             with torch.set_grad_enabled(not forward_only):
-                out = loss_fn(lm.packed_logits(ids, pos, cu, shard), tgt)
+                if chunk is not None:
+                    out = loss_fn(chunk(ids, position_ids=pos, cu_seqlens=cu, seq=shard, token_mask=token_mask), tgt)
+                else:
+                    out = loss_fn(lm.packed_logits(ids, pos, cu, shard), tgt)
             if not forward_only:
                 out.backward()
                 out = out.detach()
             outputs.append(out)
     else:
-        runner = _runner(lm, schedule, len(mbs), total)
-        runner.loss_fn.forward_only, runner.loss_fn.global_count = forward_only, global_count
+        runner = _runner(lm, schedule, len(mbs), total, aux)
+        loss_fn = runner.loss_fn
+        loss_fn.reset(forward_only, global_count, lm.config.moe.router_aux_loss_coef / global_mbs if aux else 0.0)
+        kwarg_mbs = [{"position_ids": pos, "cu_seqlens": cu, "seq": shard}
+                     for (_, pos, _, cu), shard in zip(mbs, shards)]
+        if aux:
+            for kwargs, token_mask in zip(kwarg_mbs, token_masks):
+                kwargs["token_mask"] = token_mask
         outputs = runner.run(
-            arg_mbs=[(ids,) if lm.is_first_stage else () for ids, _, _, _ in mbs],
-            kwarg_mbs=[{"position_ids": pos, "cu_seqlens": cu, "seq": shard}
-                       for (_, pos, _, cu), shard in zip(mbs, shards)],
+            arg_mbs=[(ids,) if lm.is_first_stage else () for ids, _, _, _ in mbs], kwarg_mbs=kwarg_mbs,
             target_mbs=[tgt for _, _, tgt, _ in mbs] if lm.is_last_stage else None,
             has_backward=not forward_only)
     if forward_only:
         if groups.sequence_split and lm.is_last_stage:  # every rank's token losses, in packed order
             outputs = [gather_tokens(o.reshape(-1), shard) for o, shard in zip(outputs, shards)]
         return _logprobs(lm, outputs, plan, samples, input_ids, attention_mask, cu_seqlens, total)
-    loss = torch.stack(outputs).sum() if lm.is_last_stage else torch.zeros((), dtype=torch.float32)
-    loss = _from_last_stage(lm, loss.float().reshape(1)).reshape(())
+    if lm.is_last_stage:  # [loss, sum of this rank's micro-batch aux losses]
+        aux_values = loss_fn.aux_values[-len(mbs):] if aux else []
+        totals = torch.stack([torch.stack(outputs).sum().float(), torch.stack(aux_values).sum().float()
+                              if aux_values else torch.zeros((), dtype=torch.float32)])
+    else:
+        totals = torch.zeros(2, dtype=torch.float32)
+    totals = _from_last_stage(lm, totals.to(next(lm.parameters()).device))
     if groups.replica_group is not None:  # dp ranks' batches and cp/ulysses ranks' tokens add up
-        dist.all_reduce(loss, group=groups.replica_group)
+        dist.all_reduce(totals, group=groups.replica_group)
     finalize_pipeline_grads(lm)
+    loss = totals[0]
+    if return_aux_loss:
+        return loss, totals[1] / global_mbs if aux else None
     return loss
 
 
 class _TokenLoss:
     """The schedule's loss function: summed token losses over the global token count (training), or
-    the per-token losses themselves (forward-only). Mutable so a cached schedule serves every step."""
+    the per-token losses themselves (forward-only); with a router carry (``PipelineChunk(aux=True)``)
+    plus ``aux_scale`` times the micro-batch's load-balancing loss. Mutable so a cached schedule
+    serves every step."""
 
     def __init__(self, lm) -> None:
         self.lm = lm
-        self.forward_only = False
-        self.global_count = 1.0
+        self.reset(False, 1.0, 0.0)
 
-    def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def reset(self, forward_only: bool, global_count: float, aux_scale: float) -> None:
+        self.forward_only, self.global_count, self.aux_scale = forward_only, global_count, aux_scale
+        self.aux_values: list[torch.Tensor] = []  # per micro-batch, in schedule order
+
+    def __call__(self, output, target: torch.Tensor) -> torch.Tensor:
+        logits, carry = output if isinstance(output, tuple) else (output, None)
         per_token = self.lm.token_losses(logits, target.t())  # logits [T, 1, V/tp], target [1, T]
-        return per_token.detach() if self.forward_only else per_token.sum() / self.global_count
+        if self.forward_only:
+            return per_token.detach()
+        loss = per_token.sum() / self.global_count
+        if carry is not None:
+            from models.common.moe import balance_loss, split_carry
+
+            aux = balance_loss(*split_carry(carry))
+            self.aux_values.append(aux.detach())
+            loss = loss + self.aux_scale * aux
+        return loss
 
 
 _RUNNERS_KEPT = 4
 
 
-def _runner(lm, schedule: str, n_microbatches: int, total_tokens: int) -> PipelineRunner:
+def _runner(lm, schedule: str, n_microbatches: int, total_tokens: int, aux: bool = False) -> PipelineRunner:
     """The cached PipelineRunner for this shape (a few shapes kept, oldest dropped)."""
     cache = lm.__dict__.setdefault("_pipeline_runners", {})
-    key = (schedule, n_microbatches, total_tokens)
+    key = (schedule, n_microbatches, total_tokens, aux)
     if key not in cache:
         groups = lm.groups
         pp, vpp = groups.pp_size, groups.config.vpp
         if len(cache) >= _RUNNERS_KEPT:
             cache.pop(next(iter(cache)))
         cache[key] = PipelineRunner(
-            [PipelineChunk(lm, v) for v in range(vpp)], stage_indices=[v * pp + groups.pp_rank for v in range(vpp)],
+            [PipelineChunk(lm, v, aux) for v in range(vpp)],
+            stage_indices=[v * pp + groups.pp_rank for v in range(vpp)],
             num_stages=pp * vpp, pp_group=groups.pp_group, device=next(lm.parameters()).device, schedule=schedule,
             n_microbatches=n_microbatches, loss_fn=_TokenLoss(lm))
     return cache[key]

@@ -424,7 +424,8 @@ class ParallelCausalLM(nn.Module):
                          num_microbatches: int = 1, schedule: str = "1f1b", forward_only: bool = False,
                          cu_seqlens: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                          position_ids: torch.Tensor | None = None,
-                         max_tokens_per_microbatch: int | None = None) -> torch.Tensor:
+                         max_tokens_per_microbatch: int | None = None, aux_loss: bool | None = None,
+                         return_aux_loss: bool = False):
         """One training step's forward and backward over balanced micro-batches (any pp, same API).
 
         Returns the loss of the whole batch: the token mean over every non-ignored label of the
@@ -434,14 +435,20 @@ class ParallelCausalLM(nn.Module):
         labels laid out like ``input_ids`` (``out[..., t] = log p(labels[..., t] | tokens < t)``; 0 where
         ignored), on every rank, in the original sample order. Schedules: "gpipe", "1f1b",
         "interleaved_1f1b" (chosen for "1f1b" when vpp > 1), "looped_bfs", "interleaved_zero_bubble".
-        Mixture-of-experts models train on cross entropy alone here: the load-balancing loss is not
-        added (use ``model(..., output_router_logits=True)`` at pp=1 for it).
+
+        Mixture-of-experts models: ``aux_loss`` (default: the HF config's ``output_router_logits``,
+        when transformers adds it) adds ``router_aux_loss_coef`` times the load-balancing loss, taken
+        per micro-batch as transformers computes it for that micro-batch (all sparse layers, across
+        pipeline stages, real tokens only) and averaged over the micro-batches of all DP ranks: with
+        one micro-batch and one replica it is transformers' own number. ``return_aux_loss=True``
+        returns ``(loss, aux_loss)`` (``aux_loss`` unscaled, ``None`` when not added).
         """
         from models.common.training import forward_backward
 
         return forward_backward(self, input_ids, labels, num_microbatches=num_microbatches, schedule=schedule,
                                 forward_only=forward_only, cu_seqlens=cu_seqlens, attention_mask=attention_mask,
-                                position_ids=position_ids, max_tokens_per_microbatch=max_tokens_per_microbatch)
+                                position_ids=position_ids, max_tokens_per_microbatch=max_tokens_per_microbatch,
+                                aux_loss=aux_loss, return_aux_loss=return_aux_loss)
 
     def finalize_grads(self) -> None:
         """After ``model(...).loss.backward()``: sum SP-partial and replicated-KV gradients over TP, sum
