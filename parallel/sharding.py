@@ -14,6 +14,9 @@ Rule kinds
                             n % kv == 0 each rank holds one head, head ``r // (n // kv)``
                             (replicated n/kv times, as vLLM's QKVParallelLinear does)
   Vocab(vocab, padded)      rows padded with zeros to ``padded`` rows, then equal chunks
+  Fused(parts)              a tensor stacking ``parts`` equal blocks along dim 0 (Qwen2-VL's
+                            vision ``attn.qkv`` = ``[q | k | v]`` in one HF tensor): each block
+                            split like ``Split(0)``, rank r holding ``[q_r | k_r | v_r]``
 Packed tensors (``[q | k | v]``, ``[gate | up]``) are a concatenation along dim 0 of their parts'
 shards, each part with its own rule: see ``Packed``.
 """
@@ -41,6 +44,7 @@ class Piece:
     dim: int | None
     start: int = 0
     stop: int = 0
+    chunks: int = 1  # > 1: ``dim`` is ``chunks`` equal blocks, ``[start, stop)`` taken from each, concatenated
 
 
 class Rule:
@@ -170,6 +174,29 @@ class Vocab(Rule):
         return torch.cat(list(shards), dim=0)[: self.vocab_size].clone()
 
 
+@dataclass(frozen=True)
+class Fused(Rule):
+    parts: int
+
+    def piece(self, full_shape, rank, size):
+        if full_shape[0] % self.parts:
+            raise ShardingError(f"fused tensor of {full_shape[0]} rows does not stack {self.parts} equal blocks")
+        start, stop = _even_chunk(full_shape[0] // self.parts, rank, size,
+                                  f"each of the {self.parts} blocks of {tuple(full_shape)}")
+        return Piece(0, start, stop, chunks=self.parts)
+
+    def shard_shape(self, full_shape, size):
+        p = self.piece(full_shape, 0, size)
+        return ((p.stop - p.start) * self.parts, *full_shape[1:])
+
+    def merge(self, shards):
+        import torch
+
+        blocks = [s.reshape(self.parts, -1, *s.shape[1:]) for s in shards]  # [parts, rows_r, ...]
+        merged = torch.cat(blocks, dim=1)
+        return merged.reshape(-1, *shards[0].shape[1:])
+
+
 def read_piece(
     read: Callable[[tuple[slice, ...]], torch.Tensor],
     full_shape: tuple[int, ...],
@@ -185,6 +212,15 @@ def read_piece(
     if piece.dim is None:
         part = _own(read(tuple(slice(None) for _ in full_shape)))
         return part.to(dtype) if dtype is not None else part
+    if piece.chunks > 1:  # one range per block, concatenated (Fused)
+        per = full_shape[piece.dim] // piece.chunks
+        parts = []
+        for c in range(piece.chunks):
+            index = [slice(None)] * len(full_shape)
+            index[piece.dim] = slice(c * per + piece.start, c * per + piece.stop)
+            parts.append(_own(read(tuple(index))))
+        part = torch.cat(parts, dim=piece.dim)
+        return part.to(dtype) if dtype is not None and part.dtype != dtype else part
     length = full_shape[piece.dim]
     stop = min(piece.stop, length)
     index = [slice(None)] * len(full_shape)

@@ -11,9 +11,24 @@ from models.common.weight_map import WeightMap
 
 @dataclass(frozen=True)
 class Architecture:
-    """How to read an architecture's HF config and its weight map."""
+    """How to read an architecture's HF config and its weight map.
+
+    ``hf_key_aliases``: ``(prefix, replacement)`` rewrites that turn other HF key layouts of the same
+    model into the weight map's names (first match wins), applied when reading checkpoints.
+    ``model_class``: ``"module:Class"`` of the model (default: the shared ``ParallelCausalLM``),
+    imported only when a model is built.
+    """
 
     name: str
     hf_model_types: tuple[str, ...]
     model_config: Callable[[Any], ModelConfig]
     weight_map: Callable[[ModelConfig, int], WeightMap]
+    hf_key_aliases: tuple[tuple[str, str], ...] = ()
+    model_class: str | None = None
+
+    def canonical_name(self, name: str) -> str:
+        """``name`` under the weight map's key layout (``hf_key_aliases`` applied)."""
+        for prefix, replacement in self.hf_key_aliases:
+            if name.startswith(prefix):
+                return replacement + name[len(prefix):]
+        return name

@@ -16,7 +16,14 @@ import torch
 
 from models.common.architecture import Architecture  # noqa: F401 (re-exported)
 from models.common.config import ModelConfig
-from models.common.sources import CheckpointError, RandomSource, SafetensorsSource, TensorSource, read_config_json
+from models.common.sources import (
+    CheckpointError,
+    RandomSource,
+    RenamedSource,
+    SafetensorsSource,
+    TensorSource,
+    read_config_json,
+)
 from models.common.transformer import ParallelCausalLM
 from models.common.weights import hf_shapes, load_weights, validate_source
 from parallel.config import ParallelConfig, ParallelConfigError
@@ -89,6 +96,8 @@ def build_model(arch: Architecture, source: Any, parallel_config: ParallelConfig
         lora_targets = check_lora_config(cfg, wmap, lora, parallel_config, hf_shapes(cfg, wmap))
     if isinstance(source, (str, os.PathLike)):
         tensor_source = SafetensorsSource(source)
+    if tensor_source is not None and arch.hf_key_aliases:
+        tensor_source = RenamedSource(tensor_source, arch.canonical_name, where)
     if tensor_source is not None:
         allowed = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
         validate_source(tensor_source, hf_shapes(cfg, wmap), where, allowed_extra=allowed)
@@ -102,7 +111,7 @@ def build_model(arch: Architecture, source: Any, parallel_config: ParallelConfig
     if parallel_config.fsdp and groups.replica_mesh is None:
         raise ParallelConfigError(f"{parallel_config.describe()}: fsdp needs groups with a replica DeviceMesh "
                                   f"(build them with parallel.build_groups, not groups_from_megatron)")
-    model = ParallelCausalLM(cfg, groups, wmap, dtype=dtype, device=device)
+    model = _model_class(arch)(cfg, groups, wmap, dtype=dtype, device=device)
     model.hf_config = hf_config  # what save_pretrained writes as config.json
     model.source_dir = str(source) if isinstance(source, (str, os.PathLike)) else None  # tokenizer files for exports
     load_weights(dict(model.named_parameters()), model.load_entries(), tensor_source, groups.tp_rank, groups.tp_size,
@@ -116,6 +125,15 @@ def build_model(arch: Architecture, source: Any, parallel_config: ParallelConfig
 
         shard_model(model, groups)
     return model
+
+
+def _model_class(arch: Architecture) -> type:
+    if arch.model_class is None:
+        return ParallelCausalLM
+    import importlib
+
+    module, name = arch.model_class.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _check_moe_layout(arch: Architecture, pconfig: ParallelConfig, lora: Any) -> None:

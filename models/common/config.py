@@ -29,6 +29,9 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
+    # Multimodal RoPE (Qwen2-VL): the head_dim/2 frequencies are cut into these sections, section i
+    # rotating by position row i % 3 (temporal, height, width); None = ordinary 1-D RoPE.
+    mrope_section: tuple[int, ...] | None = None
 
     SUPPORTED = ("default", "linear", "dynamic", "llama3")
 
@@ -57,6 +60,49 @@ class MoeConfig:
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """Qwen2-VL's vision tower (transformers' ``Qwen2VLVisionConfig`` names) and its special tokens.
+
+    Patches of ``in_channels x temporal_patch_size x patch_size^2`` pixels are embedded to
+    ``embed_dim``, run through ``depth`` pre-LayerNorm blocks (``num_heads`` heads, 2-D rotary,
+    quick-GELU MLP of ``embed_dim * mlp_ratio``), and every ``spatial_merge_size^2`` neighbouring
+    patches are merged into one ``out_hidden_size`` (the text model's hidden size) feature.
+    """
+
+    depth: int
+    embed_dim: int
+    out_hidden_size: int
+    num_heads: int
+    mlp_ratio: float = 4.0
+    in_channels: int = 3
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    hidden_act: str = "quick_gelu"
+    rope_theta: float = 10000.0
+    image_token_id: int = 151655
+    video_token_id: int = 151656
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    @property
+    def mlp_hidden(self) -> int:
+        return int(self.embed_dim * self.mlp_ratio)
+
+    @property
+    def patch_dim(self) -> int:
+        """Pixel values per patch row (``pixel_values.shape[1]``)."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def merged_dim(self) -> int:
+        """Width of the patch merger's MLP (``embed_dim * spatial_merge_size^2``)."""
+        return self.embed_dim * self.spatial_merge_size ** 2
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Sizes and switches of a dense decoder-only model (HF naming where one exists)."""
 
@@ -78,6 +124,7 @@ class ModelConfig:
     initializer_range: float = 0.02
     architecture: str = "llama"
     moe: MoeConfig | None = None  # None: every layer has the dense MLP
+    vision: VisionConfig | None = None  # Qwen2-VL: the vision tower on the first pipeline stage
 
     def sparse_layers(self) -> frozenset[int]:
         """Global indices of the layers whose MLP is a mixture of experts."""
@@ -142,4 +189,5 @@ def rope_from_hf(hf_config: Any) -> RopeConfig:
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=params.get("original_max_position_embeddings"),
+        mrope_section=tuple(int(x) for x in params["mrope_section"]) if params.get("mrope_section") else None,
     )

@@ -71,9 +71,25 @@ class RotaryEmbedding(torch.nn.Module):
             seq_len = int(position_ids.max()) + 1 if seq_len is None else seq_len
             if seq_len > self.max_position_embeddings:
                 freq = inv_freq(self.rope, self.head_dim, self.max_position_embeddings, seq_len, position_ids.device)
-        angles = position_ids.t().unsqueeze(-1).float() * freq.to(position_ids.device)  # [s, b, hd/2]
+        if position_ids.dim() == 3:  # M-RoPE rows [3, b, s]: each frequency section follows its own row
+            angles = mrope_angles(position_ids, freq.to(position_ids.device), self.rope.mrope_section)
+        else:
+            angles = position_ids.t().unsqueeze(-1).float() * freq.to(position_ids.device)  # [s, b, hd/2]
         emb = torch.cat((angles, angles), dim=-1).unsqueeze(2)  # [s, b, 1, hd]
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def mrope_angles(position_ids: torch.Tensor, freq: torch.Tensor, sections: tuple[int, ...] | None) -> torch.Tensor:
+    """Multimodal RoPE angles ``[s, b, head_dim/2]`` from position rows ``[3, b, s]`` (temporal,
+    height, width): the frequencies are cut into ``sections`` and section i takes its angles from
+    row ``i % 3``, as transformers' Qwen2-VL does (text tokens have three equal rows: plain RoPE)."""
+    if sections is None:
+        raise ValueError("3-row (M-RoPE) position ids need a model whose rope has mrope_section")
+    if position_ids.shape[0] != 3:
+        raise ValueError(f"M-RoPE position ids must have 3 rows (temporal, height, width), got {position_ids.shape[0]}")
+    angles = position_ids.permute(0, 2, 1).unsqueeze(-1).float() * freq  # [3, s, b, hd/2]
+    parts = angles.split(list(sections), dim=-1)
+    return torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

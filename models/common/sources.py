@@ -50,6 +50,30 @@ class StateDictSource(TensorSource):
         return read_piece(lambda idx: t[idx], tuple(t.shape), piece, dtype)
 
 
+class RenamedSource(TensorSource):
+    """Another source's tensors under canonical names (``rename(name)``), e.g. transformers' in-memory
+    ``model.language_model.*`` read as the on-disk ``model.*``. Two names mapping to one is an error."""
+
+    def __init__(self, source: TensorSource, rename, where: str = "checkpoint") -> None:
+        self.source = source
+        self.original: dict[str, str] = {}
+        for name in sorted(source.names()):
+            new = rename(name)
+            if new in self.original:
+                raise CheckpointError(f"{where}: tensors {self.original[new]} and {name} are the same weight "
+                                      f"({new}) in two key layouts")
+            self.original[new] = name
+
+    def names(self) -> set[str]:
+        return set(self.original)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.source.shape(self.original[name])
+
+    def read(self, name, piece, dtype=None):
+        return self.source.read(self.original[name], piece, dtype)
+
+
 class RandomSource(TensorSource):
     """Random full tensors defined by ``{name: (shape, init)}``, regenerated on demand from the seed.
 

@@ -193,6 +193,8 @@ class ParallelCausalLM(nn.Module):
             if position_ids is None:
                 starts = torch.repeat_interleave(cu_seqlens[:-1], lengths)
                 position_ids = (torch.arange(total, device=input_ids.device) - starts).reshape(1, -1)
+            elif position_ids.dim() == 3:  # M-RoPE rows [3, 1, T]
+                position_ids = position_ids.reshape(position_ids.shape[0], 1, -1)
             else:
                 position_ids = position_ids.reshape(1, -1)
             if labels is not None:
@@ -226,7 +228,7 @@ class ParallelCausalLM(nn.Module):
                 gather_logits: bool = False, cu_seqlens: torch.Tensor | None = None,
                 max_seqlen: int | None = None, return_logits: bool = True,
                 sequence_plan: SequencePlan | None = None, targets: torch.Tensor | None = None,
-                output_router_logits: bool | None = None) -> CausalLMOutput:
+                output_router_logits: bool | None = None, multimodal=None) -> CausalLMOutput:
         """Padded batch ``input_ids [b, s]`` (optional ``attention_mask [b, s]``, 1 = token), or a packed
         batch ``input_ids [T]``/``[1, T]`` with ``cu_seqlens [n + 1]``. ``labels`` like ``input_ids``;
         shifted inside, ``-100`` ignored (transformers semantics).
@@ -238,7 +240,10 @@ class ParallelCausalLM(nn.Module):
 
         Mixture-of-experts models: ``output_router_logits`` (default: the HF config's) returns the
         load-balancing loss and router logits and adds ``router_aux_loss_coef * aux_loss`` to the loss,
-        as transformers does (not with cp/ulysses yet)."""
+        as transformers does (not with cp/ulysses yet).
+
+        ``multimodal``: what a multimodal model merges into the token embeddings (``embed_inputs``);
+        Qwen2-VL's forward builds it from pixel values."""
         want_aux = self._wants_router_logits(output_router_logits)
         if self.groups.pp_size > 1:
             raise RuntimeError("with pipeline parallelism use model.forward_backward(...) (stages run in a schedule)")
@@ -266,7 +271,7 @@ class ParallelCausalLM(nn.Module):
         if mask is not None and bool(mask.all()):
             mask = None  # no padding: plain causal kernel
         try:
-            h = self.model.embed_tokens(ids.t())  # [s(/tp), b, hidden]
+            h = self.embed_inputs(ids, multimodal)  # [s(/tp), b, hidden]
             h = self.run_layers(h, self.layer_ids(), pos, mask, cu, max_seqlen)
             aux_loss = router_logits = None
             if blocks:
@@ -310,6 +315,13 @@ class ParallelCausalLM(nn.Module):
         return requested
 
     # ------------------------------------------------------------------ pieces (also used by pipeline stages)
+    def embed_inputs(self, ids: torch.Tensor, multimodal=None) -> torch.Tensor:
+        """Token embeddings ``[s(/tp), b, hidden]`` of ``ids [b, s]`` (the first stage's input);
+        multimodal models override it to merge their features in (``multimodal``)."""
+        if multimodal is not None:
+            raise ValueError(f"{self.config.architecture} takes no multimodal inputs")
+        return self.model.embed_tokens(ids.t())
+
     def packed_logits(self, ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None,
                       seq: SequenceShard | None = None) -> torch.Tensor:
         """One packed micro-batch ``ids [1, T]`` (this rank's tokens under cp/ulysses) through the whole

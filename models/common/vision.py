@@ -1,0 +1,166 @@
+"""Qwen2-VL's vision tower, tensor-parallel: patch embedding, 2-D rotary blocks, patch merger.
+
+Semantics are transformers' ``Qwen2VisionTransformerPretrainedModel``: ``pixel_values [N, C*T*P*P]``
+(one row per patch, as the image processor emits them, grouped by ``spatial_merge_size^2`` windows)
+-> Conv3d patch embedding (stride = kernel, so one matmul per patch) -> ``depth`` blocks of
+pre-LayerNorm attention (fused ``qkv``, 2-D rotary over the patch's (h, w), attention within each
+frame of each image/video, from ``cu_seqlens``) and a quick-GELU MLP -> the merger (LayerNorm,
+``spatial_merge_size^2`` patches concatenated, Linear-GELU-Linear) -> one feature per merged patch.
+
+Tensor parallel over the TP group, the way the text decoder splits (Megatron without SP): ``qkv``
+column-parallel per q/k/v block then per head (rule ``Fused(3)``: each rank holds
+``[q_r | k_r | v_r]``), ``proj`` row-parallel, ``fc1`` column, ``fc2`` row, merger ``mlp.0`` column,
+``mlp.2`` row. Norms, patch embedding and the residual stream stay whole on every TP rank (they are
+a small share of the tower's work); the matmuls and attention are split, so no rank repeats them.
+The output features are whole on every TP rank. Parameter names are transformers' (``visual.*``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.common.config import VisionConfig
+from models.common.rope import _rotate_half
+from parallel.groups import ParallelGroups
+from parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+_ACTIVATIONS = {"quick_gelu": quick_gelu, "gelu": F.gelu, "silu": F.silu}
+
+
+class PatchEmbed(nn.Module):
+    """Conv3d with stride = kernel over ``temporal_patch x patch x patch`` pixels (no bias); replicated."""
+
+    def __init__(self, cfg: VisionConfig, dtype, device) -> None:
+        super().__init__()
+        self.cfg = cfg
+        t, p = cfg.temporal_patch_size, cfg.patch_size
+        self.proj = nn.Module()
+        self.proj.weight = nn.Parameter(torch.empty(cfg.embed_dim, cfg.in_channels, t, p, p, dtype=dtype,
+                                                    device=device))
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        x = pixels.view(-1, c.in_channels, c.temporal_patch_size, c.patch_size, c.patch_size)
+        return F.conv3d(x.to(self.proj.weight.dtype), self.proj.weight, stride=self.proj.weight.shape[2:]).view(
+            -1, c.embed_dim)
+
+
+class VisionRotary(nn.Module):
+    """Axial 2-D RoPE: ``head_dim/4`` frequencies for h and for w, concatenated, then doubled."""
+
+    def __init__(self, cfg: VisionConfig, device) -> None:
+        super().__init__()
+        spatial = cfg.head_dim // 2
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float32, device=device) / spatial))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions [N, 2]`` (h, w) -> fp32 ``cos, sin [N, 1, head_dim]``."""
+        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)  # [N, 2, hd/4]
+        hw = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
+        emb = torch.cat([hw, hw], dim=-1)[:, None]
+        return emb.cos(), emb.sin()
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, cfg: VisionConfig, groups: ParallelGroups, dtype, device) -> None:
+        super().__init__()
+        tp = groups.tp_size
+        if cfg.num_heads % tp:
+            raise ValueError(f"vision num_heads={cfg.num_heads} is not divisible by tp={tp}")
+        self.local_heads = cfg.num_heads // tp
+        self.head_dim = cfg.head_dim
+        self.qkv = ColumnParallelLinear(cfg.embed_dim, 3 * cfg.embed_dim, bias=True, tp_group=groups.tp_group,
+                                        dtype=dtype, device=device)
+        self.proj = RowParallelLinear(cfg.embed_dim, cfg.embed_dim, bias=True, tp_group=groups.tp_group,
+                                      dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, cu_seqlens: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.local_heads, self.head_dim).unbind(1)  # [N, h_r, d] each
+        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)  # fp32 rotation, as transformers
+        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
+        outs = []
+        for start, stop in zip(cu_seqlens[:-1], cu_seqlens[1:]):  # each frame attends within itself
+            qs, ks, vs = (t[start:stop].transpose(0, 1)[None] for t in (q, k, v))  # [1, h_r, n, d]
+            outs.append(F.scaled_dot_product_attention(qs, ks, vs)[0].transpose(0, 1))
+        return self.proj(torch.cat(outs, dim=0).reshape(n, -1))
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, cfg: VisionConfig, groups: ParallelGroups, dtype, device) -> None:
+        super().__init__()
+        self.fc1 = ColumnParallelLinear(cfg.embed_dim, cfg.mlp_hidden, bias=True, tp_group=groups.tp_group,
+                                        dtype=dtype, device=device)
+        self.fc2 = RowParallelLinear(cfg.mlp_hidden, cfg.embed_dim, bias=True, tp_group=groups.tp_group,
+                                     dtype=dtype, device=device)
+        if cfg.hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"vision hidden_act={cfg.hidden_act!r} is not supported ({', '.join(_ACTIVATIONS)})")
+        self.act = _ACTIVATIONS[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, cfg: VisionConfig, groups: ParallelGroups, dtype, device) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(cfg.embed_dim, eps=1e-6, dtype=dtype, device=device)
+        self.norm2 = nn.LayerNorm(cfg.embed_dim, eps=1e-6, dtype=dtype, device=device)
+        self.attn = VisionAttention(cfg, groups, dtype, device)
+        self.mlp = VisionMLP(cfg, groups, dtype, device)
+
+    def forward(self, x, cu_seqlens, cos, sin):
+        x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    """LayerNorm, then ``spatial_merge_size^2`` consecutive patches as one row, Linear-GELU-Linear."""
+
+    def __init__(self, cfg: VisionConfig, groups: ParallelGroups, dtype, device) -> None:
+        super().__init__()
+        self.merged_dim = cfg.merged_dim
+        self.ln_q = nn.LayerNorm(cfg.embed_dim, eps=1e-6, dtype=dtype, device=device)
+        self.mlp = nn.ModuleList([
+            ColumnParallelLinear(cfg.merged_dim, cfg.merged_dim, bias=True, tp_group=groups.tp_group, dtype=dtype,
+                                 device=device),
+            nn.GELU(),
+            RowParallelLinear(cfg.merged_dim, cfg.out_hidden_size, bias=True, tp_group=groups.tp_group, dtype=dtype,
+                              device=device),
+        ])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.ln_q(x).view(-1, self.merged_dim)
+        for layer in self.mlp:
+            x = layer(x)
+        return x
+
+
+class ParallelVisionTower(nn.Module):
+    """``visual``: pixel patches of images/videos -> merged features ``[sum(t*h*w) / merge^2, out_hidden]``."""
+
+    def __init__(self, cfg: VisionConfig, groups: ParallelGroups, dtype, device) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.patch_embed = PatchEmbed(cfg, dtype, device)
+        self.rotary_pos_emb = VisionRotary(cfg, device)
+        self.blocks = nn.ModuleList([VisionBlock(cfg, groups, dtype, device) for _ in range(cfg.depth)])
+        self.merger = PatchMerger(cfg, groups, dtype, device)
+
+    def forward(self, pixel_values: torch.Tensor, patch_positions: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+        """``patch_positions [N, 2]``: each patch's (h, w) in its image; ``cu_seqlens``: frame
+        boundaries in the patch axis (attention stays within a frame). Both come from the grids
+        (``models.qwen2_vl.positions``)."""
+        cos, sin = self.rotary_pos_emb(patch_positions.to(pixel_values.device))
+        x = self.patch_embed(pixel_values)
+        for block in self.blocks:
+            x = block(x, cu_seqlens, cos, sin)
+        return self.merger(x)

@@ -1,0 +1,107 @@
+"""Qwen2-VL (vision tower + M-RoPE decoder) against transformers' Qwen2VLForConditionalGeneration
+(gloo, CPU, fp32).
+
+One group of processes per world size runs every layout of that size; each rank compares with a
+transformers model built from the same directory: logits and loss for one image, two images of
+different grids, a video, image + video, a mixed batch with a text-only row (right and left
+padding) and a packed batch; two SGD steps with every vision and text gradient compared; then
+``save_pretrained`` against the source files (names and bytes).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import pytest
+
+from tests.distributed import run_distributed
+from tests.vl_cases import VL_CASES, write_vl_model
+from tests.workers_vl import bad_input_messages, suite
+
+FP32_TOL = 1e-5
+GRAD_REL_TOL = 1e-4
+
+LAYOUTS = {
+    1: [("untied", {}), ("tied", {})],
+    2: [("untied", {"tp": 2}), ("tied", {"tp": 2, "sequence_parallel": True})],
+    4: [("untied", {"tp": 4, "sequence_parallel": True})],
+}
+
+
+@pytest.fixture(scope="module")
+def vl_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vl")
+    return tuple(sorted((name, write_vl_model(root, name, seed=i)) for i, name in enumerate(VL_CASES)))
+
+
+@functools.lru_cache(maxsize=None)
+def _records(world: int, dirs: tuple) -> list[tuple]:
+    if world == 1:
+        return suite(dict(dirs), LAYOUTS[1])
+    per_rank = run_distributed(world, suite, dict(dirs), LAYOUTS[world])
+    return [rec for rank_records in per_rank for rec in rank_records]
+
+
+METRICS = {"logits": r"logits_.*", "loss": r"loss_.*|step\d_loss", "grads": r"grads_.*", "saved": "saved_tensors"}
+
+
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+@pytest.mark.parametrize("metric", sorted(METRICS))
+def test_qwen2_vl_parity(vl_dirs, world, metric):
+    records = _records(world, vl_dirs)
+    pat = re.compile(METRICS[metric])
+    selected = [r for r in records if pat.fullmatch(r[2])]
+    assert {(case, layout) for case, layout, *_ in selected} == {
+        (case, layout) for case, layout, *_ in records}, f"layouts without {metric} records"
+    bound = GRAD_REL_TOL if metric == "grads" else 0.0 if metric == "saved" else FP32_TOL
+    bad = [f"{case} {layout} {name}={value:.3g}" for case, layout, name, value in selected if not value <= bound]
+    assert not bad, "; ".join(bad)
+
+
+def test_both_hf_key_layouts_load_the_same_model(vl_dirs, tmp_path):
+    """transformers' in-memory layout (model.language_model.*, model.visual.*) and the on-disk one
+    it writes (model.*, visual.*) are the same checkpoint; a file holding one weight under both is refused."""
+    import shutil
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from models.common.sources import CheckpointError
+    from models.qwen2_vl import build_parallel_model
+
+    src = Path(dict(vl_dirs)["untied"])
+    on_disk = load_file(str(src / "model.safetensors"))
+    memory_layout = ("model.language_model.", "model.visual.")
+    assert any(n.startswith("visual.") for n in on_disk), "transformers' on-disk layout changed"
+    assert not any(n.startswith(memory_layout) for n in on_disk), "transformers' on-disk layout changed"
+    renamed = {("model.visual." + n[len("visual."):]) if n.startswith("visual.")
+               else ("model.language_model." + n[len("model."):]) if n.startswith("model.") else n: t
+               for n, t in on_disk.items()}
+    other = tmp_path / "memory_layout"
+    shutil.copytree(src, other)
+    save_file(renamed, str(other / "model.safetensors"), metadata={"format": "pt"})
+    a, b = build_parallel_model(src), build_parallel_model(other)
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert pa.keys() == pb.keys()
+    assert all(torch.equal(pa[n], pb[n]) for n in pa)
+    both = tmp_path / "both_layouts"
+    shutil.copytree(src, both)
+    save_file({**on_disk, "model.visual.merger.ln_q.bias": on_disk["visual.merger.ln_q.bias"].clone()},
+              str(both / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"visual\.merger\.ln_q\.bias and visual\.merger\.ln_q\.bias|"
+                                              r"model\.visual\.merger\.ln_q\.bias.*same weight"):
+        build_parallel_model(both)
+
+
+def test_bad_vision_inputs_are_refused_on_every_rank_before_any_collective(vl_dirs):
+    per_rank = run_distributed(2, bad_input_messages, dict(vl_dirs)["untied"], {"tp": 2, "sequence_parallel": True})
+    expected = [r"input_ids hold 3 image tokens .* image_grid_thw gives 4 after 2x2 merging",
+                r"image 0 has grid \(t, h, w\) = \(1, 3, 4\): h and w must be divisible by spatial_merge_size 2",
+                r"pixel_values has 15 rows but image_grid_thw needs sum\(t\*h\*w\) = 16 patches",
+                r"pixel_values has 97 columns but a patch holds .* = 96 values"]
+    for messages in per_rank:
+        assert len(messages) == 4 and "no error" not in messages, messages
+        for message, pattern in zip(messages, expected):
+            assert re.search(pattern, message), message

@@ -1,0 +1,206 @@
+"""Qwen2-VL worker bodies (run on every rank by tests/test_qwen2_vl.py): our parallel model against
+transformers' ``Qwen2VLForConditionalGeneration`` loaded from the same directory in the same process.
+
+Records are ``(case, layout, metric, value)``; the test file holds the bounds.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from models.qwen2_vl.architecture import ARCHITECTURE
+from parallel import ParallelConfig
+from tests.vl_cases import vl_batch, vl_packed_batch
+from tests.workers import _max_diff, _rel_diff
+
+PADDED_KINDS = ("one_image", "two_images", "video", "image_video", "mixed")
+
+
+def _inputs(batch: dict) -> dict:
+    return {k: v for k, v in batch.items() if v is not None}
+
+
+def _unscored_padding_predictions(batch: dict) -> dict:
+    """Left padding: the prediction of a row's first real token is made *from* a padding slot, whose
+    logits are not defined by the model (each implementation masks fully padded queries its own way);
+    that label is ignored so both sides score the same predictions."""
+    labels = batch["labels"].clone()
+    for row, mask in enumerate(batch["attention_mask"]):
+        real = mask.nonzero()
+        if len(real) and real[0, 0] > 0:
+            labels[row, real[0, 0]] = -100
+    return {**batch, "labels": labels}
+
+
+def _segments(batch: dict, cfg) -> list[dict]:
+    """The samples of a packed batch as batches of one, each with its own pixels and grids."""
+    vis = cfg.vision_config
+    merge = vis.spatial_merge_size
+    bounds = batch["cu_seqlens"].tolist()
+    ids = batch["input_ids"][0]
+    queues = {}
+    for kind, token, pixels_key, grid_key in (("image", cfg.image_token_id, "pixel_values", "image_grid_thw"),
+                                              ("video", cfg.video_token_id, "pixel_values_videos", "video_grid_thw")):
+        grid = batch.get(grid_key)
+        queues[kind] = (token, pixels_key, grid_key, list(grid) if grid is not None else [],
+                        batch.get(pixels_key))
+    offsets = {"image": 0, "video": 0}
+    out = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        seg = {"input_ids": ids[a:b][None], "labels": batch["labels"][0, a:b][None],
+               "mm_token_type_ids": batch["mm_token_type_ids"][0, a:b][None]}
+        for kind, (token, pixels_key, grid_key, grids, pixels) in queues.items():
+            need = int((ids[a:b] == token).sum())
+            taken = []
+            while need > 0:
+                g = grids.pop(0)
+                taken.append(g)
+                need -= int(g.prod()) // merge ** 2
+            if taken:
+                rows = sum(int(g.prod()) for g in taken)
+                seg[grid_key] = torch.stack(taken)
+                seg[pixels_key] = pixels[offsets[kind]:offsets[kind] + rows]
+                offsets[kind] += rows
+        out.append(seg)
+    return out
+
+
+def hf_grads(hf) -> dict[str, torch.Tensor]:
+    """transformers' gradients under the on-disk names (``model.language_model.*`` -> ``model.*`` ...)."""
+    return {ARCHITECTURE.canonical_name(n): p.grad for n, p in hf.named_parameters() if p.grad is not None}
+
+
+def _grad_diff(model, hf, prefix: str) -> float:
+    ours = dict(model.iter_hf_weights({n: p.grad if p.grad is not None else torch.zeros_like(p)
+                                       for n, p in model.named_parameters()}))
+    ref = hf_grads(hf)
+    worst = 0.0
+    for name, grad in ours.items():
+        if not name.startswith(prefix):
+            continue
+        if name not in ref:
+            return float("inf")
+        worst = max(worst, _rel_diff(grad, ref[name]))
+    return worst
+
+
+def _saved_tensors_diff(model, path: str, pconfig: ParallelConfig) -> float:
+    """save_pretrained writes every tensor of the source bitwise under the same (on-disk) names."""
+    import shutil
+
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    out = f"{path}_saved_{re.sub('[^a-z0-9]+', '_', pconfig.describe())}"
+    model.save_pretrained(out)
+    worst = 0.0
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        def tensors(folder):
+            merged = {}
+            for f in sorted(Path(folder).glob("*.safetensors")):
+                merged.update(load_file(str(f)))
+            return merged
+
+        saved, source = tensors(out), tensors(path)
+        worst = float("inf") if set(saved) != set(source) else max(_max_diff(saved[n], source[n]) for n in source)
+        shutil.rmtree(out)
+    if dist.is_initialized():
+        dist.barrier()
+    return worst
+
+
+def parity(case: str, path: str, pconfig: ParallelConfig, steps: int = 2, lr: float = 0.2) -> list[tuple]:
+    """Logits and loss for every batch kind (right and left padding, packed), then two SGD steps
+    on the mixed batch with every gradient compared (vision and text), then logits again."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from models.qwen2_vl import build_parallel_model
+
+    tag = (case, pconfig.describe())
+    hf = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    model = build_parallel_model(path, pconfig)
+    records = []
+    for kind in PADDED_KINDS:
+        for side in ("right", "left"):
+            batch = vl_batch(case, kind, padding_side=side)
+            if side == "left":
+                batch = _unscored_padding_predictions(batch)
+            with torch.no_grad():
+                ours = model(**_inputs(batch), gather_logits=True)
+                ref = hf(**_inputs(batch))
+            valid = batch["attention_mask"].bool()
+            records += [(*tag, f"logits_{kind}_{side}", _max_diff(ours.logits[valid], ref.logits[valid])),
+                        (*tag, f"loss_{kind}_{side}", _max_diff(ours.loss, ref.loss))]
+    packed = vl_packed_batch(case)
+    with torch.no_grad():
+        ours = model(**_inputs(packed), gather_logits=True)
+        ref_logits, ref_loss_sum, ref_count = [], 0.0, 0
+        for seg in _segments(packed, hf.config):
+            out = hf(**seg)
+            ref_logits.append(out.logits[0])
+            n = int((seg["labels"][0, 1:] != -100).sum())
+            ref_loss_sum, ref_count = ref_loss_sum + out.loss * n, ref_count + n
+    records += [(*tag, "logits_packed", _max_diff(ours.logits[0], torch.cat(ref_logits))),
+                (*tag, "loss_packed", _max_diff(ours.loss, ref_loss_sum / ref_count))]
+    records.append((*tag, "saved_tensors", _saved_tensors_diff(model, path, pconfig)))
+
+    batch = vl_batch(case, "mixed")
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    ref_opt = torch.optim.SGD(hf.parameters(), lr=lr)
+    for step in range(steps):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        loss = model(**_inputs(batch), return_logits=False).loss
+        loss.backward()
+        model.finalize_grads()
+        ref_loss = hf(**_inputs(batch)).loss
+        ref_loss.backward()
+        records += [(*tag, f"step{step}_loss", _max_diff(loss, ref_loss)),
+                    (*tag, f"grads_vision_step{step}", _grad_diff(model, hf, "visual.")),
+                    (*tag, f"grads_text_step{step}", _grad_diff(model, hf, "model.")),
+                    (*tag, f"grads_head_step{step}", _grad_diff(model, hf, "lm_head."))]
+        opt.step()
+        ref_opt.step()
+    with torch.no_grad():
+        ours = model(**_inputs(batch), gather_logits=True)
+        ref = hf(**_inputs(batch))
+    valid = batch["attention_mask"].bool()
+    records.append((*tag, "logits_after_steps", _max_diff(ours.logits[valid], ref.logits[valid])))
+    return records
+
+
+def suite(dirs: dict[str, str], layouts: list[tuple[str, dict]]) -> list[tuple]:
+    records = []
+    for case, kwargs in layouts:
+        records += parity(case, dirs[case], ParallelConfig(**kwargs))
+    return records
+
+
+def bad_input_messages(path: str, pconfig_kwargs: dict) -> list[str]:
+    """Inconsistent vision inputs: the error each raises (before any collective, on every rank)."""
+    from models.qwen2_vl import build_parallel_model
+    from models.qwen2_vl.positions import VisionInputError
+
+    model = build_parallel_model(path, ParallelConfig(**pconfig_kwargs))
+    case = Path(path).name
+    good = vl_batch(case, "one_image")
+    cfg = model.config.vision
+    fewer_tokens = dict(good)
+    ids = good["input_ids"].clone()
+    first = int((ids[0] == cfg.image_token_id).nonzero()[0, 0])
+    ids[0, first] = 5  # one placeholder token fewer than the grid's
+    fewer_tokens["input_ids"] = ids
+    odd_grid = {**good, "image_grid_thw": torch.tensor([[1, 3, 4]])}
+    short_pixels = {**good, "pixel_values": good["pixel_values"][:-1]}
+    wide_pixels = {**good, "pixel_values": torch.cat([good["pixel_values"], good["pixel_values"][:, :1]], dim=1)}
+    messages = []
+    for bad in (fewer_tokens, odd_grid, short_pixels, wide_pixels):
+        try:
+            model(**_inputs(bad))
+            messages.append("no error")
+        except VisionInputError as exc:
+            messages.append(str(exc))
+    return messages
