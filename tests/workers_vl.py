@@ -172,10 +172,55 @@ def parity(case: str, path: str, pconfig: ParallelConfig, steps: int = 2, lr: fl
     return records
 
 
-def suite(dirs: dict[str, str], layouts: list[tuple[str, dict]]) -> list[tuple]:
+def training_parity(case: str, path: str, pconfig: ParallelConfig, microbatches: int = 2, steps: int = 2,
+                    lr: float = 0.2) -> list[tuple]:
+    """``forward_backward`` (micro-batches, pipeline stages with the tower on the first) on the mixed
+    padded batch, then on the packed batch: loss and every gradient against transformers' whole batch."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from models.qwen2_vl import build_parallel_model
+
+    tag = (case, f"{pconfig.describe()} forward_backward({microbatches})")
+    hf = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    model = build_parallel_model(path, pconfig)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    ref_opt = torch.optim.SGD(hf.parameters(), lr=lr)
     records = []
-    for case, kwargs in layouts:
-        records += parity(case, dirs[case], ParallelConfig(**kwargs))
+    padded, packed = vl_batch(case, "mixed"), vl_packed_batch(case)
+    for step in range(steps):
+        batch = padded if step % 2 == 0 else packed
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        inputs = _inputs(batch)
+        ids, labels = inputs.pop("input_ids"), inputs.pop("labels")
+        loss = model.forward_backward(ids, labels, num_microbatches=microbatches, **inputs)
+        if "cu_seqlens" in batch:  # transformers per segment, weighted by its scored tokens
+            total, count = 0.0, 0
+            for seg in _segments(batch, hf.config):
+                n = int((seg["labels"][0, 1:] != -100).sum())
+                total, count = total + hf(**seg).loss * n, count + n
+            ref_loss = total / count
+        else:
+            ref_loss = hf(**_inputs(batch)).loss
+        ref_loss.backward()
+        kind = "packed" if "cu_seqlens" in batch else "padded"
+        records += [(*tag, f"step{step}_loss_{kind}", _max_diff(loss, ref_loss)),
+                    (*tag, f"grads_vision_step{step}_{kind}", _grad_diff(model, hf, "visual.")),
+                    (*tag, f"grads_text_step{step}_{kind}", _grad_diff(model, hf, "model."))]
+        opt.step()
+        ref_opt.step()
+    return records
+
+
+def suite(dirs: dict[str, str], layouts: list[tuple]) -> list[tuple]:
+    records = []
+    for case, kwargs, *options in layouts:
+        options = options[0] if options else {}
+        if options.get("forward_backward"):
+            records += training_parity(case, dirs[case], ParallelConfig(**kwargs),
+                                       microbatches=options.get("microbatches", 2))
+        else:
+            records += parity(case, dirs[case], ParallelConfig(**kwargs))
     return records
 
 

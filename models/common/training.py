@@ -32,8 +32,9 @@ IGNORE_INDEX = -100
 @dataclass
 class Sample:
     ids: torch.Tensor  # [n]
-    positions: torch.Tensor  # [n]
+    positions: torch.Tensor  # [n], or [3, n] for M-RoPE
     targets: torch.Tensor  # [n], target of token t (HF-shifted), -100 = ignored
+    inputs: dict | None = None  # per-sample model inputs merged per micro-batch (Qwen2-VL: pixels, grids)
 
 
 def to_samples(input_ids: torch.Tensor, labels: torch.Tensor | None, attention_mask: torch.Tensor | None,
@@ -52,7 +53,10 @@ def to_samples(input_ids: torch.Tensor, labels: torch.Tensor | None, attention_m
         for a, b in zip(bounds[:-1], bounds[1:]):
             targets = torch.full((b - a,), IGNORE_INDEX, dtype=torch.long)
             targets[:-1] = lab[a + 1:b]
-            pos = position_ids.reshape(-1)[a:b] if position_ids is not None else torch.arange(b - a)
+            if position_ids is None:
+                pos = torch.arange(b - a)
+            else:  # [T] / [1, T], or M-RoPE rows [3, 1, T]
+                pos = position_ids.reshape(3, -1)[:, a:b] if position_ids.dim() == 3 else position_ids.reshape(-1)[a:b]
             samples.append(Sample(flat[a:b], pos, targets))
         return samples
     bsz, seq = input_ids.shape
@@ -61,17 +65,20 @@ def to_samples(input_ids: torch.Tensor, labels: torch.Tensor | None, attention_m
         if labels is not None:
             targets[:-1] = labels[r, 1:]
         keep = attention_mask[r].bool() if attention_mask is not None else torch.ones(seq, dtype=torch.bool)
-        pos = position_ids[r] if position_ids is not None else torch.arange(seq)
-        samples.append(Sample(input_ids[r][keep], pos[keep], targets[keep]))
+        pos = position_ids[..., r, :] if position_ids is not None else torch.arange(seq)  # [s] or [3, s]
+        samples.append(Sample(input_ids[r][keep], pos[..., keep], targets[keep]))
     return samples
 
 
 def pack(samples: list[Sample], total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ids/positions/targets ``[1, total]`` and ``cu_seqlens``; the tail padding is one extra ignored sequence."""
+    """ids/positions/targets ``[1, total]`` (M-RoPE positions ``[3, 1, total]``) and ``cu_seqlens``; the tail
+    padding is one extra ignored sequence."""
     used = sum(len(s.ids) for s in samples)
     pad = total - used
     ids = torch.cat([s.ids for s in samples] + [torch.zeros(pad, dtype=torch.long)]).reshape(1, -1)
-    pos = torch.cat([s.positions for s in samples] + [torch.zeros(pad, dtype=torch.long)]).reshape(1, -1)
+    rows = samples[0].positions.shape[:-1]  # () or (3,) for M-RoPE
+    pos = torch.cat([s.positions for s in samples] + [torch.zeros(*rows, pad, dtype=torch.long)], dim=-1)
+    pos = pos.reshape(*rows, 1, -1)
     tgt = torch.cat([s.targets for s in samples] + [torch.full((pad,), IGNORE_INDEX, dtype=torch.long)]).reshape(1, -1)
     lengths = [len(s.ids) for s in samples] + ([pad] if pad else [])
     cu = torch.tensor([0] + lengths).cumsum(0)
@@ -101,6 +108,7 @@ class PipelineChunk(nn.Module):
         # Registered so PipelineStage sees exactly this chunk's parameters.
         self.layers = nn.ModuleList([lm.model.layers[str(i)] for i in self.layer_ids])
         self.embed_tokens = lm.model.embed_tokens if self.first else None
+        self.visual = getattr(lm, "visual", None) if self.first else None  # Qwen2-VL's tower feeds the embeddings
         self.norm = lm.model.norm if self.last else None
         self.lm_head = lm.lm_head if self.last else None
         self.aux = aux
@@ -109,9 +117,9 @@ class PipelineChunk(nn.Module):
 
     def forward(self, x: torch.Tensor, carry: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, seq: SequenceShard | None = None,
-                token_mask: torch.Tensor | None = None):
+                token_mask: torch.Tensor | None = None, inputs: dict | None = None):
         lm = self._lm[0]
-        h = self.embed_tokens(x.t()) if self.first else x
+        h = lm.embed_microbatch(x, inputs) if self.first else x
         for blk in self._sparse:
             blk.token_mask = token_mask
         try:
@@ -131,8 +139,9 @@ def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = 
                      schedule: str = "1f1b", forward_only: bool = False, cu_seqlens: torch.Tensor | None = None,
                      attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                      max_tokens_per_microbatch: int | None = None, aux_loss: bool | None = None,
-                     return_aux_loss: bool = False):
-    """See ``ParallelCausalLM.forward_backward``."""
+                     return_aux_loss: bool = False, sample_inputs: list[dict | None] | None = None):
+    """See ``ParallelCausalLM.forward_backward``. ``sample_inputs``: per sample (row, or packed segment)
+    model inputs that the first stage gets merged per micro-batch (Qwen2-VL's pixels and grids)."""
     groups = lm.groups
     aux = lm._wants_router_logits(aux_loss) and not forward_only
     if aux and groups.sequence_split:
@@ -144,6 +153,11 @@ def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = 
     if pp > 1:  # name and vpp; the planner below makes the count a multiple of what the schedule needs
         check_schedule(schedule, vpp, microbatch_multiple(schedule, pp), pp)
     samples = to_samples(input_ids, labels, attention_mask, cu_seqlens, position_ids)
+    if sample_inputs is not None:
+        if len(sample_inputs) != len(samples):
+            raise ValueError(f"sample_inputs has {len(sample_inputs)} entries for {len(samples)} samples")
+        for sample, inputs in zip(samples, sample_inputs):
+            sample.inputs = inputs
     if pp > 1:  # the loss is the same for any split, so the count may rise to what the schedule needs
         # (torch's 1F1B runs at least one micro-batch per stage: a batch needs >= pp samples then)
         num_microbatches = max(num_microbatches, microbatch_minimum(schedule, pp))
@@ -155,6 +169,8 @@ def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = 
     if groups.sequence_parallel:
         total = -(-total // tp) * tp
     mbs = [pack([samples[i] for i in group], total) for group in plan.groups]
+    # Per-sample model inputs (Qwen2-VL's pixels and grids), merged per micro-batch for its first stage.
+    mb_inputs = [merge_sample_inputs([samples[i].inputs for i in group]) for group in plan.groups]
     shards: list[SequenceShard | None] = [None] * len(mbs)
     if groups.sequence_split:  # each micro-batch laid out over the cp/ulysses ranks: keep this rank's tokens
         for m, group in enumerate(plan.groups):
@@ -183,12 +199,13 @@ def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = 
     if pp == 1:
         outputs = []
         chunk = PipelineChunk(lm, 0, aux) if aux else None
-        for (ids, pos, tgt, cu), shard, token_mask in zip(mbs, shards, token_masks):
+        for (ids, pos, tgt, cu), shard, token_mask, inputs in zip(mbs, shards, token_masks, mb_inputs):
             with torch.set_grad_enabled(not forward_only):
                 if chunk is not None:
-                    out = loss_fn(chunk(ids, position_ids=pos, cu_seqlens=cu, seq=shard, token_mask=token_mask), tgt)
+                    out = loss_fn(chunk(ids, position_ids=pos, cu_seqlens=cu, seq=shard, token_mask=token_mask,
+                                        inputs=inputs), tgt)
                 else:
-                    out = loss_fn(lm.packed_logits(ids, pos, cu, shard), tgt)
+                    out = loss_fn(lm.packed_logits(ids, pos, cu, shard, inputs), tgt)
             if not forward_only:
                 out.backward()
                 out = out.detach()
@@ -202,6 +219,9 @@ def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = 
         if aux:
             for kwargs, token_mask in zip(kwarg_mbs, token_masks):
                 kwargs["token_mask"] = token_mask
+        for kwargs, inputs in zip(kwarg_mbs, mb_inputs):
+            if inputs is not None and lm.is_first_stage:
+                kwargs["inputs"] = inputs
         outputs = runner.run(
             arg_mbs=[(ids,) if lm.is_first_stage else () for ids, _, _, _ in mbs], kwarg_mbs=kwarg_mbs,
             target_mbs=[tgt for _, _, tgt, _ in mbs] if lm.is_last_stage else None,
@@ -224,6 +244,16 @@ def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = 
     if return_aux_loss:
         return loss, totals[1] / global_mbs if aux else None
     return loss
+
+
+def merge_sample_inputs(per_sample: list[dict | None]) -> dict | None:
+    """One micro-batch's model inputs from its samples' (in packing order): each tensor concatenated
+    along dim 0, keys whose every value is None dropped; None when no sample has any."""
+    present = [d for d in per_sample if d]
+    if not present:
+        return None
+    keys = sorted({k for d in present for k, v in d.items() if v is not None})
+    return {k: torch.cat([d[k] for d in present if d.get(k) is not None]) for k in keys}
 
 
 class _TokenLoss:

@@ -315,6 +315,13 @@ class ParallelCausalLM(nn.Module):
         return requested
 
     # ------------------------------------------------------------------ pieces (also used by pipeline stages)
+    def embed_microbatch(self, ids: torch.Tensor, inputs: dict | None = None) -> torch.Tensor:
+        """The first pipeline stage's embedding of a packed micro-batch ``ids [1, T]`` with its
+        per-sample model inputs merged (``forward_backward``; Qwen2-VL: pixels and grids)."""
+        if inputs:
+            raise ValueError(f"{self.config.architecture} takes no per-sample inputs ({', '.join(inputs)})")
+        return self.model.embed_tokens(ids.t())
+
     def embed_inputs(self, ids: torch.Tensor, multimodal=None) -> torch.Tensor:
         """Token embeddings ``[s(/tp), b, hidden]`` of ``ids [b, s]`` (the first stage's input);
         multimodal models override it to merge their features in (``multimodal``)."""
@@ -323,10 +330,10 @@ class ParallelCausalLM(nn.Module):
         return self.model.embed_tokens(ids.t())
 
     def packed_logits(self, ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None,
-                      seq: SequenceShard | None = None) -> torch.Tensor:
+                      seq: SequenceShard | None = None, inputs: dict | None = None) -> torch.Tensor:
         """One packed micro-batch ``ids [1, T]`` (this rank's tokens under cp/ulysses) through the whole
         model: vocab-sharded logits ``[T, 1, V_pad/tp]`` (a forward method FSDP2 knows about)."""
-        h = self.model.embed_tokens(ids.t())
+        h = self.embed_microbatch(ids, inputs)
         h = self.run_layers(h, self.layer_ids(), position_ids, None, None if seq is not None else cu_seqlens, seq=seq)
         return self.lm_head(self.model.norm(h))
 

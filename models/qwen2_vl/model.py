@@ -29,6 +29,7 @@ from models.common.transformer import CausalLMOutput, ParallelCausalLM
 from models.common.vision import ParallelVisionTower
 from models.qwen2_vl.architecture import ARCHITECTURE
 from models.qwen2_vl.positions import (
+    VisionInputError,
     check_multimodal_inputs,
     mrope_positions,
     mrope_positions_packed,
@@ -92,6 +93,53 @@ class ParallelQwen2VL(ParallelCausalLM):
         return super().forward(input_ids, position_ids, attention_mask, labels, gather_logits, cu_seqlens, max_seqlen,
                                return_logits, multimodal=features, **kwargs)
 
+    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
+                         pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
+                         pixel_values_videos: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None,
+                         mm_token_type_ids: torch.Tensor | None = None, **kwargs: Any):
+        """``ParallelCausalLM.forward_backward`` (micro-batches, pipeline schedules) with the vision inputs.
+
+        M-RoPE positions are computed on the whole batch first; then each sample (row, or packed
+        segment) keeps its own images' and videos' pixel rows and grids, and the first pipeline stage
+        encodes the images of each micro-batch when it embeds that micro-batch."""
+        vis = self.config.vision
+        check_multimodal_inputs(input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw,
+                                pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw,
+                                image_token_id=vis.image_token_id, video_token_id=vis.video_token_id,
+                                spatial_merge_size=vis.spatial_merge_size, patch_dim=vis.patch_dim)
+        if image_grid_thw is None and video_grid_thw is None:
+            return super().forward_backward(input_ids, labels, **kwargs)
+        if self.groups.sequence_split:
+            raise ValueError(f"qwen2_vl with cp/ulysses {self.groups.config.describe()} is not supported yet")
+        cu_seqlens = kwargs.get("cu_seqlens")
+        if kwargs.get("position_ids") is None:
+            kwargs["position_ids"] = self.rope_positions(
+                input_ids, attention_mask=kwargs.get("attention_mask"), cu_seqlens=cu_seqlens,
+                image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw, mm_token_type_ids=mm_token_type_ids)
+        rows = (list(_segments(input_ids.reshape(-1), cu_seqlens)) if cu_seqlens is not None
+                else [row[mask.bool()] if mask is not None else row
+                      for row, mask in zip(input_ids, _rows_or_none(kwargs.get("attention_mask"), len(input_ids)))])
+        per_sample = [{} for _ in rows]
+        for key_pixels, key_grid, pixels, grid, token in (
+                ("pixel_values", "image_grid_thw", pixel_values, image_grid_thw, vis.image_token_id),
+                ("pixel_values_videos", "video_grid_thw", pixel_values_videos, video_grid_thw, vis.video_token_id)):
+            if grid is None:
+                continue
+            for inputs, (sample_pixels, sample_grid) in zip(per_sample, _split_per_sample(
+                    rows, pixels, grid, token, vis.spatial_merge_size)):
+                if sample_grid is not None:
+                    inputs[key_pixels], inputs[key_grid] = sample_pixels, sample_grid
+        from models.common.training import forward_backward
+
+        return forward_backward(self, input_ids, labels, sample_inputs=per_sample, **kwargs)
+
+    def embed_microbatch(self, ids: torch.Tensor, inputs: dict | None = None) -> torch.Tensor:
+        if not inputs:
+            return self.embed_inputs(ids)
+        features = self.encode_vision(ids, inputs.get("pixel_values"), inputs.get("image_grid_thw"),
+                                      inputs.get("pixel_values_videos"), inputs.get("video_grid_thw"))
+        return self.embed_inputs(ids, features)
+
     def rope_positions(self, input_ids: torch.Tensor, *, attention_mask=None, cu_seqlens=None, image_grid_thw=None,
                        video_grid_thw=None, mm_token_type_ids=None) -> torch.Tensor:
         """M-RoPE positions: ``[3, b, s]`` for a padded batch, ``[3, 1, T]`` for a packed one."""
@@ -134,6 +182,37 @@ class ParallelQwen2VL(ParallelCausalLM):
             keep = (seq_index >= start) & (seq_index < start + h.shape[0])
             features, batch_index, seq_index = features[keep], batch_index[keep], seq_index[keep] - start
         return h.index_put((seq_index.to(h.device), batch_index.to(h.device)), features.to(h.dtype))
+
+
+def _rows_or_none(mask: torch.Tensor | None, rows: int) -> list:
+    return list(mask) if mask is not None else [None] * rows
+
+
+def _segments(flat: torch.Tensor, cu_seqlens: torch.Tensor):
+    bounds = cu_seqlens.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        yield flat[a:b]
+
+
+def _split_per_sample(rows: list[torch.Tensor], pixels: torch.Tensor, grid: torch.Tensor, token: int,
+                      merge: int) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """Each sample's pixel rows and grids: samples take the images (videos) in reading order, as many
+    as their placeholder tokens account for (already checked to add up by ``check_multimodal_inputs``)."""
+    tokens = [int(g.prod()) // merge ** 2 for g in grid]
+    patches = [int(g.prod()) for g in grid]
+    out, item, offset = [], 0, 0
+    for row in rows:
+        need = int((row == token).sum())
+        first = item
+        while need > 0:
+            need -= tokens[item]
+            item += 1
+        if need < 0:
+            raise VisionInputError(f"a sample's {token}-placeholder tokens end inside image/video {item - 1}")
+        rows_here = sum(patches[first:item])
+        out.append((pixels[offset:offset + rows_here], grid[first:item]) if item > first else (None, None))
+        offset += rows_here
+    return out
 
 
 def build_parallel_model(source: Any, parallel_config: ParallelConfig | None = None, *,
