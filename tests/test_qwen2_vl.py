@@ -24,11 +24,13 @@ GRAD_REL_TOL = 1e-4
 
 LAYOUTS = {
     1: [("untied", {}), ("tied", {}), ("untied", {}, {"forward_backward": True, "microbatches": 2})],
-    2: [("untied", {"tp": 2}), ("tied", {"tp": 2, "sequence_parallel": True}),
+    2: [("untied", {"tp": 2}), ("tied", {"tp": 2, "sequence_parallel": True}), ("untied", {"cp": 2}),
+        ("tied", {"ulysses": 2}),
         # the tower on the first of two stages; tied embedding and head on different stages
         ("tied", {"pp": 2, "num_layers_in_first_pipeline_stage": 1}, {"forward_backward": True})],
     4: [("untied", {"tp": 4, "sequence_parallel": True}),
-        ("untied", {"tp": 2, "pp": 2, "sequence_parallel": True}, {"forward_backward": True, "microbatches": 4})],
+        ("untied", {"tp": 2, "pp": 2, "sequence_parallel": True}, {"forward_backward": True, "microbatches": 4}),
+        ("untied", {"tp": 2, "cp": 2, "sequence_parallel": True})],
 }
 
 
@@ -62,6 +64,20 @@ def test_qwen2_vl_parity(vl_dirs, world, metric):
     bound = GRAD_REL_TOL if metric == "grads" else 0.0 if metric == "saved" else FP32_TOL
     bad = [f"{case} {layout} {name}={value:.3g}" for case, layout, name, value in selected if not value <= bound]
     assert not bad, "; ".join(bad)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_cp_and_ulysses_ranks_share_the_vision_work(vl_dirs, world):
+    """Each cp/ulysses rank encodes only its share of the images (whole images, by patch count); the
+    shares of a TP slot's sequence ranks add up to every patch once (TP ranks encode the same share)."""
+    records = [r for r in _records(world, vl_dirs) if r[2] == "vision_share"]
+    for layout in {r[1] for r in records if re.search(r"(cp|ulysses)=2", r[1])}:
+        shares = [r[3] for r in records if r[1] == layout]
+        tp = int(re.search(r"tp=(\d+)", layout).group(1))
+        assert all(share < 1.0 for share in shares), (layout, shares)
+        assert sum(shares) == pytest.approx(tp), (layout, shares)
+    for layout in {r[1] for r in records if not re.search(r"(cp|ulysses)=2", r[1])}:
+        assert all(r[3] == 1.0 for r in records if r[1] == layout), layout
 
 
 def test_both_hf_key_layouts_load_the_same_model(vl_dirs, tmp_path):

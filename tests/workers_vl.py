@@ -123,17 +123,25 @@ def parity(case: str, path: str, pconfig: ParallelConfig, steps: int = 2, lr: fl
     hf = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
     model = build_parallel_model(path, pconfig)
     records = []
+    encoded = []  # patch rows this rank's tower encodes (cp/ulysses ranks share the images)
+    hook = model.visual.patch_embed.register_forward_hook(lambda mod, args, out: encoded.append(out.shape[0]))
     for kind in PADDED_KINDS:
         for side in ("right", "left"):
             batch = vl_batch(case, kind, padding_side=side)
             if side == "left":
                 batch = _unscored_padding_predictions(batch)
+            encoded.clear()
             with torch.no_grad():
                 ours = model(**_inputs(batch), gather_logits=True)
                 ref = hf(**_inputs(batch))
+            if kind == "mixed" and side == "right":
+                total = sum(int(g.prod()) for key in ("image_grid_thw", "video_grid_thw")
+                            if batch.get(key) is not None for g in batch[key])
+                records.append((*tag, "vision_share", sum(encoded) / total))
             valid = batch["attention_mask"].bool()
             records += [(*tag, f"logits_{kind}_{side}", _max_diff(ours.logits[valid], ref.logits[valid])),
                         (*tag, f"loss_{kind}_{side}", _max_diff(ours.loss, ref.loss))]
+    hook.remove()
     packed = vl_packed_batch(case)
     with torch.no_grad():
         ours = model(**_inputs(packed), gather_logits=True)

@@ -37,7 +37,7 @@ class FlatBatch:
     """
 
     ids: torch.Tensor
-    positions: torch.Tensor
+    positions: torch.Tensor  # [T], or [3, T] (M-RoPE)
     targets: torch.Tensor | None
     lengths: list[int]
     shape: tuple[int, int]
@@ -68,8 +68,10 @@ def flatten_batch(input_ids: torch.Tensor, position_ids: torch.Tensor | None, at
             raise ValueError(f"cu_seqlens must rise from 0 to the token count {total}, got {cu.tolist()}")
         lengths = (cu[1:] - cu[:-1]).tolist()
         starts = torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1])
-        positions = (position_ids.reshape(-1) if position_ids is not None
-                     else torch.arange(total, device=device) - starts)
+        if position_ids is None:
+            positions = torch.arange(total, device=device) - starts
+        else:  # [T] / [1, T], or M-RoPE rows [3, 1, T] -> [3, T]
+            positions = position_ids.reshape(3, -1) if position_ids.dim() == 3 else position_ids.reshape(-1)
         targets = None
         if labels is not None:
             flat = labels.reshape(-1)
@@ -87,7 +89,8 @@ def flatten_batch(input_ids: torch.Tensor, position_ids: torch.Tensor | None, at
         shifted = torch.full_like(input_ids, IGNORE_INDEX)
         shifted[:, :-1] = labels[:, 1:]
         targets = shifted.reshape(-1)[flat_keep]
-    return FlatBatch(input_ids.reshape(-1)[flat_keep], pos.reshape(-1)[flat_keep], targets,
+    flat_pos = pos.reshape(3, -1)[:, flat_keep] if pos.dim() == 3 else pos.reshape(-1)[flat_keep]  # M-RoPE: [3, T]
+    return FlatBatch(input_ids.reshape(-1)[flat_keep], flat_pos, targets,
                      keep.sum(1).tolist(), (bsz, seq), flat_keep, int(pos.max()) if pos.numel() else 0)
 
 
@@ -181,8 +184,12 @@ def _global_rope_seq_len(lm, positions: torch.Tensor, groups: ParallelGroups) ->
 
 
 def split_sequence_forward(lm, input_ids, position_ids, attention_mask, labels, cu_seqlens, gather_logits: bool,
-                           return_logits: bool, plan: SequencePlan | None, targets: torch.Tensor | None):
-    """``ParallelCausalLM.forward`` when the sequence is split over cp/ulysses ranks (see module doc)."""
+                           return_logits: bool, plan: SequencePlan | None, targets: torch.Tensor | None,
+                           multimodal=None):
+    """``ParallelCausalLM.forward`` when the sequence is split over cp/ulysses ranks (see module doc).
+
+    ``multimodal`` (Qwen2-VL's vision features): merged into the embeddings of this rank's tokens
+    (``lm.embed_shard``), so padding is removed before embedding and the slicing comes after the merge."""
     from models.common.transformer import CausalLMOutput
 
     groups = lm.groups
@@ -194,7 +201,8 @@ def split_sequence_forward(lm, input_ids, position_ids, attention_mask, labels, 
         plan = plan_for(groups, batch.lengths, batch.total)
         rope_len = batch.max_position + 1 if lm.config.rope.rope_type == "dynamic" else None
         shard = shard_of(groups, plan, rope_len)
-        ids, pos = shard.take(batch.ids), shard.take(batch.positions)
+        ids = shard.take(batch.ids)
+        pos = shard.take(batch.positions.t()).t() if batch.positions.dim() == 2 else shard.take(batch.positions)
         tgt = shard.take(batch.targets, IGNORE_INDEX) if batch.targets is not None else None
         count = (batch.targets != IGNORE_INDEX).sum() if batch.targets is not None else None
     else:
@@ -214,8 +222,10 @@ def split_sequence_forward(lm, input_ids, position_ids, attention_mask, labels, 
         count = None
         if tgt is not None:
             count = sum_over_sequence_groups((tgt != IGNORE_INDEX).sum().to(torch.float64), groups).detach()
-    h = lm.model.embed_tokens(ids[:, None])  # [n(/tp), 1, hidden]
-    h = lm.run_layers(h, lm.layer_ids(), pos[None], seq=shard)
+    if multimodal is not None and presliced:
+        raise ValueError("multimodal inputs need the whole batch (not sequence_plan= slices)")
+    h = lm.embed_shard(ids, shard, batch if not presliced else None, multimodal)  # [n(/tp), 1, hidden]
+    h = lm.run_layers(h, lm.layer_ids(), pos[:, None] if pos.dim() == 2 else pos[None], seq=shard)
     logits = lm.lm_head(lm.model.norm(h))  # [n, 1, V_pad/tp]
     loss = None
     if tgt is not None:

@@ -258,7 +258,7 @@ class ParallelCausalLM(nn.Module):
                 raise ValueError(f"output_router_logits with cp/ulysses {self.groups.config.describe()} is not "
                                  f"supported yet (the load-balancing loss needs statistics over the whole sequence)")
             return split_sequence_forward(self, input_ids, position_ids, attention_mask, labels, cu_seqlens,
-                                          gather_logits, return_logits, sequence_plan, targets)
+                                          gather_logits, return_logits, sequence_plan, targets, multimodal)
         if targets is not None:
             raise ValueError("targets= is for already-sliced inputs (with sequence_plan=); pass labels= instead")
         ids, pos, mask, labels, cu, seq_len = self._prepare(input_ids, position_ids, attention_mask, labels, cu_seqlens)
@@ -315,6 +315,13 @@ class ParallelCausalLM(nn.Module):
         return requested
 
     # ------------------------------------------------------------------ pieces (also used by pipeline stages)
+    def embed_shard(self, ids: torch.Tensor, shard: SequenceShard, batch=None, multimodal=None) -> torch.Tensor:
+        """Embeddings ``[n(/tp), 1, hidden]`` of this cp/ulysses rank's tokens ``ids [n]`` of a sequence-split
+        ``batch`` (``FlatBatch``); multimodal models merge their features for those tokens."""
+        if multimodal is not None:
+            raise ValueError(f"{self.config.architecture} takes no multimodal inputs")
+        return self.model.embed_tokens(ids[:, None])
+
     def embed_microbatch(self, ids: torch.Tensor, inputs: dict | None = None) -> torch.Tensor:
         """The first pipeline stage's embedding of a packed micro-batch ``ids [1, T]`` with its
         per-sample model inputs merged (``forward_backward``; Qwen2-VL: pixels and grids)."""

@@ -36,7 +36,7 @@ from models.qwen2_vl.positions import (
     vision_cu_seqlens,
     vision_patch_positions,
 )
-from parallel.collectives import copy_to_group
+from parallel.collectives import copy_to_group, gather_from_sequence
 from parallel.config import ParallelConfig
 from parallel.groups import ParallelGroups
 
@@ -84,12 +84,14 @@ class ParallelQwen2VL(ParallelCausalLM):
             position_ids = self.rope_positions(input_ids, attention_mask=attention_mask, cu_seqlens=cu_seqlens,
                                                image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
                                                mm_token_type_ids=mm_token_type_ids)
-        if self.groups.sequence_split or kwargs.get("sequence_plan") is not None:
-            raise ValueError(f"qwen2_vl with cp/ulysses {self.groups.config.describe()} is not supported yet")
+        if has_vision and kwargs.get("sequence_plan") is not None:
+            raise ValueError("qwen2_vl: images need the whole batch on every cp/ulysses rank, not sequence_plan= "
+                             "slices (the model merges their features, then takes its tokens)")
         features = None
         if has_vision:
             ids = input_ids.reshape(1, -1) if cu_seqlens is not None else input_ids
-            features = self.encode_vision(ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
+            encode = self.encode_vision_shared if self.groups.sequence_split else self.encode_vision
+            features = encode(ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
         return super().forward(input_ids, position_ids, attention_mask, labels, gather_logits, cu_seqlens, max_seqlen,
                                return_logits, multimodal=features, **kwargs)
 
@@ -170,6 +172,64 @@ class ParallelQwen2VL(ParallelCausalLM):
         slot = torch.cat(slots)
         return VisionFeatures(features, slot[:, 0], slot[:, 1])
 
+    def encode_vision_shared(self, input_ids: torch.Tensor, pixel_values, image_grid_thw, pixel_values_videos,
+                             video_grid_thw) -> VisionFeatures:
+        """``encode_vision`` with the work shared by the cp x ulysses ranks (which all hold the whole
+        batch): whole images/videos are dealt to the ranks by patch count (largest first, to the least
+        loaded), each rank encodes its own, and the features are all-gathered (backward: each rank
+        gets the summed gradient of its own images)."""
+        vis, groups = self.config.vision, self.groups
+        merge = vis.spatial_merge_size
+        items = []  # (pixel rows, grid row, placeholder token) in transformers' order: images, then videos
+        for values, grid, token in ((pixel_values, image_grid_thw, vis.image_token_id),
+                                    (pixel_values_videos, video_grid_thw, vis.video_token_id)):
+            if grid is None:
+                continue
+            offset = 0
+            for g in grid:
+                n = int(g.prod())
+                items.append((values[offset:offset + n], g, token))
+                offset += n
+        ranks = groups.cp_size * groups.ulysses_size
+        me = groups.cp_rank * groups.ulysses_size + groups.ulysses_rank
+        owner = _deal(([int(g.prod()) for _, g, _ in items]), ranks)
+        tokens = [int(g.prod()) // merge ** 2 for _, g, _ in items]
+        load = [sum(t for t, o in zip(tokens, owner) if o == r) for r in range(ranks)]
+        mine = [i for i, o in enumerate(owner) if o == me]
+        if mine:
+            grid = torch.stack([items[i][1] for i in mine])
+            local = self.visual(torch.cat([items[i][0] for i in mine]),
+                                vision_patch_positions(grid, merge), vision_cu_seqlens(grid).tolist())
+        else:  # nothing to encode here: a zero term keeps the tower in this rank's backward
+            anchor = sum(p.sum() for p in self.visual.parameters()) * 0.0
+            local = anchor.new_zeros(0, self.config.hidden_size) + anchor
+        local = torch.nn.functional.pad(local, (0, 0, 0, max(load) - local.shape[0]))
+        gathered = gather_from_sequence(gather_from_sequence(local, groups.ulysses_group), groups.cp_group)
+        rows, seen = [], [0] * ranks  # each item's rows in its owner's block of max(load) rows
+        for o, t in zip(owner, tokens):
+            rows.append(torch.arange(o * max(load) + seen[o], o * max(load) + seen[o] + t))
+            seen[o] += t
+        slots = torch.cat([(input_ids == token).nonzero() for token in (vis.image_token_id, vis.video_token_id)
+                           if any(item[2] == token for item in items)])
+        return VisionFeatures(gathered[torch.cat(rows).to(gathered.device)], slots[:, 0], slots[:, 1])
+
+    def embed_shard(self, ids: torch.Tensor, shard, batch=None, multimodal: VisionFeatures | None = None):
+        """This cp/ulysses rank's embeddings with the features of its own tokens merged in."""
+        h = self.model.embed_tokens(ids[:, None])  # [n(/tp), 1, hidden]
+        if multimodal is None:
+            return h
+        flat = multimodal.batch_index * batch.shape[1] + multimodal.seq_index  # in the caller's [b, s]
+        order = torch.searchsorted(batch.keep, flat) if batch.keep is not None else flat  # in the real tokens
+        feature_of = torch.full((batch.total,), -1, dtype=torch.long, device=ids.device)
+        feature_of[order.to(ids.device)] = torch.arange(len(flat), device=ids.device)
+        local = shard.take(feature_of, fill=-1)
+        features, groups = multimodal.features, self.groups
+        if groups.sequence_parallel and groups.tp_size > 1:  # this TP rank's slice of the local tokens
+            features = copy_to_group(features, groups.tp_group)
+            local = local[groups.tp_rank * h.shape[0]:(groups.tp_rank + 1) * h.shape[0]]
+        where = (local >= 0).nonzero()[:, 0]
+        return h.index_put((where, torch.zeros_like(where)), features[local[where]].to(h.dtype))
+
     def embed_inputs(self, ids: torch.Tensor, multimodal: VisionFeatures | None = None) -> torch.Tensor:
         h = self.model.embed_tokens(ids.t())  # [s(/tp), b, hidden]
         if multimodal is None:
@@ -182,6 +242,15 @@ class ParallelQwen2VL(ParallelCausalLM):
             keep = (seq_index >= start) & (seq_index < start + h.shape[0])
             features, batch_index, seq_index = features[keep], batch_index[keep], seq_index[keep] - start
         return h.index_put((seq_index.to(h.device), batch_index.to(h.device)), features.to(h.dtype))
+
+
+def _deal(patches: list[int], ranks: int) -> list[int]:
+    """Owner rank of each image/video: largest first, each to the least loaded rank (lowest on ties)."""
+    load, owner = [0] * ranks, [0] * len(patches)
+    for i in sorted(range(len(patches)), key=lambda i: (-patches[i], i)):
+        r = min(range(ranks), key=lambda r: (load[r], r))
+        owner[i], load[r] = r, load[r] + patches[i]
+    return owner
 
 
 def _rows_or_none(mask: torch.Tensor | None, rows: int) -> list:
