@@ -126,3 +126,17 @@ def test_bad_vision_inputs_are_refused_on_every_rank_before_any_collective(vl_di
         assert len(messages) == 4 and "no error" not in messages, messages
         for message, pattern in zip(messages, expected):
             assert re.search(pattern, message), message
+
+
+def test_vllm_format_is_refused_for_qwen2_vl_rather_than_written_wrong(vl_dirs, tmp_path):
+    """vLLM names Qwen2-VL's tensors language_model.model.* / visual.* and splits the vision qkv over its
+    fused rows; until that layout is written, every vLLM-format path refuses in one sentence."""
+    from models.common.vllm_format import VllmLayoutError
+    from models.qwen2_vl import build_parallel_model
+
+    model = build_parallel_model(dict(vl_dirs)["untied"])
+    with pytest.raises(VllmLayoutError, match="not written for vision-language models yet"):
+        model.save_vllm_sharded_state(tmp_path / "vllm", tp=1)
+    assert not (tmp_path / "vllm").exists()
+    with pytest.raises(VllmLayoutError, match="not written for vision-language models yet"):
+        next(iter(model.iter_export("vllm", target_tp=1, target_rank=0)))

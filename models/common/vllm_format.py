@@ -70,6 +70,11 @@ def _vllm_experts(entry: WeightEntry) -> WeightEntry:
 
 
 def vllm_weight_map(wmap: WeightMap, cfg: ModelConfig) -> WeightMap:
+    if cfg.vision is not None:  # refused rather than written under the wrong names and splits
+        raise VllmLayoutError(
+            f"{cfg.architecture}: vLLM's own format is not written for vision-language models yet (vLLM names "
+            f"them language_model.model.* / visual.* and splits the vision qkv over its fused rows); "
+            f"use save_pretrained / iter_export('hf'), which vLLM loads")
     padded = with_vocab_padding(wmap, padded_vocab(cfg.vocab_size))
     return replace(padded, moe_layer_entries=tuple(map(_vllm_experts, padded.moe_layer_entries)))
 
