@@ -17,7 +17,7 @@ import pytest
 
 from tests.distributed import run_distributed
 from tests.vl_cases import VL_CASES, write_vl_model
-from tests.workers_vl import bad_input_messages, suite
+from tests.workers_vl import bad_input_messages, dp_text_and_image_ranks, suite
 
 FP32_TOL = 1e-5
 GRAD_REL_TOL = 1e-4
@@ -140,3 +140,10 @@ def test_vllm_format_is_refused_for_qwen2_vl_rather_than_written_wrong(vl_dirs, 
     assert not (tmp_path / "vllm").exists()
     with pytest.raises(VllmLayoutError, match="not written for vision-language models yet"):
         next(iter(model.iter_export("vllm", target_tp=1, target_rank=0)))
+
+
+def test_dp_rank_without_images_reduces_the_same_gradients(vl_dirs):
+    """A DP rank whose batch has no image still joins the tower's gradient reduction (zeros)."""
+    per_rank = run_distributed(2, dp_text_and_image_ranks, dict(vl_dirs)["untied"])
+    for records in per_rank:
+        assert records and all(value <= GRAD_REL_TOL for *_, value in records), records

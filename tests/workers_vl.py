@@ -257,3 +257,28 @@ def bad_input_messages(path: str, pconfig_kwargs: dict) -> list[str]:
         except VisionInputError as exc:
             messages.append(str(exc))
     return messages
+
+
+def dp_text_and_image_ranks(path: str) -> list[tuple]:
+    """Two DP ranks, one with an image batch and one text-only: the averaged gradients (tower
+    included, which only one rank used) against transformers' two losses averaged."""
+    import torch.distributed as dist
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from models.qwen2_vl import build_parallel_model
+
+    case = Path(path).name
+    hf = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    model = build_parallel_model(path, ParallelConfig())  # dp = world size
+    image, text = vl_batch(case, "one_image"), vl_batch(case, "mixed")
+    text = {k: v for k, v in text.items() if k in ("input_ids", "attention_mask", "labels")}
+    vis = model.config.vision
+    placeholders = (text["input_ids"] == vis.image_token_id) | (text["input_ids"] == vis.video_token_id)
+    text["input_ids"] = text["input_ids"].masked_fill(placeholders, 5)  # plain text tokens instead
+    mine = image if dist.get_rank() == 0 else text
+    model(**_inputs(mine), return_logits=False).loss.backward()
+    model.finalize_grads()
+    ((hf(**_inputs(image)).loss + hf(**_inputs(text)).loss) / 2).backward()
+    tag = (case, "dp=2 image rank + text rank")
+    return [(*tag, "grads_vision", _grad_diff(model, hf, "visual.")),
+            (*tag, "grads_text", _grad_diff(model, hf, "model."))]

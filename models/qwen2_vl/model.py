@@ -75,6 +75,8 @@ class ParallelQwen2VL(ParallelCausalLM):
         (packed: ``[3, 1, T]``) to override. ``mm_token_type_ids`` (0 text, 1 image, 2 video) default
         to what the image/video token ids say."""
         vis = self.config.vision
+        if self.groups.pp_size > 1:
+            raise RuntimeError("with pipeline parallelism use model.forward_backward(...) (stages run in a schedule)")
         check_multimodal_inputs(input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw,
                                 pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw,
                                 image_token_id=vis.image_token_id, video_token_id=vis.video_token_id,
@@ -141,6 +143,15 @@ class ParallelQwen2VL(ParallelCausalLM):
         features = self.encode_vision(ids, inputs.get("pixel_values"), inputs.get("image_grid_thw"),
                                       inputs.get("pixel_values_videos"), inputs.get("video_grid_thw"))
         return self.embed_inputs(ids, features)
+
+    def finalize_grads(self) -> None:
+        """``ParallelCausalLM.finalize_grads``; a tower that saw no image in this rank's batch gets zero
+        gradients first, so every replica reduces the same tensors (another DP rank may have had images)."""
+        if self.visual is not None:
+            for p in self.visual.parameters():
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        super().finalize_grads()
 
     def rope_positions(self, input_ids: torch.Tensor, *, attention_mask=None, cu_seqlens=None, image_grid_thw=None,
                        video_grid_thw=None, mm_token_type_ids=None) -> torch.Tensor:
