@@ -12,7 +12,7 @@ this is a reshard with no intermediate HF tensor.
 
 The containers come from ``torch_zip`` (the ``torch.save`` zip) and ``pickle_writer`` (pickles
 naming torch classes); they are laid out first (headers written, files sized), then tasks fill the
-tensor bytes with ``copy_file_range`` (``copy_plan.fill_file``) in parallel. Output matches the
+tensor bytes (``copy_plan.fill_file``: ``preadv`` into a buffer, ``pwrite`` in blocks) in parallel. Output matches the
 torch path (``megatron_write``) tensor for tensor, and loads in megatron-core.
 """
 
@@ -302,8 +302,9 @@ def scatter_bands(ops: list[Op], width: int, outputs: list[tuple[str, int]], buf
     """Write column band ``t`` of the rows ``ops`` produce to ``outputs[t]`` (path, offset), reading
     each source row once: a TP split by columns would otherwise read every row ``tp`` times. Rows
     are read into one buffer (``read_rows``) and each band is written from it with ``pwritev`` (one
-    buffer per row): no copy in this process."""
-    from converters.copy_plan import _buffer, pwritev_all, read_rows, row_views
+    buffer per row, ``WRITE_BYTES`` at a time, holding the output's ``write_lock``): no copy in
+    this process."""
+    from converters.copy_plan import WRITE_BYTES, _buffer, pwritev_all, read_rows, row_views, write_lock
     from converters.tasks import check_stop
 
     tp = len(outputs)
@@ -320,6 +321,8 @@ def scatter_bands(ops: list[Op], width: int, outputs: list[tuple[str, int]], buf
                 raise CheckpointError(f"{path}: cannot open for writing ({exc.strerror or exc})") from exc
         step = max(1, buffer_bytes // width)
         buf = _buffer(step * width)
+        per_write = max(1, WRITE_BYTES // band)  # rows per write (why: copy_plan.WRITE_BYTES)
+        locks = [write_lock(path) for path, _ in outputs]
         for op in ops:
             if isinstance(op, Zeros):  # not produced for column-parallel weights; holes are zeros anyway
                 row += op.nbytes // width
@@ -334,9 +337,11 @@ def scatter_bands(ops: list[Op], width: int, outputs: list[tuple[str, int]], buf
                 block = buf[: k * width]
                 read_rows(parts, fd_of, r, block, width)
                 for t, (fd, (path, dst)) in enumerate(zip(outs, outputs)):
-                    lo = t * band
+                    views = row_views(block, k, width, t * band, band)
                     try:
-                        pwritev_all(fd, row_views(block, k, width, lo, band), dst + (row + r) * band)
+                        with locks[t]:
+                            for i in range(0, k, per_write):
+                                pwritev_all(fd, views[i:i + per_write], dst + (row + r + i) * band)
                     except OSError as exc:
                         raise CheckpointError(f"{path}: write failed ({exc.strerror or exc})") from exc
             row += rows

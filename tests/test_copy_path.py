@@ -102,3 +102,51 @@ def test_column_split_pieces_that_do_not_cover_a_row_are_refused():
     right = RawTensor("/nonexistent", 48, "F32", (4, 2))
     with pytest.raises(CheckpointError, match="columns 3..4"):
         rows_ops([Block(0, 0, left), Block(0, 4, right)], (4, 6), 0, 4, "t")
+
+
+@pytest.mark.parametrize("buffer_bytes", [4096, 5000, 1 << 16])
+def test_fill_file_assembles_blocks_exactly(tmp_path, buffer_bytes):
+    """fill_file's block writer against the ops' meaning computed in Python: copies, column bands
+    whose rows cross block boundaries (rows wider than a block too), gaps between rows, zeros left
+    as holes, work items with gaps between them, several tasks filling one file."""
+    import random
+
+    from converters.copy_plan import Copy, Interleave, Zeros, fill_file
+
+    rng = random.Random(0)
+    src = tmp_path / "src.bin"
+    data = bytes(rng.getrandbits(8) for _ in range(300_000))
+    src.write_bytes(data)
+    s = str(src)
+
+    def expect(op) -> bytes:
+        if isinstance(op, Copy):
+            return data[op.offset:op.offset + op.n]
+        if isinstance(op, Zeros):
+            return bytes(op.n)
+        return b"".join(data[off + r * stride:off + r * stride + rb] for r in range(op.rows)
+                        for _, off, rb, stride in op.parts)
+
+    ops_a = [Copy(s, 7, 10_001), Interleave(13, ((s, 20_000, 3000, 3000), (s, 70_001, 1234, 5000))),
+             Zeros(777), Copy(s, 3, 5), Interleave(3, ((s, 100, 9000, 9100),)), Copy(s, 150_000, 40_000)]
+    ops_b = [Interleave(40, ((s, 1, 17, 17), (s, 200_000, 5, 400))), Zeros(4096), Copy(s, 0, 4096)]
+    len_a = sum(op.nbytes for op in ops_a)
+    head = 123  # bytes before the first item, and between items, that nothing writes
+    size = head + len_a + head + sum(op.nbytes for op in ops_b) + 10
+    out = tmp_path / "out.bin"
+    with open(out, "wb") as f:
+        f.truncate(size)
+    # two tasks on one file, as the HF writer cuts a shard: the second starts mid-block
+    assert fill_file(str(out), [(head, ops_a[:3])], buffer_bytes) == sum(op.nbytes for op in ops_a[:3])
+    first = sum(op.nbytes for op in ops_a[:3])
+    fill_file(str(out), [(head + first, ops_a[3:]), (2 * head + len_a, ops_b)], buffer_bytes)
+    want = bytearray(size)
+    pos = head
+    for op in ops_a:
+        want[pos:pos + op.nbytes] = expect(op)
+        pos += op.nbytes
+    pos += head
+    for op in ops_b:
+        want[pos:pos + op.nbytes] = expect(op)
+        pos += op.nbytes
+    assert out.read_bytes() == bytes(want)
