@@ -27,10 +27,12 @@ LAYOUTS = {
     2: [("untied", {"tp": 2}), ("tied", {"tp": 2, "sequence_parallel": True}), ("untied", {"cp": 2}),
         ("tied", {"ulysses": 2}),
         # the tower on the first of two stages; tied embedding and head on different stages
-        ("tied", {"pp": 2, "num_layers_in_first_pipeline_stage": 1}, {"forward_backward": True})],
+        ("tied", {"pp": 2, "num_layers_in_first_pipeline_stage": 1}, {"forward_backward": True}),
+        ("tied", {"ulysses": 2}, {"forward_backward": True})],
     4: [("untied", {"tp": 4, "sequence_parallel": True}),
         ("untied", {"tp": 2, "pp": 2, "sequence_parallel": True}, {"forward_backward": True, "microbatches": 4}),
-        ("untied", {"tp": 2, "cp": 2, "sequence_parallel": True})],
+        ("untied", {"tp": 2, "cp": 2, "sequence_parallel": True}),
+        ("untied", {"tp": 2, "cp": 2, "sequence_parallel": True}, {"forward_backward": True})],
 }
 
 

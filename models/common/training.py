@@ -119,7 +119,7 @@ class PipelineChunk(nn.Module):
                 cu_seqlens: torch.Tensor | None = None, seq: SequenceShard | None = None,
                 token_mask: torch.Tensor | None = None, inputs: dict | None = None):
         lm = self._lm[0]
-        h = lm.embed_microbatch(x, inputs) if self.first else x
+        h = lm.embed_microbatch(x, inputs, seq) if self.first else x
         for blk in self._sparse:
             blk.token_mask = token_mask
         try:
@@ -178,7 +178,10 @@ def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = 
             rope_len = int(pos.max()) + 1 if lm.config.rope.rope_type == "dynamic" else None
             shard = shard_of(groups, plan_for(groups, [len(samples[i].ids) for i in group], total), rope_len)
             shards[m] = shard
-            mbs[m] = (shard.take(ids[0])[None], shard.take(pos[0])[None], shard.take(tgt[0], IGNORE_INDEX)[None], cu)
+            local_pos = shard.take(pos[:, 0].t()).t()[:, None] if pos.dim() == 3 else shard.take(pos[0])[None]
+            mbs[m] = (shard.take(ids[0])[None], local_pos, shard.take(tgt[0], IGNORE_INDEX)[None], cu)
+            if mb_inputs[m] is not None:  # multimodal features are placed by global token: keep the whole ids
+                mb_inputs[m]["packed_ids"] = ids
     local_count = sum(int((s.targets != IGNORE_INDEX).sum()) for s in samples)
     count = torch.tensor([local_count, len(mbs)], dtype=torch.float64)
     if groups.dp_group is not None:

@@ -322,9 +322,12 @@ class ParallelCausalLM(nn.Module):
             raise ValueError(f"{self.config.architecture} takes no multimodal inputs")
         return self.model.embed_tokens(ids[:, None])
 
-    def embed_microbatch(self, ids: torch.Tensor, inputs: dict | None = None) -> torch.Tensor:
-        """The first pipeline stage's embedding of a packed micro-batch ``ids [1, T]`` with its
-        per-sample model inputs merged (``forward_backward``; Qwen2-VL: pixels and grids)."""
+    def embed_microbatch(self, ids: torch.Tensor, inputs: dict | None = None,
+                         seq: SequenceShard | None = None) -> torch.Tensor:
+        """The first pipeline stage's embedding of a packed micro-batch ``ids [1, T]`` (this rank's
+        tokens of it under cp/ulysses, ``seq``) with its per-sample model inputs merged
+        (``forward_backward``; Qwen2-VL: pixels and grids, plus ``packed_ids``, the whole micro-batch's
+        ids, under cp/ulysses)."""
         if inputs:
             raise ValueError(f"{self.config.architecture} takes no per-sample inputs ({', '.join(inputs)})")
         return self.model.embed_tokens(ids.t())
@@ -340,7 +343,7 @@ class ParallelCausalLM(nn.Module):
                       seq: SequenceShard | None = None, inputs: dict | None = None) -> torch.Tensor:
         """One packed micro-batch ``ids [1, T]`` (this rank's tokens under cp/ulysses) through the whole
         model: vocab-sharded logits ``[T, 1, V_pad/tp]`` (a forward method FSDP2 knows about)."""
-        h = self.embed_microbatch(ids, inputs)
+        h = self.embed_microbatch(ids, inputs, seq)
         h = self.run_layers(h, self.layer_ids(), position_ids, None, None if seq is not None else cu_seqlens, seq=seq)
         return self.lm_head(self.model.norm(h))
 

@@ -113,8 +113,6 @@ class ParallelQwen2VL(ParallelCausalLM):
                                 spatial_merge_size=vis.spatial_merge_size, patch_dim=vis.patch_dim)
         if image_grid_thw is None and video_grid_thw is None:
             return super().forward_backward(input_ids, labels, **kwargs)
-        if self.groups.sequence_split:
-            raise ValueError(f"qwen2_vl with cp/ulysses {self.groups.config.describe()} is not supported yet")
         cu_seqlens = kwargs.get("cu_seqlens")
         if kwargs.get("position_ids") is None:
             kwargs["position_ids"] = self.rope_positions(
@@ -137,12 +135,17 @@ class ParallelQwen2VL(ParallelCausalLM):
 
         return forward_backward(self, input_ids, labels, sample_inputs=per_sample, **kwargs)
 
-    def embed_microbatch(self, ids: torch.Tensor, inputs: dict | None = None) -> torch.Tensor:
-        if not inputs:
-            return self.embed_inputs(ids)
-        features = self.encode_vision(ids, inputs.get("pixel_values"), inputs.get("image_grid_thw"),
-                                      inputs.get("pixel_values_videos"), inputs.get("video_grid_thw"))
-        return self.embed_inputs(ids, features)
+    def embed_microbatch(self, ids: torch.Tensor, inputs: dict | None = None, seq=None) -> torch.Tensor:
+        vision = [inputs.get(k) if inputs else None
+                  for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")]
+        if seq is None:
+            return self.embed_inputs(ids, self.encode_vision(ids, *vision) if inputs else None)
+        h = self.model.embed_tokens(ids.t())  # this cp/ulysses rank's tokens: [n(/tp), 1, hidden]
+        if vision[1] is None and vision[3] is None:
+            return h
+        whole = inputs["packed_ids"]  # [1, T]: the micro-batch before it was cut over the ranks
+        features = self.encode_vision_shared(whole, *vision)
+        return self._place_local_features(h, features, features.seq_index, whole.shape[1], seq)
 
     def finalize_grads(self) -> None:
         """``ParallelCausalLM.finalize_grads``; a tower that saw no image in this rank's batch gets zero
@@ -231,8 +234,14 @@ class ParallelQwen2VL(ParallelCausalLM):
             return h
         flat = multimodal.batch_index * batch.shape[1] + multimodal.seq_index  # in the caller's [b, s]
         order = torch.searchsorted(batch.keep, flat) if batch.keep is not None else flat  # in the real tokens
-        feature_of = torch.full((batch.total,), -1, dtype=torch.long, device=ids.device)
-        feature_of[order.to(ids.device)] = torch.arange(len(flat), device=ids.device)
+        return self._place_local_features(h, multimodal, order, batch.total, shard)
+
+    def _place_local_features(self, h: torch.Tensor, multimodal: VisionFeatures, order: torch.Tensor, total: int,
+                              shard) -> torch.Tensor:
+        """Write into ``h`` (this rank's tokens of a sequence-split batch of ``total`` tokens) the features
+        whose tokens it holds; ``order``: each feature's token in the batch's flat real-token order."""
+        feature_of = torch.full((total,), -1, dtype=torch.long, device=h.device)
+        feature_of[order.to(h.device)] = torch.arange(len(order), device=h.device)
         local = shard.take(feature_of, fill=-1)
         features, groups = multimodal.features, self.groups
         if groups.sequence_parallel and groups.tp_size > 1:  # this TP rank's slice of the local tokens
