@@ -68,6 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ffn", type=int, default=5632, help="MLP width")
     p.add_argument("--_layers", type=int, default=12, help=argparse.SUPPRESS)
     p.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
+    p.add_argument("--compare", metavar="CHECKOUT", default=None,
+                   help="also time pmz from another checkout of this repository (e.g. a git worktree of an "
+                        "earlier commit) in the same rounds: a before/after that shares the machine's load")
     # Internal child modes (the orchestrator runs itself with these).
     p.add_argument("--peers", action="store_true",
                    help="also time a load-all-and-merge converter on legacy->hf (sizes <= 2 GB: it holds the "
@@ -180,11 +183,11 @@ def child_naive(args: argparse.Namespace) -> None:
 
 # --------------------------------------------------------------------------------------------- orchestrator
 
-def run_child(cmd: list[str], env: dict | None = None) -> dict:
+def run_child(cmd: list[str], env: dict | None = None, cwd: Path = ROOT) -> dict:
     """Run ``cmd``; wall time, its own rusage (os.wait4) and stdout. Raises on failure."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=str(ROOT), env=env)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=str(cwd), env=env)
         _, status, ru = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - t0
         proc.returncode = os.waitstatus_to_exitcode(status)
@@ -253,6 +256,12 @@ def main(argv=None) -> int:
     # even where PYTHONDONTWRITEBYTECODE is set for development
     pmz_env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     pmz_env["PYTHONPYCACHEPREFIX"] = str(work / "pycache")
+    other_env = dict(pmz_env, PYTHONPYCACHEPREFIX=str(work / "pycache-compare"))
+    other_root = Path(args.compare).resolve() if args.compare else ROOT  # run from there: its modules come first
+
+    def other_cmd(src: Path, out: Path, extra: list[str]) -> list[str]:
+        return [sys.executable, "-m", "converters.cli", "convert", str(src), str(out), *extra, "--quiet"]
+
     results = {}
     try:
         print(f"workdir {work}; {os.cpu_count()} CPUs; python {sys.version.split()[0]}", flush=True)
@@ -271,9 +280,9 @@ def main(argv=None) -> int:
             print(f"  set-up {time.perf_counter() - t0:.0f} s; HF {dir_bytes(srcs['hf']):,} B, legacy "
                   f"{dir_bytes(srcs['legacy']):,} B, dist {dir_bytes(srcs['dist']):,} B", flush=True)
 
-            def timed(cmd: list[str], dst: Path, env: dict | None = None) -> dict:
+            def timed(cmd: list[str], dst: Path, env: dict | None = None, cwd: Path = ROOT) -> dict:
                 os.sync()
-                r = run_child(cmd, env)
+                r = run_child(cmd, env, cwd)
                 remove(dst)
                 return r
 
@@ -287,7 +296,9 @@ def main(argv=None) -> int:
                 load = os.getloadavg()[0]
                 timed(cp_cmd, out)  # warm-up: both read the source from the page cache when timed
                 timed(cv_cmd, out, pmz_env)
-                cps, cvs = [], []
+                cps, cvs, others = [], [], []
+                if args.compare:
+                    timed(other_cmd(src, out, extra), out, other_env, other_root)
                 for i in range(args.reps):  # back to back, alternating which side goes first
                     if i % 2 == 0:
                         cps.append(timed(cp_cmd, out))
@@ -295,6 +306,8 @@ def main(argv=None) -> int:
                     else:
                         cvs.append(timed(cv_cmd, out, pmz_env))
                         cps.append(timed(cp_cmd, out))
+                    if args.compare:
+                        others.append(timed(other_cmd(src, out, extra), out, other_env, other_root))
                 cp_s, cv_s = [r["wall"] for r in cps], [r["wall"] for r in cvs]
                 t_cp, t_cv = statistics.median(cp_s), statistics.median(cv_s)
                 rss = max(r["maxrss_kb"] for r in cvs) / 1024
@@ -306,6 +319,11 @@ def main(argv=None) -> int:
                       f"peak RSS {rss:4.0f} MiB (cp {cp_rss:.0f} MiB)  load {load:.1f}", flush=True)
                 print(f"  {'':<15} cp runs: {', '.join(format(x, '.2f') for x in cp_s)}; "
                       f"pmz runs: {', '.join(format(x, '.2f') for x in cv_s)}", flush=True)
+                if others:
+                    o_s = [r["wall"] for r in others]
+                    print(f"  {'':<15} --compare pmz min {min(o_s):5.2f} s med {statistics.median(o_s):5.2f} s  "
+                          f"ratio med {t_cp / statistics.median(o_s):4.2f}x min {min(cp_s) / min(o_s):4.2f}x  "
+                          f"runs: {', '.join(format(x, '.2f') for x in o_s)}", flush=True)
             if args.peers and size_gb <= 2:
                 out = work / "out"
                 naive = me + ["--_naive", str(srcs["legacy"]), str(out)]
