@@ -1,5 +1,6 @@
 """The copy path: a conversion that only moves bytes, planned from file metadata and executed with
-``copy_file_range`` — no torch, no tensors in Python, memory bounded by one buffer.
+``preadv``/``pwrite`` through one block per worker thread (``BlockWriter``) — no torch, no tensors
+in Python, memory bounded by one buffer.
 
 A Megatron -> HF conversion without a dtype change is a permutation of byte ranges: TP shards
 that split rows (q/k/v, gate/up, embeddings) are contiguous ranges of the source files; shards that

@@ -467,7 +467,7 @@ def source_layout(reader: Any) -> dict[str, Any]:
 def _convert_by_copy(src, dst_path: Path, *, to: str, overwrite: bool, hf_config, arch, vocab_size,
                      dtype: str | None, shard_bytes: int, workers: int, progress: bool, tp: int | None = None,
                      pp: int | None = None, vpp: int | None = None, divisible_by: int = 128) -> bool:
-    """The copy path (no torch, ``copy_file_range``: ``converters/copy_plan.py`` for HF targets,
+    """The copy path (no torch, byte ranges moved by system calls: ``converters/copy_plan.py`` for HF targets,
     ``converters/copy_targets.py`` for Megatron ones) when the source allows it and no dtype change
     is asked for; False when the torch path must do the conversion."""
     from converters.copy_plan import Unsupported, open_raw_source, write_hf_by_copy

@@ -2,7 +2,7 @@
 archives (legacy Megatron rank files, torch_dist chunks) and torch_dist ``.metadata``.
 
 A ``RawTensor`` is where a tensor's bytes are: file, offset, dtype, shape (row-major, contiguous).
-The copy path (``converters/copy_plan.py``) turns these into ``copy_file_range`` calls, so a
+The copy path (``converters/copy_plan.py``) turns these into ``preadv``/``pwrite`` calls, so a
 conversion that changes only layout never loads torch nor pulls the tensors through Python.
 
 Unpickling is restricted as in ``converters/safe_pickle.py``: only an allow-list of harmless

@@ -2,7 +2,7 @@
 imports other converter modules, so readers, writers and the engine can all point down to it).
 
 Threads (``threads=True``: the copy path, whose tasks are system calls that release the GIL --
-``copy_file_range``, ``preadv``, ``pwritev``) live and die with the process: a killed conversion
+``preadv``, ``pwrite``, ``pwritev``) live and die with the process: a killed conversion
 leaves nothing writing into its temp dir. They block SIGINT/SIGTERM, so those reach the main thread
 only (also while it masks them around publishing and cleaning up); when the run stops early (an
 error, Ctrl-C, SIGTERM) they stop at their next chunk (``stop_requested``) and the caller waits for

@@ -4,8 +4,8 @@ A ``torch.save`` file is an uncompressed zip: ``<prefix>/data.pkl`` (the pickle,
 persistent ids naming storages), ``<prefix>/data/<key>`` (each storage's raw bytes, aligned to 64
 bytes so loaders can map them), and small records (``byteorder``, ``version``, ...). This module
 computes where every header and every storage goes, so the copy path can write the headers and
-then fill the storages with ``copy_file_range`` straight from the source checkpoint, in parallel,
-without the bytes passing through Python.
+then fill the storages straight from the source checkpoint (``preadv`` into a buffer, ``pwrite``),
+in parallel, without the bytes becoming Python objects.
 
 Storage entries carry a CRC of 0, as ``torch.save`` writes them when
 ``torch.serialization.config.save.compute_crc32`` is off: torch's reader does not check it, and a
