@@ -142,6 +142,10 @@ def test_vllm_format_is_refused_for_qwen2_vl_rather_than_written_wrong(vl_dirs, 
     assert not (tmp_path / "vllm").exists()
     with pytest.raises(VllmLayoutError, match="not written for vision-language models yet"):
         next(iter(model.iter_export("vllm", target_tp=1, target_rank=0)))
+    from models.common.export import ExportError
+
+    with pytest.raises(ExportError, match="transport='shm' is not supported for vision-language models yet"):
+        next(iter(model.iter_export("hf", transport="shm")))
 
 
 def test_dp_rank_without_images_reduces_the_same_gradients(vl_dirs):

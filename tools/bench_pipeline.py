@@ -40,7 +40,7 @@ def _standalone_microbatch_time(model, tokens: int, reps: int) -> float:
         t0 = time.perf_counter()
         for chunk in chunks:
             x = ids_p if chunk.first else torch.randn(tokens, 1, model.config.hidden_size, requires_grad=True)
-            out = chunk(x, pos, cu)
+            out = chunk(x, position_ids=pos, cu_seqlens=cu)
             loss = model.token_losses(out, tgt.t()).sum() if chunk.last else out.float().sum()
             loss.backward()
         times.append(time.perf_counter() - t0)

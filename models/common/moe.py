@@ -114,7 +114,7 @@ class ParallelMoE(nn.Module):
         if share is not tokens:
             routed = gather_for_replicas(routed, self.groups.tp_group)[: tokens.shape[0]]
         if self.token_mask is not None:
-            self.stats = AuxStats(experts, probs, logits, self._mask_share(self.token_mask))
+            self.stats = AuxStats(experts, probs, logits, self._mask_share(self.token_mask).to(probs.device))
         out = routed
         if self.moe.shared_expert_intermediate_size:
             shared = self.shared_expert(x) * torch.sigmoid(F.linear(x, self.shared_expert_gate.weight))
@@ -172,14 +172,13 @@ def load_balancing_loss(blocks: list[ParallelMoE], groups: ParallelGroups) -> to
 
 
 def carry_router_sums(carry: torch.Tensor | None, blocks: list[ParallelMoE], groups: ParallelGroups,
-                      num_experts: int) -> torch.Tensor:
+                      num_experts: int, device: torch.device | None = None) -> torch.Tensor:
     """``carry`` (``[assignments | probability | rows]``, ``2E + 1`` fp32; ``None`` = zeros) plus the
     ``router_sums`` of ``blocks``: how pipeline stages pass one micro-batch's load-balancing
     statistics along with its hidden states. The probability part stays differentiable, so the
     last stage's ``balance_loss`` of the carry sends each stage the gradient of its own layers."""
-    if carry is None:
-        like = next(iter(blocks[0].parameters())) if blocks else None
-        carry = torch.zeros(2 * num_experts + 1, dtype=torch.float32, device=like.device if like is not None else None)
+    if carry is None:  # on the model's device (a stage without sparse layers sends it as it is)
+        carry = torch.zeros(2 * num_experts + 1, dtype=torch.float32, device=device)
     if not blocks:
         return carry
     assignments, probability, rows = router_sums(blocks, groups)

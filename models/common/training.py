@@ -127,7 +127,7 @@ class PipelineChunk(nn.Module):
             if self.aux:
                 from models.common.moe import carry_router_sums
 
-                carry = carry_router_sums(carry, self._sparse, lm.groups, lm.config.moe.num_experts)
+                carry = carry_router_sums(carry, self._sparse, lm.groups, lm.config.moe.num_experts, h.device)
         finally:
             for blk in self._sparse:
                 blk.token_mask = blk.stats = None
@@ -189,7 +189,8 @@ def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = 
     global_count, global_mbs = max(float(count[0]), 1.0), float(count[1])
     # The load-balancing loss is transformers' per micro-batch (all its layers and real tokens), averaged
     # over the micro-batches of all DP ranks: exactly transformers' for one micro-batch and one replica.
-    token_masks = [(torch.arange(total) < sum(len(samples[i].ids) for i in group)).to(torch.float32)
+    device = next(lm.parameters()).device
+    token_masks = [(torch.arange(total, device=device) < sum(len(samples[i].ids) for i in group)).to(torch.float32)
                    for group in plan.groups] if aux else [None] * len(mbs)
 
     loss_fn = _TokenLoss(lm)
@@ -235,8 +236,9 @@ def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = 
         return _logprobs(lm, outputs, plan, samples, input_ids, attention_mask, cu_seqlens, total)
     if lm.is_last_stage:  # [loss, sum of this rank's micro-batch aux losses]
         aux_values = loss_fn.aux_values[-len(mbs):] if aux else []
-        totals = torch.stack([torch.stack(outputs).sum().float(), torch.stack(aux_values).sum().float()
-                              if aux_values else torch.zeros((), dtype=torch.float32)])
+        ce = torch.stack(outputs).sum().float()
+        totals = torch.stack([ce, torch.stack(aux_values).sum().float().to(ce.device) if aux_values
+                              else torch.zeros((), dtype=torch.float32, device=ce.device)])
     else:
         totals = torch.zeros(2, dtype=torch.float32)
     totals = _from_last_stage(lm, totals.to(next(lm.parameters()).device))

@@ -469,7 +469,9 @@ class ParallelCausalLM(nn.Module):
         when transformers adds it) adds ``router_aux_loss_coef`` times the load-balancing loss, taken
         per micro-batch as transformers computes it for that micro-batch (all sparse layers, across
         pipeline stages, real tokens only) and averaged over the micro-batches of all DP ranks: with
-        one micro-batch and one replica it is transformers' own number. ``return_aux_loss=True``
+        one micro-batch and one replica it is transformers' own number (unlike cross entropy it depends
+        on the split: 1F1B runs at least pp micro-batches, interleaved schedules a multiple of pp, and
+        the balancing planner groups samples by length; use "gpipe" for one). ``return_aux_loss=True``
         returns ``(loss, aux_loss)`` (``aux_loss`` unscaled, ``None`` when not added).
         """
         from models.common.training import forward_backward

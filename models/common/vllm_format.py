@@ -233,6 +233,9 @@ def transfers(entry: WeightEntry, src_rules: Sequence, shapes: dict[str, Sequenc
     for part, (name, dst_rule, src_rule) in enumerate(zip(entry.hf, entry.rules, src_rules)):
         shape = shapes[name]
         want = dst_rule.piece(shape, dst_rank, dst_size)
+        if want.chunks > 1 or src_rule.piece(shape, 0, src_size).chunks > 1:  # one range per block: not expressible
+            raise ShardingError(f"{name}: a fused tensor split per block ({type(src_rule).__name__}) cannot be "
+                                f"moved as row ranges yet")
         if want.dim is None:
             out.append(Transfer(part, -1, None, 0, 0, 0, 0))
             continue
