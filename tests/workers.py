@@ -213,3 +213,31 @@ def adapter_and_init_suite(path: str, configs: list) -> list[tuple]:
     for cfg in configs:
         records += random_init_case(cfg)
     return records
+
+
+def saved_tensors_diff(model, path: str, pconfig: ParallelConfig) -> float:
+    """``model.save_pretrained`` (collective) must write every tensor of the source checkpoint ``path``
+    bitwise under the same names; the largest difference (inf: the names differ), on every rank."""
+    import re
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    out = f"{path}_saved_{re.sub('[^a-z0-9]+', '_', pconfig.describe())}"
+    model.save_pretrained(out)
+    worst = 0.0
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        def tensors(folder):
+            merged = {}
+            for f in sorted(Path(folder).glob("*.safetensors")):
+                merged.update(load_file(str(f)))
+            return merged
+
+        saved, source = tensors(out), tensors(path)
+        worst = (float("inf") if set(saved) != set(source)
+                 else max((_max_diff(saved[n], source[n]) for n in source), default=0.0))
+        shutil.rmtree(out)
+    if dist.is_initialized():
+        dist.barrier()
+    return worst

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from parallel import ParallelConfig
-from tests.workers import _max_diff, _rel_diff
+from tests.workers import _max_diff, _rel_diff, saved_tensors_diff
 
 MOE_CASES = {
     # shared expert, norm_topk_prob False, a dense layer (mlp_only_layers), aux loss weighted heavily
@@ -85,36 +85,6 @@ def _grad_diff(model, hf) -> float:
     return worst
 
 
-def _save_and_compare(model, path: str, pconfig: ParallelConfig) -> float:
-    """save_pretrained (experts gathered over EP, one layer at a time) must write every tensor of the
-    source checkpoint bitwise, under the same names; returns the largest difference (inf: names differ)."""
-    import re
-    import shutil
-
-    import torch.distributed as dist
-    from safetensors.torch import load_file
-
-    out = f"{path}_saved_{re.sub('[^a-z0-9]+', '_', pconfig.describe())}"
-    model.save_pretrained(out)
-    worst = 0.0
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        def tensors(folder):
-            merged = {}
-            for f in sorted(Path(folder).glob("*.safetensors")):
-                merged.update(load_file(str(f)))
-            return merged
-
-        saved, source = tensors(out), tensors(path)
-        if set(saved) != set(source):
-            worst = float("inf")
-        else:
-            worst = max((_max_diff(saved[n], source[n]) for n in source), default=0.0)
-        shutil.rmtree(out)
-    if dist.is_initialized():
-        dist.barrier()
-    return worst
-
-
 def _batch(vocab: int, seed: int = 7):
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (2, 11), generator=gen)
@@ -164,7 +134,7 @@ def parity(case: str, path: str, pconfig: ParallelConfig, steps: int = 2, lr: fl
         valid = mask.bool()
         records += [(*tag, "masked_logits", _max_diff(out.logits[valid], ref.logits[valid])),
                     (*tag, "masked_aux_loss", _max_diff(out.aux_loss, ref.aux_loss))]
-    records.append((*tag, "saved_tensors", _save_and_compare(model, path, pconfig)))
+    records.append((*tag, "saved_tensors", saved_tensors_diff(model, path, pconfig)))
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     ref_opt = torch.optim.SGD(hf.parameters(), lr=lr)
     first = None

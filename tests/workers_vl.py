@@ -6,7 +6,6 @@ Records are ``(case, layout, metric, value)``; the test file holds the bounds.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch
@@ -14,7 +13,7 @@ import torch
 from models.qwen2_vl.architecture import ARCHITECTURE
 from parallel import ParallelConfig
 from tests.vl_cases import vl_batch, vl_packed_batch
-from tests.workers import _max_diff, _rel_diff
+from tests.workers import _max_diff, _rel_diff, saved_tensors_diff
 
 PADDED_KINDS = ("one_image", "two_images", "video", "image_video", "mixed")
 
@@ -87,31 +86,6 @@ def _grad_diff(model, hf, prefix: str) -> float:
     return worst
 
 
-def _saved_tensors_diff(model, path: str, pconfig: ParallelConfig) -> float:
-    """save_pretrained writes every tensor of the source bitwise under the same (on-disk) names."""
-    import shutil
-
-    import torch.distributed as dist
-    from safetensors.torch import load_file
-
-    out = f"{path}_saved_{re.sub('[^a-z0-9]+', '_', pconfig.describe())}"
-    model.save_pretrained(out)
-    worst = 0.0
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        def tensors(folder):
-            merged = {}
-            for f in sorted(Path(folder).glob("*.safetensors")):
-                merged.update(load_file(str(f)))
-            return merged
-
-        saved, source = tensors(out), tensors(path)
-        worst = float("inf") if set(saved) != set(source) else max(_max_diff(saved[n], source[n]) for n in source)
-        shutil.rmtree(out)
-    if dist.is_initialized():
-        dist.barrier()
-    return worst
-
-
 def parity(case: str, path: str, pconfig: ParallelConfig, steps: int = 2, lr: float = 0.2) -> list[tuple]:
     """Logits and loss for every batch kind (right and left padding, packed), then two SGD steps
     on the mixed batch with every gradient compared (vision and text), then logits again."""
@@ -153,7 +127,7 @@ def parity(case: str, path: str, pconfig: ParallelConfig, steps: int = 2, lr: fl
             ref_loss_sum, ref_count = ref_loss_sum + out.loss * n, ref_count + n
     records += [(*tag, "logits_packed", _max_diff(ours.logits[0], torch.cat(ref_logits))),
                 (*tag, "loss_packed", _max_diff(ours.loss, ref_loss_sum / ref_count))]
-    records.append((*tag, "saved_tensors", _saved_tensors_diff(model, path, pconfig)))
+    records.append((*tag, "saved_tensors", saved_tensors_diff(model, path, pconfig)))
 
     batch = vl_batch(case, "mixed")
     opt = torch.optim.SGD(model.parameters(), lr=lr)
