@@ -109,7 +109,6 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from tests.megatron_oracle import (
     ITERATION,
@@ -123,6 +122,7 @@ from tests.megatron_oracle import (
     megatron_args,
     prompt_ids,
     read_tracker,
+    transformer_config,
 )
 
 __all__ = [
@@ -320,37 +320,8 @@ def init_moe_parallel(layout: MoeLayout) -> None:
 
 
 def moe_transformer_config(spec: MoeSpec, layout: MoeLayout):
-    from megatron.core.transformer import TransformerConfig
-
-    return TransformerConfig(
-        num_layers=spec.num_layers,
-        hidden_size=spec.hidden_size,
-        ffn_hidden_size=spec.ffn_hidden_size,
-        num_attention_heads=spec.num_attention_heads,
-        num_query_groups=spec.num_query_groups,
-        kv_channels=spec.kv_channels,
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        pipeline_dtype=torch.float32,
-        normalization="RMSNorm",
-        layernorm_epsilon=spec.norm_epsilon,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        init_method_std=spec.init_method_std,
-        use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        **_moe_fields(spec, layout),  # MoE, configured as Qwen2-MoE
-    )
+    """The dense oracle's TransformerConfig plus the MoE fields, configured as Qwen2-MoE."""
+    return transformer_config(spec, layout.tp, layout.pp, **_moe_fields(spec, layout))
 
 
 def build_moe_chunks(spec: MoeSpec, layout: MoeLayout, seed: int | None = None) -> list:

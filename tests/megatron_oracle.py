@@ -281,18 +281,13 @@ def init_parallel(tp: int, pp: int, vpp: int | None) -> None:
     )
 
 
-def build_chunks(spec: OracleSpec, tp: int, pp: int, vpp: int | None, seed: int | None = None) -> list:
-    """This rank's model chunks (one per virtual stage), as Megatron-LM's ``model_provider`` builds
-    them. Deterministic from ``seed`` (default ``spec.seed``) and the rank's (tp, pp) position."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def transformer_config(spec, tp: int, pp: int, vpp: int | None = None, **extra):
+    """megatron-core's TransformerConfig of a Qwen2/Llama-like ``spec`` (``OracleSpec`` or the MoE
+    oracle's ``MoeSpec``) for CPU: RMSNorm, SwiGLU, RoPE, no dropout, no fused kernels; ``extra``
+    adds fields (the MoE ones)."""
     from megatron.core.transformer import TransformerConfig
 
-    check_layout(spec, tp, pp, vpp)
-    init_parallel(tp, pp, vpp)
-    vpp = vpp if vpp and vpp > 1 else None
-    config = TransformerConfig(
+    return TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         ffn_hidden_size=spec.ffn_hidden_size,
@@ -320,7 +315,21 @@ def build_chunks(spec: OracleSpec, tp: int, pp: int, vpp: int | None, seed: int 
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
+        **extra,
     )
+
+
+def build_chunks(spec: OracleSpec, tp: int, pp: int, vpp: int | None, seed: int | None = None) -> list:
+    """This rank's model chunks (one per virtual stage), as Megatron-LM's ``model_provider`` builds
+    them. Deterministic from ``seed`` (default ``spec.seed``) and the rank's (tp, pp) position."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    check_layout(spec, tp, pp, vpp)
+    init_parallel(tp, pp, vpp)
+    vpp = vpp if vpp and vpp > 1 else None
+    config = transformer_config(spec, tp, pp, vpp)
     layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     # Same seed on every rank: CPU initialization draws each full weight and slices this rank's
     # shard, so the TP ranks of a stage agree; stages differ only in which modules they build.
