@@ -139,9 +139,10 @@ def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = 
                      schedule: str = "1f1b", forward_only: bool = False, cu_seqlens: torch.Tensor | None = None,
                      attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                      max_tokens_per_microbatch: int | None = None, aux_loss: bool | None = None,
-                     return_aux_loss: bool = False, sample_inputs: list[dict | None] | None = None):
-    """See ``ParallelCausalLM.forward_backward``. ``sample_inputs``: per sample (row, or packed segment)
-    model inputs that the first stage gets merged per micro-batch (Qwen2-VL's pixels and grids)."""
+                     return_aux_loss: bool = False, sample_inputs=None):
+    """See ``ParallelCausalLM.forward_backward``. ``sample_inputs``: called with the samples' token ids
+    (each row without padding, or each packed segment), it returns each sample's model inputs, which
+    the first stage gets merged per micro-batch (Qwen2-VL's pixels and grids)."""
     groups = lm.groups
     aux = lm._wants_router_logits(aux_loss) and not forward_only
     if aux and groups.sequence_split:
@@ -154,9 +155,7 @@ def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = 
         check_schedule(schedule, vpp, microbatch_multiple(schedule, pp), pp)
     samples = to_samples(input_ids, labels, attention_mask, cu_seqlens, position_ids)
     if sample_inputs is not None:
-        if len(sample_inputs) != len(samples):
-            raise ValueError(f"sample_inputs has {len(sample_inputs)} entries for {len(samples)} samples")
-        for sample, inputs in zip(samples, sample_inputs):
+        for sample, inputs in zip(samples, sample_inputs([sample.ids for sample in samples]), strict=True):
             sample.inputs = inputs
     if pp > 1:  # the loss is the same for any split, so the count may rise to what the schedule needs
         # (torch's 1F1B runs at least one micro-batch per stage: a batch needs >= pp samples then)
@@ -193,14 +192,15 @@ def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = 
     token_masks = [(torch.arange(total, device=device) < sum(len(samples[i].ids) for i in group)).to(torch.float32)
                    for group in plan.groups] if aux else [None] * len(mbs)
 
-    loss_fn = _TokenLoss(lm)
-    loss_fn.reset(forward_only, global_count, lm.config.moe.router_aux_loss_coef / global_mbs if aux else 0.0)
+    aux_scale = lm.config.moe.router_aux_loss_coef / global_mbs if aux else 0.0
 
     if groups.config.fsdp:
         from parallel.fsdp import set_replica_scale
 
         set_replica_scale(lm, None)  # losses are already over the global token count: sum
     if pp == 1:
+        loss_fn = _TokenLoss(lm)
+        loss_fn.reset(forward_only, global_count, aux_scale)
         outputs = []
         chunk = PipelineChunk(lm, 0, aux) if aux else None
         for (ids, pos, tgt, cu), shard, token_mask, inputs in zip(mbs, shards, token_masks, mb_inputs):
@@ -217,7 +217,7 @@ def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = 
     else:
         runner = _runner(lm, schedule, len(mbs), total, aux)
         loss_fn = runner.loss_fn
-        loss_fn.reset(forward_only, global_count, lm.config.moe.router_aux_loss_coef / global_mbs if aux else 0.0)
+        loss_fn.reset(forward_only, global_count, aux_scale)
         kwarg_mbs = [{"position_ids": pos, "cu_seqlens": cu, "seq": shard}
                      for (_, pos, _, cu), shard in zip(mbs, shards)]
         if aux:

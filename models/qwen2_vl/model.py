@@ -74,13 +74,9 @@ class ParallelQwen2VL(ParallelCausalLM):
         attention mask (or ``cu_seqlens`` for packed input), as transformers does; pass ``[3, b, s]``
         (packed: ``[3, 1, T]``) to override. ``mm_token_type_ids`` (0 text, 1 image, 2 video) default
         to what the image/video token ids say."""
-        vis = self.config.vision
         if self.groups.pp_size > 1:
             raise RuntimeError("with pipeline parallelism use model.forward_backward(...) (stages run in a schedule)")
-        check_multimodal_inputs(input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw,
-                                pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw,
-                                image_token_id=vis.image_token_id, video_token_id=vis.video_token_id,
-                                spatial_merge_size=vis.spatial_merge_size, patch_dim=vis.patch_dim)
+        self._check_vision_inputs(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
         has_vision = image_grid_thw is not None or video_grid_thw is not None
         if has_vision and position_ids is None:
             position_ids = self.rope_positions(input_ids, attention_mask=attention_mask, cu_seqlens=cu_seqlens,
@@ -106,34 +102,41 @@ class ParallelQwen2VL(ParallelCausalLM):
         M-RoPE positions are computed on the whole batch first; then each sample (row, or packed
         segment) keeps its own images' and videos' pixel rows and grids, and the first pipeline stage
         encodes the images of each micro-batch when it embeds that micro-batch."""
+        self._check_vision_inputs(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
+        if image_grid_thw is None and video_grid_thw is None:
+            return super().forward_backward(input_ids, labels, **kwargs)
+        if kwargs.get("position_ids") is None:
+            kwargs["position_ids"] = self.rope_positions(
+                input_ids, attention_mask=kwargs.get("attention_mask"), cu_seqlens=kwargs.get("cu_seqlens"),
+                image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw, mm_token_type_ids=mm_token_type_ids)
+        vis = self.config.vision
+
+        def per_sample(sample_ids: list[torch.Tensor]) -> list[dict]:
+            """Each sample's own pixel rows and grids (samples take the images in reading order)."""
+            out = [{} for _ in sample_ids]
+            for key_pixels, key_grid, pixels, grid, token in (
+                    ("pixel_values", "image_grid_thw", pixel_values, image_grid_thw, vis.image_token_id),
+                    ("pixel_values_videos", "video_grid_thw", pixel_values_videos, video_grid_thw,
+                     vis.video_token_id)):
+                if grid is not None:
+                    for inputs, (rows, grids) in zip(out, _split_per_sample(sample_ids, pixels, grid, token,
+                                                                            vis.spatial_merge_size)):
+                        if grids is not None:
+                            inputs[key_pixels], inputs[key_grid] = rows, grids
+            return out
+
+        from models.common.training import forward_backward
+
+        return forward_backward(self, input_ids, labels, sample_inputs=per_sample, **kwargs)
+
+    def _check_vision_inputs(self, input_ids, pixel_values, image_grid_thw, pixel_values_videos,
+                             video_grid_thw) -> None:
+        """Pixels, grids and placeholder tokens agree (local checks, before any collective)."""
         vis = self.config.vision
         check_multimodal_inputs(input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw,
                                 pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw,
                                 image_token_id=vis.image_token_id, video_token_id=vis.video_token_id,
                                 spatial_merge_size=vis.spatial_merge_size, patch_dim=vis.patch_dim)
-        if image_grid_thw is None and video_grid_thw is None:
-            return super().forward_backward(input_ids, labels, **kwargs)
-        cu_seqlens = kwargs.get("cu_seqlens")
-        if kwargs.get("position_ids") is None:
-            kwargs["position_ids"] = self.rope_positions(
-                input_ids, attention_mask=kwargs.get("attention_mask"), cu_seqlens=cu_seqlens,
-                image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw, mm_token_type_ids=mm_token_type_ids)
-        rows = (list(_segments(input_ids.reshape(-1), cu_seqlens)) if cu_seqlens is not None
-                else [row[mask.bool()] if mask is not None else row
-                      for row, mask in zip(input_ids, _rows_or_none(kwargs.get("attention_mask"), len(input_ids)))])
-        per_sample = [{} for _ in rows]
-        for key_pixels, key_grid, pixels, grid, token in (
-                ("pixel_values", "image_grid_thw", pixel_values, image_grid_thw, vis.image_token_id),
-                ("pixel_values_videos", "video_grid_thw", pixel_values_videos, video_grid_thw, vis.video_token_id)):
-            if grid is None:
-                continue
-            for inputs, (sample_pixels, sample_grid) in zip(per_sample, _split_per_sample(
-                    rows, pixels, grid, token, vis.spatial_merge_size)):
-                if sample_grid is not None:
-                    inputs[key_pixels], inputs[key_grid] = sample_pixels, sample_grid
-        from models.common.training import forward_backward
-
-        return forward_backward(self, input_ids, labels, sample_inputs=per_sample, **kwargs)
 
     def embed_microbatch(self, ids: torch.Tensor, inputs: dict | None = None, seq=None) -> torch.Tensor:
         vision = [inputs.get(k) if inputs else None
@@ -171,19 +174,18 @@ class ParallelQwen2VL(ParallelCausalLM):
                       video_grid_thw) -> VisionFeatures:
         """Every image's and video's merged features (one tower pass) and their placeholder slots in
         ``input_ids [b, s]``."""
-        vis = self.config.vision
-        pixels, grids, slots = [], [], []
-        for values, grid, token in ((pixel_values, image_grid_thw, vis.image_token_id),
-                                    (pixel_values_videos, video_grid_thw, vis.video_token_id)):
-            if grid is None:
-                continue
-            pixels.append(values)
-            grids.append(grid)
-            slots.append((input_ids == token).nonzero())  # batch-major, the order transformers scatters in
-        grid = torch.cat(grids)
-        features = self.visual(torch.cat(pixels), vision_patch_positions(grid, vis.spatial_merge_size),
+        pixels, grid = _all_patches(pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
+        features = self.visual(pixels, vision_patch_positions(grid, self.config.vision.spatial_merge_size),
                                vision_cu_seqlens(grid).tolist())
-        slot = torch.cat(slots)
+        return self._features_at_placeholders(features, input_ids, image_grid_thw, video_grid_thw)
+
+    def _features_at_placeholders(self, features: torch.Tensor, input_ids: torch.Tensor, image_grid_thw,
+                                  video_grid_thw) -> VisionFeatures:
+        """``features`` (images', then videos') with the ``[b, s]`` slot of each one's placeholder token,
+        batch-major: the order transformers scatters them in."""
+        vis = self.config.vision
+        slot = torch.cat([(input_ids == token).nonzero() for token, grid in (
+            (vis.image_token_id, image_grid_thw), (vis.video_token_id, video_grid_thw)) if grid is not None])
         return VisionFeatures(features, slot[:, 0], slot[:, 1])
 
     def encode_vision_shared(self, input_ids: torch.Tensor, pixel_values, image_grid_thw, pixel_values_videos,
@@ -192,28 +194,20 @@ class ParallelQwen2VL(ParallelCausalLM):
         batch): whole images/videos are dealt to the ranks by patch count (largest first, to the least
         loaded), each rank encodes its own, and the features are all-gathered (backward: each rank
         gets the summed gradient of its own images)."""
-        vis, groups = self.config.vision, self.groups
-        merge = vis.spatial_merge_size
-        items = []  # (pixel rows, grid row, placeholder token) in transformers' order: images, then videos
-        for values, grid, token in ((pixel_values, image_grid_thw, vis.image_token_id),
-                                    (pixel_values_videos, video_grid_thw, vis.video_token_id)):
-            if grid is None:
-                continue
-            offset = 0
-            for g in grid:
-                n = int(g.prod())
-                items.append((values[offset:offset + n], g, token))
-                offset += n
+        groups, merge = self.groups, self.config.vision.spatial_merge_size
+        pixels, grid = _all_patches(pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
+        patches = grid.prod(-1).tolist()  # per image/video, in transformers' order: images, then videos
+        items = pixels.split(patches)
         ranks = groups.cp_size * groups.ulysses_size
         me = groups.cp_rank * groups.ulysses_size + groups.ulysses_rank
-        owner = _deal(([int(g.prod()) for _, g, _ in items]), ranks)
-        tokens = [int(g.prod()) // merge ** 2 for _, g, _ in items]
+        owner = _deal(patches, ranks)
+        tokens = [n // merge ** 2 for n in patches]
         load = [sum(t for t, o in zip(tokens, owner) if o == r) for r in range(ranks)]
         mine = [i for i, o in enumerate(owner) if o == me]
         if mine:
-            grid = torch.stack([items[i][1] for i in mine])
-            local = self.visual(torch.cat([items[i][0] for i in mine]),
-                                vision_patch_positions(grid, merge), vision_cu_seqlens(grid).tolist())
+            my_grid = grid[mine]
+            local = self.visual(torch.cat([items[i] for i in mine]), vision_patch_positions(my_grid, merge),
+                                vision_cu_seqlens(my_grid).tolist())
         else:  # nothing to encode here: a zero term keeps the tower in this rank's backward
             anchor = sum(p.sum() for p in self.visual.parameters()) * 0.0
             local = anchor.new_zeros(0, self.config.hidden_size) + anchor
@@ -223,9 +217,8 @@ class ParallelQwen2VL(ParallelCausalLM):
         for o, t in zip(owner, tokens):
             rows.append(torch.arange(o * max(load) + seen[o], o * max(load) + seen[o] + t))
             seen[o] += t
-        slots = torch.cat([(input_ids == token).nonzero() for token in (vis.image_token_id, vis.video_token_id)
-                           if any(item[2] == token for item in items)])
-        return VisionFeatures(gathered[torch.cat(rows).to(gathered.device)], slots[:, 0], slots[:, 1])
+        return self._features_at_placeholders(gathered[torch.cat(rows).to(gathered.device)], input_ids,
+                                              image_grid_thw, video_grid_thw)
 
     def embed_shard(self, ids: torch.Tensor, shard, batch=None, multimodal: VisionFeatures | None = None):
         """This cp/ulysses rank's embeddings with the features of its own tokens merged in."""
@@ -264,6 +257,13 @@ class ParallelQwen2VL(ParallelCausalLM):
         return h.index_put((seq_index.to(h.device), batch_index.to(h.device)), features.to(h.dtype))
 
 
+def _all_patches(pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw):
+    """Every image's, then every video's, pixel rows and grid rows, concatenated (one tower pass)."""
+    kinds = [(values, grid) for values, grid in ((pixel_values, image_grid_thw), (pixel_values_videos, video_grid_thw))
+             if grid is not None]
+    return torch.cat([values for values, _ in kinds]), torch.cat([grid for _, grid in kinds])
+
+
 def _deal(patches: list[int], ranks: int) -> list[int]:
     """Owner rank of each image/video: largest first, each to the least loaded rank (lowest on ties)."""
     load, owner = [0] * ranks, [0] * len(patches)
@@ -271,16 +271,6 @@ def _deal(patches: list[int], ranks: int) -> list[int]:
         r = min(range(ranks), key=lambda r: (load[r], r))
         owner[i], load[r] = r, load[r] + patches[i]
     return owner
-
-
-def _rows_or_none(mask: torch.Tensor | None, rows: int) -> list:
-    return list(mask) if mask is not None else [None] * rows
-
-
-def _segments(flat: torch.Tensor, cu_seqlens: torch.Tensor):
-    bounds = cu_seqlens.tolist()
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        yield flat[a:b]
 
 
 def _split_per_sample(rows: list[torch.Tensor], pixels: torch.Tensor, grid: torch.Tensor, token: int,
