@@ -31,6 +31,9 @@ def _entry(rank: int, world: int, port: int, fn, args, queue, backend: str) -> N
     try:
         dist.init_process_group(backend, rank=rank, world_size=world)
         result = fn(*args)
+        # Rank 0 hosts the rendezvous store: a rank done early (e.g. one that only raised local errors)
+        # must not take it down while others still create their groups.
+        dist.barrier()
         queue.put((rank, "ok", result))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         queue.put((rank, "error", traceback.format_exc()))
