@@ -23,6 +23,7 @@ layers and over the TP token shares.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -127,6 +128,20 @@ class ParallelMoE(nn.Module):
         if tp > 1:
             mask = F.pad(mask, (0, (-mask.shape[0]) % tp)).chunk(tp)[self.groups.tp_rank]
         return mask.to(torch.float32)
+
+
+@contextmanager
+def recording_routes(blocks: list[ParallelMoE], token_mask: torch.Tensor | None):
+    """While inside, ``blocks`` record their routing (``stats``) for the tokens of ``token_mask``
+    (1 = real token, in the layers' token order); afterwards both are cleared, so a later rerun
+    (activation recomputation in backward) records nothing."""
+    for blk in blocks:
+        blk.token_mask = token_mask
+    try:
+        yield
+    finally:
+        for blk in blocks:
+            blk.token_mask = blk.stats = None
 
 
 def router_sums(blocks: list[ParallelMoE], groups: ParallelGroups) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -118,19 +118,14 @@ class PipelineChunk(nn.Module):
     def forward(self, x: torch.Tensor, carry: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, seq: SequenceShard | None = None,
                 token_mask: torch.Tensor | None = None, inputs: dict | None = None):
+        from models.common.moe import carry_router_sums, recording_routes
+
         lm = self._lm[0]
         h = lm.embed_microbatch(x, inputs, seq) if self.first else x
-        for blk in self._sparse:
-            blk.token_mask = token_mask
-        try:
+        with recording_routes(self._sparse, token_mask):
             h = lm.run_layers(h, self.layer_ids, position_ids, None, None if seq is not None else cu_seqlens, seq=seq)
             if self.aux:
-                from models.common.moe import carry_router_sums
-
                 carry = carry_router_sums(carry, self._sparse, lm.groups, lm.config.moe.num_experts, h.device)
-        finally:
-            for blk in self._sparse:
-                blk.token_mask = blk.stats = None
         out = self.lm_head(self.norm(h)) if self.last else h
         return (out, carry) if self.aux else out
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from models.common.attention import causal_attention
 from models.common.config import ModelConfig
+from models.common.moe import recording_routes
 from models.common.rope import RotaryEmbedding, apply_rotary
 from models.common.sequence_parallel import SequenceShard
 from models.common.weights import WeightEntry, WeightMap, export_hf_state, hf_shapes
@@ -263,14 +264,14 @@ class ParallelCausalLM(nn.Module):
             raise ValueError("targets= is for already-sliced inputs (with sequence_plan=); pass labels= instead")
         ids, pos, mask, labels, cu, seq_len = self._prepare(input_ids, position_ids, attention_mask, labels, cu_seqlens)
         blocks = self.moe_blocks() if want_aux else []
+        token_mask = None
         if blocks:
             valid = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
             valid[:, :seq_len] = 1 if mask is None else mask[:, :seq_len].to(torch.float32)
-            for blk in blocks:
-                blk.token_mask = valid.t().reshape(-1)  # the layers' token order: [s, b] flattened
+            token_mask = valid.t().reshape(-1)  # the layers' token order: [s, b] flattened
         if mask is not None and bool(mask.all()):
             mask = None  # no padding: plain causal kernel
-        try:
+        with recording_routes(blocks, token_mask):
             h = self.embed_inputs(ids, multimodal)  # [s(/tp), b, hidden]
             h = self.run_layers(h, self.layer_ids(), pos, mask, cu, max_seqlen)
             aux_loss = router_logits = None
@@ -279,9 +280,6 @@ class ParallelCausalLM(nn.Module):
 
                 aux_loss = load_balancing_loss(blocks, self.groups)
                 router_logits = tuple(full_router_logits(blk, ids.numel(), ids.shape[0], seq_len) for blk in blocks)
-        finally:
-            for blk in blocks:
-                blk.token_mask = blk.stats = None
         logits = self.lm_head(self.model.norm(h))  # [s, b, V_pad/tp]
         loss = None
         if labels is not None:
