@@ -30,8 +30,19 @@ def architectures() -> dict[str, Architecture]:
     from models.llama.architecture import ARCHITECTURE as LLAMA
     from models.qwen2.architecture import ARCHITECTURE as QWEN2
     from models.qwen2_moe.architecture import ARCHITECTURE as QWEN2_MOE
+    from models.qwen2_vl.architecture import ARCHITECTURE as QWEN2_VL
 
-    return {t: arch for arch in (LLAMA, QWEN2, QWEN2_MOE) for t in arch.hf_model_types}
+    return {t: arch for arch in (LLAMA, QWEN2, QWEN2_MOE, QWEN2_VL) for t in arch.hf_model_types}
+
+
+def require_megatron_layout(cfg: ModelConfig, where: str) -> None:
+    """Megatron formats name every tensor by its Megatron module; the vision tower of a
+    vision-language model has no such names here yet (HF and vLLM formats only)."""
+    if cfg.vision is not None:
+        from models.common.errors import CheckpointError
+
+        raise CheckpointError(f"{where}: {cfg.architecture} has no Megatron layout yet (its vision tower has no "
+                              f"Megatron names here); convert it between HF and vLLM formats")
 
 
 def architecture_for(model_type: str | None, where: str) -> Architecture:
@@ -80,12 +91,15 @@ class CheckpointReader:
     wmap: WeightMap
     info: ReaderInfo
     path: str
+    megatron = False  # a Megatron format (needs every tensor's Megatron name)
 
     def _set_model(self, hf_config: Any, where: str) -> None:
         """Architecture, model config and weight map from an HF config (shared by every reader)."""
         self.hf_config = hf_config
         self.arch = architecture_for(getattr(hf_config, "model_type", None), where)
         self.cfg = self.arch.model_config(hf_config)
+        if self.megatron:
+            require_megatron_layout(self.cfg, where)
         self.wmap = conversion_weight_map(self.arch, self.cfg)
 
     def _remember_args(self, *args: Any, **kwargs: Any) -> None:

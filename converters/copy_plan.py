@@ -226,6 +226,10 @@ class RawSource:
         self.hf_config = hf_config
         self.arch = architecture_for(getattr(hf_config, "model_type", None), where)
         self.cfg = self.arch.model_config(hf_config)
+        if self.format != "hf":
+            from converters.checkpoint import require_megatron_layout
+
+            require_megatron_layout(self.cfg, where)
         if self.cfg.moe is not None:
             raise Unsupported("mixture of experts (the torch path converts it)")
         self.wmap = conversion_weight_map(self.arch, self.cfg)
@@ -264,9 +268,11 @@ class HFRawSource(RawSource):
         tensors: dict[str, RawTensor] = {}
         owner: dict[str, str] = {}
         for f in sorted(Path(path).glob("*.safetensors")):
-            for name, t in read_safetensors(f).items():
+            for stored, t in read_safetensors(f).items():
+                name = self.arch.canonical_name(stored)  # other key layouts of the same model (Qwen2-VL)
                 if name in tensors:
-                    raise CheckpointError(f"{path}: tensor {name} is in both {Path(owner[name]).name} and {f.name}")
+                    raise CheckpointError(f"{path}: tensor {name} is in both {Path(owner[name]).name} and {f.name}"
+                                          + (f" (one of them as {stored})" if stored != name else ""))
                 tensors[name], owner[name] = t, str(f)
         from models.common.weight_map import hf_shapes
 

@@ -219,10 +219,12 @@ class CopyTarget:
 def plan_copy_target(source: RawSource, *, fmt: str, tp: int, pp: int, vpp: int, divisible_by: int,
                      first: int | None = None, last: int | None = None) -> CopyTarget:
     """Validate the target layout for the model (ParallelConfigError names the numbers)."""
+    from converters.checkpoint import require_megatron_layout
     from models.common.weight_map import hf_shapes
     from parallel.config import ParallelConfig
 
     cfg = source.cfg
+    require_megatron_layout(cfg, source.path)
     ParallelConfig(tp=tp, pp=pp, vpp=vpp, num_layers_in_first_pipeline_stage=first,
                    num_layers_in_last_pipeline_stage=last).validate(cfg)
     tag = source.dtype()

@@ -18,7 +18,7 @@ from converters import safetensors_layout
 from converters.checkpoint import CheckpointReader, ReaderInfo, Unit, unit_entries
 from converters.hf_config import read_hf_config
 from converters.safetensors_layout import FilePlan, plan_shards, split_file_plan, tensor_offsets  # noqa: F401
-from models.common.sources import CheckpointError, SafetensorsSource, copy_companion_files
+from models.common.sources import CheckpointError, RenamedSource, SafetensorsSource, copy_companion_files
 from models.common.weights import validate_source
 from parallel.sharding import Piece
 
@@ -34,10 +34,12 @@ class HFReader(CheckpointReader):
         self.path = str(path)
         self._remember_args(self.path)
         self._set_model(read_hf_config(path), self.path)
-        self.source = SafetensorsSource(path)
-        some = next(iter(sorted(self.source.names())), None)
-        dtype = _TORCH_DTYPE.get(self.source.dtype_name(some), torch.float32) if some else torch.float32
-        self.info = ReaderInfo("hf", self.arch.name, {"tp": 1, "pp": 1}, len(self.source.files), dtype)
+        files = SafetensorsSource(path)
+        some = next(iter(sorted(files.names())), None)
+        dtype = _TORCH_DTYPE.get(files.dtype_name(some), torch.float32) if some else torch.float32
+        self.info = ReaderInfo("hf", self.arch.name, {"tp": 1, "pp": 1}, len(files.files), dtype)
+        # other key layouts of the same model (Qwen2-VL's in-memory names) read under the weight map's
+        self.source = RenamedSource(files, self.arch.canonical_name, self.path) if self.arch.hf_key_aliases else files
 
     def validate(self) -> None:
         allowed = ("lm_head.weight",) if self.cfg.tie_word_embeddings else ()

@@ -47,9 +47,11 @@ def read_hf_config(directory: str | Path) -> HFConfig:
     """config.json of an HF directory; CheckpointError naming the file when missing or malformed."""
     path = Path(directory) / "config.json"
     data = read_config_json(directory)
+    # vision-language configs of transformers 5 keep the text model's fields in text_config
+    text, where = (data["text_config"], "text_config.") if isinstance(data.get("text_config"), dict) else (data, "")
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
-        if not isinstance(data.get(key), int) or data[key] <= 0:
-            raise CheckpointError(f"{path}: '{key}' must be a positive integer, found {data.get(key)!r}")
+        if not isinstance(text.get(key), int) or text[key] <= 0:
+            raise CheckpointError(f"{path}: '{where}{key}' must be a positive integer, found {text.get(key)!r}")
     return HFConfig(data)
 
 
@@ -110,6 +112,7 @@ def check_hf_directory(directory: str | Path) -> None:
     files: dict[str, str] = {}
     for path in sorted(Path(directory).glob("*.safetensors")):
         for name, tensor in read_safetensors(path).items():
+            name = arch.canonical_name(name)
             shapes[name], files[name] = tuple(tensor.shape), path.name
     check_config_against_tensors(Path(directory) / "config.json", cfg, wmap, shapes, files)
 

@@ -47,6 +47,7 @@ from models.common.sources import CheckpointError
 
 
 class DistReader(CheckpointReader):
+    megatron = True
     def __init__(self, path: str | os.PathLike, *, arch: str | None = None, hf_config_dir: str | None = None,
                  vocab_size: int | None = None) -> None:
         self.path = str(path)

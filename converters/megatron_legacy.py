@@ -63,6 +63,7 @@ def load_rank_file(path: Path) -> dict:
 
 
 class LegacyReader(CheckpointReader):
+    megatron = True
     def __init__(self, path: str | os.PathLike, *, arch: str | None = None, hf_config_dir: str | None = None,
                  vocab_size: int | None = None) -> None:
         self.path = str(path)

@@ -46,9 +46,11 @@ def plan_megatron_target(reader: CheckpointReader, *, tp: int, pp: int, vpp: int
                          divisible_by: int = 128, first: int | None = None, last: int | None = None,
                          fmt: str = "torch", ep: int = 1) -> MegatronTarget:
     """Validate the target layout for this model (ParallelConfigError / ValueError name the numbers)."""
+    from converters.checkpoint import require_megatron_layout
     from converters.megatron_moe import check_ep_target
 
     cfg = reader.cfg
+    require_megatron_layout(cfg, reader.path)
     pconfig = ParallelConfig(tp=tp, pp=pp, vpp=vpp, num_layers_in_first_pipeline_stage=first,
                              num_layers_in_last_pipeline_stage=last)
     pconfig.validate(cfg)

@@ -30,8 +30,8 @@ def write_vllm_rank(reopen_args: tuple, directory: str, pp_rank: int, tp_rank: i
         vmap = vllm_format.vllm_weight_map(reader.wmap, cfg)
         wanted = vllm_format.stage_tensors(vmap, cfg, pp_rank, pp)
         layers = vllm_format.pp_layer_ranges(cfg.num_hidden_layers, pp)[pp_rank]
-        embed_param = vmap.first_entries[0].param
-        units = ([EMBED] if any(t.entry is not None and t.entry.param == embed_param for t in wanted) else []) \
+        first_params = {e.param for e in vmap.first_entries}  # the embedding and any vision tower
+        units = ([EMBED] if any(t.entry is not None and t.entry.param in first_params for t in wanted) else []) \
             + list(layers) + ([FINAL] if pp_rank == pp - 1 else [])
         values: dict[str, torch.Tensor] = {}
         for unit in units:

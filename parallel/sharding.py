@@ -46,6 +46,15 @@ class Piece:
     stop: int = 0
     chunks: int = 1  # > 1: ``dim`` is ``chunks`` equal blocks, ``[start, stop)`` taken from each, concatenated
 
+    def ranges(self, length: int) -> list[tuple[int, int, int]]:
+        """``(start, stop, offset)`` per contiguous range of the full tensor's ``dim`` (of ``length``)
+        this piece holds, ``offset`` being where the range begins in the rank's shard: one range, or
+        one per block when ``chunks > 1``. ``stop`` may run past ``length`` (padding rows)."""
+        if self.chunks == 1:
+            return [(self.start, self.stop, 0)]
+        per, width = length // self.chunks, self.stop - self.start
+        return [(c * per + self.start, c * per + self.stop, c * width) for c in range(self.chunks)]
+
 
 class Rule:
     """Base class: subclasses define ``piece`` and ``merge``."""

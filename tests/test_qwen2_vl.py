@@ -130,22 +130,62 @@ def test_bad_vision_inputs_are_refused_on_every_rank_before_any_collective(vl_di
             assert re.search(pattern, message), message
 
 
-def test_vllm_format_is_refused_for_qwen2_vl_rather_than_written_wrong(vl_dirs, tmp_path):
-    """vLLM names Qwen2-VL's tensors language_model.model.* / visual.* and splits the vision qkv over its
-    fused rows; until that layout is written, every vLLM-format path refuses in one sentence."""
-    from models.common.vllm_format import VllmLayoutError
+def test_bad_vllm_layout_and_megatron_targets_are_refused_for_qwen2_vl(vl_dirs, tmp_path):
+    """vLLM's vision tower is tensor-parallel too: a TP its heads do not divide is refused before any
+    write, naming the numbers; Megatron formats (no Megatron names for the tower yet) are refused by
+    ``pmz convert`` in one line with nothing written."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from models.common.export import ExportError
     from models.qwen2_vl import build_parallel_model
 
     model = build_parallel_model(dict(vl_dirs)["untied"])
-    with pytest.raises(VllmLayoutError, match="not written for vision-language models yet"):
-        model.save_vllm_sharded_state(tmp_path / "vllm", tp=1)
+    with pytest.raises(ExportError, match="vision num_heads=4 is not divisible by tp=8"):
+        model.save_vllm_sharded_state(tmp_path / "vllm", tp=8)
     assert not (tmp_path / "vllm").exists()
-    with pytest.raises(VllmLayoutError, match="not written for vision-language models yet"):
-        next(iter(model.iter_export("vllm", target_tp=1, target_rank=0)))
-    from models.common.export import ExportError
+    root = Path(__file__).resolve().parent.parent
+    for target in ("megatron", "megatron-dist"):
+        proc = subprocess.run([sys.executable, "-m", "converters.cli", "convert", dict(vl_dirs)["untied"],
+                               str(tmp_path / target), "--to", target], capture_output=True, text=True, cwd=str(root))
+        assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert "qwen2_vl has no Megatron layout yet" in proc.stderr, proc.stderr
+        assert not (tmp_path / target).exists()
 
-    with pytest.raises(ExportError, match="transport='shm' is not supported for vision-language models yet"):
-        next(iter(model.iter_export("hf", transport="shm")))
+
+@pytest.mark.parametrize("copy_path", ["1", "0"])
+def test_pmz_convert_hf_to_hf_writes_transformers_layout_from_either(vl_dirs, tmp_path, monkeypatch, copy_path):
+    """``pmz convert --to hf`` of a Qwen2-VL directory in either key layout (the copy path and the
+    torch path) writes the tensors transformers' ``save_pretrained`` wrote, under its names, bitwise."""
+    import shutil
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from converters.engine import convert
+
+    monkeypatch.setenv("PMZ_COPY_PATH", copy_path)
+    src = Path(dict(vl_dirs)["tied"])
+    on_disk = load_file(str(src / "model.safetensors"))
+    memory = tmp_path / "memory_layout"
+    shutil.copytree(src, memory)
+    save_file({("model.visual." + n[len("visual."):]) if n.startswith("visual.")
+               else ("model.language_model." + n[len("model."):]) if n.startswith("model.") else n: t
+               for n, t in on_disk.items()}, str(memory / "model.safetensors"), metadata={"format": "pt"})
+    for name, source in (("from_disk_layout", src), ("from_memory_layout", memory)):
+        out = convert(source, tmp_path / name, to="hf", max_shard_size=20000, workers=2)
+        got = {}
+        for f in sorted(out.glob("*.safetensors")):
+            got.update(load_file(str(f)))
+        assert got.keys() == on_disk.keys(), sorted(set(got) ^ set(on_disk))[:6]
+        assert all(torch.equal(got[k], on_disk[k]) for k in on_disk), name
+        assert len(list(out.glob("*.safetensors"))) > 1 and (out / "model.safetensors.index.json").exists()
+    from transformers import Qwen2VLForConditionalGeneration
+
+    loaded = Qwen2VLForConditionalGeneration.from_pretrained(str(tmp_path / "from_memory_layout"), dtype=torch.float32)
+    assert torch.equal(loaded.model.visual.blocks[0].attn.qkv.weight, on_disk["visual.blocks.0.attn.qkv.weight"])
 
 
 def test_dp_rank_without_images_reduces_the_same_gradients(vl_dirs):

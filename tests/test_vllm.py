@@ -48,7 +48,7 @@ def run_client(step: str, args: dict, out: Path) -> dict:
     """One vLLM engine in a subprocess with the vLLM venv's interpreter; its JSON result."""
     assert VLLM_PYTHON.exists(), f"{VLLM_PYTHON} missing: run tools/setup.sh (it creates the vLLM venv)"
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
-    env["PYTHONPATH"] = str(ROOT)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests" / "vllm_shims")])  # see its sitecustomize
     proc = subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_client.py"), step, json.dumps(args), str(out)],
                           env=env, capture_output=True, text=True, timeout=900, cwd=str(ROOT))
     if proc.returncode != 0:

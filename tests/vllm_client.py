@@ -14,6 +14,12 @@ Steps (each starts one engine; results go to OUT_FILE as JSON / safetensors):
             trained two SGD steps, and its weights pushed with
             ``push_to_vllm(llm, model.iter_export("hf"))``; log-probs before and after the push and our
             own model's log-probs are recorded
+  state     no engine (a vision-language model's engine needs an HF processor, which needs torchvision,
+            absent beside CPU torch): ``tp * pp`` processes set up vLLM's distributed state and each
+            builds vLLM's model twice, once filled by its own ``load_weights`` from the HF directory
+            (the reference) and once by vLLM's strict ``ShardedStateLoader`` from a ``sharded_state``
+            directory; both states are saved per rank, and with ``pixels`` (pp 1) the vision tower of
+            the second model encodes them (vLLM's own ``visual`` forward at TP N)
 The project is imported from the repository root (PYTHONPATH); vLLM pins its own transformers.
 """
 
@@ -128,8 +134,77 @@ def step_push(args: dict, out: str) -> None:
     json.dump({"before": before, "after": after, "ours": ours, "pushed": pushed}, open(out, "w"))
 
 
+def _state_rank(rank: int, args: dict, port: int, out: str) -> None:
+    """One vLLM rank of ``step_state`` (global rank = pp_rank * tp + tp_rank, as vLLM numbers them)."""
+    import glob
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    tp, pp = args["tp"], args["pp"]
+
+    def config(model: str, load_format: str):
+        return EngineArgs(model=model, tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype="float32",
+                          load_format=load_format, skip_tokenizer_init=True, max_model_len=64, enforce_eager=True,
+                          distributed_executor_backend="mp" if tp * pp > 1 else None).create_engine_config()
+
+    def weights():
+        for path in sorted(glob.glob(os.path.join(args["model"], "*.safetensors"))):
+            with safe_open(path, framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118
+                    yield key, f.get_tensor(key)
+
+    def state(model) -> dict:
+        return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+
+    ref_config = config(args["model"], "auto")
+    with set_current_vllm_config(ref_config), set_default_torch_dtype(torch.float32), torch.device("cpu"):
+        init_distributed_environment(world_size=tp * pp, rank=rank, local_rank=rank, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
+        initialize_model_parallel(tp, pp)
+        reference = initialize_model(vllm_config=ref_config, prefix="reference")
+        reference.load_weights(weights())
+        save_file(state(reference), f"{out}.rank{rank}.reference.safetensors")
+    if not args.get("sharded"):
+        return
+    ours_config = config(args["sharded"], "sharded_state")
+    with set_current_vllm_config(ours_config), set_default_torch_dtype(torch.float32), torch.device("cpu"):
+        ours = initialize_model(vllm_config=ours_config, prefix="ours")
+        get_model_loader(ours_config.load_config).load_weights(ours, ours_config.model_config)  # strict
+        save_file(state(ours), f"{out}.rank{rank}.ours.safetensors")
+        if args.get("pixels") and pp == 1:
+            from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+            process_weights_after_loading(ours, ours_config.model_config, torch.device("cpu"))  # CPU GEMM packing
+            inputs = load_file(args["pixels"])
+            with torch.no_grad():
+                features = ours.visual(inputs["pixel_values"], grid_thw=inputs["grid_thw"].tolist())
+            save_file({"features": features.contiguous()}, f"{out}.rank{rank}.features.safetensors")
+
+
+def step_state(args: dict, out: str) -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("VLLM_DIST_IDENT", f"pmz-state-{os.getpid()}")  # vLLM's CPU shared-memory group name
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_state_rank, args=(args, port, out), nprocs=args["tp"] * args["pp"])
+    json.dump({"ranks": args["tp"] * args["pp"]}, open(out, "w"))
+
+
 if __name__ == "__main__":
     step, raw, out_file = sys.argv[1:4]
     if step == "push":
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    {"capture": step_capture, "logprobs": step_logprobs, "push": step_push}[step](json.loads(raw), out_file)
+    steps = {"capture": step_capture, "logprobs": step_logprobs, "push": step_push, "state": step_state}
+    steps[step](json.loads(raw), out_file)

@@ -256,3 +256,41 @@ def dp_text_and_image_ranks(path: str) -> list[tuple]:
     tag = (case, "dp=2 image rank + text rank")
     return [(*tag, "grads_vision", _grad_diff(model, hf, "visual.")),
             (*tag, "grads_text", _grad_diff(model, hf, "model."))]
+
+
+def vllm_outputs(case: str, path: str, out: str) -> list[tuple]:
+    """Train a TP2xPP2 Qwen2-VL two SGD steps (vision tower and one layer on stage 0, Fused(3) qkv shards;
+    vLLM splits the layers 2+1 instead), then write
+    what tests/test_vllm_vl.py checks with vLLM itself:
+      hf/                              save_pretrained
+      export-tp{N}.rank{r}.safetensors iter_export("vllm", target_tp=N, target_rank=r) (rank 0 writes)
+      sharded-tp{N}-pp{M}/             save_vllm_sharded_state(tp=N, pp=M)
+    and returns per rank whether the shared-memory HF export equals the collective one bitwise."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from models.qwen2_vl import build_parallel_model
+
+    model = build_parallel_model(path, ParallelConfig(tp=2, pp=2, num_layers_in_first_pipeline_stage=1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    batch = _inputs(vl_batch(case, "mixed"))
+    ids, labels = batch.pop("input_ids"), batch.pop("labels")
+    for _ in range(2):
+        opt.zero_grad()
+        model.forward_backward(ids, labels, num_microbatches=2, **batch)
+        opt.step()
+    root, rank = Path(out), dist.get_rank()
+    model.save_pretrained(root / "hf")
+    for n in (1, 2):
+        for r in range(n):
+            buckets = model.iter_export("vllm", target_tp=n, target_rank=r, bucket_bytes=20000)
+            tensors = {name: t.clone() for b in buckets for name, t in b.tensors()}
+            if rank == 0:
+                save_file(tensors, str(root / f"export-tp{n}.rank{r}.safetensors"))
+    for n, pp in ((1, 1), (2, 1), (1, 2)):
+        model.save_vllm_sharded_state(root / f"sharded-tp{n}-pp{pp}", tp=n, pp=pp, max_shard_size=100_000)
+    collective = {n: t.clone() for b in model.iter_export("hf", bucket_bytes=20000) for n, t in b.tensors()}
+    shared = {n: t.clone() for b in model.iter_export("hf", bucket_bytes=20000, transport="shm")
+              for n, t in b.tensors()}
+    same = collective.keys() == shared.keys() and all(torch.equal(collective[k], shared[k]) for k in collective)
+    return [(rank, "shm_equals_collective", same)]

@@ -118,6 +118,11 @@ MUTATIONS = (
                "            features = copy_to_group(features, groups.tp_group)  # bwd: the slices' gradients "
                "summed\n", "            pass\n"),),
              ("tests/test_qwen2_vl.py",)),
+    Mutation("vl-vllm-qkv-per-block", "vLLM's vision qkv written per q/k/v block (our layout) instead of contiguous",
+             (("models/common/vllm_format.py",
+               "    if not any(isinstance(r, Fused) for r in entry.rules):\n        return entry\n",
+               "    if True:\n        return entry\n"),),
+             ("tests/test_vllm_vl.py",)),
     Mutation("moe-aux-carry-detached", "pipeline stages pass router statistics without their gradient",
              (("models/common/moe.py", "    return carry + torch.cat([assignments, probability, rows[None]])\n",
                "    return carry + torch.cat([assignments, probability.detach(), rows[None]])\n"),),

@@ -209,10 +209,6 @@ def iter_export(model, format: str = "hf", *, bucket_bytes: int = DEFAULT_BUCKET
         # expert stacks are gathered over EP (one layer at a time); the shared-memory writers do not know them yet
         failure.run(_raise, "transport='shm' is not supported for mixture-of-experts models yet "
                             "(use transport='collective')")
-    if model.config.vision is not None and transport == "shm":
-        # the shared-memory writers move row ranges; the vision qkv's Fused(3) shards are three ranges each
-        failure.run(_raise, "transport='shm' is not supported for vision-language models yet "
-                            "(use transport='collective')")
     problem = failure.agree(same=(format, target_tp, target_rank, bucket_bytes, str(dtype), merge_lora, transport))
     if problem:
         raise ExportError(f"iter_export: {problem}")

@@ -17,6 +17,14 @@ Each attention layer also carries four fp32 scalars (``self_attn.attn._k_scale``
 Pipeline stages follow ``vllm.distributed.utils.get_pp_indices`` (without the
 ``VLLM_PP_LAYER_PARTITION`` override): equal layer counts, the remainder given one each to the
 stages before the last.
+
+Vision-language models (Qwen2-VL, checked against vLLM 0.32 in tests/test_vllm_vl.py): vLLM wraps
+the text model, so its keys gain ``language_model.`` (``language_model.model.layers.N...``,
+``language_model.lm_head.weight``, the attention scales too); the vision tower keeps HF's
+``visual.*`` and is built whole on *every* pipeline stage (vLLM does not split it over PP), so each
+stage's files carry it. Its linear layers are vLLM's Column/RowParallelLinear; ``attn.qkv`` is one
+ColumnParallelLinear over the fused ``[q | k | v]`` rows, split contiguously (vLLM all-gathers it
+and re-splits per head in ``split_qkv``), not per q/k/v block as our training layout (``Fused``).
 """
 
 from __future__ import annotations
@@ -27,11 +35,13 @@ from typing import Sequence
 
 from models.common.config import ModelConfig
 from models.common.weights import WeightEntry, WeightMap
-from parallel.sharding import ShardingError, Split, Vocab
+from parallel.sharding import Fused, ShardingError, Split, Vocab
 
 VOCAB_MULTIPLE = 64
 ATTENTION_SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
 TIED_HEAD_KEY = "lm_head.weight"
+LANGUAGE_MODEL_PREFIX = "language_model."  # vLLM's vision-language models hold the text model under it
+VISION_PREFIX = "visual."
 
 
 class VllmLayoutError(ValueError):
@@ -69,14 +79,26 @@ def _vllm_experts(entry: WeightEntry) -> WeightEntry:
     return replace(entry, rules=tuple(rule for _ in entry.rules))
 
 
+def _vllm_fused_rows(entry: WeightEntry) -> WeightEntry:
+    """vLLM's vision ``attn.qkv`` is a ColumnParallelLinear over the fused rows: a contiguous split."""
+    if not any(isinstance(r, Fused) for r in entry.rules):
+        return entry
+    return replace(entry, rules=tuple(Split(0) if isinstance(r, Fused) else r for r in entry.rules))
+
+
 def vllm_weight_map(wmap: WeightMap, cfg: ModelConfig) -> WeightMap:
-    if cfg.vision is not None:  # refused rather than written under the wrong names and splits
-        raise VllmLayoutError(
-            f"{cfg.architecture}: vLLM's own format is not written for vision-language models yet (vLLM names "
-            f"them language_model.model.* / visual.* and splits the vision qkv over its fused rows); "
-            f"use save_pretrained / iter_export('hf'), which vLLM loads")
+    """The weight map with vLLM's rules: padded vocabulary, fused experts, contiguous vision qkv."""
     padded = with_vocab_padding(wmap, padded_vocab(cfg.vocab_size))
-    return replace(padded, moe_layer_entries=tuple(map(_vllm_experts, padded.moe_layer_entries)))
+    return replace(padded, moe_layer_entries=tuple(map(_vllm_experts, padded.moe_layer_entries)),
+                   first_entries=tuple(map(_vllm_fused_rows, padded.first_entries)))
+
+
+def vllm_name(key: str, cfg: ModelConfig) -> str:
+    """vLLM's name for a key of our text-model layout (``language_model.`` prefixed in a
+    vision-language model; vision keys keep theirs)."""
+    if cfg.vision is None or key.startswith(VISION_PREFIX):
+        return key
+    return LANGUAGE_MODEL_PREFIX + key
 
 
 def pp_layer_ranges(num_layers: int, pp: int) -> list[range]:
@@ -111,6 +133,12 @@ def check_layout(cfg: ModelConfig, tp: int, pp: int = 1) -> None:
                         f"of {VOCAB_MULTIPLE}) is not divisible by tp={tp}")
     if pp > cfg.num_hidden_layers:
         problems.append(f"pp={pp} exceeds num_hidden_layers={cfg.num_hidden_layers}")
+    vis = cfg.vision
+    if vis is not None:  # vLLM's vision tower is tensor-parallel over the same ranks
+        for name, value in (("num_heads", vis.num_heads), ("MLP width", vis.mlp_hidden),
+                            ("merger width", vis.merged_dim)):
+            if value % tp:
+                problems.append(f"vision {name}={value} is not divisible by tp={tp}")
     if problems:
         raise VllmLayoutError("vLLM layout tp=%d pp=%d: %s" % (tp, pp, "; ".join(problems)))
 
@@ -135,22 +163,23 @@ def stage_tensors(wmap: WeightMap, cfg: ModelConfig, pp_rank: int, pp: int, *, s
     """
     layers = pp_layer_ranges(cfg.num_hidden_layers, pp)[pp_rank]
     first, last = pp_rank == 0, pp_rank == pp - 1
-    out: list[VllmTensor] = []
-    embed = wmap.first_entries[0]
+    embed, *vision = wmap.first_entries
+    out: list[VllmTensor] = [VllmTensor(e.param, e) for e in vision]  # every stage holds the vision tower
     if first and not (last and cfg.tie_word_embeddings and head_alias):
-        out.append(VllmTensor(embed.param, embed))
+        out.append(VllmTensor(vllm_name(embed.param, cfg), embed))
     for i in layers:
         for entry in wmap.layer_templates(i):
             entry = entry.format(i)
             key = _moe_key(entry, cfg, sharded=head_alias)
             if key is not None:
-                out.append(VllmTensor(key, entry))
+                out.append(VllmTensor(vllm_name(key, cfg), entry))
             if scales and entry.param.endswith("self_attn.o_proj.weight"):
-                out += [VllmTensor(f"model.layers.{i}.self_attn.attn.{s}", None) for s in ATTENTION_SCALES]
+                out += [VllmTensor(vllm_name(f"model.layers.{i}.self_attn.attn.{s}", cfg), None)
+                        for s in ATTENTION_SCALES]
     if last:
-        out += [VllmTensor(e.param, e) for e in wmap.last_entries]
+        out += [VllmTensor(vllm_name(e.param, cfg), e) for e in wmap.last_entries]
         if cfg.tie_word_embeddings and (head_alias or not first):
-            out.append(VllmTensor(TIED_HEAD_KEY, embed))
+            out.append(VllmTensor(vllm_name(TIED_HEAD_KEY, cfg), embed))
     return out
 
 
@@ -181,7 +210,7 @@ def _moe_key(entry: WeightEntry, cfg: ModelConfig, sharded: bool) -> str | None:
 
 def parameter_key(entry: WeightEntry, cfg: ModelConfig) -> str:
     """The name vLLM's ``named_parameters()`` gives ``entry``'s tensor (what ``iter_export("vllm")`` yields)."""
-    return _moe_key(entry, cfg, sharded=False) or entry.param
+    return vllm_name(_moe_key(entry, cfg, sharded=False) or entry.param, cfg)
 
 
 def pack_shard(entry: WeightEntry, full: dict, rank: int, size: int):
@@ -228,35 +257,37 @@ def transfers(entry: WeightEntry, src_rules: Sequence, shapes: dict[str, Sequenc
     """Which training TP ranks (rules ``src_rules`` at ``src_size``) hold which rows of target rank
     ``dst_rank``'s shard (rules ``entry.rules`` at ``dst_size``): only the rows it needs, each from
     the lowest rank holding it. Rows past the real tensor (vocabulary padding) come as a ``PADDING``
-    transfer (zeros)."""
+    transfer (zeros). Pieces made of several ranges (``Fused``: one per q/k/v block) are matched
+    range by range, so a per-block split in training can feed a contiguous one in the target."""
     out = []
     for part, (name, dst_rule, src_rule) in enumerate(zip(entry.hf, entry.rules, src_rules)):
         shape = shapes[name]
         want = dst_rule.piece(shape, dst_rank, dst_size)
-        if want.chunks > 1 or src_rule.piece(shape, 0, src_size).chunks > 1:  # one range per block: not expressible
-            raise ShardingError(f"{name}: a fused tensor split per block ({type(src_rule).__name__}) cannot be "
-                                f"moved as row ranges yet")
         if want.dim is None:
             out.append(Transfer(part, -1, None, 0, 0, 0, 0))
             continue
         length = shape[want.dim]
-        lo, hi = want.start, min(want.stop, length)
-        covered = []
-        for t in range(src_size):
-            have = src_rule.piece(shape, t, src_size)
-            if have.dim is None:  # not split in training: take it from this rank's own copy
-                out.append(Transfer(part, -1, want.dim, lo, hi, lo, 0))
-                break
-            if have.dim != want.dim:
-                raise ShardingError(f"{name}: split along dim {have.dim} in training, dim {want.dim} in the target")
-            s, e = max(lo, have.start), min(hi, have.stop, length)
-            if s >= e or any(cs <= s and e <= ce for cs, ce in covered):
-                continue
-            covered.append((s, e))
-            out.append(Transfer(part, t, want.dim, s, e, s - have.start, s - want.start))
-        pad = max(want.start, length)
-        if want.stop > pad:
-            out.append(Transfer(part, PADDING, want.dim, pad, want.stop, 0, pad - want.start))
+        haves = [src_rule.piece(shape, t, src_size) for t in range(src_size)]
+        for w_start, w_stop, w_offset in want.ranges(length):
+            lo, hi = w_start, min(w_stop, length)
+            covered: list[tuple[int, int]] = []
+            for t, have in enumerate(haves):
+                if have.dim is None:  # not split in training: take it from this rank's own copy
+                    if lo < hi:
+                        out.append(Transfer(part, -1, want.dim, lo, hi, lo, w_offset))
+                    break
+                if have.dim != want.dim:
+                    raise ShardingError(f"{name}: split along dim {have.dim} in training, dim {want.dim} in the "
+                                        f"target")
+                for h_start, h_stop, h_offset in have.ranges(length):
+                    s, e = max(lo, h_start), min(hi, h_stop, length)
+                    if s >= e or any(cs <= s and e <= ce for cs, ce in covered):
+                        continue
+                    covered.append((s, e))
+                    out.append(Transfer(part, t, want.dim, s, e, h_offset + s - h_start, w_offset + s - w_start))
+            pad = max(w_start, length)
+            if w_stop > pad:
+                out.append(Transfer(part, PADDING, want.dim, pad, w_stop, 0, w_offset + pad - w_start))
     return out
 
 

@@ -4,6 +4,7 @@ the vision tower's ``VisionConfig``)."""
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 from typing import Any
 
 from models.common.config import ModelConfig, UnsupportedConfigError, VisionConfig
@@ -12,9 +13,48 @@ HF_MODEL_TYPES = ("qwen2_vl",)
 DEFAULT_MROPE_SECTION = (16, 24, 24)  # transformers' default when rope_parameters has none
 
 
+# transformers' ``Qwen2VLVisionConfig`` defaults, for a config.json read as plain JSON (the converters)
+VISION_DEFAULTS = {"depth": 32, "embed_dim": 1280, "hidden_size": 3584, "hidden_act": "quick_gelu", "mlp_ratio": 4,
+                   "num_heads": 16, "in_channels": 3, "patch_size": 14, "spatial_merge_size": 2,
+                   "temporal_patch_size": 2}
+
+
+class _Fields(SimpleNamespace):
+    """Attribute view of a plain config dict; absent keys read as None (like transformers' configs)."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+
+def _mrope_as_default(rope: Any) -> Any:
+    """Older configs say ``{"type": "mrope", "mrope_section": ...}``; transformers reads it as default RoPE."""
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "mrope":
+        return {**{k: v for k, v in rope.items() if k != "type"}, "rope_type": "default"}
+    return rope
+
+
+def text_and_vision_sections(hf_config: Any) -> tuple[Any, Any]:
+    """The text and vision configs: transformers' sub-config objects as they are; for a config.json
+    read as plain JSON, attribute views of ``text_config`` (transformers 5) or of the top-level
+    fields (older Qwen2-VL checkpoints), and of ``vision_config`` with transformers' defaults."""
+    text, vis = hf_config.text_config, hf_config.vision_config
+    if not isinstance(vis, dict) and vis is not None:
+        return text, vis
+    raw = dict(text) if isinstance(text, dict) else hf_config.to_dict()
+    raw.pop("vision_config", None)
+    for key in ("rope_parameters", "rope_scaling"):
+        raw[key] = _mrope_as_default(raw.get(key))
+    raw.setdefault("tie_word_embeddings", getattr(hf_config, "tie_word_embeddings", None))
+    vision = {**VISION_DEFAULTS, **(vis or {})}
+    if "in_chans" in vision and "in_channels" not in (vis or {}):
+        vision["in_channels"] = vision["in_chans"]
+    return _Fields(**raw), _Fields(**vision)
+
+
 def model_config(hf_config: Any) -> ModelConfig:
-    text = hf_config.text_config
-    vis = hf_config.vision_config
+    text, vis = text_and_vision_sections(hf_config)
     base = ModelConfig.from_hf(text, architecture="qwen2_vl", qkv_bias=True, o_bias=False, mlp_bias=False)
     if base.rope.rope_type != "default":
         raise UnsupportedConfigError(f"qwen2_vl: rope_type={base.rope.rope_type!r} with M-RoPE is not supported "
