@@ -193,3 +193,33 @@ def test_dp_rank_without_images_reduces_the_same_gradients(vl_dirs):
     per_rank = run_distributed(2, dp_text_and_image_ranks, dict(vl_dirs)["untied"])
     for records in per_rank:
         assert records and all(value <= GRAD_REL_TOL for *_, value in records), records
+
+
+def test_pmz_reads_qwen2_vl_configs_as_transformers_does(vl_dirs, tmp_path):
+    """``pmz`` reads config.json without transformers: for transformers 5's ``text_config`` layout and
+    for the older top-level one (``rope_scaling: {"type": "mrope"}``, ``in_chans``) it must derive the
+    model config transformers' own parsing gives."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from converters.checkpoint import architecture_for
+    from converters.hf_config import read_hf_config
+    from models.qwen2_vl.config import model_config
+
+    dirs = [Path(d) for _, d in vl_dirs]
+    older = tmp_path / "older_layout"
+    shutil.copytree(dirs[0], older)
+    data = json.loads((older / "config.json").read_text())
+    text = data.pop("text_config")
+    rope = text.pop("rope_parameters")
+    text.pop("model_type")
+    data.update(text, rope_theta=rope["rope_theta"],
+                rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]})
+    data["vision_config"]["in_chans"] = data["vision_config"].pop("in_channels")
+    (older / "config.json").write_text(json.dumps(data))
+    for directory in [*dirs, older]:
+        ours = architecture_for("qwen2_vl", str(directory)).model_config(read_hf_config(directory))
+        assert ours == model_config(AutoConfig.from_pretrained(str(directory))), directory.name
