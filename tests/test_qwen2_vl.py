@@ -220,6 +220,15 @@ def test_pmz_reads_qwen2_vl_configs_as_transformers_does(vl_dirs, tmp_path):
                 rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]})
     data["vision_config"]["in_chans"] = data["vision_config"].pop("in_channels")
     (older / "config.json").write_text(json.dumps(data))
-    for directory in [*dirs, older]:
+    pre_v5 = tmp_path / "tie_flag_in_text_config"  # tied, flag where saves before transformers 5 put it
+    shutil.copytree(dirs[0] if json.loads((dirs[0] / "config.json").read_text())["tie_word_embeddings"] else dirs[1],
+                    pre_v5)
+    data = json.loads((pre_v5 / "config.json").read_text())
+    data["text_config"]["tie_word_embeddings"] = data.pop("tie_word_embeddings")
+    for key in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+        data.pop(key)  # transformers' defaults apply
+    (pre_v5 / "config.json").write_text(json.dumps(data))
+    for directory in [*dirs, older, pre_v5]:
         ours = architecture_for("qwen2_vl", str(directory)).model_config(read_hf_config(directory))
         assert ours == model_config(AutoConfig.from_pretrained(str(directory))), directory.name
+    assert architecture_for("qwen2_vl", "x").model_config(read_hf_config(pre_v5)).tie_word_embeddings

@@ -46,11 +46,27 @@ def text_and_vision_sections(hf_config: Any) -> tuple[Any, Any]:
     raw.pop("vision_config", None)
     for key in ("rope_parameters", "rope_scaling"):
         raw[key] = _mrope_as_default(raw.get(key))
-    raw.setdefault("tie_word_embeddings", getattr(hf_config, "tie_word_embeddings", None))
+    # saves from before transformers 5 put the flag in text_config; transformers honours either place
+    raw["tie_word_embeddings"] = bool(getattr(hf_config, "tie_word_embeddings", None) or raw.get("tie_word_embeddings"))
+    if vis is not None and not isinstance(vis, dict):
+        raise UnsupportedConfigError(f"qwen2_vl: vision_config must be an object, found {vis!r}")
     vision = {**VISION_DEFAULTS, **(vis or {})}
     if "in_chans" in vision and "in_channels" not in (vis or {}):
         vision["in_channels"] = vision["in_chans"]
+    for key in ("depth", "embed_dim", "hidden_size", "num_heads", "in_channels", "patch_size", "temporal_patch_size",
+                "spatial_merge_size"):
+        if isinstance(vision[key], bool) or not isinstance(vision[key], int) or vision[key] <= 0:
+            raise UnsupportedConfigError(f"qwen2_vl: vision_config.{key} must be a positive integer, "
+                                         f"found {vision[key]!r}")
     return _Fields(**raw), _Fields(**vision)
+
+
+DEFAULT_TOKEN_IDS = {"image_token_id": 151655, "video_token_id": 151656}  # transformers' Qwen2VLConfig defaults
+
+
+def _token_id(hf_config: Any, name: str) -> int:
+    value = getattr(hf_config, name, None)
+    return DEFAULT_TOKEN_IDS[name] if value is None else value
 
 
 def model_config(hf_config: Any) -> ModelConfig:
@@ -69,7 +85,7 @@ def model_config(hf_config: Any) -> ModelConfig:
         mlp_ratio=float(vis.mlp_ratio), in_channels=vis.in_channels, patch_size=int(vis.patch_size),
         temporal_patch_size=int(vis.temporal_patch_size), spatial_merge_size=vis.spatial_merge_size,
         hidden_act=vis.hidden_act, rope_theta=float(vision_rope.get("rope_theta", 10000.0)),
-        image_token_id=hf_config.image_token_id, video_token_id=hf_config.video_token_id)
+        image_token_id=_token_id(hf_config, "image_token_id"), video_token_id=_token_id(hf_config, "video_token_id"))
     if vision.out_hidden_size != base.hidden_size:
         raise UnsupportedConfigError(f"qwen2_vl: vision_config.hidden_size={vision.out_hidden_size} must equal the "
                                      f"text hidden_size={base.hidden_size} (the merger feeds the text embeddings)")
@@ -77,5 +93,6 @@ def model_config(hf_config: Any) -> ModelConfig:
         raise UnsupportedConfigError(f"qwen2_vl: vision embed_dim={vision.embed_dim} / num_heads={vision.num_heads} "
                                      f"must give a head_dim divisible by 4 (2-D rotary)")
     return dataclasses.replace(base, rope=dataclasses.replace(base.rope, mrope_section=tuple(section)),
-                               tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+                               tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)
+                                                        or getattr(text, "tie_word_embeddings", False)),
                                vision=vision)
