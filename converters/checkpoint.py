@@ -59,6 +59,16 @@ def conversion_weight_map(arch: Architecture, cfg: ModelConfig) -> WeightMap:
     return arch.weight_map(cfg, cfg.vocab_size)
 
 
+def model_from_config(hf_config: Any, where: str, megatron: bool) -> tuple[Architecture, ModelConfig, WeightMap]:
+    """Architecture, model config and conversion weight map of an HF config, for every reader and raw
+    source; ``megatron``: the checkpoint is in a Megatron format (refused for models without Megatron names)."""
+    arch = architecture_for(getattr(hf_config, "model_type", None), where)
+    cfg = arch.model_config(hf_config)
+    if megatron:
+        require_megatron_layout(cfg, where)
+    return arch, cfg, conversion_weight_map(arch, cfg)
+
+
 def unit_entries(wmap: WeightMap, unit: Unit) -> list[WeightEntry]:
     if unit == EMBED:
         return list(wmap.first_entries)
@@ -96,11 +106,7 @@ class CheckpointReader:
     def _set_model(self, hf_config: Any, where: str) -> None:
         """Architecture, model config and weight map from an HF config (shared by every reader)."""
         self.hf_config = hf_config
-        self.arch = architecture_for(getattr(hf_config, "model_type", None), where)
-        self.cfg = self.arch.model_config(hf_config)
-        if self.megatron:
-            require_megatron_layout(self.cfg, where)
-        self.wmap = conversion_weight_map(self.arch, self.cfg)
+        self.arch, self.cfg, self.wmap = model_from_config(hf_config, where, self.megatron)
 
     def _remember_args(self, *args: Any, **kwargs: Any) -> None:
         """Record the constructor arguments, so ``reopen_args`` can rebuild this reader elsewhere."""

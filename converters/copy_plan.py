@@ -221,18 +221,12 @@ class RawSource:
     layout: dict | None = None  # Megatron sources with args: megatron_files.args_layout (tp, pp, vpp, ...)
 
     def _set_model(self, hf_config: Any, where: str) -> None:
-        from converters.checkpoint import architecture_for, conversion_weight_map
+        from converters.checkpoint import model_from_config
 
         self.hf_config = hf_config
-        self.arch = architecture_for(getattr(hf_config, "model_type", None), where)
-        self.cfg = self.arch.model_config(hf_config)
-        if self.format != "hf":
-            from converters.checkpoint import require_megatron_layout
-
-            require_megatron_layout(self.cfg, where)
+        self.arch, self.cfg, self.wmap = model_from_config(hf_config, where, megatron=self.format != "hf")
         if self.cfg.moe is not None:
             raise Unsupported("mixture of experts (the torch path converts it)")
-        self.wmap = conversion_weight_map(self.arch, self.cfg)
 
     def units(self) -> list[tuple[Unit, list[WeightEntry]]]:
         out: list[tuple[Unit, list[WeightEntry]]] = [(EMBED, list(self.wmap.first_entries))]

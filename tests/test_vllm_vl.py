@@ -19,18 +19,12 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.test_vllm import run_client
+from tests.test_vllm import _load, run_client
 from tests.vl_cases import vl_batch, write_vl_model
 from tests.workers_vl import vllm_outputs
 
 CASE = "tied"
 LAYOUTS = ((1, 1), (2, 1), (1, 2))
-
-
-def _load(path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(path))
 
 
 @pytest.fixture(scope="module")

@@ -267,9 +267,9 @@ def vllm_outputs(case: str, path: str, out: str) -> list[tuple]:
       sharded-tp{N}-pp{M}/             save_vllm_sharded_state(tp=N, pp=M)
     and returns per rank whether the shared-memory HF export equals the collective one bitwise."""
     import torch.distributed as dist
-    from safetensors.torch import save_file
 
     from models.qwen2_vl import build_parallel_model
+    from tests.workers_vllm import write_vllm_exports
 
     model = build_parallel_model(path, ParallelConfig(tp=2, pp=2, num_layers_in_first_pipeline_stage=1))
     opt = torch.optim.SGD(model.parameters(), lr=0.2)
@@ -281,12 +281,7 @@ def vllm_outputs(case: str, path: str, out: str) -> list[tuple]:
         opt.step()
     root, rank = Path(out), dist.get_rank()
     model.save_pretrained(root / "hf")
-    for n in (1, 2):
-        for r in range(n):
-            buckets = model.iter_export("vllm", target_tp=n, target_rank=r, bucket_bytes=20000)
-            tensors = {name: t.clone() for b in buckets for name, t in b.tensors()}
-            if rank == 0:
-                save_file(tensors, str(root / f"export-tp{n}.rank{r}.safetensors"))
+    write_vllm_exports(model, root, (1, 2))
     for n, pp in ((1, 1), (2, 1), (1, 2)):
         model.save_vllm_sharded_state(root / f"sharded-tp{n}-pp{pp}", tp=n, pp=pp, max_shard_size=100_000)
     collective = {n: t.clone() for b in model.iter_export("hf", bucket_bytes=20000) for n, t in b.tensors()}

@@ -33,8 +33,20 @@ def prompt_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def vllm_case(case: str, path: str, kwargs: dict, out: str, export_tps: list[int], sharded_tps: list[int]) -> list:
+def write_vllm_exports(model, root: Path, tps) -> None:
+    """``export-tp{N}.rank{r}.safetensors``: ``iter_export("vllm", target_tp=N, target_rank=r)`` for every
+    N in ``tps`` and every r (collective; rank 0 writes)."""
     from safetensors.torch import save_file
+
+    for n in tps:
+        for r in range(n):
+            chunks = model.iter_export("vllm", target_tp=n, target_rank=r, bucket_bytes=20000)
+            tensors = {name: t.clone() for b in chunks for name, t in b.tensors()}
+            if dist.get_rank() == 0:
+                save_file(tensors, str(root / f"export-tp{n}.rank{r}.safetensors"))
+
+
+def vllm_case(case: str, path: str, kwargs: dict, out: str, export_tps: list[int], sharded_tps: list[int]) -> list:
 
     model = build(case, path, ParallelConfig(**kwargs))
     hf = load_hf(path)
@@ -50,12 +62,7 @@ def vllm_case(case: str, path: str, kwargs: dict, out: str, export_tps: list[int
     root = Path(out)
     model.save_pretrained(root / "hf")
     rank = dist.get_rank()
-    for n in export_tps:
-        for r in range(n):
-            chunks = model.iter_export("vllm", target_tp=n, target_rank=r, bucket_bytes=20000)
-            tensors = {name: t.clone() for b in chunks for name, t in b.tensors()}
-            if rank == 0:
-                save_file(tensors, str(root / f"export-tp{n}.rank{r}.safetensors"))
+    write_vllm_exports(model, root, export_tps)
     for n in sharded_tps:  # N (pp 1) or (N, pp)
         n, pp = n if isinstance(n, (tuple, list)) else (n, 1)
         name = f"sharded-tp{n}" + (f"-pp{pp}" if pp > 1 else "")
