@@ -66,23 +66,23 @@ def check_config_against_tensors(config_path: str | Path, cfg: Any, wmap: Any, s
     (name -> shape) and ``files`` optionally the file holding each one. CheckpointError names
     ``config_path``, the numbers and the file.
     """
-    layers: set[int] = set()
     if wmap.layer_entries:
         prefix = wmap.layer_entries[0].hf[0].split("{i}")[0]  # "model.layers."
-        for name in shapes:
-            if name.startswith(prefix):
-                index = name[len(prefix):].split(".", 1)[0]
-                if index.isdigit():
-                    layers.add(int(index))
-        wanted = cfg.num_hidden_layers
-        if len(layers) != wanted or (layers and max(layers) != wanted - 1):
-            raise CheckpointError(f"{config_path}: num_hidden_layers={wanted}, but the weights hold "
-                                  f"{_describe_layers(layers, prefix)}")
+        check_block_count(config_path, "num_hidden_layers", cfg.num_hidden_layers, prefix, shapes)
     embed = wmap.first_entries[0].hf[0] if wmap.first_entries else None
     if embed in shapes and tuple(shapes[embed]) != (cfg.vocab_size, cfg.hidden_size):
         where = f" in {files[embed]}" if files and embed in files else ""
         raise CheckpointError(f"{config_path}: vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}, but "
                               f"{embed}{where} has shape {tuple(shapes[embed])}")
+
+
+def check_block_count(config_path: str | Path, field: str, count: int, prefix: str,
+                      shapes: Mapping[str, Sequence[int]]) -> None:
+    """``count`` blocks named ``prefix<N>.*`` (N = 0 .. count - 1) must be what ``shapes`` holds."""
+    found = {int(i) for i in (n[len(prefix):].split(".", 1)[0] for n in shapes if n.startswith(prefix))
+             if i.isdigit()}
+    if len(found) != count or (found and max(found) != count - 1):
+        raise CheckpointError(f"{config_path}: {field}={count}, but the weights hold {_describe_layers(found, prefix)}")
 
 
 def _describe_layers(layers: set[int], prefix: str) -> str:
@@ -107,14 +107,16 @@ def check_hf_directory(directory: str | Path) -> None:
     config = read_hf_config(directory)
     arch = architecture_for(config.model_type, str(directory))
     cfg = arch.model_config(config)
-    wmap = conversion_weight_map(arch, cfg)
     shapes: dict[str, tuple[int, ...]] = {}
     files: dict[str, str] = {}
     for path in sorted(Path(directory).glob("*.safetensors")):
         for name, tensor in read_safetensors(path).items():
             name = arch.canonical_name(name)
             shapes[name], files[name] = tuple(tensor.shape), path.name
-    check_config_against_tensors(Path(directory) / "config.json", cfg, wmap, shapes, files)
+    config_path = Path(directory) / "config.json"
+    for field, count, prefix in arch.counted_blocks(cfg) if arch.counted_blocks else ():
+        check_block_count(config_path, field, count, prefix, shapes)  # before the weight map lists them
+    check_config_against_tensors(config_path, cfg, conversion_weight_map(arch, cfg), shapes, files)
 
 
 def config_from_fields(model_type: str, **fields: Any) -> HFConfig:

@@ -232,3 +232,38 @@ def test_pmz_reads_qwen2_vl_configs_as_transformers_does(vl_dirs, tmp_path):
         ours = architecture_for("qwen2_vl", str(directory)).model_config(read_hf_config(directory))
         assert ours == model_config(AutoConfig.from_pretrained(str(directory))), directory.name
     assert architecture_for("qwen2_vl", "x").model_config(read_hf_config(pre_v5)).tie_word_embeddings
+
+
+@pytest.mark.parametrize("depth", [10**9, 1])
+def test_vision_depth_is_checked_against_the_blocks_present_before_any_table(vl_dirs, tmp_path, depth):
+    """A config.json whose ``vision_config.depth`` disagrees with the ``visual.blocks.N`` tensors (an
+    absurd 10^9, or fewer blocks than stored) fails in one line naming config.json, the number and the
+    blocks found, within a 4 GiB address-space limit (the weight map lists vision blocks one by one),
+    and writes nothing; ``pmz inspect`` says the same."""
+    import json
+    import resource
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = tmp_path / "src"
+    shutil.copytree(dict(vl_dirs)["untied"], src)
+    data = json.loads((src / "config.json").read_text())
+    stored = data["vision_config"]["depth"]
+    data["vision_config"]["depth"] = depth
+    (src / "config.json").write_text(json.dumps(data))
+    root = Path(__file__).resolve().parents[1]
+
+    def limit_memory() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    for argv in (["convert", str(src), str(tmp_path / "out" / "x"), "--to", "hf"], ["inspect", str(src)]):
+        proc = subprocess.run([sys.executable, "-m", "converters.cli", *argv], capture_output=True, text=True,
+                              cwd=str(root), preexec_fn=limit_memory, timeout=120)
+        assert proc.returncode == 1, (argv[0], proc.stderr[-2000:])
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1, proc.stderr[-2000:]
+        assert str(src / "config.json") in lines[0] and f"vision_config.depth={depth}" in lines[0], lines[0]
+        assert f"{stored} layer(s) (visual.blocks.0..{stored - 1})" in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()

@@ -17,6 +17,10 @@ class Architecture:
     model into the weight map's names (first match wins), applied when reading checkpoints.
     ``model_class``: ``"module:Class"`` of the model (default: the shared ``ParallelCausalLM``),
     imported only when a model is built.
+    ``counted_blocks``: ``cfg -> ((config field, count, tensor name prefix), ...)`` for the blocks
+    besides the decoder layers that the weight map lists one by one (a vision tower's blocks): the
+    converters compare each count with the ``prefix<N>.`` tensors present before the weight map is
+    built, so an absurd count fails in one line instead of allocating a table of that size.
     """
 
     name: str
@@ -25,6 +29,7 @@ class Architecture:
     weight_map: Callable[[ModelConfig, int], WeightMap]
     hf_key_aliases: tuple[tuple[str, str], ...] = ()
     model_class: str | None = None
+    counted_blocks: Callable[[ModelConfig], tuple[tuple[str, int, str], ...]] | None = None
 
     def canonical_name(self, name: str) -> str:
         """``name`` under the weight map's key layout (``hf_key_aliases`` applied)."""

@@ -7,4 +7,5 @@ from models.common.architecture import Architecture
 from models.qwen2_vl import config, weights
 
 ARCHITECTURE = Architecture("qwen2_vl", config.HF_MODEL_TYPES, config.model_config, weights.weight_map,
-                            hf_key_aliases=weights.HF_KEY_ALIASES, model_class="models.qwen2_vl.model:ParallelQwen2VL")
+                            hf_key_aliases=weights.HF_KEY_ALIASES, model_class="models.qwen2_vl.model:ParallelQwen2VL",
+                            counted_blocks=weights.counted_blocks)

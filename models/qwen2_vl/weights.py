@@ -26,6 +26,11 @@ from parallel.sharding import Fused, Replicated, Split
 HF_KEY_ALIASES = (("model.language_model.", "model."), ("model.visual.", "visual."))
 
 
+def counted_blocks(cfg: ModelConfig) -> tuple[tuple[str, int, str], ...]:
+    """The vision blocks, listed one by one in the weight map (``Architecture.counted_blocks``)."""
+    return (("vision_config.depth", cfg.vision.depth, "visual.blocks."),)
+
+
 def vision_entries(vis: VisionConfig) -> tuple[WeightEntry, ...]:
     col, row, rep, fused = Split(0), Split(1), Replicated(), Fused(3)
     e, m, d, out = vis.embed_dim, vis.mlp_hidden, vis.merged_dim, vis.out_hidden_size
