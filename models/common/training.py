@@ -148,6 +148,12 @@ def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = 
         schedule = "interleaved_1f1b"
     if pp > 1:  # name and vpp; the planner below makes the count a multiple of what the schedule needs
         check_schedule(schedule, vpp, microbatch_multiple(schedule, pp), pp)
+    # Micro-batches are planned and packed on the host (lengths, sorting, small index tensors), then
+    # each packed micro-batch goes to the parameters' device; collectives use that device too (NCCL
+    # takes CUDA tensors only).
+    device, in_device = next(lm.parameters()).device, input_ids.device
+    input_ids, labels, attention_mask, cu_seqlens, position_ids = (
+        None if t is None else t.cpu() for t in (input_ids, labels, attention_mask, cu_seqlens, position_ids))
     samples = to_samples(input_ids, labels, attention_mask, cu_seqlens, position_ids)
     if sample_inputs is not None:
         for sample, inputs in zip(samples, sample_inputs([sample.ids for sample in samples]), strict=True):
@@ -175,15 +181,15 @@ def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = 
             local_pos = shard.take(pos[:, 0].t()).t()[:, None] if pos.dim() == 3 else shard.take(pos[0])[None]
             mbs[m] = (shard.take(ids[0])[None], local_pos, shard.take(tgt[0], IGNORE_INDEX)[None], cu)
             if mb_inputs[m] is not None:  # multimodal features are placed by global token: keep the whole ids
-                mb_inputs[m]["packed_ids"] = ids
+                mb_inputs[m]["packed_ids"] = ids.to(device)
+    mbs = [tuple(t.to(device) for t in mb) for mb in mbs]
     local_count = sum(int((s.targets != IGNORE_INDEX).sum()) for s in samples)
-    count = torch.tensor([local_count, len(mbs)], dtype=torch.float64)
+    count = torch.tensor([local_count, len(mbs)], dtype=torch.float64, device=device)
     if groups.dp_group is not None:
         dist.all_reduce(count, group=groups.dp_group)
     global_count, global_mbs = max(float(count[0]), 1.0), float(count[1])
     # The load-balancing loss is transformers' per micro-batch (all its layers and real tokens), averaged
     # over the micro-batches of all DP ranks: exactly transformers' for one micro-batch and one replica.
-    device = next(lm.parameters()).device
     token_masks = [(torch.arange(total, device=device) < sum(len(samples[i].ids) for i in group)).to(torch.float32)
                    for group in plan.groups] if aux else [None] * len(mbs)
 
@@ -228,15 +234,15 @@ def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = 
     if forward_only:
         if groups.sequence_split and lm.is_last_stage:  # every rank's token losses, in packed order
             outputs = [gather_tokens(o.reshape(-1), shard) for o, shard in zip(outputs, shards)]
-        return _logprobs(lm, outputs, plan, samples, input_ids, attention_mask, cu_seqlens, total)
+        return _logprobs(lm, outputs, plan, samples, input_ids, attention_mask, cu_seqlens, total).to(in_device)
     if lm.is_last_stage:  # [loss, sum of this rank's micro-batch aux losses]
         aux_values = loss_fn.aux_values[-len(mbs):] if aux else []
         ce = torch.stack(outputs).sum().float()
         totals = torch.stack([ce, torch.stack(aux_values).sum().float().to(ce.device) if aux_values
                               else torch.zeros((), dtype=torch.float32, device=ce.device)])
     else:
-        totals = torch.zeros(2, dtype=torch.float32)
-    totals = _from_last_stage(lm, totals.to(next(lm.parameters()).device))
+        totals = torch.zeros(2, dtype=torch.float32, device=device)
+    totals = _from_last_stage(lm, totals.to(device))
     if groups.replica_group is not None:  # dp ranks' batches and cp/ulysses ranks' tokens add up
         dist.all_reduce(totals, group=groups.replica_group)
     finalize_pipeline_grads(lm)
@@ -354,8 +360,8 @@ def _logprobs(lm, outputs, plan, samples, input_ids, attention_mask, cu_seqlens,
     if lm.is_last_stage:
         stacked = torch.stack([o.reshape(-1) for o in outputs]).float()  # [n_mb, total] token losses
     else:
-        stacked = torch.zeros(n_mb, total, dtype=torch.float32)
-    stacked = _from_last_stage(lm, stacked)
+        stacked = torch.zeros(n_mb, total, dtype=torch.float32, device=next(lm.parameters()).device)
+    stacked = _from_last_stage(lm, stacked).cpu()  # laid out like the (host copies of the) inputs below
     per_mb = []
     for m, group in enumerate(plan.groups):
         offset, res = 0, []
