@@ -61,17 +61,41 @@ def verify(a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, logits: bool
             if not (max_abs <= atol or max_rel <= rtol):
                 report.mismatched.append(f"{name}: max abs {max_abs:.3g}, max rel {max_rel:.3g}")
     if logits:
-        report.logits_diff = _logits_diff(a, b, ra.cfg.vocab_size, vocab_size, hf_config)
+        report.logits_diff = _logits_diff(a, b, ra.cfg, vocab_size, hf_config)
         if report.logits_diff > logits_atol:
             report.mismatched.append(f"logits: max abs diff {report.logits_diff:.3g} > {logits_atol}")
     return report
 
 
-def _logits_diff(a: str, b: str, vocab: int, vocab_size: int | None, hf_config: str | None) -> float:
-    from transformers import AutoModelForCausalLM
-
+def _prompt(cfg) -> dict:
+    """The fixed inputs both sides run: random token ids; for a vision-language model (``cfg.vision``)
+    one random image too, in the processor's layout (vision start, one placeholder per merged patch,
+    vision end), so the vision tower's weights reach the logits."""
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (2, 16), generator=gen)
+    vis = getattr(cfg, "vision", None)
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=gen)
+    if vis is None:
+        return {"input_ids": ids}
+    special = [vis.image_token_id, vis.video_token_id]
+    ids = ids.masked_fill(torch.isin(ids, torch.tensor(special)), 0)  # placeholders only where the image is
+    m = vis.spatial_merge_size
+    grid = torch.tensor([[1, 2 * m, 2 * m]])
+    placeholders = torch.full((2, 4), vis.image_token_id)
+    ids = torch.cat([ids[:, :4], placeholders, ids[:, 4:]], dim=1)
+    ids[1] = ids[0]  # both rows carry the image (one image per row: two images in all)
+    patch = vis.in_channels * vis.temporal_patch_size * vis.patch_size ** 2
+    pixels = torch.randn(2 * int(grid.prod()), patch, generator=gen)
+    return {"input_ids": ids, "pixel_values": pixels, "image_grid_thw": grid.repeat(2, 1),
+            "mm_token_type_ids": (ids == vis.image_token_id).long()}  # 1 = image token, as the processor marks it
+
+
+def _logits_diff(a: str, b: str, cfg, vocab_size: int | None, hf_config: str | None) -> float:
+    if getattr(cfg, "vision", None) is None:
+        from transformers import AutoModelForCausalLM as model_class
+    else:
+        from transformers import AutoModelForImageTextToText as model_class
+
+    inputs = _prompt(cfg)
     with tempfile.TemporaryDirectory(prefix="pmz-verify-") as tmp:
         outs = []
         for i, path in enumerate((a, b)):
@@ -79,8 +103,8 @@ def _logits_diff(a: str, b: str, vocab: int, vocab_size: int | None, hf_config: 
             if detect_format(path) != "hf":
                 hf_dir = str(Path(tmp) / f"side{i}")
                 convert(path, hf_dir, to="hf", dtype="fp32", vocab_size=vocab_size, hf_config=hf_config, workers=1)
-            model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+            model = model_class.from_pretrained(hf_dir, dtype=torch.float32).eval()
             with torch.no_grad():
-                outs.append(model(ids).logits)
+                outs.append(model(**inputs).logits)
             del model
     return (outs[0] - outs[1]).abs().max().item()

@@ -267,3 +267,31 @@ def test_vision_depth_is_checked_against_the_blocks_present_before_any_table(vl_
         assert str(src / "config.json") in lines[0] and f"vision_config.depth={depth}" in lines[0], lines[0]
         assert f"{stored} layer(s) (visual.blocks.0..{stored - 1})" in lines[0], lines[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_pmz_verify_logits_runs_qwen2_vl_with_an_image(vl_dirs, tmp_path):
+    """``pmz verify --logits`` on Qwen2-VL runs transformers' own model on a prompt with an image: a
+    bitwise copy gives identical logits, and a change in a vision block alone moves them."""
+    import shutil
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from converters.engine import convert
+    from converters.verify import verify
+
+    src = Path(dict(vl_dirs)["untied"])
+    copy = convert(src, tmp_path / "copy", to="hf")
+    report = verify(str(src), str(copy), logits=True)
+    assert report.ok and report.logits_diff == 0.0, report.mismatched
+    changed = tmp_path / "changed"
+    shutil.copytree(src, changed)
+    state = load_file(str(changed / "model.safetensors"))
+    state["visual.blocks.0.mlp.fc1.weight"] = state["visual.blocks.0.mlp.fc1.weight"] + 0.05
+    save_file(state, str(changed / "model.safetensors"), metadata={"format": "pt"})
+    report = verify(str(src), str(changed), logits=True)
+    assert report.logits_diff > 1e-4, report.logits_diff  # the image went through the tower
+    assert [m.split(":")[0] for m in report.mismatched] == ["visual.blocks.0.mlp.fc1.weight", "logits"]
+    assert torch.equal(load_file(str(copy / "model.safetensors"))["visual.merger.mlp.0.weight"],
+                       state["visual.merger.mlp.0.weight"])
