@@ -164,9 +164,13 @@ def test_pmz_convert_hf_to_hf_writes_transformers_layout_from_either(vl_dirs, tm
     import torch
     from safetensors.torch import load_file, save_file
 
+    import converters.copy_plan
     from converters.engine import convert
 
     monkeypatch.setenv("PMZ_COPY_PATH", copy_path)
+    copied = []  # the copy path's HF writer, called once per conversion it takes
+    writer = converters.copy_plan.write_hf_by_copy
+    monkeypatch.setattr(converters.copy_plan, "write_hf_by_copy", lambda *a, **k: copied.append(1) or writer(*a, **k))
     src = Path(dict(vl_dirs)["tied"])
     on_disk = load_file(str(src / "model.safetensors"))
     memory = tmp_path / "memory_layout"
@@ -182,6 +186,7 @@ def test_pmz_convert_hf_to_hf_writes_transformers_layout_from_either(vl_dirs, tm
         assert got.keys() == on_disk.keys(), sorted(set(got) ^ set(on_disk))[:6]
         assert all(torch.equal(got[k], on_disk[k]) for k in on_disk), name
         assert len(list(out.glob("*.safetensors"))) > 1 and (out / "model.safetensors.index.json").exists()
+    assert len(copied) == (2 if copy_path == "1" else 0), "the path taken is not the one asked for"
     from transformers import Qwen2VLForConditionalGeneration
 
     loaded = Qwen2VLForConditionalGeneration.from_pretrained(str(tmp_path / "from_memory_layout"), dtype=torch.float32)
