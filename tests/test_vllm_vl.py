@@ -120,3 +120,12 @@ def test_shm_hf_export_of_vision_language_model_equals_collective(run):
     """Per-block (Fused) shards move as row ranges: the shared-memory transport gives the same bytes."""
     flags = [value for per_rank in run["records"] for _, metric, value in per_rank if metric == "shm_equals_collective"]
     assert len(flags) == 4 and all(flags)
+
+
+def test_shm_vllm_export_of_vision_language_model_equals_collective(run):
+    """vLLM's shards (TP 1 and 2, every target rank) through the shared-memory transport: the same
+    bytes as the collective export, on every training rank."""
+    flags = {(rank, metric): value for per_rank in run["records"] for rank, metric, value in per_rank
+             if metric.startswith("shm_equals_collective_vllm")}
+    assert len(flags) == 4 * 3, sorted(flags)
+    assert all(flags.values()), sorted(k for k, v in flags.items() if not v)

@@ -265,7 +265,8 @@ def vllm_outputs(case: str, path: str, out: str) -> list[tuple]:
       hf/                              save_pretrained
       export-tp{N}.rank{r}.safetensors iter_export("vllm", target_tp=N, target_rank=r) (rank 0 writes)
       sharded-tp{N}-pp{M}/             save_vllm_sharded_state(tp=N, pp=M)
-    and returns per rank whether the shared-memory HF export equals the collective one bitwise."""
+    and returns per rank whether the shared-memory export equals the collective one bitwise (HF, and
+    vLLM's shards for TP 1 and 2)."""
     import torch.distributed as dist
 
     from models.qwen2_vl import build_parallel_model
@@ -288,4 +289,13 @@ def vllm_outputs(case: str, path: str, out: str) -> list[tuple]:
     shared = {n: t.clone() for b in model.iter_export("hf", bucket_bytes=20000, transport="shm")
               for n, t in b.tensors()}
     same = collective.keys() == shared.keys() and all(torch.equal(collective[k], shared[k]) for k in collective)
-    return [(rank, "shm_equals_collective", same)]
+    records = [(rank, "shm_equals_collective", same)]
+    for n in (1, 2):  # vLLM's shards (vision qkv re-cut from our per-block Fused shards), every target rank
+        for r in range(n):
+            kw = {"target_tp": n, "target_rank": r, "bucket_bytes": 20000}
+            collective = {k: t.clone() for b in model.iter_export("vllm", **kw) for k, t in b.tensors()}
+            shared = {k: t.clone() for b in model.iter_export("vllm", transport="shm", **kw) for k, t in b.tensors()}
+            same = collective.keys() == shared.keys() and all(torch.equal(collective[k], shared[k])
+                                                               for k in collective)
+            records.append((rank, f"shm_equals_collective_vllm_tp{n}_rank{r}", same))
+    return records
