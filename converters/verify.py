@@ -72,7 +72,7 @@ def _prompt(cfg) -> dict:
     one random image too, in the processor's layout (vision start, one placeholder per merged patch,
     vision end), so the vision tower's weights reach the logits."""
     gen = torch.Generator().manual_seed(0)
-    vis = getattr(cfg, "vision", None)
+    vis = cfg.vision
     ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=gen)
     if vis is None:
         return {"input_ids": ids}
@@ -90,7 +90,7 @@ def _prompt(cfg) -> dict:
 
 
 def _logits_diff(a: str, b: str, cfg, vocab_size: int | None, hf_config: str | None) -> float:
-    if getattr(cfg, "vision", None) is None:
+    if cfg.vision is None:
         from transformers import AutoModelForCausalLM as model_class
     else:
         from transformers import AutoModelForImageTextToText as model_class

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.cases import _case_configs, seq_len_for, write_hf_model
+from tests.workers import _max_diff, hf_named_grads
 
 pytestmark = [
     pytest.mark.gpu,
@@ -57,17 +58,11 @@ def _build(arch: str, path: str, **kw):
 
 
 def _grads_by_hf_name(model) -> dict[str, torch.Tensor]:
-    """Our gradients under the HF names (whole tensors: FSDP2 shards gathered by the model's own map)."""
-    grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}
-    return {n: g.float().cpu() for n, g in model.iter_hf_weights(grads)}
+    return {n: g.float().cpu() for n, g in hf_named_grads(model).items()}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
-
-
-def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.float() - b.float()).abs().max().item()
 
 
 @pytest.mark.parametrize("case", TEXT_CASES)

@@ -29,6 +29,13 @@ def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return _max_diff(a, b) / max(b.detach().float().abs().max().item(), 1e-12)
 
 
+def hf_named_grads(model) -> dict[str, torch.Tensor]:
+    """Our gradients under the HF names, whole tensors (gathered over TP/EP, FSDP2 shards by the model's
+    own map); zeros for a parameter that got no gradient."""
+    return dict(model.iter_hf_weights({n: p.grad if p.grad is not None else torch.zeros_like(p)
+                                       for n, p in model.named_parameters()}))
+
+
 def _batch(vocab: int, seq: int, seed: int = 123):
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (2, seq), generator=gen)

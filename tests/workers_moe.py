@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from parallel import ParallelConfig
-from tests.workers import _max_diff, _rel_diff, saved_tensors_diff
+from tests.workers import _max_diff, _rel_diff, hf_named_grads, saved_tensors_diff
 
 MOE_CASES = {
     # shared expert, norm_topk_prob False, a dense layer (mlp_only_layers), aux loss weighted heavily
@@ -70,8 +70,7 @@ def hf_grads(hf) -> dict[str, torch.Tensor]:
 
 
 def _grad_diff(model, hf) -> float:
-    ours = dict(model.iter_hf_weights({n: p.grad if p.grad is not None else torch.zeros_like(p)
-                                       for n, p in model.named_parameters()}))
+    ours = hf_named_grads(model)
     ref = hf_grads(hf)
     missing = set(ours) - set(ref)
     worst = 0.0

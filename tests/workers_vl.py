@@ -13,7 +13,7 @@ import torch
 from models.qwen2_vl.architecture import ARCHITECTURE
 from parallel import ParallelConfig
 from tests.vl_cases import vl_batch, vl_packed_batch
-from tests.workers import _max_diff, _rel_diff, saved_tensors_diff
+from tests.workers import _max_diff, _rel_diff, hf_named_grads, saved_tensors_diff
 
 PADDED_KINDS = ("one_image", "two_images", "video", "image_video", "mixed")
 
@@ -73,8 +73,7 @@ def hf_grads(hf) -> dict[str, torch.Tensor]:
 
 
 def _grad_diff(model, hf, prefix: str) -> float:
-    ours = dict(model.iter_hf_weights({n: p.grad if p.grad is not None else torch.zeros_like(p)
-                                       for n, p in model.named_parameters()}))
+    ours = hf_named_grads(model)
     ref = hf_grads(hf)
     worst = 0.0
     for name, grad in ours.items():
