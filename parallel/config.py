@@ -13,13 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from parallel.errors import ParallelConfigError
+from parallel.pipeline_layout import stage_layer_ranges
+
 CP_COMM = ("ring", "allgather")
 MOE_DISPATCHERS = ("alltoall", "allgather")  # parallel/experts.py
 RECOMPUTE = ("none", "full")
-
-
-class ParallelConfigError(ValueError):
-    """A parallel layout that cannot work for this world size or model (raised before any collective)."""
 
 
 def _attr(model_config: Any, *names: str, default: Any = None) -> Any:
@@ -187,8 +186,6 @@ class ParallelConfig:
             problems.append("sequence_parallel=True needs tp > 1 (it shards activations over the TP group)")
         if layers is not None:
             try:
-                from parallel.pipeline_layout import stage_layer_ranges
-
                 stage_layer_ranges(layers, self)
             except ParallelConfigError as exc:
                 problems.append(str(exc))

@@ -11,19 +11,25 @@ evenly.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from parallel.config import ParallelConfig
+from parallel.errors import ParallelConfigError
 
 
-def stage_layer_ranges(num_layers: int, config: "ParallelConfig") -> list[list[range]]:
+class StageLayout(Protocol):
+    """What the split reads of a layout (``parallel.config.ParallelConfig`` has it; that module imports this one)."""
+
+    pp: int
+    vpp: int
+    num_layers_in_first_pipeline_stage: int | None
+    num_layers_in_last_pipeline_stage: int | None
+
+
+def stage_layer_ranges(num_layers: int, config: StageLayout) -> list[list[range]]:
     """``ranges[pp_rank][vpp_chunk]`` = the global layer indices that chunk holds.
 
     Raises ParallelConfigError naming the numbers when the layers cannot be split that way.
     """
-    from parallel.config import ParallelConfigError
-
     pp, vpp = config.pp, config.vpp
     first = config.num_layers_in_first_pipeline_stage
     last = config.num_layers_in_last_pipeline_stage
