@@ -1,11 +1,14 @@
-"""The non-tensor files of an HF model directory (config.json, tokenizer and generation files),
-read and copied without torch."""
+"""The files of an HF model directory, read without torch: config.json, the tokenizer and
+generation files (copied as they are), and the safetensors files with their index, validated once
+(``SafetensorsFiles``): the model loader and both conversion paths take their tensors from here."""
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from models.common.errors import CheckpointError
 
@@ -37,3 +40,206 @@ def read_config_json(directory: str | os.PathLike) -> dict:
     if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
         raise CheckpointError(f"{path}: no 'model_type' (not a transformers config)")
     return data
+
+
+# ------------------------------------------------------------------------------------ safetensors files
+
+# Bytes per element of each safetensors dtype tag (the format's own list).
+DTYPE_BYTES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
+}
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library refuses longer headers
+MAX_INDEX_BYTES = 100_000_000  # an index is a few MB for the largest models; never read more
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where one tensor's bytes are: ``path`` (a file of the directory, as opened), the absolute byte
+    ``offset`` in it, its safetensors ``dtype`` tag, ``shape`` and ``nbytes`` (row-major, contiguous)."""
+
+    path: str
+    offset: int
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def _no_duplicate_keys(pairs: list) -> dict:
+    seen: dict = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"duplicate key {key!r}")
+        seen[key] = value
+    return seen
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def read_safetensors_header(path: str | os.PathLike) -> dict[str, StoredTensor]:
+    """Every tensor of a safetensors file (name -> where its bytes are), from the header alone,
+    checked as the safetensors library checks a file before it reads one: the 8-byte length and a
+    header inside the file (at most ``MAX_HEADER_BYTES``), a UTF-8 JSON object without duplicate
+    keys, ``__metadata__`` (if any) mapping strings to strings, every entry with a known ``dtype``,
+    a ``shape`` of non-negative integers and ``data_offsets`` [begin, end] whose length is shape x
+    dtype; the tensors, in offset order, start at 0 and follow each other without gap or overlap up
+    to the end of the file. CheckpointError naming the file (and the tensor) otherwise.
+
+    This is the one reader of safetensors headers: the model loader (``SafetensorsSource``), the
+    converters' torch path and their copy path (which moves these byte ranges without looking at
+    them, so a file the library would refuse must not get past here) all take their tensors from it."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise CheckpointError(f"{path}: not a safetensors file ({size} bytes; the header length alone "
+                                      f"takes 8)")
+            n = int.from_bytes(raw, "little")
+            if n > MAX_HEADER_BYTES:
+                raise CheckpointError(f"{path}: corrupt safetensors header: length {n} is over the format's limit "
+                                      f"of {MAX_HEADER_BYTES} bytes")
+            if 8 + n > size:
+                raise CheckpointError(f"{path}: truncated or corrupt safetensors file: header length {n}, the file "
+                                      f"has {size} bytes")
+            text = f.read(n)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    try:
+        header = json.loads(text.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{path}: corrupt safetensors header (not UTF-8 JSON: {exc})") from exc
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header: a JSON {type(header).__name__}, not an object")
+    meta = header.pop("__metadata__", None)
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise CheckpointError(f"{path}: corrupt safetensors header: '__metadata__' must map strings to strings")
+    spans = []
+    for name, info in header.items():
+        where = f"{path}: tensor {name!r}"
+        if not isinstance(info, dict):
+            raise CheckpointError(f"{where}: its header entry is a JSON {type(info).__name__}, not an object")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
+            raise CheckpointError(f"{where}: unknown dtype {dtype!r} (safetensors knows {', '.join(DTYPE_BYTES)})")
+        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+            raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
+                and offsets[0] <= offsets[1]):
+            raise CheckpointError(f"{where}: data_offsets {offsets!r} are not [begin, end] with 0 <= begin <= end")
+        numel = 1
+        for d in shape:
+            numel *= d
+        begin, end = offsets
+        if end - begin != numel * DTYPE_BYTES[dtype]:
+            raise CheckpointError(f"{where}: {dtype} {tuple(shape)} takes {numel * DTYPE_BYTES[dtype]} bytes, but "
+                                  f"data_offsets [{begin}, {end}] hold {end - begin}")
+        spans.append((begin, end, name, dtype, tuple(shape)))
+    spans.sort(key=lambda s: (s[0], s[1]))
+    data = size - 8 - n
+    out: dict[str, StoredTensor] = {}
+    at, previous = 0, None
+    for begin, end, name, dtype, shape in spans:
+        if begin < at:
+            raise CheckpointError(f"{path}: tensor {name!r} (data_offsets [{begin}, {end}]) overlaps tensor "
+                                  f"{previous[2]!r} ([{previous[0]}, {previous[1]}])")
+        if begin > at:
+            raise CheckpointError(f"{path}: {begin - at} bytes before tensor {name!r} (data_offsets [{begin}, {end}]) "
+                                  f"belong to no tensor")
+        out[name] = StoredTensor(str(path), 8 + n + begin, dtype, shape, end - begin)
+        at, previous = end, (begin, end, name)
+    if at > data:
+        raise CheckpointError(f"{path}: truncated: the tensors need {8 + n + at} bytes, the file has {size}")
+    if at < data:
+        raise CheckpointError(f"{path}: {data - at} bytes after the last tensor belong to no tensor")
+    return out
+
+
+def plain_file_name(name: Any) -> bool:
+    """``name`` names a file directly inside a directory: no separator, not '.' or '..', not empty."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+            and "\0" not in name)
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    """The ``weight_map`` of a ``model.safetensors.index.json``: tensor name -> a plain file name."""
+    try:
+        with open(index, "rb") as f:
+            raw = f.read(MAX_INDEX_BYTES + 1)
+    except OSError as exc:
+        raise CheckpointError(f"{index}: cannot read: {exc.strerror or exc}") from exc
+    if len(raw) > MAX_INDEX_BYTES:
+        raise CheckpointError(f"{index}: over {MAX_INDEX_BYTES} bytes (not a safetensors index)")
+    try:
+        data = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{index}: not a valid JSON index ({exc})") from exc
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict):
+        found = f"a JSON {type(data).__name__}" if not isinstance(data, dict) else "no 'weight_map' object"
+        raise CheckpointError(f"{index}: {found}; an index maps tensor names to files under 'weight_map'")
+    for name, fname in weight_map.items():
+        if not plain_file_name(fname):
+            raise CheckpointError(f"{index}: entry {name!r} names {fname!r}, not a file name in this directory")
+    return weight_map
+
+
+class SafetensorsFiles:
+    """The tensors of an HF model directory, validated once, as byte ranges (``StoredTensor``).
+
+    Files: ``model.safetensors.index.json`` and exactly the files its ``weight_map`` names (plain
+    file names inside the directory; each must exist), else ``model.safetensors``. Every header is
+    checked (``read_safetensors_header``), every tensor lives in exactly one file, and index and
+    files agree both ways: the file an entry names holds that tensor, and every tensor of a named
+    file is listed. Other ``*.safetensors`` files beside them (adapters, leftovers) are not read,
+    as transformers does not read them. CheckpointError naming the file and the tensor or entry."""
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.directory = Path(directory)
+        index = self.directory / INDEX_NAME
+        weight_map: dict[str, str] | None = None
+        if index.is_file():
+            self.index: Path | None = index
+            weight_map = _read_index(index)
+            self.files = sorted(set(weight_map.values()))
+            for name, fname in weight_map.items():
+                if not (self.directory / fname).is_file():
+                    raise CheckpointError(f"{index}: entry {name!r} names {fname}, which is not a file in "
+                                          f"{self.directory}")
+        elif (self.directory / SINGLE_NAME).is_file():
+            self.index, self.files = None, [SINGLE_NAME]
+        else:
+            found = sorted(p.name for p in self.directory.iterdir()) if self.directory.is_dir() else "no such directory"
+            raise CheckpointError(f"{self.directory}: no {SINGLE_NAME} or {INDEX_NAME} (found: {found})")
+        self.tensors: dict[str, StoredTensor] = {}
+        self._file_of: dict[str, str] = {}
+        for fname in self.files:
+            for name, stored in read_safetensors_header(self.directory / fname).items():
+                if name in self._file_of:  # which copy is meant is anyone's guess: refuse, naming both files
+                    listed = f" (the index lists {weight_map[name]})" if weight_map and name in weight_map else ""
+                    raise CheckpointError(f"{self.directory}: tensor {name!r} is stored twice, in "
+                                          f"{self._file_of[name]} and in {fname}{listed}")
+                self._file_of[name], self.tensors[name] = fname, stored
+        if weight_map is not None:
+            for name, fname in weight_map.items():
+                if name not in self._file_of:
+                    raise CheckpointError(f"{self.directory / fname}: index lists tensor {name!r} but the file "
+                                          f"lacks it")
+                if self._file_of[name] != fname:
+                    raise CheckpointError(f"{index}: entry {name!r} names {fname}, but the tensor is in "
+                                          f"{self._file_of[name]}")
+            for name, fname in self._file_of.items():
+                if name not in weight_map:
+                    raise CheckpointError(f"{index}: no entry for tensor {name!r}, which {fname} holds")
+
+    def names(self) -> set[str]:
+        return set(self.tensors)
+
+    def file_of(self, name: str) -> str:
+        """The file (name within the directory) that holds tensor ``name``."""
+        return self._file_of[name]

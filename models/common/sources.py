@@ -13,14 +13,20 @@ through its lazy ``get_slice``; only the requested rows/columns leave the file).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 
 import torch
 
 from models.common.errors import CheckpointError  # noqa: F401 (re-exported: raised by this module's callers)
-from models.common.hf_files import COMPANION_SUFFIXES, copy_companion_files, read_config_json  # noqa: F401
+from models.common.hf_files import (  # noqa: F401 (re-exported)
+    COMPANION_SUFFIXES,
+    DTYPE_BYTES,
+    SafetensorsFiles,
+    copy_companion_files,
+    read_config_json,
+    read_safetensors_header,
+)
 from parallel.sharding import Piece, read_piece
 
 
@@ -110,104 +116,19 @@ class RandomSource(TensorSource):
         return {name: self.full(name).to(dtype) for name in sorted(self.specs)}
 
 
-# Bytes per element of each safetensors dtype tag.
-DTYPE_BYTES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
-    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
-}
-
-
-def read_safetensors_header(path: Path) -> dict:
-    """The JSON header of a safetensors file, checked against the file size (catches truncation)."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) != 8:
-                raise CheckpointError(f"{path}: not a safetensors file (only {size} bytes)")
-            n = int.from_bytes(raw, "little")
-            if n <= 0 or 8 + n > size:
-                raise CheckpointError(f"{path}: corrupt safetensors header (header length {n}, file size {size})")
-            header = json.loads(f.read(n))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: cannot read safetensors header: {exc}") from exc
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
-    data_end = 0
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            start, stop = info["data_offsets"]
-            shape = info["shape"]
-            ok = (info["dtype"] in DTYPE_BYTES and isinstance(shape, list)
-                  and all(isinstance(d, int) and d >= 0 for d in shape)
-                  and isinstance(start, int) and isinstance(stop, int) and 0 <= start <= stop)
-            if ok:
-                count = 1
-                for d in shape:
-                    count *= d
-                ok = stop - start == count * DTYPE_BYTES[info["dtype"]]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"{path}: corrupt safetensors entry for tensor {name!r}") from exc
-        if not ok:
-            raise CheckpointError(f"{path}: corrupt safetensors entry for tensor {name!r}: {info}")
-        data_end = max(data_end, stop)
-    if 8 + n + data_end > size:
-        raise CheckpointError(
-            f"{path}: truncated: tensors need {8 + n + data_end} bytes, the file has {size}"
-        )
-    return header
-
-
 class SafetensorsSource(TensorSource):
-    """Lazily-read HF safetensors checkpoint (single file or sharded with an index); a tensor stored in
-    two files is refused (CheckpointError naming both)."""
+    """Lazily-read HF safetensors checkpoint (single file or sharded with an index): names, shapes and
+    files come from ``SafetensorsFiles`` (headers and index validated once, shared with the
+    converters), the bytes from the safetensors library's lazy slices."""
 
-    def __init__(self, directory: str | os.PathLike) -> None:
+    def __init__(self, directory: str | os.PathLike, files: SafetensorsFiles | None = None) -> None:
+        """``files``: the directory's ``SafetensorsFiles`` when the caller validated it already."""
         self.directory = Path(directory)
-        index = self.directory / "model.safetensors.index.json"
-        single = self.directory / "model.safetensors"
-        if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                raise CheckpointError(f"{index}: unreadable index ({exc})") from exc
-            if not isinstance(weight_map, dict) or not all(
-                    isinstance(k, str) and isinstance(v, str) and "/" not in v for k, v in weight_map.items()):
-                raise CheckpointError(f"{index}: 'weight_map' must map tensor names to file names in this directory")
-            files = sorted(set(weight_map.values()))
-        elif single.exists():
-            weight_map, files = None, ["model.safetensors"]
-        else:
-            found = sorted(p.name for p in self.directory.iterdir()) if self.directory.is_dir() else "no such directory"
-            raise CheckpointError(
-                f"{self.directory}: no model.safetensors or model.safetensors.index.json (found: {found})"
-            )
-        self._file_of: dict[str, str] = {}
-        self._shape: dict[str, tuple[int, ...]] = {}
-        self._dtype: dict[str, str] = {}
-        self.files = files
-        for fname in files:
-            path = self.directory / fname
-            if not path.exists():
-                raise CheckpointError(f"{path}: missing shard file listed in {index.name}")
-            header = read_safetensors_header(path)
-            for name, info in header.items():
-                if name == "__metadata__":
-                    continue
-                if name in self._file_of:  # which copy is meant is anyone's guess: refuse, naming both files
-                    listed = f" (the index lists {weight_map[name]})" if weight_map and name in weight_map else ""
-                    raise CheckpointError(f"{self.directory}: tensor {name!r} is stored twice, in "
-                                          f"{self._file_of[name]} and in {fname}{listed}")
-                self._file_of[name] = fname
-                self._shape[name] = tuple(info["shape"])
-                self._dtype[name] = info.get("dtype", "?")
-        if weight_map is not None:
-            for name, fname in weight_map.items():
-                if self._file_of.get(name) != fname:
-                    raise CheckpointError(f"{self.directory / fname}: index lists tensor {name!r} "
-                                          "but the file lacks it")
+        self.stored = files if files is not None else SafetensorsFiles(self.directory)
+        self.files = self.stored.files
+        self._file_of = {name: self.stored.file_of(name) for name in self.stored.tensors}
+        self._shape = {name: t.shape for name, t in self.stored.tensors.items()}
+        self._dtype = {name: t.dtype for name, t in self.stored.tensors.items()}
         self._handles: dict[str, object] = {}
 
     def names(self) -> set[str]:
