@@ -14,8 +14,12 @@ def __getattr__(name: str):
         from converters.engine import convert
 
         return convert
-    if name in ("detect_format", "open_reader"):
-        from converters import formats
+    if name == "detect_format":
+        from converters.formats import detect_format
 
-        return getattr(formats, name)
+        return detect_format
+    if name == "open_reader":
+        from converters.torch_path import open_reader
+
+        return open_reader
     raise AttributeError(f"module 'converters' has no attribute {name!r}")

@@ -35,7 +35,6 @@ def _on_sigterm(signum, frame) -> None:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from converters.inspect import inspect_checkpoint
 
-    _check_hf_sizes(args.path)
     info = inspect_checkpoint(args.path, vocab_size=args.vocab_size, hf_config=args.hf_config)
     width = max(len(k) for k in info)
     for key, value in info.items():
@@ -62,7 +61,6 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from converters.verify import verify
 
-    _check_hf_sizes(args.a, args.b)
     report = verify(args.a, args.b, atol=args.atol, rtol=args.rtol, logits=args.logits, logits_atol=args.logits_atol,
                     vocab_size=args.vocab_size, hf_config=args.hf_config)
     width = max((len(r[0]) for r in report.rows), default=10)
@@ -76,18 +74,6 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         return 0
     print(f"MISMATCH: {len(report.mismatched)} difference(s): " + "; ".join(report.mismatched[:5]), file=sys.stderr)
     return 1
-
-
-def _check_hf_sizes(*paths: str) -> None:
-    """config.json of an HF checkpoint against its safetensors headers, before a reader builds tables
-    sized by the config (the HF reader does not check this itself yet)."""
-    from converters.hf_config import check_hf_directory
-    from converters.megatron_sources import locate_source
-
-    for path in paths:
-        location = locate_source(path)
-        if location.format == "hf":
-            check_hf_directory(location.path)
 
 
 # ---------------------------------------------------------------------------------------------- arguments

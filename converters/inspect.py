@@ -6,14 +6,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from converters.formats import open_reader
-from converters.megatron_sources import SourceLocation, locate_source
+from converters.formats.locate import SourceLocation, locate_source
+from converters.torch_path import open_reader
 
 
 def inspect_checkpoint(path: str | os.PathLike, *, vocab_size: int | None = None, hf_config: str | None = None) -> dict:
     """Format, layout recognized, where the model description came from, architecture, parallel layout,
     parameter count, dtype, bytes on disk, and the non-model entries a conversion skips."""
-    location = locate_source(path)
+    location = locate_source(path, hf_config)
     reader = open_reader(path, vocab_size=vocab_size, hf_config=hf_config)
     shapes = reader.hf_shapes()
     params = 0
@@ -67,7 +67,7 @@ def _config_source(reader: Any, location: SourceLocation, hf_config: str | None)
     if location.hf_config_dir:
         return f"{location.config_origin}: {location.hf_config_dir}{checked}"
     where = "common.pt" if reader.info.format == "megatron-dist" else "the rank files"
-    from converters.megatron_files import HF_CONFIG_DIR, resolve_iteration_dir
+    from converters.formats.megatron_args import HF_CONFIG_DIR, resolve_iteration_dir
 
     it_dir = resolve_iteration_dir(Path(location.path))
     for root in (it_dir, it_dir.parent):

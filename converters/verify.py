@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 
 from converters.engine import convert
-from converters.formats import detect_format, open_reader
-from models.common.sources import CheckpointError
+from converters.formats import detect_format
+from converters.torch_path import open_reader
+from models.common.errors import CheckpointError
 
 
 @dataclass

@@ -184,7 +184,7 @@ def test_megatron_to_megatron_keeps_the_source_layout(capsys, ckpts, tmp_path):
 
 def test_megatron_layout_with_virtual_and_uneven_stages_is_kept(capsys, tmp_path):
     from converters import open_reader
-    from converters.megatron_write import plan_megatron_target, write_megatron
+    from converters.torch_path.megatron import plan_megatron_target, write_megatron
 
     cfg = _llama4()
     cfg.num_hidden_layers = 5

@@ -577,16 +577,16 @@ def _open_on_full_disk(file, mode="r", *args, **kwargs):
 
 
 @pytest.mark.parametrize("to,module,named", [
-    ("megatron", "converters.megatron_write", "mp_rank_00/model_optim_rng.pt"),  # torch.save: its RuntimeError
-    ("megatron-dist", "converters.megatron_dist", ".distcp"),
-    ("hf", "converters.copy_plan", "model.safetensors"),  # the copy path from here on
-    ("megatron", "converters.copy_targets", "mp_rank_00/model_optim_rng.pt"),
-    ("megatron-dist", "converters.copy_targets", ".distcp"),
+    ("megatron", "converters.torch_path.megatron_legacy", "mp_rank_00/model_optim_rng.pt"),  # torch.save's error
+    ("megatron-dist", "converters.torch_path.megatron_dist", ".distcp"),
+    ("hf", "converters.copy_path.hf", "model.safetensors"),  # the copy path from here on
+    ("megatron", "converters.copy_path.megatron", "mp_rank_00/model_optim_rng.pt"),
+    ("megatron-dist", "converters.copy_path.megatron", ".distcp"),
 ])
 def test_disk_full_names_the_file_and_errno(capsys, monkeypatch, sources, tmp_path, to, module, named):
     import importlib
 
-    if module in ("converters.megatron_write", "converters.megatron_dist"):
+    if module in ("converters.torch_path.megatron_legacy", "converters.torch_path.megatron_dist"):
         monkeypatch.setenv("PMZ_COPY_PATH", "0")  # the torch path's writers
     monkeypatch.setattr(importlib.import_module(module), "open", _open_on_full_disk, raising=False)
     dst = tmp_path / "out" / "x"
@@ -646,18 +646,18 @@ def test_destination_created_during_the_conversion(capsys, monkeypatch, sources,
     its content kept and our temp dir removed; replaced as a whole with --overwrite."""
     from safetensors.torch import load_file
 
-    import converters.engine as engine
+    import converters.runtime.staging as staging
 
     if not renameat2:
-        monkeypatch.setattr(engine, "_renameat2", lambda *a: False)
-    publish = engine._Staging._publish
+        monkeypatch.setattr(staging, "_renameat2", lambda *a: False)
+    publish = staging.Staging._publish
 
     def racing_publish(self):
         self.dst.mkdir()
         (self.dst / "theirs.txt").write_text("the other conversion's output")
         publish(self)
 
-    monkeypatch.setattr(engine._Staging, "_publish", racing_publish)
+    monkeypatch.setattr(staging.Staging, "_publish", racing_publish)
     parent = tmp_path / "out"
     dst = parent / "ckpt"
     with pytest.raises(CheckpointError) as info:

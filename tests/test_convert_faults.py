@@ -38,7 +38,7 @@ import os
 if os.environ.get("PMZ_TEST_MARKS"):
     import threading
     import time
-    import converters.tasks as _tasks
+    import converters.runtime.tasks as _tasks
     _original = _tasks._task_entry
 
     def _task_entry(payload):
@@ -52,7 +52,7 @@ if os.environ.get("PMZ_TEST_MARKS"):
         return result
 
     _task_entry.__qualname__ = _task_entry.__name__ = "_task_entry"
-    _task_entry.__module__ = "converters.tasks"
+    _task_entry.__module__ = "converters.runtime.tasks"
     _tasks._task_entry = _task_entry
 '''
 
@@ -277,7 +277,7 @@ def test_stale_temp_dirs_of_live_runs_are_kept(tmp_path):
     """Unit check of the cleanup rule: only unlocked temp dirs of the same destination go."""
     import fcntl
 
-    from converters.engine import remove_stale_temp_dirs
+    from converters.runtime.staging import remove_stale_temp_dirs
 
     parent = tmp_path / "out"
     parent.mkdir()
@@ -346,7 +346,7 @@ def test_full_disk_names_the_file_and_leaves_nothing(hf, tmp_path, to, extra, wo
 def test_torch_save_to_a_path_failing_is_an_oserror_naming_the_file(tmp_path):
     """The mapping for writers that still ``torch.save`` to a path (no errno survives there)."""
     target = tmp_path / "common.pt"
-    code = ("import sys, torch\nfrom converters.tasks import os_error_of\n"
+    code = ("import sys, torch\nfrom converters.runtime.tasks import os_error_of\n"
             "try:\n    torch.save({'a': torch.zeros(10000)}, sys.argv[1])\n"
             "except RuntimeError as exc:\n    err = os_error_of(exc)\n    print(type(err).__name__, err.filename)\n")
     proc = subprocess.run([sys.executable, "-c", code, str(target)], capture_output=True, text=True, cwd=ROOT,

@@ -25,8 +25,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from converters import convert  # noqa: E402
-from converters.formats import open_reader  # noqa: E402
+from converters import convert, open_reader  # noqa: E402
 from models.common.errors import CheckpointError  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.megatron_oracle import OracleSpec  # noqa: E402
@@ -421,7 +420,7 @@ def test_verl_nested_layout(ckpts, tmp_path):
     out = convert(tmp_path / "ckpts", tmp_path / "out", to="hf")
     assert _diff(hf_logits(out, SPEC), ckpts["logits"]) <= LOGITS_TOL
     assert (out / "tokenizer_config.json").is_file()
-    from converters.megatron_sources import locate_source
+    from converters.formats.locate import locate_source
 
     loc = locate_source(actor)
     assert loc.path == str(actor / "model" / "dist_ckpt") and loc.hf_config_dir == str(actor / "model" / "huggingface")
@@ -432,7 +431,7 @@ def test_value_head_is_named():
     """A verl critic's output layer has one row: refused as a value head, not as a vocab mismatch."""
     from types import SimpleNamespace
 
-    from converters.megatron_sources import check_config_against_dist
+    from converters.formats.megatron_dist import check_config_against_dist
 
     cfg = SimpleNamespace(num_hidden_layers=2, hidden_size=8, vocab_size=10, num_attention_heads=2,
                           num_key_value_heads=1, head_dim=4, intermediate_size=16)

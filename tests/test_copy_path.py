@@ -1,4 +1,4 @@
-"""The copy path (converters/copy_plan.py) against the torch path: same bytes, no torch loaded.
+"""The copy path (converters/copy_path/) against the torch path: same bytes, no torch loaded.
 
 The torch path is itself checked against transformers and real megatron-core elsewhere
 (test_convert_megatron.py runs its megatron-core checkpoints through the copy path too); here the
@@ -92,8 +92,8 @@ def test_cli_conversion_to_hf_never_imports_torch(sources, tmp_path):
 
 
 def test_column_split_pieces_that_do_not_cover_a_row_are_refused():
-    from converters.copy_plan import Block, rows_ops
-    from converters.raw_files import RawTensor
+    from converters.copy_path.ops import Block, rows_ops
+    from converters.formats.tensors import RawTensor
     from models.common.errors import CheckpointError
 
     left = RawTensor("/nonexistent", 0, "F32", (4, 3))
@@ -111,7 +111,8 @@ def test_fill_file_assembles_blocks_exactly(tmp_path, buffer_bytes):
     as holes, work items with gaps between them, several tasks filling one file."""
     import random
 
-    from converters.copy_plan import Copy, Interleave, Zeros, fill_file
+    from converters.copy_path.io import fill_file
+    from converters.copy_path.ops import Copy, Interleave, Zeros
 
     rng = random.Random(0)
     src = tmp_path / "src.bin"

@@ -1,6 +1,6 @@
-"""The copy path's Megatron writers (converters/copy_targets.py) against the torch path.
+"""The copy path's Megatron writers (converters/copy_path/megatron.py) against the torch path.
 
-The torch path (converters/megatron_write.py, megatron_dist.write_dist) builds real tensors and
+The torch path (converters/torch_path/megatron.py, megatron_dist.write_dist) builds real tensors and
 saves them with ``torch.save`` / real DCP metadata objects; it is checked against megatron-core in
 test_megatron_oracle.py (which now also loads what the copy path writes). Here both paths convert
 the same sources to the same layouts and ``torch.load`` / ``pickle.load`` must see the same
@@ -88,7 +88,7 @@ def _same_rank_file(a: Path, b: Path) -> None:
 
 
 def _same_dist(a: Path, b: Path) -> None:
-    from converters.formats import open_reader
+    from converters import open_reader
 
     x, y = pickle.loads((a / ".metadata").read_bytes()), pickle.loads((b / ".metadata").read_bytes())
     assert x.state_dict_metadata == y.state_dict_metadata
@@ -151,10 +151,10 @@ def test_megatron_to_megatron_keeps_the_layout_on_the_copy_path(sources, tmp_pat
 def test_small_buffers_uneven_stages_and_bf16(sources, tmp_path, fmt):
     """Multi-block fills (a 1 KiB buffer: every interleaved or scattered tensor takes many rounds),
     uneven first/last pipeline stages and bf16 storages, against the torch path's writer."""
-    from converters.copy_plan import open_raw_source
-    from converters.copy_targets import plan_copy_target, write_megatron_by_copy
-    from converters.formats import open_reader
-    from converters.megatron_write import plan_megatron_target, write_megatron
+    from converters import open_reader
+    from converters.copy_path.megatron import plan_copy_target, write_megatron_by_copy
+    from converters.copy_path.sources import open_raw_source
+    from converters.torch_path.megatron import plan_megatron_target, write_megatron
 
     bf16 = tmp_path / "bf16"
     _torch_path(sources["qwen2", "hf"], bf16, to="hf", dtype="bfloat16")
@@ -180,7 +180,7 @@ def test_small_buffers_uneven_stages_and_bf16(sources, tmp_path, fmt):
 
 
 def test_a_dtype_change_takes_the_torch_path(sources, tmp_path, monkeypatch):
-    import converters.copy_targets as ct
+    import converters.copy_path.megatron as ct
 
     monkeypatch.setattr(ct, "write_megatron_by_copy", lambda *a, **k: pytest.fail("copy path used"))
     convert(sources["qwen2", "hf"], tmp_path / "bf16", to="megatron", dtype="bfloat16")
@@ -221,8 +221,8 @@ def test_pickle_writer_builds_the_real_objects():
         TensorStorageMetadata,
     )
 
-    from converters import pickle_writer as pw
-    from converters.copy_targets import _dist_metadata
+    from converters.formats import pickles as pw
+    from converters.formats.megatron_dist import dist_metadata
 
     values = {"i": 7, "big": 1 << 40, "neg": -(1 << 35), "m": 300, "f": 0.1, "s": "é", "n": None, "t": True,
               "l": [1, (2, 3)], "tt": (1, 2, 3, 4), "e": (), "b": b"\x00\xff", "d": {"k": [None]}}
@@ -230,7 +230,7 @@ def test_pickle_writer_builds_the_real_objects():
     assert ns == argparse.Namespace(**values, dtype=torch.bfloat16)
     tensors = {"w": {"size": (4, 3), "chunks": [((2, 0), (2, 3), "__1_0.distcp", 10, 20),
                                                  ((0, 0), (2, 3), "__0_0.distcp", 0, 10)]}}
-    got = pickle.loads(pw.dumps(_dist_metadata(tensors, [("x/shard_0_1", "__0_0.distcp", 30, 5)], "F16")))
+    got = pickle.loads(pw.dumps(dist_metadata(tensors, [("x/shard_0_1", "__0_0.distcp", 30, 5)], "F16")))
     props = TensorProperties(dtype=torch.float16)
     chunks = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in [((0, 0), (2, 3)), ((2, 0), (2, 3))]]
     want = Metadata(state_dict_metadata={"w": TensorStorageMetadata(props, torch.Size((4, 3)), chunks),
@@ -247,9 +247,8 @@ def test_torch_zip_archives_load_in_torch_and_zipfile(tmp_path):
 
     import numpy as np
 
-    from converters import pickle_writer as pw
-    from converters.raw_files import read_torch_archive
-    from converters.torch_zip import archive_bytes, layout_archive
+    from converters.formats import pickles as pw
+    from converters.formats.torch_zip import archive_bytes, layout_archive, read_torch_archive
 
     a = np.arange(12, dtype=np.float32).reshape(3, 4)
     b = np.arange(5, dtype=np.int64)
@@ -292,7 +291,7 @@ def _rows_reference(data: bytes, parts, r: int, k: int) -> bytes:
 def test_read_rows_places_each_part_in_its_columns(tmp_path, stride_extra):
     """``read_rows`` reads rows straight into their columns of the block: contiguous parts, parts
     whose row gaps are read into the discard buffer, and parts whose rows are read one by one."""
-    from converters.copy_plan import SourceFiles, read_rows
+    from converters.copy_path.io import SourceFiles, read_rows
 
     path = tmp_path / "src.bin"
     data = os.urandom(600_000)
@@ -320,7 +319,7 @@ def test_vector_io_continues_short_transfers(tmp_path, monkeypatch):
     """A short ``preadv``/``pwritev`` (a nearly full disk, a signal) is continued from the byte it
     stopped at, across buffer boundaries and past IOV_MAX buffers; a write that makes no progress is
     an error, not a silent hole."""
-    import converters.copy_plan as cp
+    import converters.copy_path.io as cp
 
     src = tmp_path / "src.bin"
     data = os.urandom(5000)
@@ -363,8 +362,8 @@ def test_vector_io_continues_short_transfers(tmp_path, monkeypatch):
 def test_scatter_bands_writes_every_ranks_band(tmp_path):
     """One read of each source row, one ``pwritev`` per rank and block: rank t's file gets column
     band t of every row, also when a block (a tiny buffer) is a few rows."""
-    from converters.copy_plan import Copy, Interleave
-    from converters.copy_targets import scatter_bands
+    from converters.copy_path.megatron import scatter_bands
+    from converters.copy_path.ops import Copy, Interleave
 
     rows, width, tp = 37, 24, 4
     src = tmp_path / "src.bin"

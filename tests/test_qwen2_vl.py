@@ -164,13 +164,14 @@ def test_pmz_convert_hf_to_hf_writes_transformers_layout_from_either(vl_dirs, tm
     import torch
     from safetensors.torch import load_file, save_file
 
-    import converters.copy_plan
+    import converters.copy_path.hf
     from converters.engine import convert
 
     monkeypatch.setenv("PMZ_COPY_PATH", copy_path)
     copied = []  # the copy path's HF writer, called once per conversion it takes
-    writer = converters.copy_plan.write_hf_by_copy
-    monkeypatch.setattr(converters.copy_plan, "write_hf_by_copy", lambda *a, **k: copied.append(1) or writer(*a, **k))
+    writer = converters.copy_path.hf.write_hf_by_copy
+    monkeypatch.setattr(converters.copy_path.hf, "write_hf_by_copy",
+                        lambda *a, **k: copied.append(1) or writer(*a, **k))
     src = Path(dict(vl_dirs)["tied"])
     on_disk = load_file(str(src / "model.safetensors"))
     memory = tmp_path / "memory_layout"
@@ -210,8 +211,8 @@ def test_pmz_reads_qwen2_vl_configs_as_transformers_does(vl_dirs, tmp_path):
 
     from transformers import AutoConfig
 
-    from converters.checkpoint import architecture_for
-    from converters.hf_config import read_hf_config
+    from converters.formats.hf_config import read_hf_config
+    from converters.layout.model import architecture_for
     from models.qwen2_vl.config import model_config
 
     dirs = [Path(d) for _, d in vl_dirs]

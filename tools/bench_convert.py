@@ -158,9 +158,9 @@ def child_naive(args: argparse.Namespace) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from converters.megatron_layout import megatron_to_hf, merge_tp, tp_split_kind
-    from converters.megatron_legacy import LegacyReader
-    from converters.megatron_stages import unit_megatron_keys
+    from converters.layout.megatron import megatron_to_hf, merge_tp, tp_split_kind
+    from converters.layout.stages import unit_megatron_keys
+    from converters.torch_path.megatron_legacy import LegacyReader
 
     src, dst = Path(args._naive[0]), Path(args._naive[1])
     meta = LegacyReader(src)  # only for the file names, the model config and the stage layout

@@ -8,7 +8,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from models.common.errors import CheckpointError
 
@@ -243,3 +243,40 @@ class SafetensorsFiles:
     def file_of(self, name: str) -> str:
         """The file (name within the directory) that holds tensor ``name``."""
         return self._file_of[name]
+
+
+def canonical_names(names: Iterable[str], rename: Callable[[str], str], where: str) -> dict[str, str]:
+    """Stored tensor names under the weight map's names (``rename``: another key layout of the same
+    model, e.g. transformers' in-memory ``model.language_model.*`` for the on-disk ``model.*``):
+    canonical name -> stored name. Two stored names for one weight is a CheckpointError."""
+    original: dict[str, str] = {}
+    for name in sorted(names):
+        new = rename(name)
+        if new in original:
+            raise CheckpointError(f"{where}: tensors {original[new]} and {name} are the same weight ({new}) in two "
+                                  f"key layouts")
+        original[new] = name
+    return original
+
+
+def check_tensors(shapes: Mapping[str, Sequence[int]], expected: Mapping[str, Sequence[int]], where: str,
+                  allowed_extra: Iterable[str] = ()) -> None:
+    """Every expected tensor present with its shape, nothing unexplained left over (names ending in
+    one of the weight map's ``IGNORED_SUFFIXES`` excepted); else one CheckpointError listing the
+    problems. The model loader (``validate_source``) and the converters' HF reader both use it."""
+    from models.common.weight_map import IGNORED_SUFFIXES
+
+    missing = sorted(set(expected) - set(shapes))
+    wrong = sorted(f"{n} {tuple(shapes[n])} (expected {tuple(expected[n])})" for n in set(expected) & set(shapes)
+                   if tuple(shapes[n]) != tuple(expected[n]))
+    extra = sorted(n for n in set(shapes) - set(expected) - set(allowed_extra) if not n.endswith(IGNORED_SUFFIXES))
+    problems = []
+    if missing:
+        more = " ..." if len(missing) > 8 else ""
+        problems.append(f"{len(missing)} missing tensor(s): {', '.join(missing[:8])}{more}")
+    if wrong:
+        problems.append(f"{len(wrong)} tensor(s) with the wrong shape: {'; '.join(wrong[:8])}")
+    if extra:
+        problems.append(f"{len(extra)} unexpected tensor(s): {', '.join(extra[:8])}{' ...' if len(extra) > 8 else ''}")
+    if problems:
+        raise CheckpointError(f"{where}: " + "; ".join(problems))

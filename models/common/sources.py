@@ -23,6 +23,7 @@ from models.common.hf_files import (  # noqa: F401 (re-exported)
     COMPANION_SUFFIXES,
     DTYPE_BYTES,
     SafetensorsFiles,
+    canonical_names,
     copy_companion_files,
     read_config_json,
     read_safetensors_header,
@@ -58,17 +59,12 @@ class StateDictSource(TensorSource):
 
 class RenamedSource(TensorSource):
     """Another source's tensors under canonical names (``rename(name)``), e.g. transformers' in-memory
-    ``model.language_model.*`` read as the on-disk ``model.*``. Two names mapping to one is an error."""
+    ``model.language_model.*`` read as the on-disk ``model.*``. Two names mapping to one is an error
+    (``hf_files.canonical_names``, which the converters' HF reader uses too)."""
 
     def __init__(self, source: TensorSource, rename, where: str = "checkpoint") -> None:
         self.source = source
-        self.original: dict[str, str] = {}
-        for name in sorted(source.names()):
-            new = rename(name)
-            if new in self.original:
-                raise CheckpointError(f"{where}: tensors {self.original[new]} and {name} are the same weight "
-                                      f"({new}) in two key layouts")
-            self.original[new] = name
+        self.original = canonical_names(source.names(), rename, where)
 
     def names(self) -> set[str]:
         return set(self.original)

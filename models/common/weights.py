@@ -15,6 +15,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from models.common.hf_files import check_tensors
 from models.common.sources import CheckpointError, TensorSource
 from models.common.weight_map import (  # noqa: F401
     GATE_UP_STACKED,
@@ -33,22 +34,10 @@ from parallel.sharding import Replicated
 
 def validate_source(source: TensorSource, expected: dict[str, tuple[int, ...]], where: str,
                     allowed_extra: Iterable[str] = ()) -> None:
-    """Every expected tensor present with its shape, nothing unexplained left over; else CheckpointError."""
+    """Every expected tensor present with its shape, nothing unexplained left over; else CheckpointError
+    (``hf_files.check_tensors``, the check the converters' HF reader makes too)."""
     names = source.names()
-    missing = sorted(set(expected) - names)
-    wrong = sorted(f"{n} {source.shape(n)} (expected {expected[n]})" for n in set(expected) & names
-                   if tuple(source.shape(n)) != tuple(expected[n]))
-    extra = sorted(n for n in names - set(expected) - set(allowed_extra) if not n.endswith(IGNORED_SUFFIXES))
-    problems = []
-    if missing:
-        more = " ..." if len(missing) > 8 else ""
-        problems.append(f"{len(missing)} missing tensor(s): {', '.join(missing[:8])}{more}")
-    if wrong:
-        problems.append(f"{len(wrong)} tensor(s) with the wrong shape: {'; '.join(wrong[:8])}")
-    if extra:
-        problems.append(f"{len(extra)} unexpected tensor(s): {', '.join(extra[:8])}{' ...' if len(extra) > 8 else ''}")
-    if problems:
-        raise CheckpointError(f"{where}: " + "; ".join(problems))
+    check_tensors({n: source.shape(n) for n in names}, expected, where, allowed_extra)
 
 
 @torch.no_grad()

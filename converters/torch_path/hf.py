@@ -1,6 +1,9 @@
-"""HuggingFace safetensors: a reader over the architecture's weight map, and a streaming sharded writer.
+"""HuggingFace safetensors on the torch path: a reader over the format's validating reader, and a
+streaming sharded writer.
 
-The writer fills files laid out up front by ``converters/safetensors_layout.py`` (names, shapes,
+The reader takes everything from ``converters.formats.hf.HFCheckpoint`` (config, validated
+safetensors files, the weight map's names) and reads tensors through the safetensors library's lazy
+slices. The writer fills files laid out up front by ``converters/formats/hf.py`` (names, shapes,
 dtypes and byte offsets are known from the config), tensor by tensor at their planned offsets,
 so it never holds more than one unit in memory, whatever ``--max-shard-size`` is. Tasks fill byte
 ranges of the files; the plan alone decides the bytes, so output is deterministic.
@@ -14,36 +17,35 @@ from typing import Callable
 
 import torch
 
-from converters import safetensors_layout
-from converters.checkpoint import CheckpointReader, ReaderInfo, Unit, unit_entries
-from converters.hf_config import read_hf_config
-from converters.safetensors_layout import FilePlan, plan_shards, split_file_plan, tensor_offsets  # noqa: F401
+from converters.formats import hf as hf_format
+from converters.formats.hf import FilePlan, HFCheckpoint, plan_shards, split_file_plan, tensor_offsets  # noqa: F401
+from converters.formats.hf_config import read_hf_config
+from converters.layout.model import Unit, unit_entries
+from converters.torch_path.reader import TORCH_DTYPES, CheckpointReader, ReaderInfo, reopen
 from models.common.sources import CheckpointError, RenamedSource, SafetensorsSource, copy_companion_files
-from models.common.weights import validate_source
 from parallel.sharding import Piece
 
 SAFETENSORS_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
-_TORCH_DTYPE = {v: k for k, v in SAFETENSORS_DTYPE.items()}
-
 
 
 class HFReader(CheckpointReader):
-    """An HF model directory (``config.json`` + safetensors), read lazily tensor by tensor."""
+    """An HF model directory (``config.json`` + safetensors), validated once (``HFCheckpoint``), read
+    lazily tensor by tensor."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = str(path)
         self._remember_args(self.path)
-        self._set_model(read_hf_config(path), self.path)
-        files = SafetensorsSource(path)
+        ckpt = HFCheckpoint(path)
+        self.hf_config, self.arch, self.cfg, self.wmap = ckpt.hf_config, ckpt.arch, ckpt.cfg, ckpt.wmap
+        files = SafetensorsSource(path, ckpt.files)
         some = next(iter(sorted(files.names())), None)
-        dtype = _TORCH_DTYPE.get(files.dtype_name(some), torch.float32) if some else torch.float32
+        dtype = TORCH_DTYPES.get(files.dtype_name(some), torch.float32) if some else torch.float32
         self.info = ReaderInfo("hf", self.arch.name, {"tp": 1, "pp": 1}, len(files.files), dtype)
         # other key layouts of the same model (Qwen2-VL's in-memory names) read under the weight map's
         self.source = RenamedSource(files, self.arch.canonical_name, self.path) if self.arch.hf_key_aliases else files
 
     def validate(self) -> None:
-        allowed = ("lm_head.weight",) if self.cfg.tie_word_embeddings else ()
-        validate_source(self.source, self.hf_shapes(), self.path, allowed_extra=allowed)
+        """Nothing left to check: ``HFCheckpoint`` checked the files, the names and the shapes."""
 
     def read_unit(self, unit: Unit) -> dict[str, torch.Tensor]:
         out = {}
@@ -204,11 +206,11 @@ def write_hf_config(reader: CheckpointReader, directory: str, dtype: torch.dtype
 
 
 def create_shard_file(plan: FilePlan, directory: str, dtype: torch.dtype) -> None:
-    safetensors_layout.create_shard_file(plan, directory, SAFETENSORS_DTYPE[dtype])
+    hf_format.create_shard_file(plan, directory, SAFETENSORS_DTYPE[dtype])
 
 
 def write_index(files: list[FilePlan], directory: str, dtype: torch.dtype) -> None:
-    safetensors_layout.write_index(files, directory, SAFETENSORS_DTYPE[dtype])
+    hf_format.write_index(files, directory, SAFETENSORS_DTYPE[dtype])
 
 
 def hf_plan(reader: CheckpointReader, dtype: torch.dtype, max_shard_bytes: int) -> list[FilePlan]:
@@ -220,5 +222,33 @@ def hf_plan(reader: CheckpointReader, dtype: torch.dtype, max_shard_bytes: int) 
     return plan_shards(units, SAFETENSORS_DTYPE[dtype], max_shard_bytes)
 
 
+def write_hf(reader: CheckpointReader, directory: str, dtype: torch.dtype, *, max_shard_bytes: int, workers: int,
+             progress: bool, files_from: str | None) -> None:
+    """The HF checkpoint of ``reader`` in ``directory``: shards, index, config.json and the tokenizer
+    files of ``files_from`` (an HF directory)."""
+    from converters.runtime.tasks import run_tasks
+
+    plan = hf_plan(reader, dtype, max_shard_bytes)
+    # Files are laid out up front; tasks fill byte ranges of them (a big file is split between
+    # workers). The layout comes from the plan alone, so the bytes never depend on workers.
+    tasks = []
+    for f in plan:
+        create_shard_file(f, directory, dtype)
+        parts = max(1, min(workers, len(f.tensors)) * 2 // max(1, len(plan)))
+        tasks += [(_write_hf_range, (reader.reopen_args(), f, directory, dtype, lo, hi))
+                  for lo, hi in split_file_plan(f, parts)]
+    run_tasks(tasks, workers, "writing HF shards", progress)
+    write_index(plan, directory, dtype)
+    write_hf_config(reader, directory, dtype, files_from)
+
+
+def _write_hf_range(reopen_args: tuple, plan: FilePlan, directory: str, dtype: torch.dtype, lo: int, hi: int) -> int:
+    reader = reopen(reopen_args)
+    try:
+        return write_shard_range(plan, directory, dtype, lo, hi, reader.read_unit_pieces)
+    finally:
+        reader.close()
+
+
 __all__ = ["HFReader", "hf_plan", "create_shard_file", "split_file_plan", "write_shard_range", "write_index",
-           "write_hf_config"]
+           "write_hf", "write_hf_config"]

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from converters.checkpoint import EMBED, FINAL, CheckpointReader, reopen
+from converters.layout.model import EMBED, FINAL
+from converters.torch_path.reader import CheckpointReader, reopen
 from models.common import vllm_format
 
 
@@ -60,7 +61,7 @@ def write_vllm_rank(reopen_args: tuple, directory: str, pp_rank: int, tp_rank: i
 def write_vllm(reader: CheckpointReader, directory: str, *, tp: int, pp: int, dtype: torch.dtype,
                max_shard_bytes: int, workers: int, progress: bool) -> None:
     """Every rank's files (tasks in worker processes); the caller writes config and tokenizer files."""
-    from converters.tasks import run_tasks
+    from converters.runtime.tasks import run_tasks
 
     tasks = [(write_vllm_rank, (reader.reopen_args(), directory, p, t, tp, pp, dtype, max_shard_bytes))
              for p in range(pp) for t in range(tp)]

@@ -1,9 +1,9 @@
 """Where things live in a Megatron checkpoint: pipeline stages, virtual chunks, stage-local layer
 keys, Transformer-Engine norm names, torch_dist's stacked keys, the iteration folder.
 
-Torch-free, and the one copy of these facts: shared by the readers (``megatron_legacy``,
-``megatron_dist``), the torch writers (``megatron_write``, ``megatron_dist``) and the copy path
-(``copy_plan``, ``copy_targets``).
+Torch-free, and the one copy of these facts: shared by the format readers
+(``converters/formats/megatron_legacy``, ``megatron_dist``), the torch path's writers and the copy
+path's planners.
 """
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from converters.checkpoint import EMBED, FINAL, Unit
-from converters.megatron_files import TRACKER
+from converters.layout.model import EMBED, FINAL, Unit
 from models.common.errors import CheckpointError
 from models.common.weight_map import WeightEntry
 from parallel.config import ParallelConfig, ParallelConfigError
@@ -192,12 +191,3 @@ def dist_key(template: str, layer: int | None, tensors: dict) -> tuple[str, int 
     if te_per_layer in tensors:
         return te_per_layer, None
     return stacked, layer
-
-
-def iteration_folder(root: Path, iteration: int | None) -> Path:
-    """``iter_XXXXXXX`` for a known iteration, ``release`` otherwise; writes the tracker file."""
-    name = f"iter_{iteration:07d}" if iteration is not None else "release"
-    (root / TRACKER).write_text(str(iteration) if iteration is not None else "release")
-    folder = root / name
-    folder.mkdir()
-    return folder

@@ -1,19 +1,14 @@
 """The copy path's Megatron writers: legacy ``torch`` rank files and ``torch_dist`` checkpoints
 written as byte ranges of the source, without torch.
 
-A source (``copy_plan.RawSource``: HF safetensors, legacy rank files, torch_dist chunks) plans
-every HF tensor as operations on its files (``Copy`` / ``Interleave``), each covering whole rows.
-A Megatron tensor is rows of HF tensors (``linear_qkv``: per query group, q rows then k then v;
-``linear_fc1``: gate then up; the embedding: vocab rows then zero padding) and a TP shard is rows
-of it (column-parallel) or a column band of every row (row-parallel: ``linear_proj``,
-``linear_fc2``). ``select`` cuts a planned tensor's operations down to such a block, so every
-output tensor is again a short list of operations on the source files — for a Megatron source
-this is a reshard with no intermediate HF tensor.
-
-The containers come from ``torch_zip`` (the ``torch.save`` zip) and ``pickle_writer`` (pickles
-naming torch classes); they are laid out first (headers written, files sized), then tasks fill the
-tensor bytes (``copy_plan.fill_file``: ``preadv`` into a buffer, ``pwrite`` in blocks) in parallel. Output matches the
-torch path (``megatron_write``) tensor for tensor, and loads in megatron-core.
+A source (``copy_path.sources.RawSource``: HF safetensors, legacy rank files, torch_dist chunks)
+plans every HF tensor as operations on its files (``Copy`` / ``Interleave``); ``megatron_ops`` cuts
+them into each output tensor's operations. The containers come from the format modules
+(``converters/formats/torch_zip``: the ``torch.save`` zip; ``pickles``: pickles naming torch
+classes; ``megatron_dist.dist_metadata``: ``.metadata``); they are laid out first (headers written,
+files sized), then tasks fill the tensor bytes (``copy_path.io.fill_file``: ``preadv`` into a
+buffer, ``pwrite`` in blocks) in parallel. Output matches the torch path
+(``converters/torch_path/megatron``) tensor for tensor, and loads in megatron-core.
 """
 
 from __future__ import annotations
@@ -24,180 +19,48 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from converters import pickle_writer as pw
-from converters.copy_plan import (
+from converters.copy_path.io import (
     DEFAULT_BUFFER,
-    ITEMSIZE,
-    Copy,
-    Interleave,
-    Op,
-    PlannedTensor,
-    RawSource,
+    WRITE_BYTES,
     SourceFiles,
-    Unsupported,
-    Zeros,
-    _merge_copies,
+    _buffer,
     fill_file,
+    pwritev_all,
+    read_rows,
+    row_views,
     thread_buffer,
+    write_lock,
 )
-from converters.megatron_files import legacy_rank_dir_name, target_arg_fields
-from converters.megatron_layout import (
-    COL1,
-    GATE_UP,
-    REPLICATED,
-    ROW0,
-    LayoutError,
-    megatron_full_shape,
-    megatron_padded_vocab,
-    tp_split_kind,
+from converters.copy_path.megatron_ops import full_rows_ops, full_segments, row_nbytes, shard_ops
+from converters.copy_path.ops import Interleave, Op, Zeros
+from converters.copy_path.sources import RawSource
+from converters.formats import pickles as pw
+from converters.formats.megatron_args import (
+    HF_CONFIG_DIR,
+    iteration_folder,
+    legacy_rank_dir_name,
+    target_arg_fields,
 )
-from converters.megatron_stages import (
+from converters.formats.megatron_dist import dist_metadata
+from converters.formats.megatron_legacy import rank_file_object
+from converters.formats.tensors import TAG_TO_TORCH_NAME
+from converters.formats.torch_zip import archive_bytes, layout_archive
+from converters.layout.megatron import COL1, LayoutError, megatron_full_shape, megatron_padded_vocab, tp_split_kind
+from converters.layout.model import EMBED, FINAL, require_megatron_layout
+from converters.layout.stages import (
     DIST_DATA_FILES,
     DIST_METADATA_JSON,
-    EMBED,
-    FINAL,
     LINEAR_MODULES,
     RANK_FILE,
     MegatronLayout,
     extra_state_modules,
-    iteration_folder,
     stacked_key,
     unit_megatron_keys,
 )
-from converters.raw_files import TAG_TO_TORCH_NAME
-from converters.torch_zip import archive_bytes, layout_archive
+from converters.runtime.tasks import check_stop, run_tasks
 from models.common.errors import CheckpointError
-from models.common.weight_map import GATE_UP_STACKED, PLAIN, QKV_INTERLEAVED, VOCAB_PADDED, WeightEntry
-
-DCP = "torch.distributed.checkpoint.metadata"
-
-
-# ------------------------------------------------------------------------------------ op algebra
-
-
-def row_nbytes(shape: tuple[int, ...], tag: str) -> int:
-    """Bytes of one row (dim 0 entry) of a row-major tensor; a 1-D tensor's rows are its elements."""
-    n = ITEMSIZE[tag]
-    for d in shape[1:]:
-        n *= d
-    return n
-
-
-def select(pt: PlannedTensor, r0: int, r1: int, b0: int, b1: int) -> list[Op]:
-    """Operations producing rows ``[r0, r1)`` and bytes ``[b0, b1)`` of each row of ``pt``."""
-    width = row_nbytes(pt.shape, pt.dtype)
-    out: list[Op] = []
-    row = 0
-    for op in pt.ops:
-        if isinstance(op, Interleave):
-            k, parts = op.rows, op.parts
-        else:
-            if op.nbytes % width:
-                raise CheckpointError(f"internal: an operation of {op.nbytes} bytes is not whole rows of {width} "
-                                      f"bytes (tensor {pt.shape})")
-            k = op.nbytes // width
-            parts = None if isinstance(op, Zeros) else ((op.path, op.offset, width, width),)
-        lo, hi = max(r0, row), min(r1, row + k)
-        if lo < hi:
-            if parts is None:
-                out.append(Zeros((hi - lo) * (b1 - b0)))
-            else:
-                out.append(_band(parts, lo - row, hi - lo, b0, b1))
-        row += k
-        if row >= r1:
-            break
-    if row < r1:
-        raise CheckpointError(f"internal: a planned tensor {pt.shape} has {row} rows, {r1} requested")
-    return _merge_copies(out)
-
-
-def _band(parts: tuple, first: int, rows: int, b0: int, b1: int) -> Op:
-    """Rows ``first..first+rows`` of an interleaved band, bytes ``[b0, b1)`` of each row."""
-    picked, col = [], 0
-    for path, offset, rb, stride in parts:
-        a, b = max(b0, col), min(b1, col + rb)
-        if a < b:
-            picked.append((path, offset + first * stride + (a - col), b - a, stride))
-        col += rb
-    if len(picked) == 1:
-        path, offset, rb, stride = picked[0]
-        if rb == stride or rows == 1:
-            return Copy(path, offset, rows * rb if rb == stride else rb)
-    return Interleave(rows, tuple(picked))
-
-
-def full_segments(entry: WeightEntry, cfg: Any, hf_shapes: dict,
-                  padded_vocab: int) -> list[tuple[str | None, int, int]]:
-    """The Megatron full tensor of ``entry`` as consecutive row ranges of its HF tensors
-    (``(hf_name, a, b)``; ``None`` for zero rows)."""
-    layout = entry.megatron_layout
-    if layout == QKV_INTERLEAVED:
-        nh, ng, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        if nh % ng:
-            raise LayoutError(f"num_attention_heads={nh} not divisible by num_query_groups={ng}")
-        q, k, v = entry.hf
-        nq = nh // ng * hd
-        return [seg for g in range(ng) for seg in ((q, g * nq, (g + 1) * nq), (k, g * hd, (g + 1) * hd),
-                                                   (v, g * hd, (g + 1) * hd))]
-    if layout == GATE_UP_STACKED:
-        return [(n, 0, hf_shapes[n][0]) for n in entry.hf]
-    if layout == VOCAB_PADDED:
-        rows = hf_shapes[entry.hf[0]][0]
-        if padded_vocab < rows:
-            raise LayoutError(f"{entry.megatron}: padded vocab {padded_vocab} < vocab {rows}")
-        return [(entry.hf[0], 0, rows)] + ([(None, 0, padded_vocab - rows)] if padded_vocab > rows else [])
-    if layout == PLAIN:
-        return [(entry.hf[0], 0, hf_shapes[entry.hf[0]][0])]
-    raise LayoutError(f"unknown Megatron layout {layout!r}")
-
-
-def full_rows_ops(source: RawSource, segments: list, rows: list[tuple[int, int]], b0: int, b1: int) -> list[Op]:
-    """Operations for rows ``rows`` (ranges of the full tensor) and row bytes ``[b0, b1)``."""
-    ops: list[Op] = []
-    for a, b in rows:
-        start = 0
-        for name, s0, s1 in segments:
-            n = s1 - s0
-            lo, hi = max(a, start), min(b, start + n)
-            if lo < hi:
-                if name is None:
-                    ops.append(Zeros((hi - lo) * (b1 - b0)))
-                else:
-                    ops += select(source.planned[name], s0 + lo - start, s0 + hi - start, b0, b1)
-            start += n
-    return _merge_copies(ops)
-
-
-def shard_ops(source: RawSource, entry: WeightEntry, hf_shapes: dict, padded: int, tp: int, t: int,
-              key: str) -> tuple[tuple[int, ...], list[Op]]:
-    """(shape, operations) of TP rank ``t``'s legacy shard of ``entry`` (``tp=1``: the full tensor)."""
-    full = megatron_full_shape(entry, hf_shapes, source.cfg, padded)
-    segments = full_segments(entry, source.cfg, hf_shapes, padded)
-    tag = source.planned[entry.hf[0]].dtype
-    width = row_nbytes(full, tag)
-    rows = full[0]
-    kind = REPLICATED if tp == 1 else tp_split_kind(entry, len(full))
-    if kind == REPLICATED:
-        return full, full_rows_ops(source, segments, [(0, rows)], 0, width)
-    if kind == ROW0:
-        if rows % tp:
-            raise LayoutError(f"{key}: size {rows} of dim 0 not divisible by tp={tp}")
-        s = rows // tp
-        return (s, *full[1:]), full_rows_ops(source, segments, [(t * s, (t + 1) * s)], 0, width)
-    if kind == GATE_UP:
-        if rows % (2 * tp):
-            raise LayoutError(f"{key}: linear_fc1 rows {rows} not divisible by 2*tp = {2 * tp}")
-        half, s = rows // 2, rows // (2 * tp)
-        return (2 * s, *full[1:]), full_rows_ops(source, segments, [(t * s, (t + 1) * s),
-                                                                     (half + t * s, half + (t + 1) * s)], 0, width)
-    if kind == COL1:
-        if full[1] % tp:
-            raise LayoutError(f"{key}: size {full[1]} of dim 1 not divisible by tp={tp}")
-        band = width // tp
-        return (rows, full[1] // tp, *full[2:]), full_rows_ops(source, segments, [(0, rows)], t * band,
-                                                               (t + 1) * band)
-    raise Unsupported(f"{key}: split {kind}")
-
+from models.common.weight_map import WeightEntry, hf_shapes
+from parallel.config import ParallelConfig
 
 # -------------------------------------------------------------------------------------- targets
 
@@ -219,10 +82,6 @@ class CopyTarget:
 def plan_copy_target(source: RawSource, *, fmt: str, tp: int, pp: int, vpp: int, divisible_by: int,
                      first: int | None = None, last: int | None = None) -> CopyTarget:
     """Validate the target layout for the model (ParallelConfigError names the numbers)."""
-    from converters.checkpoint import require_megatron_layout
-    from models.common.weight_map import hf_shapes
-    from parallel.config import ParallelConfig
-
     cfg = source.cfg
     require_megatron_layout(cfg, source.path)
     ParallelConfig(tp=tp, pp=pp, vpp=vpp, num_layers_in_first_pipeline_stage=first,
@@ -291,7 +150,7 @@ def _legacy_file(source: RawSource, target: CopyTarget, directory: Path, p: int,
             # Megatron's last stage keeps its own copy of the tied embedding as output_layer.weight.
             entry = source.wmap.first_entries[0]
             chunk["output_layer.weight"] = add("output_layer.weight", entry, name)
-    obj = {"args": _args_node(target), "checkpoint_version": 3.0, "iteration": target.iteration or 0, **state}
+    obj = rank_file_object(_args_node(target), target.iteration, state)
     lay = layout_archive(pw.dumps(obj), [n for _, n in storages])
     path = str(directory / legacy_rank_dir_name(t, p, target.pp) / RANK_FILE)
     for i, group in scattered:
@@ -306,8 +165,6 @@ def scatter_bands(ops: list[Op], width: int, outputs: list[tuple[str, int]], buf
     are read into one buffer (``read_rows``) and each band is written from it with ``pwritev`` (one
     buffer per row, ``WRITE_BYTES`` at a time, holding the output's ``write_lock``): no copy in
     this process."""
-    from converters.copy_plan import WRITE_BYTES, _buffer, pwritev_all, read_rows, row_views, write_lock
-    from converters.tasks import check_stop
 
     tp = len(outputs)
     band = width // tp
@@ -392,39 +249,7 @@ def _dist_files(source: RawSource, target: CopyTarget, directory: Path) -> tuple
                     headers.append((pos, extra))
                     pos += len(extra)
         plans.append(_FilePlan(str(directory / name), pos, headers, work))
-    return plans, pw.dumps(_dist_metadata(tensors, bytes_keys, target.tag))
-
-
-def _dist_metadata(tensors: dict, bytes_keys: list, tag: str) -> pw.NewObj:
-    """``torch.distributed.checkpoint.metadata.Metadata`` as ``megatron_dist.write_dist`` pickles it."""
-    g = pw.Global
-    props = pw.NewObj(g(DCP, "TensorProperties"), (
-        pw.torch_dtype(tag), pw.Reduce(g("torch.serialization", "_get_layout"), ("torch.strided",)), False,
-        pw.Reduce(g(DCP, "_MEM_FORMAT_ENCODING"), (0,)), False))
-    state_md: dict[str, Any] = {}
-    storage: list[tuple[Any, Any]] = []
-
-    def storage_info(fname: str, off: int, length: int) -> pw.NewObj:
-        return pw.NewObj(g("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-                         {"relative_path": fname, "offset": off, "length": length})
-
-    for key, meta in tensors.items():
-        chunks = sorted(meta["chunks"], key=lambda c: c[0])
-        state_md[key] = pw.NewObj(g(DCP, "TensorStorageMetadata"), {
-            "properties": props, "size": pw.torch_size(meta["size"]),
-            "chunks": [pw.NewObj(g(DCP, "ChunkStorageMetadata"), {"offsets": pw.torch_size(offs),
-                                                                   "sizes": pw.torch_size(sizes)})
-                       for offs, sizes, *_ in chunks]})
-        for offs, _sizes, fname, off, length in meta["chunks"]:
-            index = pw.NewObj(g(DCP, "MetadataIndex"), {"fqn": key, "offset": pw.torch_size(offs), "index": None})
-            storage.append((index, storage_info(fname, off, length)))
-    for key, fname, off, length in bytes_keys:
-        state_md[key] = pw.NewObj(g(DCP, "BytesStorageMetadata"), {})
-        storage.append((pw.NewObj(g(DCP, "MetadataIndex"), {"fqn": key, "offset": None, "index": None}),
-                        storage_info(fname, off, length)))
-    return pw.NewObj(g(DCP, "Metadata"), {
-        "state_dict_metadata": dict(sorted(state_md.items())), "planner_data": None,
-        "storage_data": pw.Items(tuple(storage)), "storage_meta": None, "version": None})
+    return plans, pw.dumps(dist_metadata(tensors, bytes_keys, target.tag))
 
 
 # ------------------------------------------------------------------------------------- writing
@@ -467,8 +292,6 @@ def _tasks(plans: list[_FilePlan], bands: dict[tuple, dict], workers: int, buffe
 def write_megatron_by_copy(source: RawSource, target: CopyTarget, directory: str, *, workers: int, progress: bool,
                            hf_config_dir: str | None = None, buffer_bytes: int = DEFAULT_BUFFER) -> None:
     """The Megatron checkpoint of ``source`` in ``directory`` (tracker, iteration folder, HF config)."""
-    from converters.megatron_files import HF_CONFIG_DIR
-    from converters.tasks import run_tasks
 
     root = Path(directory)
     folder = iteration_folder(root, target.iteration)
@@ -496,4 +319,4 @@ def write_megatron_by_copy(source: RawSource, target: CopyTarget, directory: str
     cfg_dir.mkdir()
     source.hf_config.save(str(cfg_dir))
 
-__all__ = ["CopyTarget", "plan_copy_target", "write_megatron_by_copy", "select", "shard_ops", "full_segments"]
+__all__ = ["CopyTarget", "plan_copy_target", "write_megatron_by_copy", "scatter_bands"]

@@ -98,27 +98,6 @@ def _describe_layers(layers: set[int], prefix: str) -> str:
     return f"{len(layers)} layer(s) ({prefix}{shown})"
 
 
-def check_hf_directory(directory: str | Path) -> None:
-    """``check_config_against_tensors`` for an HF directory: config.json against the headers of its
-    safetensors files (headers only; no torch). Run it before reading the checkpoint with a reader."""
-    from converters.checkpoint import architecture_for, conversion_weight_map
-    from converters.raw_files import read_safetensors
-
-    config = read_hf_config(directory)
-    arch = architecture_for(config.model_type, str(directory))
-    cfg = arch.model_config(config)
-    shapes: dict[str, tuple[int, ...]] = {}
-    files: dict[str, str] = {}
-    for path in sorted(Path(directory).glob("*.safetensors")):
-        for name, tensor in read_safetensors(path).items():
-            name = arch.canonical_name(name)
-            shapes[name], files[name] = tuple(tensor.shape), path.name
-    config_path = Path(directory) / "config.json"
-    for field, count, prefix in arch.counted_blocks(cfg) if arch.counted_blocks else ():
-        check_block_count(config_path, field, count, prefix, shapes)  # before the weight map lists them
-    check_config_against_tensors(config_path, cfg, conversion_weight_map(arch, cfg), shapes, files)
-
-
 def config_from_fields(model_type: str, **fields: Any) -> HFConfig:
     """A complete config.json for a Llama/Qwen2/Qwen2-MoE model from its fields (used for Megatron sources)."""
     base = {"architectures": [ARCHITECTURE_CLASS[model_type]], "model_type": model_type, "hidden_act": "silu",

@@ -1,6 +1,7 @@
-"""Megatron checkpoint directories and ``args``: locating iterations, rank folders, model configs.
+"""Megatron checkpoint directories and ``args``: trackers, iterations, rank folders, model configs.
 
-Shared by the legacy (``torch``) and ``torch_dist`` readers and writers:
+Shared by the legacy (``torch``) and ``torch_dist`` readers and writers (reading and writing side
+by side: ``read_tracker`` / ``iteration_folder``, ``hf_config_from_args`` / ``target_arg_fields``):
 
   <root>/latest_checkpointed_iteration.txt   an integer, or "release"
   <root>/iter_{it:07d}/  or  <root>/release/
@@ -18,8 +19,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from converters.hf_config import config_from_fields, read_hf_config
-from converters.megatron_moe import (
+from converters.formats.hf_config import config_from_fields, read_hf_config
+from converters.formats.megatron_moe import (
     arg_value,
     check_hf_against_args,
     moe_arg_fields,
@@ -30,6 +31,7 @@ from models.common.config import UnsupportedConfigError
 from models.common.errors import CheckpointError
 
 TRACKER = "latest_checkpointed_iteration.txt"
+MAX_TRACKER_BYTES = 4096  # a tracker holds one number or "release"
 HF_CONFIG_DIR = "hf_config"  # written by our converters beside the iterations; read back when present
 RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 
@@ -53,9 +55,12 @@ def read_tracker(tracker: Path) -> str:
     """The stripped text of a ``latest_checkpointed_iteration.txt``; CheckpointError naming the file
     when it cannot be read or is not text (a binary or truncated file, another encoding)."""
     try:
-        raw = tracker.read_bytes()
+        with open(tracker, "rb") as f:
+            raw = f.read(MAX_TRACKER_BYTES + 1)
     except OSError as exc:
         raise CheckpointError(f"{tracker}: unreadable ({exc.strerror or exc})") from exc
+    if len(raw) > MAX_TRACKER_BYTES:
+        raise CheckpointError(f"{tracker}: over {MAX_TRACKER_BYTES} bytes; expected an iteration number or 'release'")
     try:
         return raw.decode("utf-8").strip()
     except UnicodeDecodeError as exc:
@@ -73,6 +78,54 @@ def tracker_step(tracker: Path, text: str) -> int:
         shown = repr(text[:40]) + ("..." if len(text) > 40 else "")
         raise CheckpointError(f"{tracker}: expected an iteration number or 'release', found {shown}")
     return step
+
+
+def iteration_folder(root: Path, iteration: int | None) -> Path:
+    """Writing: ``iter_XXXXXXX`` for a known iteration, ``release`` otherwise, created under ``root``
+    with the tracker file naming it."""
+    name = f"iter_{iteration:07d}" if iteration is not None else "release"
+    (root / TRACKER).write_text(str(iteration) if iteration is not None else "release")
+    folder = root / name
+    folder.mkdir()
+    return folder
+
+
+# Args read as integers (None: unset) and as numbers; the rest is read as switches and names only.
+INT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+            "expert_model_parallel_size", "expert_tensor_parallel_size", "decoder_first_pipeline_num_layers",
+            "decoder_last_pipeline_num_layers", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+            "num_query_groups", "kv_channels", "vocab_size", "padded_vocab_size", "max_position_embeddings",
+            "seq_length", "iteration", "num_experts", "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size",
+            "moe_shared_expert_intermediate_size", "make_vocab_size_divisible_by")
+FLOAT_ARGS = ("norm_epsilon", "rotary_base", "rope_scaling_factor", "moe_aux_loss_coeff")
+
+
+def describe(value: Any) -> str:
+    """A short description of an untrusted value: a scalar's repr (cut short), else its type only
+    (never the repr of a container, which a pickle's shared references can make exponentially long)."""
+    if value is None or isinstance(value, (bool, int, float)):
+        text = repr(value)
+        return text if len(text) <= 40 else text[:40] + "..."
+    if isinstance(value, str):
+        return repr(value[:40]) + ("..." if len(value) > 40 else "")
+    return f"a {getattr(value, '_qualname', None) or type(value).__name__} object"
+
+
+def check_args(args: Any, where: str) -> None:
+    """Megatron args as data: Megatron-LM's ``argparse.Namespace`` whose sizes and layout fields are
+    integers and numeric fields numbers (or unset); CheckpointError naming ``where`` (the file) and
+    the field otherwise. A payload pickled in place of the args is refused here instead of being
+    read as an empty namespace (every field at its default)."""
+    if not isinstance(args, argparse.Namespace):
+        raise CheckpointError(f"{where}: 'args' is {describe(args)}, not Megatron-LM's argparse.Namespace")
+    for name in INT_ARGS:
+        value = getattr(args, name, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise CheckpointError(f"{where}: args.{name} is {describe(value)}, not a non-negative integer")
+    for name in FLOAT_ARGS:
+        value = getattr(args, name, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise CheckpointError(f"{where}: args.{name} is {describe(value)}, not a number")
 
 
 def legacy_rank_dir_name(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> str:

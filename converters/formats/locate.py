@@ -1,6 +1,6 @@
 """Where a checkpoint's tensors and model description are, for the layouts training frameworks write.
 
-Torch-free (the copy path imports it). ``locate_source`` turns what a user points ``pmz`` at into the
+Torch-free (both conversion paths start here). ``locate_source`` turns what a user points ``pmz`` at into the
 folder a reader opens plus the HF config directory that describes the model when the checkpoint
 itself does not (no Megatron ``args``):
 
@@ -17,8 +17,7 @@ itself does not (no Megatron ``args``):
                        iter_XXXXXXX/ torch_dist without args, run_config.yaml, train_state.pt,
                        tokenizer/, with ``also_save_hf_checkpoint`` an HF export in hf/
 
-``check_config_against_dist`` compares an HF config with the tensors a torch_dist ``.metadata``
-lists before anything sized by the config is built.
+The format found is read by its validating reader (``converters/formats/__init__.CHECKPOINTS``).
 """
 
 from __future__ import annotations
@@ -26,17 +25,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
-from converters.megatron_files import TRACKER, read_tracker, resolve_iteration_dir, tracker_step
+from converters.formats.megatron_args import TRACKER, read_tracker, resolve_iteration_dir, tracker_step
+from converters.formats.megatron_bridge import bridge_hf_model_id
 from models.common.errors import CheckpointError
 
-# torch_dist entries that are not model weights: skipped by both readers (their bytes are never read)
-NON_MODEL_PREFIXES = ("optimizer.", "rng_state", "rerun_state")
 VERL_ROLES = ("actor", "critic")
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
-EMBEDDING = "embedding.word_embeddings.weight"
-OUTPUT = "output_layer.weight"
 
 
 @dataclass
@@ -57,8 +53,11 @@ def is_hf_dir(p: Path) -> bool:
                                               or (p / "model.safetensors.index.json").is_file())
 
 
-def locate_source(path: Any) -> SourceLocation:
-    """The checkpoint ``path`` holds (see the module docstring); CheckpointError in one line otherwise."""
+def locate_source(path: Any, hf_config: str | None = None) -> SourceLocation:
+    """The checkpoint ``path`` holds (see the module docstring); CheckpointError in one line otherwise.
+
+    ``hf_config``: the model description the user gave (``--hf-config``); a Megatron-Bridge
+    run_config.yaml is then not read for one."""
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or directory")
@@ -81,7 +80,7 @@ def locate_source(path: Any) -> SourceLocation:
         return _verl_role(p, None)
     it_dir = resolve_iteration_dir(p)
     if (it_dir / "metadata.json").is_file():
-        return _dist_location(p, it_dir)
+        return _dist_location(p, it_dir, hf_config)
     if any(it_dir.glob("mp_rank_*")):
         return SourceLocation(str(p), "megatron", "Megatron-LM legacy (torch)")
     if STEP_DIR.match(p.name):
@@ -141,7 +140,7 @@ def _verl_role(role: Path, via: str | None) -> SourceLocation:
     return SourceLocation(str(dist), "megatron-dist", name, hf_config, origin, notes)
 
 
-def _dist_location(p: Path, it_dir: Path) -> SourceLocation:
+def _dist_location(p: Path, it_dir: Path, hf_config: str | None) -> SourceLocation:
     """A torch_dist folder: Megatron-LM/bare dist_checkpointing, a verl dist_ckpt/ or a Bridge iter_*/."""
     if it_dir.name == "dist_ckpt":
         role = it_dir.parent.parent if it_dir.parent.name == "model" else it_dir.parent
@@ -151,13 +150,14 @@ def _dist_location(p: Path, it_dir: Path) -> SourceLocation:
                                   "verl huggingface/ folder beside dist_ckpt/")
         return SourceLocation(str(p), "megatron-dist", "torch_dist (dist_ckpt/)")
     if (it_dir / "run_config.yaml").is_file():
-        return _bridge_location(p, it_dir)
+        return _bridge_location(p, it_dir, hf_config)
     return SourceLocation(str(p), "megatron-dist", "Megatron torch_dist")
 
 
-def _bridge_location(p: Path, it_dir: Path) -> SourceLocation:
+def _bridge_location(p: Path, it_dir: Path, hf_config: str | None) -> SourceLocation:
     """Megatron-Bridge ``iter_*/``: no Megatron args; the model is described by its HF export in hf/
-    (``also_save_hf_checkpoint``) or by the local HF directory its run_config.yaml names."""
+    (``also_save_hf_checkpoint``) or by the local HF directory its run_config.yaml names
+    (``converters/formats/megatron_bridge``: bounded, data only), unless ``--hf-config`` is given."""
     name = f"Megatron-Bridge ({it_dir.name}, run_config.yaml)"
     notes = []
     if (it_dir / "tokenizer").is_dir():
@@ -165,6 +165,8 @@ def _bridge_location(p: Path, it_dir: Path) -> SourceLocation:
     hf = it_dir / "hf"
     if (hf / "config.json").is_file():
         return SourceLocation(str(p), "megatron-dist", name, str(hf), "Megatron-Bridge hf/ export", notes)
+    if hf_config:
+        return SourceLocation(str(p), "megatron-dist", name, None, None, notes)
     model_id = bridge_hf_model_id(it_dir / "run_config.yaml")
     if model_id and (Path(model_id) / "config.json").is_file():
         return SourceLocation(str(p), "megatron-dist", name, model_id, "run_config.yaml model.hf_model_id", notes)
@@ -173,26 +175,10 @@ def _bridge_location(p: Path, it_dir: Path) -> SourceLocation:
     return SourceLocation(str(p), "megatron-dist", name, None, None, notes)
 
 
-def bridge_hf_model_id(run_config: Path) -> str | None:
-    """``model.hf_model_id`` (or ``model.extra_checkpoint_metadata.hf_model_id``) of a Bridge run_config.yaml."""
-    try:
-        import yaml
-
-        data = yaml.safe_load(run_config.read_text())
-    except Exception:  # an unreadable or exotic YAML only loses the hint
-        return None
-    model = data.get("model") if isinstance(data, dict) else None
-    if not isinstance(model, dict):
-        return None
-    extra = model.get("extra_checkpoint_metadata")
-    value = (extra.get("hf_model_id") if isinstance(extra, dict) else None) or model.get("hf_model_id")
-    return str(value) if value else None
-
-
 def dist_has_model(dist: Path) -> bool:
     """Whether a torch_dist folder's .metadata lists model tensors (verl saves only optimizer and RNG
     state there when the bridge writes the weights as HF)."""
-    from converters.raw_files import read_pickle
+    from converters.formats.pickles import read_pickle
 
     try:
         md = read_pickle(dist / ".metadata")
@@ -202,105 +188,4 @@ def dist_has_model(dist: Path) -> bool:
     return any(k.startswith(("embedding.", "decoder.", "output_layer.")) for k in keys)
 
 
-# --------------------------------------------------------------------------------------- config checks
-
-
-def is_model_key(key: str) -> bool:
-    return not key.startswith(NON_MODEL_PREFIXES)
-
-
-def skipped_summary(entries: Mapping[str, Any]) -> dict[str, str]:
-    """Non-model entries of a torch_dist ``.metadata`` (name -> entry metadata): {group: 'N tensors, M objects'}."""
-    counts: dict[str, list[int]] = {}
-    for key, meta in entries.items():
-        if is_model_key(key):
-            continue
-        group = key.split("/", 1)[0].split(".", 1)[0]
-        c = counts.setdefault(group, [0, 0])
-        c[0 if hasattr(meta, "chunks") else 1] += 1
-    out = {}
-    for group, (tensors, objects) in sorted(counts.items()):
-        parts = ([f"{tensors} tensor{'s' * (tensors != 1)}"] if tensors else []) + \
-                ([f"{objects} object{'s' * (objects != 1)}"] if objects else [])
-        out[group] = ", ".join(parts)
-    return out
-
-
-def config_without_args(hf_config_dir: str | None, where: str) -> Any:
-    """The HF config describing a torch_dist checkpoint that has no Megatron args."""
-    from converters.hf_config import read_hf_config
-
-    if not hf_config_dir:
-        raise CheckpointError(f"{where}: no Megatron args in the checkpoint (written by dist_checkpointing.save "
-                              f"alone, verl or Megatron-Bridge?): pass --hf-config DIR, the HF model it was "
-                              f"trained from")
-    return read_hf_config(hf_config_dir)
-
-
-def check_config_against_dist(cfg: Any, shapes: Mapping[str, tuple], config_path: str, where: str) -> None:
-    """The sizes of an HF config (``cfg``: ModelConfig) against the global shapes of the tensors a
-    torch_dist checkpoint holds (name -> shape), before per-layer tables are built from the config.
-
-    One CheckpointError naming the config file, the config values and the tensor shapes."""
-    model = {k: tuple(s) for k, s in shapes.items() if is_model_key(k)}
-    adapters = sorted(k for k in model if ".adapter." in k or "lora" in k.lower())
-    if adapters:
-        only = "" if EMBEDDING in model else " (an adapter-only checkpoint: the base weights are not in it)"
-        raise CheckpointError(f"{where}: LoRA adapter tensors ({adapters[0]}, ... {len(adapters)} in all){only}; "
-                              f"pmz converts full models: merge the adapters first or convert the base checkpoint")
-    if not any(k.startswith(("embedding.", "decoder.")) for k in model):
-        groups = sorted({k.split("/", 1)[0].split(".", 1)[0] for k in shapes})
-        raise CheckpointError(f"{where}: .metadata lists no model tensors (embedding.*, decoder.*), only "
-                              f"{', '.join(groups[:6]) or 'nothing'}")
-    problems = []
-
-    def bad(claim: str, key: str, detail: str) -> None:
-        problems.append(f"{claim}, but {key} has shape {model[key]}{detail}")
-
-    L, H = cfg.num_hidden_layers, cfg.hidden_size
-    stacked = sorted(k for k in model if k.startswith("decoder.layers.") and not k.split(".")[2].isdigit())
-    numbered = {int(k.split(".")[2]) for k in model if k.startswith("decoder.layers.") and k.split(".")[2].isdigit()}
-    qkv = _find(model, "self_attention.linear_qkv.weight")
-    if stacked:
-        key = qkv if qkv in stacked else stacked[0]
-        if model[key][0] != L:
-            bad(f"num_hidden_layers={L}", key, f" ({model[key][0]} stacked layers)")
-    elif len(numbered) != L or (numbered and max(numbered) != L - 1):
-        problems.append(f"num_hidden_layers={L}, but .metadata holds {len(numbered)} numbered layer(s) "
-                        f"(decoder.layers.0..{max(numbered) if numbered else -1})")
-    if EMBEDDING in model:
-        rows, cols = model[EMBEDDING][0], model[EMBEDDING][-1]
-        if cols != H:
-            bad(f"hidden_size={H}", EMBEDDING, "")
-        elif rows < cfg.vocab_size:
-            bad(f"vocab_size={cfg.vocab_size}", EMBEDDING, f" ({rows} rows, fewer than the vocabulary)")
-    if OUTPUT in model and model[OUTPUT][0] == 1:
-        problems.append(f"{OUTPUT} has shape {model[OUTPUT]}: a value head (a verl critic or reward model), not "
-                        f"a language-model head")
-    nh, ng, hd, ffn = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
-    if qkv and model[qkv][-2:] != ((nh + 2 * ng) * hd, H):
-        bad(f"num_attention_heads={nh}, num_key_value_heads={ng}, head_dim={hd}, hidden_size={H} imply "
-            f"{(nh + 2 * ng) * hd} qkv rows of {H}", qkv, "")
-    proj = _find(model, "self_attention.linear_proj.weight")
-    if proj and model[proj][-1] != nh * hd:
-        bad(f"num_attention_heads={nh}, head_dim={hd} imply {nh * hd} attention-output columns", proj, "")
-    fc1 = _find(model, "mlp.linear_fc1.weight")
-    if fc1 and model[fc1][-2] != 2 * ffn:
-        bad(f"intermediate_size={ffn} implies {2 * ffn} gate+up rows", fc1, "")
-    fc2 = _find(model, "mlp.linear_fc2.weight")
-    if fc2 and model[fc2][-1] != ffn:
-        bad(f"intermediate_size={ffn}", fc2, "")
-    if problems:
-        raise CheckpointError(f"{config_path} does not describe the checkpoint {where}: {'; '.join(problems[:4])}")
-
-
-def _find(model: Mapping[str, tuple], suffix: str) -> str | None:
-    """The stacked key ``decoder.layers.<suffix>``, else layer 0's."""
-    for key in (f"decoder.layers.{suffix}", f"decoder.layers.0.{suffix}"):
-        if key in model:
-            return key
-    return None
-
-
-__all__ = ["SourceLocation", "locate_source", "check_config_against_dist", "config_without_args",
-           "skipped_summary", "NON_MODEL_PREFIXES", "is_model_key", "bridge_hf_model_id"]
+__all__ = ["SourceLocation", "locate_source", "is_hf_dir", "dist_has_model"]

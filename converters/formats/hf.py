@@ -1,20 +1,65 @@
-"""The layout of the HF safetensors files a conversion writes, decided before any byte is written.
+"""HuggingFace model directories: the validating reader (``HFCheckpoint``) and the layout of the
+safetensors files a conversion writes, side by side.
 
-Names, shapes, dtypes and byte offsets follow from the config alone, so every output file is laid
-out up front (header first, tensors at known offsets) and filled by independent tasks; the bytes
-never depend on timing or the number of workers. dtypes are safetensors tags ("F32", "BF16", ...)
-and nothing here imports torch: both the torch path (``converters/hf.py``) and the copy path
-(``converters/copy_plan.py``) plan with it, so they write identical files.
+Reading: config.json as data, the safetensors files and index through ``models/common/hf_files``
+(the one safetensors reader, shared with the model loader), the tensors' names in the weight map's
+key layout, config sizes against the tensors present (before anything sized by the config is
+built), and exactly the tensors the model needs with their shapes. Both conversion paths open
+this and nothing else: the copy path copies its byte ranges, the torch path reads its tensors.
+
+Writing: names, shapes, dtypes and byte offsets follow from the config alone, so every output file
+is laid out up front (header first, tensors at known offsets) and filled by independent tasks; the
+bytes never depend on timing or the number of workers. dtypes are safetensors tags ("F32", "BF16",
+...) and nothing here imports torch: both the torch path (``converters/torch_path/hf.py``) and the
+copy path (``converters/copy_path/hf.py``) plan with it, so they write identical files.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Union
 
-from converters.raw_files import ITEMSIZE
+from converters.formats.hf_config import check_block_count, check_config_against_tensors, read_hf_config
+from converters.formats.tensors import ITEMSIZE
+from converters.layout.model import architecture_for, conversion_weight_map
+from models.common.hf_files import SafetensorsFiles, StoredTensor, canonical_names, check_tensors
+from models.common.weight_map import hf_shapes
+
+# ------------------------------------------------------------------------------------------- reading
+
+
+class HFCheckpoint:
+    """An HF model directory, validated once for conversion (CheckpointError naming the file and the
+    tensor or entry otherwise): ``hf_config``, ``arch``, ``cfg``, ``wmap``, ``files`` (the validated
+    ``SafetensorsFiles``) and ``tensors``: the weight map's name -> where its bytes are."""
+
+    format = "hf"
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = str(path)
+        self.hf_config = read_hf_config(path)
+        self.files = SafetensorsFiles(path)
+        arch = architecture_for(self.hf_config.model_type, self.path)
+        cfg = arch.model_config(self.hf_config)
+        # other key layouts of the same model (Qwen2-VL's in-memory names) under the weight map's names
+        stored_as = canonical_names(self.files.names(), arch.canonical_name, self.path)
+        shapes = {name: self.files.tensors[stored].shape for name, stored in stored_as.items()}
+        files = {name: self.files.file_of(stored) for name, stored in stored_as.items()}
+        config_path = Path(path) / "config.json"
+        for field, count, prefix in arch.counted_blocks(cfg) if arch.counted_blocks else ():
+            check_block_count(config_path, field, count, prefix, shapes)  # before the weight map lists them
+        wmap = conversion_weight_map(arch, cfg)
+        check_config_against_tensors(config_path, cfg, wmap, shapes, files)
+        allowed = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
+        check_tensors(shapes, hf_shapes(cfg, wmap), self.path, allowed_extra=allowed)
+        self.arch, self.cfg, self.wmap = arch, cfg, wmap
+        self.tensors: dict[str, StoredTensor] = {name: self.files.tensors[stored] for name, stored in stored_as.items()}
+
+
+# ------------------------------------------------------------------------------------------- writing
 
 Unit = Union[int, str]
 

@@ -1,0 +1,10 @@
+"""The copy path: conversions that only move bytes, planned from file metadata and executed with
+``preadv``/``pwrite`` by worker threads -- no torch, no tensors in Python, memory bounded by one
+buffer per thread. Every dense conversion without a dtype change takes it.
+
+  sources       a checkpoint as planned byte ranges, over its format's validating reader
+  ops           the operations (Copy, Interleave, Zeros) and the blocks of Megatron tensors
+  megatron_ops  Megatron tensors and TP shards as operations on the source files
+  io            executing operations: the block writer, vector reads and writes
+  hf            the HF writer; ``megatron``: the legacy and torch_dist writers
+"""

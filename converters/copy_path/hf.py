@@ -1,0 +1,56 @@
+"""The copy path's HF writer: safetensors files laid out by ``converters/formats/hf`` (the layout the
+torch path writes too, so both write identical files) and filled from the source's planned byte
+ranges by worker threads (``converters/copy_path/io.fill_file``), plus index, config and tokenizer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from converters.copy_path.io import DEFAULT_BUFFER, fill_file, thread_buffer
+from converters.copy_path.sources import RawSource
+from converters.formats.hf import FilePlan, header, nbytes, plan_shards, split_file_plan, tensor_offsets, write_index
+from converters.formats.hf_config import read_hf_config
+from converters.formats.tensors import TAG_TO_TORCH_NAME
+from converters.runtime.tasks import run_tasks
+from models.common.hf_files import copy_companion_files
+
+
+def plan_hf_files(source: RawSource, max_shard_bytes: int) -> tuple[str, list[FilePlan]]:
+    tag = source.dtype()
+    units = [(unit, [(n, source.planned[n].shape) for e in entries for n in e.hf]) for unit, entries in source.units()]
+    return tag, plan_shards(units, tag, max_shard_bytes)
+
+
+def hf_tasks(source: RawSource, files: list[FilePlan], tag: str, directory: str, workers: int,
+             buffer_bytes: int) -> list[tuple]:
+    """Create the output files (headers, final sizes) and cut the copying into tasks of about equal bytes."""
+    tasks = []
+    for f in files:
+        head = header(f, tag)
+        size = len(head) + sum(nbytes(shape, tag) for _, shape in f.tensors)
+        path = str(Path(directory) / f.name)
+        with open(path, "wb") as out:
+            out.write(head)
+            out.truncate(size)
+        offsets = tensor_offsets(f, tag)
+        parts = max(1, min(workers, len(f.tensors)) * 2 // max(1, len(files)))
+        for lo, hi in split_file_plan(f, parts):
+            work = [(offsets[name], source.planned[name].ops) for name, _ in f.tensors[lo:hi]]
+            tasks.append((fill_file, (path, work, buffer_bytes)))
+    return tasks
+
+
+def write_hf_by_copy(source: RawSource, directory: str, *, max_shard_bytes: int, workers: int, progress: bool,
+                     buffer_bytes: int = DEFAULT_BUFFER) -> None:
+    """The HF checkpoint of ``source`` in ``directory`` (safetensors files + index + config + tokenizer)."""
+    tag, files = plan_hf_files(source, max_shard_bytes)
+    tasks = hf_tasks(source, files, tag, directory, workers, thread_buffer(buffer_bytes, workers))
+    run_tasks(tasks, workers, "copying HF shards", progress, threads=True)
+    write_index(files, directory, tag)
+    config = source.hf_config
+    if source.hf_config_dir and source.format != "hf":
+        config = read_hf_config(source.hf_config_dir)
+    if source.hf_config_dir:
+        copy_companion_files(source.hf_config_dir, directory)
+    config.save(directory, TAG_TO_TORCH_NAME[tag])

@@ -1,0 +1,232 @@
+"""Megatron ``torch_dist`` checkpoints on the torch path: a reader over the format's validating reader,
+and the writer, without torch.distributed or megatron-core.
+
+Layout: see ``converters/formats/megatron_dist`` (metadata.json, .metadata, __R_I.distcp chunks,
+common.pt; tensors global, uniform layers stacked). Reading fetches only the chunks overlapping the
+requested layer, mapped from their validated byte locations, so memory stays at one unit. Writing
+streams each unit's chunks to the task's own .distcp file and builds ``.metadata`` from the
+recorded offsets at the end.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from converters.formats.megatron_dist import DistCheckpoint
+from converters.layout.megatron import LayoutError, megatron_to_hf
+from converters.layout.model import EMBED, FINAL, Unit
+from converters.layout.stages import (
+    DIST_DATA_FILES,
+    DIST_METADATA_JSON,
+    LAYER_PREFIX,
+    LINEAR_MODULES,
+    absent_tensors,
+    not_in_megatron,
+    stacked_key,
+)
+from converters.runtime.tasks import run_tasks
+from converters.torch_path.megatron_target import megatron_unit_tensors
+from converters.torch_path.reader import TORCH_DTYPES, CheckpointReader, MappedFiles, ReaderInfo, reopen
+from models.common.errors import CheckpointError
+
+
+class DistReader(CheckpointReader):
+    megatron = True
+
+    def __init__(self, path: str | os.PathLike, *, arch: str | None = None, hf_config_dir: str | None = None,
+                 vocab_size: int | None = None) -> None:
+        self.path = str(path)
+        self._remember_args(self.path, arch=arch, hf_config_dir=hf_config_dir, vocab_size=vocab_size)
+        self.ckpt = ckpt = DistCheckpoint(self.path, arch=arch, hf_config_dir=hf_config_dir, vocab_size=vocab_size)
+        self.it_dir, self.args, self.common, self.tensors = ckpt.it_dir, ckpt.args, ckpt.common, ckpt.tensors
+        self.hf_config, self.arch, self.cfg, self.wmap = ckpt.hf_config, ckpt.arch, ckpt.cfg, ckpt.wmap
+        self.skipped, self.padded_vocab = ckpt.skipped, ckpt.padded_vocab
+        lay: dict[str, Any] = ckpt.layout or {"tp": None, "pp": None, "vpp": None}
+        files = sorted({c.file for t in self.tensors.values() for c in t.chunks})
+        self.info = ReaderInfo("megatron-dist", self.arch.name,
+                               {"saved_with_tp": lay["tp"], "saved_with_pp": lay["pp"], "saved_with_vpp": lay["vpp"],
+                                **({"saved_with_ep": lay.get("ep"), "experts_stored": "stacked per layer and expert"}
+                                   if self.cfg.moe is not None else {}),
+                                "padded_vocab": self.padded_vocab, "iteration": ckpt.iteration},
+                               len(files), TORCH_DTYPES.get(ckpt.dtype, torch.float32))
+        self._files = MappedFiles()
+
+    def validate(self) -> None:
+        """``DistCheckpoint.validate``: tensors, shapes, chunk tiling, data files and archives (see there)."""
+        self.ckpt.validate()
+
+    def read_tensor(self, key: str, index: int | tuple[int, ...] | None) -> torch.Tensor:
+        """The global tensor ``key`` (or its slice ``[index]`` along the leading dims: a layer, or a
+        layer and an expert), from overlapping chunks only."""
+        meta = self.tensors.get(key)
+        if meta is None:
+            raise CheckpointError(f"{self.it_dir}: missing tensor {key}")
+        size = meta.size
+        lo = [0] * len(size)
+        hi = list(size)
+        lead = () if index is None else (index,) if isinstance(index, int) else tuple(index)
+        for d, i in enumerate(lead):
+            if not 0 <= i < size[d]:
+                raise CheckpointError(f"{self.it_dir}: {key} has global shape {size}, no index {i} along dim {d}")
+            lo[d], hi[d] = i, i + 1
+        out = torch.empty([h - low for low, h in zip(lo, hi)], dtype=TORCH_DTYPES[meta.dtype])
+        covered = 0
+        for chunk in meta.chunks:
+            c_lo = list(chunk.offsets)
+            c_hi = [o + s for o, s in zip(chunk.offsets, chunk.sizes)]
+            o_lo = [max(a, b) for a, b in zip(lo, c_lo)]
+            o_hi = [min(a, b) for a, b in zip(hi, c_hi)]
+            if any(a >= b for a, b in zip(o_lo, o_hi)):
+                continue
+            data = self._files.tensor(self.ckpt.chunk(key, chunk))
+            src = data[tuple(slice(a - c, b - c) for a, b, c in zip(o_lo, o_hi, c_lo))]
+            out[tuple(slice(a - low, b - low) for a, b, low in zip(o_lo, o_hi, lo))] = src
+            covered += src.numel()
+        if covered != out.numel():
+            raise CheckpointError(f"{self.it_dir}: chunks of {key} cover {covered} of {out.numel()} elements")
+        return out[(0,) * len(lead)] if lead else out
+
+    def read_unit(self, unit: Unit) -> dict[str, torch.Tensor]:
+        if unit in (EMBED, FINAL):
+            entries = [(e, e.megatron, None)
+                       for e in (self.wmap.first_entries if unit == EMBED else self.wmap.last_entries)]
+        else:
+            entries = self.ckpt.layer_keys(int(unit))
+        out = {n: torch.zeros(shape, dtype=self.info.dtype) for n, shape in absent_tensors(self.wmap, unit).items()}
+        for entry, key, idx in entries:
+            try:
+                out.update(zip(entry.hf, megatron_to_hf(entry, self.read_tensor(key, idx), self.cfg)))
+            except LayoutError as exc:
+                raise CheckpointError(f"{self.it_dir}: {exc}") from exc
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- writing
+
+
+def _torch_save_bytes(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def write_dist_units(reopen_args: tuple, target, directory: str, units: list, file_name: str) -> list[tuple]:
+    """Write ``units`` into ``file_name``; returns (key, global_shape, dtype, offsets, sizes, storage) records."""
+    reader = reopen(reopen_args)
+    L = reader.cfg.num_hidden_layers
+    wmap = reader.wmap
+    # megatron-core stacks layers only when they are uniform: with dense layers between MoE ones
+    # every key carries its global layer number (norms still under their TE names)
+    stacked = not wmap.has_experts or len(wmap.moe_layers) == L
+    E = reader.cfg.moe.num_experts if reader.cfg.moe is not None else 0
+    records = []
+
+    def put(key: str, gshape, dtype, offsets, chunk_shape, payload) -> None:
+        raw = _torch_save_bytes(payload)
+        records.append((key, gshape, dtype, offsets, chunk_shape, (file_name, f.tell(), len(raw))))
+        f.write(raw)
+
+    with open(Path(directory) / file_name, "wb") as f:
+        for unit in units:
+            layer = None if unit in (EMBED, FINAL) else int(unit)
+            for _entry, key, full in megatron_unit_tensors(reader, unit, layer, target.padded_vocab, target.dtype):
+                expert = _EXPERT.search(key)
+                lead: tuple[int, ...] = ()
+                if layer is None:
+                    gkey, gshape, offsets = key, (), ()
+                elif expert is not None:  # experts stacked per layer and per global expert
+                    e = int(expert.group(1))
+                    gkey = key.replace(expert.group(0), ".mlp.experts.experts.")
+                    if stacked:
+                        gkey = gkey.replace(f"layers.{layer}.", "layers.", 1)
+                        gshape, offsets, lead = (L, E), (layer, e), (1, 1)
+                    else:
+                        gshape, offsets, lead = (E,), (e,), (1,)
+                else:
+                    gkey = stacked_key(key.replace(f"layers.{layer}.", "layers.{i}.", 1))
+                    if stacked:
+                        gshape, offsets, lead = (L,), (layer,), (1,)
+                    else:
+                        gkey, gshape, offsets = gkey.replace(LAYER_PREFIX, f"{LAYER_PREFIX}{layer}.", 1), (), ()
+                chunk = full.reshape(*lead, *full.shape).contiguous()
+                put(gkey, (*gshape, *full.shape), full.dtype, (*offsets, *(0,) * full.dim()), tuple(chunk.shape),
+                    chunk)
+            if layer is not None:
+                for module, suffix in _dist_extra_states(wmap, layer, L, E, stacked):
+                    put(f"{module}._extra_state/{suffix}", None, None, None, None, [None])
+    reader.close()
+    return records
+
+
+_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+
+
+def _dist_extra_states(wmap, layer: int, L: int, E: int, stacked: bool) -> list[tuple[str, str]]:
+    """(module, shard suffix) of the empty ``_extra_state`` items megatron-core writes for a layer:
+    ``shard_{layer}_{L}`` stacked, ``shard_0_1`` per layer; experts ``shard_{layer}.{e}_{L}.{E}``
+    stacked, ``shard_{e}_{E}`` per layer."""
+    prefix = LAYER_PREFIX if stacked else f"{LAYER_PREFIX}{layer}."
+    where = f"shard_{layer}_{L}" if stacked else "shard_0_1"
+    if layer not in wmap.moe_layers:
+        return [(prefix + m, where) for m in LINEAR_MODULES]
+    out = [(prefix + m, where) for m in LINEAR_MODULES[:2]]
+    for j in (1, 2):
+        out += [(f"{prefix}mlp.experts.experts.linear_fc{j}",
+                 f"shard_{layer}.{e}_{L}.{E}" if stacked else f"shard_{e}_{E}") for e in range(E)]
+    if not not_in_megatron(wmap.moe_layer_entries):
+        out += [(f"{prefix}mlp.shared_experts.linear_fc{j}", where) for j in (1, 2)]
+    return out
+
+
+def write_dist(reader: CheckpointReader, target, directory: str, *, workers: int, progress: bool) -> None:
+    """torch_dist checkpoint in ``directory`` (the iteration folder)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    units = reader.units()
+    # The number of data files is part of the plan (not of --workers), so output bytes never depend
+    # on how many processes wrote them.
+    n_files = max(1, min(DIST_DATA_FILES, len(units)))
+    groups = [units[i::n_files] for i in range(n_files)]
+    tasks = [(write_dist_units, (reader.reopen_args(), target, directory, g, f"__{i}_0.distcp"))
+             for i, g in enumerate(groups)]
+    results = run_tasks(tasks, workers, "writing torch_dist", progress)
+    state_md: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+    for records in results:
+        for key, gshape, dtype, offsets, sizes, (fname, off, length) in records:
+            if gshape is None:
+                state_md[key] = BytesStorageMetadata()
+                storage[MetadataIndex(key)] = _StorageInfo(fname, off, length)
+                continue
+            meta = state_md.setdefault(
+                key, TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(gshape), []))
+            meta.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+            storage[MetadataIndex(key, torch.Size(offsets))] = _StorageInfo(fname, off, length)
+    for meta in state_md.values():
+        if isinstance(meta, TensorStorageMetadata):
+            meta.chunks.sort(key=lambda c: tuple(c.offsets))
+    metadata = Metadata(state_dict_metadata=dict(sorted(state_md.items())), planner_data=None, storage_data=storage)
+    with open(Path(directory) / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    torch.save({"args": target.args, "checkpoint_version": 3.0, "iteration": target.iteration or 0},
+               Path(directory) / "common.pt")
+    (Path(directory) / "metadata.json").write_text(json.dumps(DIST_METADATA_JSON))
+
+
+__all__ = ["DistReader", "write_dist"]

@@ -1,0 +1,125 @@
+"""What every torch-path reader offers the conversion engine: HF-named full tensors, one unit at a time.
+
+Readers are thin: each wraps its format's validating checkpoint (``converters/formats``), which
+checked every file and tensor once, and turns the byte ranges it lists into torch tensors (views of
+the memory-mapped files where the layout allows). Readers are rebuilt inside worker processes from
+``reader.reopen_args()`` (path + options), so nothing large crosses process boundaries.
+"""
+
+from __future__ import annotations
+
+import mmap
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from converters.formats.tensors import RawTensor, StridedTensor
+from converters.layout.model import Unit, all_units, model_from_config
+from models.common.architecture import Architecture
+from models.common.config import ModelConfig
+from models.common.weight_map import WeightMap
+
+TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                "BOOL": torch.bool}
+
+
+@dataclass
+class ReaderInfo:
+    """Description shown by ``pmz inspect`` and used to plan writes."""
+
+    format: str
+    architecture: str
+    layout: dict[str, Any] = field(default_factory=dict)
+    files: int = 0
+    dtype: Any = None  # torch.dtype of the stored floating-point tensors (set by every reader)
+
+
+class CheckpointReader:
+    """Base class. Subclasses set ``arch``, ``hf_config``, ``cfg``, ``wmap``, ``info``."""
+
+    arch: Architecture
+    hf_config: Any
+    cfg: ModelConfig
+    wmap: WeightMap
+    info: ReaderInfo
+    path: str
+    megatron = False  # a Megatron format (needs every tensor's Megatron name)
+
+    def _set_model(self, hf_config: Any, where: str) -> None:
+        """Architecture, model config and weight map from an HF config (shared by every reader)."""
+        self.hf_config = hf_config
+        self.arch, self.cfg, self.wmap = model_from_config(hf_config, where, self.megatron)
+
+    def _remember_args(self, *args: Any, **kwargs: Any) -> None:
+        """Record the constructor arguments, so ``reopen_args`` can rebuild this reader elsewhere."""
+        self._ctor = (type(self), args, kwargs)
+
+    def reopen_args(self) -> tuple:
+        """``(callable, args)`` that rebuilds this reader in another process."""
+        return _construct, self._ctor
+
+    def units(self) -> list[Unit]:
+        return all_units(self.cfg)
+
+    def read_unit(self, unit: Unit) -> dict[str, torch.Tensor]:
+        """HF name -> full tensor for every HF tensor of ``unit``."""
+        raise NotImplementedError
+
+    def read_unit_pieces(self, unit: Unit) -> dict[str, list[torch.Tensor]]:
+        """Like ``read_unit``, but each tensor may come as row pieces (views into the source) whose
+        concatenation along dim 0 is the tensor: writers stream them without building it."""
+        return {name: [t] for name, t in self.read_unit(unit).items()}
+
+    def validate(self) -> None:
+        """Check every file and tensor the conversion will need, before anything is written."""
+        raise NotImplementedError
+
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Full HF tensor shapes implied by the config (computed once)."""
+        cached = self.__dict__.get("_hf_shapes")
+        if cached is None:
+            from models.common.weight_map import hf_shapes
+
+            cached = self.__dict__["_hf_shapes"] = hf_shapes(self.cfg, self.wmap)
+        return cached
+
+    def close(self) -> None:
+        pass
+
+
+def _construct(cls: type, args: tuple, kwargs: dict) -> CheckpointReader:
+    return cls(*args, **kwargs)
+
+
+def reopen(reopen_args: tuple) -> CheckpointReader:
+    """Rebuild a reader from ``reader.reopen_args()`` (inside a worker process)."""
+    factory, args = reopen_args
+    return factory(*args)
+
+
+class MappedFiles:
+    """Source files mapped once each (private, read-only in practice): ``tensor(location)`` is a
+    tensor over the bytes a validated ``RawTensor`` / ``StridedTensor`` names, without a copy."""
+
+    def __init__(self) -> None:
+        self.maps: dict[str, mmap.mmap] = {}
+
+    def _map(self, path: str) -> mmap.mmap:
+        if path not in self.maps:
+            with open(path, "rb") as f:
+                # ACCESS_COPY (MAP_PRIVATE): a writable buffer for torch.frombuffer; nothing writes to it
+                self.maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        return self.maps[path]
+
+    def tensor(self, t: RawTensor | StridedTensor) -> torch.Tensor:
+        dtype = TORCH_DTYPES[t.dtype]
+        if isinstance(t, RawTensor):
+            if t.numel == 0:
+                return torch.empty(t.shape, dtype=dtype)
+            return torch.frombuffer(self._map(t.path), dtype=dtype, count=t.numel, offset=t.offset).view(t.shape)
+        if t.storage_numel == 0:
+            return torch.empty(t.shape, dtype=dtype)
+        storage = torch.frombuffer(self._map(t.path), dtype=dtype, count=t.storage_numel, offset=t.storage_at)
+        return storage.as_strided(t.shape, t.stride, t.storage_offset)
