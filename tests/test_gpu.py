@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.common import attention
+from models.common.blocks import attention
 
 pytestmark = [
     pytest.mark.gpu,

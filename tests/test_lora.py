@@ -51,7 +51,7 @@ def test_lora_matches_peft(world, hf_dirs, adapters):
 def test_unknown_lora_target_refused(hf_dirs):
     from peft import LoraConfig
 
-    from models.common.lora import LoraError
+    from models.common.blocks.lora import LoraError
     from models.qwen2 import build_parallel_model
 
     with pytest.raises(LoraError, match="foo_proj"):
@@ -73,7 +73,7 @@ def test_lora_training_matches_peft_across_layouts(world, layouts, hf_dirs, adap
 def test_lora_configs_and_adapters_that_do_not_fit_are_refused(hf_dirs, adapters):
     from peft import LoraConfig
 
-    from models.common.lora import LoraError
+    from models.common.blocks.lora import LoraError
     from models.qwen2 import build_parallel_model
     from parallel import ParallelConfigError
     from tests.workers_lora import TARGETS
@@ -82,7 +82,7 @@ def test_lora_configs_and_adapters_that_do_not_fit_are_refused(hf_dirs, adapters
     with pytest.raises(LoraError, match="use_dora"):
         build_parallel_model(path, lora=LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
     model = build_parallel_model(path, lora=LoraConfig(r=4, lora_alpha=99, target_modules=TARGETS))
-    from models.common.lora import check_lora_config
+    from models.common.blocks.lora import check_lora_config
     from models.common.weights import hf_shapes
     from parallel import ParallelConfig
 

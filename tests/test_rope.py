@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.common.rope import RotaryEmbedding, apply_rotary
+from models.common.blocks.rope import RotaryEmbedding, apply_rotary
 from models.llama.config import model_config
 from tests.cases import write_hf_model
 

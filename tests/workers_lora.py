@@ -81,7 +81,7 @@ def lora_case(case: str, path: str, adapter: str, out_root: str, kwargs: dict) -
 
 def lora_state_of_grads(model) -> dict:
     """The LoRA gradients gathered like the adapter (peft names)."""
-    from models.common.lora import lora_state
+    from models.common.export.lora_adapter import lora_state
 
     saved = {n: p.data for n, p in model.named_parameters() if ".lora." in n}
     try:
@@ -111,7 +111,7 @@ def lora_training_suite(path: str, adapter: str, layouts: list[dict]) -> list[tu
     losses per step and the LoRA weights afterwards (gathered like the adapter), merged export too."""
     from peft import LoraConfig, PeftModel
 
-    from models.common.lora import lora_state
+    from models.common.export.lora_adapter import lora_state
     from tests.workers_pipeline import batch
 
     records = []

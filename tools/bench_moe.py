@@ -51,7 +51,7 @@ def reference_block(args, implementation: str = "eager"):
 
 def our_block(args, reference, groups=None):
     """Our ParallelMoE holding ``groups``' share of the reference block's experts (same weights)."""
-    from models.common.moe import ParallelMoE
+    from models.common.blocks.moe import ParallelMoE
     from models.qwen2_moe.config import model_config
     from parallel.groups import ParallelGroups
 

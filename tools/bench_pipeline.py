@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.common.training import PipelineChunk, pack, to_samples  # noqa: E402
+from models.common.training.microbatches import pack, to_samples  # noqa: E402
+from models.common.training.pipeline_chunk import PipelineChunk  # noqa: E402
 from models.qwen2 import build_parallel_model  # noqa: E402
 from parallel import ParallelConfig  # noqa: E402
 from parallel.launch import run_distributed  # noqa: E402

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from models.common.architecture import Architecture  # noqa: F401 (re-exported)
+from models.common.causal_lm import ParallelCausalLM
 from models.common.config import ModelConfig
 from models.common.sources import (
     CheckpointError,
@@ -24,7 +25,6 @@ from models.common.sources import (
     TensorSource,
     read_config_json,
 )
-from models.common.transformer import ParallelCausalLM
 from models.common.weights import hf_shapes, load_weights, validate_source
 from parallel.config import ParallelConfig, ParallelConfigError
 from parallel.groups import ParallelGroups, build_groups
@@ -64,7 +64,7 @@ def build_model(arch: Architecture, source: Any, parallel_config: ParallelConfig
     parallel_config: the layout (default: everything 1). Call after ``init_process_group`` when
         any size is > 1. ``groups`` reuses already-built groups (e.g. ``groups_from_megatron()``).
     lora: a ``peft.LoraConfig``: LoRA factors on the targeted modules, base weights frozen
-        (``models/common/lora.py``); fill them from an adapter with ``model.load_lora_adapter``.
+        (``models/common/blocks/lora.py``); fill them from an adapter with ``model.load_lora_adapter``.
     """
     parallel_config = parallel_config or (groups.config if groups is not None else ParallelConfig())
     tensor_source: TensorSource | None = None
@@ -91,7 +91,7 @@ def build_model(arch: Architecture, source: Any, parallel_config: ParallelConfig
         _check_moe_layout(arch, parallel_config, lora)
     lora_targets = None
     if lora is not None:
-        from models.common.lora import check_lora_config
+        from models.common.blocks.lora import check_lora_config
 
         lora_targets = check_lora_config(cfg, wmap, lora, parallel_config, hf_shapes(cfg, wmap))
     if isinstance(source, (str, os.PathLike)):
@@ -117,7 +117,7 @@ def build_model(arch: Architecture, source: Any, parallel_config: ParallelConfig
     load_weights(dict(model.named_parameters()), model.load_entries(), tensor_source, groups.tp_rank, groups.tp_size,
                  groups.ep_rank, groups.ep_size)
     if lora is not None:
-        from models.common.lora import apply_lora
+        from models.common.blocks.lora import apply_lora
 
         apply_lora(model, lora, lora_targets, seed=seed)
     if parallel_config.fsdp:

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from models.common.builder import build_model
-from models.common.transformer import ParallelCausalLM
+from models.common.causal_lm import ParallelCausalLM
 from models.llama.architecture import ARCHITECTURE
 from parallel.config import ParallelConfig
 from parallel.groups import ParallelGroups

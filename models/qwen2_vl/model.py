@@ -5,7 +5,7 @@ mm_token_type_ids=)`` computes what transformers' ``Qwen2VLForConditionalGenerat
 
 1. the inputs are checked (pixels, grids and placeholder tokens agree) on every rank before any
    collective;
-2. the vision tower (``models/common/vision.py``, split over TP) encodes every image and video
+2. the vision tower (``models/common/blocks/vision.py``, split over TP) encodes every image and video
    patch once: one pass over all of them (attention stays within each frame, so batching them
    changes nothing);
 3. M-RoPE positions ``[3, b, s]`` are computed on the whole (padded or packed) sequence
@@ -24,9 +24,10 @@ from typing import Any
 
 import torch
 
+from models.common.blocks.decoder import CausalLMOutput
+from models.common.blocks.vision import ParallelVisionTower
 from models.common.builder import build_model
-from models.common.transformer import CausalLMOutput, ParallelCausalLM
-from models.common.vision import ParallelVisionTower
+from models.common.causal_lm import ParallelCausalLM
 from models.qwen2_vl.architecture import ARCHITECTURE
 from models.qwen2_vl.positions import (
     VisionInputError,
@@ -125,7 +126,7 @@ class ParallelQwen2VL(ParallelCausalLM):
                             inputs[key_pixels], inputs[key_grid] = rows, grids
             return out
 
-        from models.common.training import forward_backward
+        from models.common.training.forward_backward import forward_backward
 
         return forward_backward(self, input_ids, labels, sample_inputs=per_sample, **kwargs)
 

@@ -3,7 +3,7 @@ transformers' ``save_pretrained`` writes on disk (``model.*``, ``visual.*``, ``l
 against transformers 5.23 in tests/test_qwen2_vl.py). Checkpoints that use transformers' in-memory
 layout (``model.language_model.*``, ``model.visual.*``) are read through ``HF_KEY_ALIASES``.
 
-Vision tensors (``{j}`` = block) and their tensor-parallel rules (``models/common/vision.py``):
+Vision tensors (``{j}`` = block) and their tensor-parallel rules (``models/common/blocks/vision.py``):
   ``visual.patch_embed.proj.weight [E, C, T, P, P]``   replicated
   ``visual.blocks.{j}.norm{1,2}.{weight,bias}``        replicated
   ``visual.blocks.{j}.attn.qkv.{weight,bias}``         Fused(3): per q/k/v block, then per head

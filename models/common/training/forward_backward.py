@@ -15,119 +15,16 @@ to the micro-batch's, and gradients are summed over those ranks like over DP.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from models.common.sequence_parallel import SequenceShard, gather_tokens, plan_for, shard_of
+from models.common.blocks.moe import balance_loss, split_carry
+from models.common.training.microbatches import IGNORE_INDEX, merge_sample_inputs, pack, to_samples
+from models.common.training.pipeline_chunk import PipelineChunk
 from parallel.grads import finalize_grads
 from parallel.microbatch import plan_microbatches
 from parallel.pipeline import PipelineRunner, check_schedule, microbatch_minimum, microbatch_multiple
-
-IGNORE_INDEX = -100
-
-
-@dataclass
-class Sample:
-    ids: torch.Tensor  # [n]
-    positions: torch.Tensor  # [n], or [3, n] for M-RoPE
-    targets: torch.Tensor  # [n], target of token t (HF-shifted), -100 = ignored
-    inputs: dict | None = None  # per-sample model inputs merged per micro-batch (Qwen2-VL: pixels, grids)
-
-
-def to_samples(input_ids: torch.Tensor, labels: torch.Tensor | None, attention_mask: torch.Tensor | None,
-               cu_seqlens: torch.Tensor | None, position_ids: torch.Tensor | None = None) -> list[Sample]:
-    """Per-sample tokens, positions and targets with transformers' semantics.
-
-    Padded rows: positions are the row's ``0..s-1`` (as transformers uses them, also with left
-    padding), targets are the row's labels shifted by one; only tokens with mask 1 are kept.
-    Packed: each ``cu_seqlens`` segment is a sample with positions ``0..n-1``.
-    """
-    samples = []
-    if cu_seqlens is not None:
-        flat = input_ids.reshape(-1)
-        lab = labels.reshape(-1) if labels is not None else torch.full_like(flat, IGNORE_INDEX)
-        bounds = cu_seqlens.tolist()
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            targets = torch.full((b - a,), IGNORE_INDEX, dtype=torch.long)
-            targets[:-1] = lab[a + 1:b]
-            if position_ids is None:
-                pos = torch.arange(b - a)
-            else:  # [T] / [1, T], or M-RoPE rows [3, 1, T]
-                pos = position_ids.reshape(3, -1)[:, a:b] if position_ids.dim() == 3 else position_ids.reshape(-1)[a:b]
-            samples.append(Sample(flat[a:b], pos, targets))
-        return samples
-    bsz, seq = input_ids.shape
-    for r in range(bsz):
-        targets = torch.full((seq,), IGNORE_INDEX, dtype=torch.long)
-        if labels is not None:
-            targets[:-1] = labels[r, 1:]
-        keep = attention_mask[r].bool() if attention_mask is not None else torch.ones(seq, dtype=torch.bool)
-        pos = position_ids[..., r, :] if position_ids is not None else torch.arange(seq)  # [s] or [3, s]
-        samples.append(Sample(input_ids[r][keep], pos[..., keep], targets[keep]))
-    return samples
-
-
-def pack(samples: list[Sample], total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ids/positions/targets ``[1, total]`` (M-RoPE positions ``[3, 1, total]``) and ``cu_seqlens``; the tail
-    padding is one extra ignored sequence."""
-    used = sum(len(s.ids) for s in samples)
-    pad = total - used
-    ids = torch.cat([s.ids for s in samples] + [torch.zeros(pad, dtype=torch.long)]).reshape(1, -1)
-    rows = samples[0].positions.shape[:-1]  # () or (3,) for M-RoPE
-    pos = torch.cat([s.positions for s in samples] + [torch.zeros(*rows, pad, dtype=torch.long)], dim=-1)
-    pos = pos.reshape(*rows, 1, -1)
-    tgt = torch.cat([s.targets for s in samples] + [torch.full((pad,), IGNORE_INDEX, dtype=torch.long)]).reshape(1, -1)
-    lengths = [len(s.ids) for s in samples] + ([pad] if pad else [])
-    cu = torch.tensor([0] + lengths).cumsum(0)
-    return ids, pos, tgt, cu
-
-
-class PipelineChunk(nn.Module):
-    """One virtual pipeline stage of a ParallelCausalLM: [embedding] -> layers -> [norm, head].
-
-    Input: token ids ``[1, T]`` (first chunk) or hidden states ``[T(/tp), 1, hidden]``; output:
-    hidden states, or vocab-sharded logits ``[T, 1, V/tp]`` on the last chunk. The language model is
-    held in a list so its parameters are not registered twice under new names.
-
-    With ``aux`` (mixture-of-experts load-balancing loss), a second tensor travels with the hidden
-    states: the micro-batch's router statistics summed over the chunks so far
-    (``models.common.moe.carry_router_sums``), each chunk adding its sparse layers' over the real
-    tokens (``token_mask``). The last chunk returns ``(logits, carry)``; the loss of the carry sends
-    every chunk the gradient of its own router probabilities back through the schedule.
-    """
-
-    def __init__(self, lm: nn.Module, chunk: int, aux: bool = False) -> None:
-        super().__init__()
-        self._lm = [lm]
-        self.layer_ids = lm.chunk_layers[chunk]
-        self.first = lm.is_first_stage and chunk == 0
-        self.last = lm.is_last_stage and chunk == len(lm.chunk_layers) - 1
-        # Registered so PipelineStage sees exactly this chunk's parameters.
-        self.layers = nn.ModuleList([lm.model.layers[str(i)] for i in self.layer_ids])
-        self.embed_tokens = lm.model.embed_tokens if self.first else None
-        self.visual = getattr(lm, "visual", None) if self.first else None  # Qwen2-VL's tower feeds the embeddings
-        self.norm = lm.model.norm if self.last else None
-        self.lm_head = lm.lm_head if self.last else None
-        self.aux = aux
-        sparse = set(id(blk) for blk in lm.moe_blocks()) if aux else set()
-        self._sparse = [layer.mlp for layer in self.layers if id(layer.mlp) in sparse]  # a plain list: no new names
-
-    def forward(self, x: torch.Tensor, carry: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                cu_seqlens: torch.Tensor | None = None, seq: SequenceShard | None = None,
-                token_mask: torch.Tensor | None = None, inputs: dict | None = None):
-        from models.common.moe import carry_router_sums, recording_routes
-
-        lm = self._lm[0]
-        h = lm.embed_microbatch(x, inputs, seq) if self.first else x
-        with recording_routes(self._sparse, token_mask):
-            h = lm.run_layers(h, self.layer_ids, position_ids, None, None if seq is not None else cu_seqlens, seq=seq)
-            if self.aux:
-                carry = carry_router_sums(carry, self._sparse, lm.groups, lm.config.moe.num_experts, h.device)
-        out = self.lm_head(self.norm(h)) if self.last else h
-        return (out, carry) if self.aux else out
+from parallel.sequence_shard import SequenceShard, gather_tokens, plan_for, shard_of
 
 
 def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, num_microbatches: int = 1,
@@ -252,16 +149,6 @@ def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = 
     return loss
 
 
-def merge_sample_inputs(per_sample: list[dict | None]) -> dict | None:
-    """One micro-batch's model inputs from its samples' (in packing order): each tensor concatenated
-    along dim 0, keys whose every value is None dropped; None when no sample has any."""
-    present = [d for d in per_sample if d]
-    if not present:
-        return None
-    keys = sorted({k for d in present for k, v in d.items() if v is not None})
-    return {k: torch.cat([d[k] for d in present if d.get(k) is not None]) for k in keys}
-
-
 class _TokenLoss:
     """The schedule's loss function: summed token losses over the global token count (training), or
     the per-token losses themselves (forward-only); with a router carry (``PipelineChunk(aux=True)``)
@@ -283,8 +170,6 @@ class _TokenLoss:
             return per_token.detach()
         loss = per_token.sum() / self.global_count
         if carry is not None:
-            from models.common.moe import balance_loss, split_carry
-
             aux = balance_loss(*split_carry(carry))
             self.aux_values.append(aux.detach())
             loss = loss + self.aux_scale * aux

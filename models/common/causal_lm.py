@@ -1,4 +1,5 @@
-"""The shared tensor/sequence-parallel decoder: attention, MLP, layer, and the causal LM around them.
+"""The shared tensor/sequence-parallel causal LM: the decoder blocks (``blocks/``) with the LM head,
+and its training (``training/``) and export (``export/``) entry points.
 
 Activations are ``[seq, batch, hidden]`` (``[seq/tp, batch, hidden]`` between blocks under SP).
 Parameter names follow vLLM (``model.layers.{i}.self_attn.qkv_proj.weight`` ...), layers are keyed
@@ -7,148 +8,30 @@ by their global index so names do not depend on the parallel layout.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.common.attention import causal_attention
+from models.common.blocks.decoder import CausalLMOutput, ParallelDecoder
+from models.common.blocks.moe import ParallelMoE, full_router_logits, load_balancing_loss, recording_routes
+from models.common.blocks.rope import RotaryEmbedding
 from models.common.config import ModelConfig
-from models.common.moe import recording_routes
-from models.common.rope import RotaryEmbedding, apply_rotary
-from models.common.sequence_parallel import SequenceShard
 from models.common.weights import WeightEntry, WeightMap, export_hf_state, hf_shapes
 from parallel.collectives import gather_last_dim
-from parallel.context_attention import context_parallel_attention
 from parallel.cross_entropy import vocab_parallel_cross_entropy
 from parallel.fsdp import unshard
 from parallel.grads import finalize_grads
 from parallel.groups import ParallelGroups
-from parallel.layers import (
-    MergedColumnParallelLinear,
-    ParallelLMHead,
-    QKVParallelLinear,
-    RMSNorm,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-)
+from parallel.layers import ParallelLMHead
 from parallel.pipeline_layout import stage_layer_ranges
 from parallel.sequence_layout import SequencePlan
-from parallel.ulysses import heads_to_seq, qkv_to_heads
+from parallel.sequence_shard import SequenceShard, plan_for
+
+__all__ = ["CausalLMOutput", "ParallelCausalLM"]
 
 IGNORE_INDEX = -100
-
-
-@dataclass
-class CausalLMOutput:
-    """``loss``: mean over non-ignored tokens (None without labels).
-    ``logits``: ``[batch, seq, V/tp]`` this rank's real vocabulary columns, or ``[batch, seq, V]``
-    with ``gather_logits=True`` (packed input: batch 1, seq = total tokens).
-    ``aux_loss``/``router_logits`` (mixture-of-experts models with ``output_router_logits``): the
-    load-balancing loss (already added to ``loss``, times ``router_aux_loss_coef``, when labels are
-    given) and each sparse layer's router logits ``[batch * seq, E]``, as transformers returns them.
-    """
-
-    loss: torch.Tensor | None
-    logits: torch.Tensor | None
-    aux_loss: torch.Tensor | None = None
-    router_logits: tuple[torch.Tensor, ...] | None = None
-
-
-class ParallelAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, dtype, device) -> None:
-        super().__init__()
-        sp = groups.sequence_parallel
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
-                                          cfg.num_key_value_heads, bias=cfg.qkv_bias, tp_group=groups.tp_group,
-                                          sequence_parallel=sp, dtype=dtype, device=device)
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias,
-                                        tp_group=groups.tp_group, sequence_parallel=sp, dtype=dtype, device=device)
-        self.head_dim = cfg.head_dim
-
-    def forward(self, x, cos, sin, attention_mask, cu_seqlens, max_seqlen, seq: SequenceShard | None = None):
-        qkv = self.qkv_proj(x)  # [s, b, (hq + 2 hkv) * d]
-        s, b, _ = qkv.shape
-        q_size, kv_size, _ = self.qkv_proj.local_sizes()
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rotary(q.view(s, b, -1, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(s, b, -1, self.head_dim), cos, sin)
-        v = v.view(s, b, -1, self.head_dim)
-        if seq is None:
-            out = causal_attention(q, k, v, attention_mask=attention_mask, cu_seqlens=cu_seqlens,
-                                   max_seqlen=max_seqlen)
-        else:
-            out = self._split_sequence_attention(q, k, v, seq)
-        return self.o_proj(out)
-
-    @staticmethod
-    def _split_sequence_attention(q, k, v, seq: SequenceShard) -> torch.Tensor:
-        """Ulysses all-to-all to all tokens of a head group, then causal attention over this CP
-        rank's tokens (ring / all-gather across CP ranks), then back. ``[s, 1, h, d] -> [s, 1, h*d]``."""
-        s, b, hq, d = q.shape
-        q, k, v = qkv_to_heads(q, k, v, seq.ulysses_group)  # [L, 1, h/u, d]
-        if seq.plan.cp > 1:
-            out = context_parallel_attention(q[:, 0], k[:, 0], v[:, 0], seq.plan, seq.cp_group, comm=seq.cp_comm)
-            out = out[:, None]
-        else:
-            out = causal_attention(q, k, v, cu_seqlens=seq.local_cu_seqlens()).view(q.shape)
-        return heads_to_seq(out, seq.ulysses_group).reshape(s, b, hq * d)
-
-
-class ParallelMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, dtype, device, intermediate_size: int | None = None):
-        super().__init__()
-        sp = groups.sequence_parallel
-        inter = cfg.intermediate_size if intermediate_size is None else intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter] * 2, bias=cfg.mlp_bias,
-                                                       tp_group=groups.tp_group, sequence_parallel=sp,
-                                                       dtype=dtype, device=device)
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=cfg.mlp_bias,
-                                           tp_group=groups.tp_group, sequence_parallel=sp, dtype=dtype, device=device)
-
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
-class DecoderLayer(nn.Module):
-    """Pre-norm attention and MLP; the MLP of layer ``layer`` is a mixture of experts when ``cfg.moe`` says so."""
-
-    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, dtype, device, layer: int = 0) -> None:
-        super().__init__()
-        sp = groups.sequence_parallel
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, sequence_parallel=sp, dtype=dtype,
-                                       device=device)
-        self.self_attn = ParallelAttention(cfg, groups, dtype, device)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, sequence_parallel=sp, dtype=dtype,
-                                                device=device)
-        if cfg.moe is not None and cfg.moe.is_sparse(layer):
-            from models.common.moe import ParallelMoE
-
-            self.mlp = ParallelMoE(cfg, groups, dtype, device)
-        else:
-            self.mlp = ParallelMLP(cfg, groups, dtype, device)
-
-    def forward(self, x, cos, sin, attention_mask=None, cu_seqlens=None, max_seqlen=None, seq=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention_mask, cu_seqlens, max_seqlen, seq)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class ParallelDecoder(nn.Module):
-    """Embedding (first pipeline stage), this rank's layers keyed by global index, final norm (last stage)."""
-
-    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, layer_ids: list[int], padded_vocab: int, dtype,
-                 device, *, has_embedding: bool = True, has_norm: bool = True):
-        super().__init__()
-        sp = groups.sequence_parallel
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, padded_vocab, cfg.hidden_size,
-                                                   tp_group=groups.tp_group, sequence_parallel=sp, dtype=dtype,
-                                                   device=device) if has_embedding else None
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, groups, dtype, device, i) for i in layer_ids})
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, sequence_parallel=sp, dtype=dtype,
-                            device=device) if has_norm else None
 
 
 class ParallelCausalLM(nn.Module):
@@ -237,7 +120,7 @@ class ParallelCausalLM(nn.Module):
         With context/Ulysses parallelism every rank of the group passes the same full batch (the
         model takes its own tokens; logits come back whole), or, with ``sequence_plan``, only its own
         tokens (``plan.token_index``) and their ``targets`` (HF-shifted labels, ``-100`` ignored);
-        logits then stay local. See ``models/common/sequence_parallel.py``.
+        logits then stay local. See ``models/common/training/sequence_split.py``.
 
         Mixture-of-experts models: ``output_router_logits`` (default: the HF config's) returns the
         load-balancing loss and router logits and adds ``router_aux_loss_coef * aux_loss`` to the loss,
@@ -253,7 +136,7 @@ class ParallelCausalLM(nn.Module):
 
             set_replica_scale(self, self.groups.dp_size)  # each DP rank's loss is its own mean
         if self.groups.sequence_split or sequence_plan is not None:
-            from models.common.sequence_parallel import split_sequence_forward
+            from models.common.training.sequence_split import split_sequence_forward
 
             if want_aux:
                 raise ValueError(f"output_router_logits with cp/ulysses {self.groups.config.describe()} is not "
@@ -276,8 +159,6 @@ class ParallelCausalLM(nn.Module):
             h = self.run_layers(h, self.layer_ids(), pos, mask, cu, max_seqlen)
             aux_loss = router_logits = None
             if blocks:
-                from models.common.moe import full_router_logits, load_balancing_loss
-
                 aux_loss = load_balancing_loss(blocks, self.groups)
                 router_logits = tuple(full_router_logits(blk, ids.numel(), ids.shape[0], seq_len) for blk in blocks)
         logits = self.lm_head(self.model.norm(h))  # [s, b, V_pad/tp]
@@ -299,8 +180,6 @@ class ParallelCausalLM(nn.Module):
 
     def moe_blocks(self) -> list:
         """This rank's mixture-of-experts blocks in layer order (empty for dense models)."""
-        from models.common.moe import ParallelMoE
-
         return [layer.mlp for layer in self.model.layers.values() if isinstance(layer.mlp, ParallelMoE)]
 
     def _wants_router_logits(self, requested: bool | None) -> bool:
@@ -409,8 +288,8 @@ class ParallelCausalLM(nn.Module):
         tp/pp/vpp/dp/fsdp layout. ``format="hf"``: full HF tensors; ``format="vllm"``: vLLM rank
         ``target_rank``'s shards for an engine with TP ``target_tp``, under vLLM's names.
         ``merge_lora``: with the LoRA adapter merged. ``transport="shm"``: buckets through shared memory
-        (one host; a bucket is valid until the next is requested). See ``models/common/export.py``."""
-        from models.common.export import iter_export
+        (one host; a bucket is valid until the next is requested). See ``models/common/export/buckets.py``."""
+        from models.common.export.buckets import iter_export
 
         return iter_export(self, format, bucket_bytes=bucket_bytes, dtype=dtype, merge_lora=merge_lora,
                            target_tp=target_tp, target_rank=target_rank, transport=transport)
@@ -419,8 +298,8 @@ class ParallelCausalLM(nn.Module):
                                 max_shard_size: str | int = "5GB", merge_lora: bool = False) -> None:
         """Collective over every rank: vLLM's ``sharded_state`` directory for an engine with TP ``tp``
         and PP ``pp`` (loaded with ``load_format="sharded_state"``); atomic. See
-        ``models/common/saving.py``."""
-        from models.common.saving import save_vllm_sharded_state
+        ``models/common/export/saving.py``."""
+        from models.common.export.saving import save_vllm_sharded_state
 
         save_vllm_sharded_state(self, directory, tp=tp, pp=pp, dtype=dtype, max_shard_size=max_shard_size,
                                 merge_lora=merge_lora)
@@ -429,20 +308,20 @@ class ParallelCausalLM(nn.Module):
                         merge_lora: bool = False) -> None:
         """Collective over every rank: an HF checkpoint directory (config.json, safetensors shards and
         index) that transformers loads unchanged; atomic; ``merge_lora``: LoRA merged into the
-        weights. See ``models/common/saving.py``."""
-        from models.common.saving import save_pretrained
+        weights. See ``models/common/export/saving.py``."""
+        from models.common.export.saving import save_pretrained
 
         save_pretrained(self, directory, dtype=dtype, max_shard_size=max_shard_size, merge_lora=merge_lora)
 
     def load_lora_adapter(self, directory) -> None:
         """Fill the LoRA factors (model built with ``lora=``) from a peft adapter directory."""
-        from models.common.lora import load_lora_adapter
+        from models.common.export.lora_adapter import load_lora_adapter
 
         load_lora_adapter(self, directory)
 
     def save_lora_adapter(self, directory) -> None:
         """Collective: write the LoRA adapter as a peft adapter directory (global rank 0 writes)."""
-        from models.common.lora import save_lora_adapter
+        from models.common.export.lora_adapter import save_lora_adapter
 
         save_lora_adapter(self, directory)
 
@@ -472,7 +351,7 @@ class ParallelCausalLM(nn.Module):
         the balancing planner groups samples by length; use "gpipe" for one). ``return_aux_loss=True``
         returns ``(loss, aux_loss)`` (``aux_loss`` unscaled, ``None`` when not added).
         """
-        from models.common.training import forward_backward
+        from models.common.training.forward_backward import forward_backward
 
         return forward_backward(self, input_ids, labels, num_microbatches=num_microbatches, schedule=schedule,
                                 forward_only=forward_only, cu_seqlens=cu_seqlens, attention_mask=attention_mask,
@@ -492,12 +371,9 @@ class ParallelCausalLM(nn.Module):
         """The token layout of packed sequences of ``lengths`` over this job's cp/ulysses ranks (the
         same on every rank, computed from lengths alone): for callers passing already-sliced input,
         ``plan.token_index(*self.sequence_coordinates)`` says which global tokens this rank takes."""
-        from models.common.sequence_parallel import plan_for
-
         return plan_for(self.groups, list(lengths), total)
 
     @property
     def sequence_coordinates(self) -> tuple[int, int]:
         """This rank's ``(cp_rank, ulysses_rank)``."""
         return self.groups.cp_rank, self.groups.ulysses_rank
-

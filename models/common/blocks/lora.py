@@ -1,4 +1,5 @@
-"""LoRA on the shared decoder with peft's semantics: targets, initialisation, adapter files, merging.
+"""LoRA on the shared decoder with peft's semantics: targets, initialisation, merging (adapter files:
+``models/common/export/lora_adapter.py``).
 
 ``build_parallel_model(..., lora=peft.LoraConfig(r=, lora_alpha=, target_modules=[...]))`` adds
 A/B factors (``parallel/lora.py``) to the parallel layers holding the targeted HF modules (HF
@@ -18,21 +19,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from parallel.collectives import gather_shards
 from parallel.config import ParallelConfigError
 from parallel.fsdp import unshard
-from parallel.grads import local_rows
 from parallel.lora import ColumnLoRA, RowLoRA
 from parallel.sharding import KVHeads, Replicated, Rule, Split
 
 PEFT_PREFIX = "base_model.model."
-ADAPTER_FILE = "adapter_model.safetensors"
 
 
 class LoraError(ValueError):
@@ -212,108 +208,6 @@ def _packed_parts(layer, target: LoraTarget) -> list[tuple[str, int]]:
     if hasattr(layer, "local_out_sizes"):  # packed gate/up
         return list(zip(("gate_proj", "up_proj"), layer.local_out_sizes))
     return [(target.leaf, layer.weight.shape[0])]
-
-
-# ---------------------------------------------------------------------- adapters on disk
-def load_lora_adapter(model, directory) -> None:
-    """Fill this rank's A/B slices from a peft adapter directory (every rank reads only its slices)."""
-    from safetensors import safe_open
-
-    from parallel.sharding import read_piece
-
-    path = Path(directory) / ADAPTER_FILE
-    if not path.is_file():
-        raise LoraError(f"{path}: no adapter file")
-    _check_adapter_config(model.lora_config, Path(directory))
-    groups = model.groups
-    params = dict(model.named_parameters())
-    with safe_open(str(path), framework="pt") as f:
-        names = set(f.keys())
-        missing = [k for t in model.lora_targets for k in (t.peft_a, t.peft_b) if k not in names]
-        if missing:
-            raise LoraError(f"{path}: {len(missing)} LoRA tensor(s) missing, e.g. {missing[0]} "
-                            f"(the adapter's target modules or r differ from the model's LoraConfig?)")
-        everything = {k for t in model.all_lora_targets for k in (t.peft_a, t.peft_b)}
-        unexpected = sorted(names - everything)
-        if unexpected:
-            raise LoraError(f"{path}: {len(unexpected)} tensor(s) this LoRA model does not have, e.g. {unexpected[0]}")
-        with torch.no_grad():
-            for t in model.lora_targets:
-                for key, rule, param, shape in ((t.peft_a, t.a_rule, t.a_param, t.a_shape),
-                                                (t.peft_b, t.b_rule, t.b_param, t.b_shape)):
-                    sl = f.get_slice(key)
-                    if tuple(sl.get_shape()) != tuple(shape):
-                        raise LoraError(f"{path}: {key} has shape {tuple(sl.get_shape())}, the model expects {shape}")
-                    piece = read_piece(lambda idx, sl=sl: sl[idx], shape,
-                                       rule.piece(shape, groups.tp_rank, groups.tp_size))
-                    local, offset = local_rows(params[param])  # FSDP2: this rank's rows of the TP shard
-                    local.copy_(piece[offset:offset + local.shape[0]].to(local.dtype))
-
-
-def _check_adapter_config(config: Any, directory: Path) -> None:
-    """The adapter's own config must give the same model (r, alpha, rsLoRA, targets) as the model's."""
-    file = directory / "adapter_config.json"
-    if not file.is_file():
-        return
-    import json
-
-    saved = json.loads(file.read_text())
-    ours = {"r": int(config.r), "lora_alpha": config.lora_alpha,
-            "use_rslora": bool(getattr(config, "use_rslora", False)),
-            "target_modules": sorted(config.target_modules) if not isinstance(config.target_modules, str)
-            else config.target_modules}
-    theirs = {"r": saved.get("r"), "lora_alpha": saved.get("lora_alpha"), "use_rslora": bool(saved.get("use_rslora")),
-              "target_modules": sorted(saved["target_modules"]) if isinstance(saved.get("target_modules"), list)
-              else saved.get("target_modules")}
-    differ = [f"{k}: adapter {theirs[k]!r}, model {ours[k]!r}" for k in ours if ours[k] != theirs[k]]
-    if differ:
-        raise LoraError(f"{file}: the adapter was made with another LoraConfig ({'; '.join(differ)})")
-
-
-def lora_state(model) -> dict[str, torch.Tensor]:
-    """Collective over TP (and FSDP): the adapter's full tensors under peft's names, on every rank.
-    With pp > 1 each stage returns its own layers' tensors."""
-    groups = model.groups
-    params = dict(model.named_parameters())
-    out = {}
-    for t in model.lora_targets:
-        for key, rule, param in ((t.peft_a, t.a_rule, t.a_param), (t.peft_b, t.b_rule, t.b_param)):
-            out[key] = rule.merge(gather_shards(unshard(params[param]).detach(), groups.tp_group))
-    return out
-
-
-def save_lora_adapter(model, directory) -> None:
-    """Collective: a peft adapter directory (adapter_config.json with the real r / lora_alpha /
-    target_modules, adapter_model.safetensors with peft's keys) written by global rank 0, atomic
-    and failure-agreeing like ``save_pretrained`` (``saving._StagedDirectory``); missing parent
-    directories are created."""
-    import copy
-
-    from safetensors.torch import save_file
-
-    from models.common.saving import _StagedDirectory
-
-    target = Path(directory)
-    staged = _StagedDirectory(target, "save_lora_adapter")
-    staged.run(target.parent.mkdir, parents=True, exist_ok=True)
-    staged.check()
-    state = lora_state(model)
-    groups = model.groups
-    if groups.pp_size > 1:  # every stage's layers to global rank 0
-        parts = [None] * groups.pp_size
-        dist.all_gather_object(parts, {k: v.cpu() for k, v in state.items()}, group=groups.pp_group)
-        state = {k: v for part in parts for k, v in part.items()}
-    staged.open()
-
-    def finish(tmp: Path) -> None:
-        config = copy.deepcopy(model.lora_config)
-        if getattr(config, "base_model_name_or_path", None) is None and getattr(model, "hf_config", None) is not None:
-            config.base_model_name_or_path = getattr(model.hf_config, "_name_or_path", None) or None
-        config.save_pretrained(str(tmp))
-        save_file({k: v.contiguous() for k, v in sorted(state.items())}, str(tmp / ADAPTER_FILE),
-                  metadata={"format": "pt"})
-
-    staged.commit(finish)
 
 
 class MergedParameters(dict):

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from models.common import vllm_format
+from models.common.blocks.lora import MergedParameters
 from models.common.weights import WeightEntry, export_hf_state, hf_shapes
 from parallel.fsdp import unshard
 from parallel.pipeline_layout import stage_layer_ranges
@@ -152,8 +153,6 @@ def _source_tensors(model, merge_lora: bool) -> dict:
     """Internal name -> tensor to export: the parameters, or with ``merge_lora`` the LoRA-merged weights
     (callers have checked that the model has an adapter, before any collective)."""
     if merge_lora:
-        from models.common.lora import MergedParameters
-
         return MergedParameters(model)
     return _Unsharded(model.named_parameters())
 

@@ -3,7 +3,7 @@
 Both are collective over every rank and atomic (``_StagedDirectory``: a temporary sibling
 directory renamed by global rank 0; any rank's failure is agreed on by all ranks, nothing is left
 half-written, no rank is left waiting). The tensors come from the same bucket plans and exports as
-live export (``models/common/export.py``); each file is written once, by one rank.
+live export (``buckets.py``); each file is written once, by one rank.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from models.common import vllm_format
-from models.common.export import (
+from models.common.export.buckets import (
     DEFAULT_BUCKET_BYTES,
     ExportError,
     _Failure,

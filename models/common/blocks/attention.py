@@ -1,6 +1,8 @@
-"""Causal self-attention kernels: SDPA everywhere, flash-attn (varlen) on CUDA when installed.
+"""Causal self-attention: the kernels (SDPA everywhere, flash-attn (varlen) on CUDA when installed) and
+the tensor-parallel attention block of the decoder (``ParallelAttention``: packed QKV, RoPE, Ulysses /
+context-parallel attention over a sequence-split batch, row-parallel output projection).
 
-Inputs are per-rank heads after RoPE: ``q [s, b, hq, d]``, ``k/v [s, b, hkv, d]`` (GQA: hq is a
+Kernel inputs are per-rank heads after RoPE: ``q [s, b, hq, d]``, ``k/v [s, b, hkv, d]`` (GQA: hq is a
 multiple of hkv). Output ``[s, b, hq * d]``. Two batch forms:
   * padded ``[s, b]`` with an optional key-padding mask ``attention_mask [b, s]`` (1 = real token);
   * packed (remove-padding): ``b == 1`` and ``cu_seqlens [n + 1]`` marking sequence boundaries in
@@ -13,6 +15,15 @@ import importlib.util
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from models.common.blocks.rope import apply_rotary
+from models.common.config import ModelConfig
+from parallel.context_attention import context_parallel_attention
+from parallel.groups import ParallelGroups
+from parallel.layers import QKVParallelLinear, RowParallelLinear
+from parallel.sequence_shard import SequenceShard
+from parallel.ulysses import heads_to_seq, qkv_to_heads
 
 _FLASH_AVAILABLE = importlib.util.find_spec("flash_attn") is not None
 
@@ -72,3 +83,43 @@ def _packed_attention(q, k, v, cu_seqlens, max_seqlen):
         qs, ks, vs = (x[start:stop].transpose(0, 1).unsqueeze(0) for x in (qf, kf, vf))  # [1, h, n, d]
         outs.append(_sdpa(qs, ks, vs, None, causal=True)[0].transpose(0, 1))  # [n, h, d]
     return torch.cat(outs, dim=0)
+
+
+class ParallelAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, dtype, device) -> None:
+        super().__init__()
+        sp = groups.sequence_parallel
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, bias=cfg.qkv_bias, tp_group=groups.tp_group,
+                                          sequence_parallel=sp, dtype=dtype, device=device)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias,
+                                        tp_group=groups.tp_group, sequence_parallel=sp, dtype=dtype, device=device)
+        self.head_dim = cfg.head_dim
+
+    def forward(self, x, cos, sin, attention_mask, cu_seqlens, max_seqlen, seq: SequenceShard | None = None):
+        qkv = self.qkv_proj(x)  # [s, b, (hq + 2 hkv) * d]
+        s, b, _ = qkv.shape
+        q_size, kv_size, _ = self.qkv_proj.local_sizes()
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rotary(q.view(s, b, -1, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(s, b, -1, self.head_dim), cos, sin)
+        v = v.view(s, b, -1, self.head_dim)
+        if seq is None:
+            out = causal_attention(q, k, v, attention_mask=attention_mask, cu_seqlens=cu_seqlens,
+                                   max_seqlen=max_seqlen)
+        else:
+            out = self._split_sequence_attention(q, k, v, seq)
+        return self.o_proj(out)
+
+    @staticmethod
+    def _split_sequence_attention(q, k, v, seq: SequenceShard) -> torch.Tensor:
+        """Ulysses all-to-all to all tokens of a head group, then causal attention over this CP
+        rank's tokens (ring / all-gather across CP ranks), then back. ``[s, 1, h, d] -> [s, 1, h*d]``."""
+        s, b, hq, d = q.shape
+        q, k, v = qkv_to_heads(q, k, v, seq.ulysses_group)  # [L, 1, h/u, d]
+        if seq.plan.cp > 1:
+            out = context_parallel_attention(q[:, 0], k[:, 0], v[:, 0], seq.plan, seq.cp_group, comm=seq.cp_comm)
+            out = out[:, None]
+        else:
+            out = causal_attention(q, k, v, cu_seqlens=seq.local_cu_seqlens()).view(q.shape)
+        return heads_to_seq(out, seq.ulysses_group).reshape(s, b, hq * d)

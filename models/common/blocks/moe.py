@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.common.blocks.mlp import ParallelMLP
 from models.common.config import ModelConfig
 from parallel.collectives import gather_for_replicas, reduce_from_group, scatter_to_sequence
 from parallel.experts import dispatch, route
@@ -70,8 +71,6 @@ class LocalExperts(nn.Module):
 class ParallelMoE(nn.Module):
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups, dtype, device) -> None:
         super().__init__()
-        from models.common.transformer import ParallelMLP
-
         moe = cfg.moe
         assert moe is not None
         self.moe = moe

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.common.blocks.rope import _rotate_half
 from models.common.config import VisionConfig
-from models.common.rope import _rotate_half
 from parallel.groups import ParallelGroups
 from parallel.layers import ColumnParallelLinear, RowParallelLinear
 
