@@ -15,7 +15,6 @@ The vLLM venv is part of the project's set-up: its absence is a failure, not a s
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,10 +23,9 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
+from tests.vllm_harness import ROOT, run_clients
 from tests.workers_vllm import PROMPTS, prompt_batch, vllm_suite
 
-ROOT = Path(__file__).resolve().parent.parent
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 LOGPROB_TOL = 1e-4
 
 
@@ -42,19 +40,6 @@ def _configs():
                                       num_attention_heads=4, num_key_value_heads=1, attention_bias=True,
                                       max_position_embeddings=128, tie_word_embeddings=True),
     }
-
-
-def run_client(step: str, args: dict, out: Path) -> dict:
-    """One vLLM engine in a subprocess with the vLLM venv's interpreter; its JSON result."""
-    assert VLLM_PYTHON.exists(), f"{VLLM_PYTHON} missing: run tools/setup.sh (it creates the vLLM venv)"
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests" / "vllm_shims")])  # see its sitecustomize
-    proc = subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_client.py"), step, json.dumps(args), str(out)],
-                          env=env, capture_output=True, text=True, timeout=900, cwd=str(ROOT))
-    if proc.returncode != 0:
-        tail = "\n".join(line for line in (proc.stdout + proc.stderr).splitlines() if " INFO " not in line)[-4000:]
-        pytest.fail(f"vLLM client step {step} failed (exit {proc.returncode}):\n{tail}")
-    return json.loads(out.read_text())
 
 
 def _transformers_logprobs(hf_dir: Path) -> list[list[float]]:
@@ -101,27 +86,29 @@ def run(tmp_path_factory):
     convert(llama / "hf", llama / "convert-tp2", to="vllm", tp=2, workers=2)
     convert(llama / "hf", llama / "convert-tp2-pp2", to="vllm", tp=2, pp=2, workers=2)
     qwen = out["qwen2_vllm"]
-    results = {"root": root, "src": src, "out": out, "transformers": {}, "vllm": {}}
+    results = {"root": root, "src": src, "out": out, "transformers": {}}
     for name, d in out.items():
         results["transformers"][name] = _transformers_logprobs(d / "hf")
         results["ours"] = results.get("ours", {}) | {name: json.loads((d / "ours.json").read_text())["logprobs"]}
     base = {"prompts": PROMPTS}
-    v = results["vllm"]
-    v["qwen_capture1"] = run_client("capture", base | {"model": str(qwen / "hf"), "tp": 1}, qwen / "capture-tp1")
-    v["qwen_capture2"] = run_client("capture", base | {"model": str(qwen / "hf"), "tp": 2}, qwen / "capture-tp2")
-    v["llama_capture2"] = run_client("capture", base | {"model": str(llama / "hf"), "tp": 2}, llama / "capture-tp2")
-    for n in (1, 2):
-        v[f"qwen_sharded{n}"] = run_client("logprobs", base | {"model": str(qwen / f"sharded-tp{n}"), "tp": n,
-                                                               "load_format": "sharded_state"}, qwen / f"lp-sharded{n}")
-    v["llama_convert2"] = run_client("logprobs", base | {"model": str(llama / "convert-tp2"), "tp": 2,
-                                                         "load_format": "sharded_state"}, llama / "lp-convert2")
     adapter = qwen / "adapter"
     results["peft"] = _peft_logprobs(src["qwen2_vllm"], adapter)
-    v["lora"] = run_client("logprobs", base | {"model": str(src["qwen2_vllm"]), "tp": 1, "adapter": str(adapter),
-                                               "lora_rank": lora["r"]}, qwen / "lp-lora")
+    jobs = {  # one client process runs these engines one after another
+        "qwen_capture1": ("capture", base | {"model": str(qwen / "hf"), "tp": 1}, qwen / "capture-tp1"),
+        "qwen_capture2": ("capture", base | {"model": str(qwen / "hf"), "tp": 2}, qwen / "capture-tp2"),
+        "llama_capture2": ("capture", base | {"model": str(llama / "hf"), "tp": 2}, llama / "capture-tp2"),
+        **{f"qwen_sharded{n}": ("logprobs", base | {"model": str(qwen / f"sharded-tp{n}"), "tp": n,
+                                                    "load_format": "sharded_state"}, qwen / f"lp-sharded{n}")
+           for n in (1, 2)},
+        "llama_convert2": ("logprobs", base | {"model": str(llama / "convert-tp2"), "tp": 2,
+                                               "load_format": "sharded_state"}, llama / "lp-convert2"),
+        "lora": ("logprobs", base | {"model": str(src["qwen2_vllm"]), "tp": 1, "adapter": str(adapter),
+                                     "lora_rank": lora["r"]}, qwen / "lp-lora"),
+    }
+    results["vllm"] = dict(zip(jobs, run_clients(list(jobs.values()))))
     train_ids, _ = prompt_batch()
-    v["push"] = run_client("push", base | {"model": str(src["qwen2_vllm"]), "train_ids": train_ids.tolist()},
-                           qwen / "push.json")
+    results["vllm"]["push"], = run_clients([("push", base | {"model": str(src["qwen2_vllm"]),
+                                                            "train_ids": train_ids.tolist()}, qwen / "push.json")])
     return results
 
 

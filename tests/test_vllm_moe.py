@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.test_vllm import LOGPROB_TOL, _max_diff, run_client
+from tests.test_vllm import LOGPROB_TOL, _max_diff
+from tests.vllm_harness import run_clients
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [5, 9, 13, 2, 7, 30, 41, 8, 3, 12, 60, 77]]
 
@@ -73,9 +74,10 @@ def moe_vllm(tmp_path_factory):
     src = root / "src"
     _write_model(src)
     ours = run_distributed(2, train_and_save, str(src), str(root / "trained"), PROMPTS)
-    served = run_client("logprobs", {"model": str(root / "trained"), "tp": 1, "prompts": PROMPTS}, root / "lp.json")
-    sharded = run_client("logprobs", {"model": str(root / "trained_vllm_tp2"), "tp": 2, "prompts": PROMPTS,
-                                      "load_format": "sharded_state"}, root / "lp_sharded.json")
+    served, sharded = run_clients([
+        ("logprobs", {"model": str(root / "trained"), "tp": 1, "prompts": PROMPTS}, root / "lp.json"),
+        ("logprobs", {"model": str(root / "trained_vllm_tp2"), "tp": 2, "prompts": PROMPTS,
+                      "load_format": "sharded_state"}, root / "lp_sharded.json")])
     return ours, served, sharded, root
 
 

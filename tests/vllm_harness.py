@@ -1,0 +1,50 @@
+"""Running vLLM itself (``tests/vllm_client.py`` under ``.venv-vllm``) from the tests.
+
+``run_clients`` starts one client process for a list of jobs (one interpreter and one vLLM import
+for all of them; each job still builds and shuts down its own engine). A job's result counts only
+when the whole client finished cleanly: exit code 0 *and* the client's closing line
+(``FINISHED_LINE``), which it prints after every engine was shut down and every distributed state
+destroyed. A client that wrote its results and then crashed at exit fails the test (no retry, no
+ignored exit code), and so does one that leaves vLLM shared-memory segments in ``/dev/shm``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+FINISHED_LINE = "pmz-vllm-client: finished"  # tests/vllm_client.py prints it last
+SHM = Path("/dev/shm")
+
+
+def _vllm_segments() -> set[str]:
+    """Shared-memory files vLLM's CPU workers create (``vllm_dist_<id>-...-cpushm``, the state
+    step's ``pmz-state-<pid>-...``)."""
+    if not SHM.is_dir():
+        return set()
+    return {p.name for p in SHM.iterdir() if p.name.startswith(("vllm", "pmz-state-"))}
+
+
+def run_clients(jobs: list[tuple[str, dict, Path]]) -> list[dict]:
+    """Run ``jobs`` (``(step, args, out_file)``) in one vLLM client process; their JSON results."""
+    assert VLLM_PYTHON.exists(), f"{VLLM_PYTHON} missing: run tools/setup.sh (it creates the vLLM venv)"
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests" / "vllm_shims")])  # see its sitecustomize
+    before = _vllm_segments()
+    payload = json.dumps([[step, args, str(out)] for step, args, out in jobs])
+    proc = subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_client.py"), payload],
+                          env=env, capture_output=True, text=True, timeout=900 * len(jobs), cwd=str(ROOT))
+    steps = ", ".join(step for step, _, _ in jobs)
+    if proc.returncode != 0 or FINISHED_LINE not in proc.stdout.splitlines():
+        tail = "\n".join(line for line in (proc.stdout + proc.stderr).splitlines() if " INFO " not in line)[-4000:]
+        pytest.fail(f"vLLM client ({steps}) did not finish cleanly (exit {proc.returncode}):\n{tail}")
+    left = sorted(_vllm_segments() - before)
+    assert not left, f"vLLM client ({steps}) left shared-memory segments in /dev/shm: {left[:4]}"
+    return [json.loads(Path(out).read_text()) for _, _, out in jobs]
+
