@@ -248,6 +248,32 @@ def test_sigkill_workers_die_with_parent_and_next_run_cleans_up(hf, tmp_path, he
 
 
 @linux_only
+@PATHS
+def test_sigkill_during_overwrite_keeps_the_old_destination(hf, tmp_path, held_runs, path_extra):
+    """``--overwrite`` replaces the destination only once the new one is complete: a run killed with
+    SIGKILL mid-write leaves the old destination exactly as it was (plus a stale temp dir beside
+    it), and the next run removes the temp dir and replaces the destination."""
+    dst = tmp_path / "out" / "ckpt"
+    first = pmz("convert", hf, dst, "--to", "megatron", "--tp", "2", "--quiet", env=_env())
+    assert first.returncode == 0, first.stderr
+    old = snapshot(dst)
+    run = HeldRun(tmp_path, ["convert", hf, dst, "--to", "hf", "--overwrite", *path_extra])
+    held_runs.append(run)
+    pids = run.wait_workers_busy()
+    _check_workers(run, pids, path_extra)
+    os.kill(run.proc.pid, signal.SIGKILL)
+    run.proc.wait()
+    wait_for(lambda: not any(alive(p) for p in pids), timeout=10, what="orphaned workers to die")
+    assert snapshot(dst) == old, "the killed --overwrite run changed the existing destination"
+    assert len(temp_dirs(dst.parent, dst.name)) == 1
+
+    proc = pmz("convert", hf, dst, "--to", "hf", "--overwrite", "--quiet", "--workers", "2", env=_env())
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in dst.parent.iterdir()) == ["ckpt"], "stale temp dir or old destination left"
+    same_as_original(hf, dst)
+
+
+@linux_only
 def test_racing_conversions_to_one_destination(hf, tmp_path, held_runs):
     """Two runs to the same new destination: the first to finish wins; the other refuses to replace
     it (one line naming it, its temp dir removed). A run never removes the temp dir of a live one."""

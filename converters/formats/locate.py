@@ -157,7 +157,8 @@ def _dist_location(p: Path, it_dir: Path, hf_config: str | None) -> SourceLocati
 def _bridge_location(p: Path, it_dir: Path, hf_config: str | None) -> SourceLocation:
     """Megatron-Bridge ``iter_*/``: no Megatron args; the model is described by its HF export in hf/
     (``also_save_hf_checkpoint``) or by the local HF directory its run_config.yaml names
-    (``converters/formats/megatron_bridge``: bounded, data only), unless ``--hf-config`` is given."""
+    (``converters/formats/megatron_bridge``: bounded, data only). With ``--hf-config`` given, a
+    run_config.yaml that cannot be read only loses its note; without, it is an error naming it."""
     name = f"Megatron-Bridge ({it_dir.name}, run_config.yaml)"
     notes = []
     if (it_dir / "tokenizer").is_dir():
@@ -165,9 +166,13 @@ def _bridge_location(p: Path, it_dir: Path, hf_config: str | None) -> SourceLoca
     hf = it_dir / "hf"
     if (hf / "config.json").is_file():
         return SourceLocation(str(p), "megatron-dist", name, str(hf), "Megatron-Bridge hf/ export", notes)
-    if hf_config:
+    try:
+        model_id = bridge_hf_model_id(it_dir / "run_config.yaml")
+    except CheckpointError as exc:
+        if not hf_config:
+            raise
+        notes.append(f"run_config.yaml not read ({exc})")
         return SourceLocation(str(p), "megatron-dist", name, None, None, notes)
-    model_id = bridge_hf_model_id(it_dir / "run_config.yaml")
     if model_id and (Path(model_id) / "config.json").is_file():
         return SourceLocation(str(p), "megatron-dist", name, model_id, "run_config.yaml model.hf_model_id", notes)
     if model_id:

@@ -54,7 +54,7 @@ def read_run_config(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: over {MAX_RUN_CONFIG_BYTES} bytes (a Megatron-Bridge run_config.yaml is tens "
                               f"of KB; pass --hf-config DIR to convert without it)")
     try:
-        data = yaml.load(raw.decode("utf-8"), Loader=_loader())  # noqa: S506 - a SafeLoader subclass
+        data = yaml.load(raw.decode("utf-8"), Loader=_loader())  # a SafeLoader subclass: data only
     except UnicodeDecodeError as exc:
         raise CheckpointError(f"{path}: not UTF-8 text ({exc})") from exc
     except (yaml.YAMLError, RecursionError) as exc:

@@ -228,8 +228,7 @@ class SafetensorsFiles:
         if weight_map is not None:
             for name, fname in weight_map.items():
                 if name not in self._file_of:
-                    raise CheckpointError(f"{self.directory / fname}: index lists tensor {name!r} but the file "
-                                          f"lacks it")
+                    raise CheckpointError(f"{index}: entry {name!r} names {fname}, which does not hold that tensor")
                 if self._file_of[name] != fname:
                     raise CheckpointError(f"{index}: entry {name!r} names {fname}, but the tensor is in "
                                           f"{self._file_of[name]}")
