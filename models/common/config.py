@@ -148,6 +148,9 @@ class ModelConfig:
         heads = hf_config.num_attention_heads
         kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+        if head_dim % 2:
+            raise UnsupportedConfigError(f"{architecture}: head_dim={head_dim} is odd (hidden_size="
+                                         f"{hf_config.hidden_size}, {heads} heads): rotary embeddings rotate pairs")
         return cls(
             vocab_size=hf_config.vocab_size,
             hidden_size=hf_config.hidden_size,
