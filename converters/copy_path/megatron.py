@@ -180,7 +180,7 @@ def scatter_bands(ops: list[Op], width: int, outputs: list[tuple[str, int]], buf
                 raise CheckpointError(f"{path}: cannot open for writing ({exc.strerror or exc})") from exc
         step = max(1, buffer_bytes // width)
         buf = _buffer(step * width)
-        per_write = max(1, WRITE_BYTES // band)  # rows per write (why: copy_plan.WRITE_BYTES)
+        per_write = max(1, WRITE_BYTES // band)  # rows per write (why: copy_path.io.WRITE_BYTES)
         locks = [write_lock(path) for path, _ in outputs]
         for op in ops:
             if isinstance(op, Zeros):  # not produced for column-parallel weights; holes are zeros anyway

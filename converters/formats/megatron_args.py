@@ -98,6 +98,7 @@ INT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtu
             "seq_length", "iteration", "num_experts", "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size",
             "moe_shared_expert_intermediate_size", "make_vocab_size_divisible_by")
 FLOAT_ARGS = ("norm_epsilon", "rotary_base", "rope_scaling_factor", "moe_aux_loss_coeff")
+REQUIRED_ARGS = ("num_layers", "hidden_size", "num_attention_heads")
 
 
 def describe(value: Any) -> str:
@@ -118,6 +119,12 @@ def check_args(args: Any, where: str) -> None:
     read as an empty namespace (every field at its default)."""
     if not isinstance(args, argparse.Namespace):
         raise CheckpointError(f"{where}: 'args' is {describe(args)}, not Megatron-LM's argparse.Namespace")
+    for name in REQUIRED_ARGS:
+        value = getattr(args, name, None)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            shown = "missing" if value is None else describe(value)
+            raise CheckpointError(f"{where}: args.{name} is {shown}, not a positive integer (Megatron-LM always "
+                                  f"records it)")
     for name in INT_ARGS:
         value = getattr(args, name, None)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):

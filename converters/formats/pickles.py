@@ -336,7 +336,7 @@ def _emit(obj: Any, out: bytearray) -> None:
         _emit(obj.value, out)
         out += b"Q"
     else:
-        raise TypeError(f"pickle_writer cannot write {type(obj).__name__} objects")
+        raise TypeError(f"pickles.dumps cannot write {type(obj).__name__} objects")
 
 
 # ------------------------------------------------------------------------------- torch vocabulary

@@ -1,6 +1,6 @@
 """Megatron tensor layouts as pure functions: HF <-> Megatron "full" tensors <-> Megatron TP shards.
 
-A weight-map entry (models/common/weights.py) names the Megatron tensor and its layout tag; this
+A weight-map entry (models/common/weight_map.py) names the Megatron tensor and its layout tag; this
 module knows what the tags mean:
 
   qkv_interleaved  ``linear_qkv`` rows are, per query group g in order, ``[q heads of g, k_g, v_g]``
