@@ -56,25 +56,65 @@ VL_CASES = {
 }
 
 
-def vl_config(name_or_kwargs):
-    """A ``Qwen2VLConfig`` from a ``VL_CASES`` name or a kwargs dict like its entries."""
-    from transformers import Qwen2VLConfig
+def _case25(*, vocab, layers, mrope_section, patch_size, depth, intermediate, fullatt, tokens_per_second, tied,
+            theta):
+    """Qwen2.5-VL: the same text model; a vision tower of width 64 (4 heads of 16) with RMSNorm, a gated
+    MLP of ``intermediate``, windows of 2x2 merged patches (``window_size = 2 * merge * patch``: grids of
+    more than 2 merged patches a side get several windows, the last ones cut short) and full attention
+    only in the ``fullatt`` blocks; ``out_hidden_size`` 64 (the text width)."""
+    case = _case(vocab=vocab, layers=layers, mrope_section=mrope_section, patch_size=patch_size, mlp_ratio=1,
+                 tied=tied, theta=theta)
+    case["vision_config"] = {
+        "depth": depth, "hidden_size": 64, "intermediate_size": intermediate, "num_heads": 4, "out_hidden_size": 64,
+        "patch_size": patch_size, "temporal_patch_size": 2, "spatial_merge_size": 2, "in_channels": 3,
+        "window_size": 2 * 2 * patch_size, "fullatt_block_indexes": fullatt, "tokens_per_second": tokens_per_second,
+    }
+    return case
 
-    kwargs = VL_CASES[name_or_kwargs] if isinstance(name_or_kwargs, str) else name_or_kwargs
-    return Qwen2VLConfig(**copy.deepcopy(kwargs))
+
+# Qwen2.5-VL cases (``Qwen2_5_VLConfig``): window and full-attention blocks mixed, video positions
+# scaled by tokens_per_second (the batches add ``second_per_grid_ts``).
+VL25_CASES = {
+    "v25_untied": _case25(vocab=128, layers=2, mrope_section=[2, 3, 3], patch_size=4, depth=3, intermediate=96,
+                          fullatt=[1], tokens_per_second=2, tied=False, theta=10000.0),
+    "v25_tied": _case25(vocab=101, layers=3, mrope_section=[4, 2, 2], patch_size=2, depth=2, intermediate=48,
+                        fullatt=[0], tokens_per_second=25, tied=True, theta=1000000.0),
+}
+_SECONDS = (1.3, 0.75, 0.5)  # second_per_grid_ts of video 0, 1, 2, ... (cycled): intervals that truncate
+
+
+def _kwargs(name_or_kwargs) -> dict:
+    if not isinstance(name_or_kwargs, str):
+        return name_or_kwargs
+    return VL_CASES[name_or_kwargs] if name_or_kwargs in VL_CASES else VL25_CASES[name_or_kwargs]
+
+
+def _is25(cfg: dict) -> bool:
+    return "window_size" in cfg["vision_config"]
+
+
+def vl_config(name_or_kwargs):
+    """A ``Qwen2VLConfig`` (``Qwen2_5_VLConfig`` for a ``VL25_CASES`` entry) from a case name or a kwargs
+    dict like the entries."""
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
+
+    kwargs = _kwargs(name_or_kwargs)
+    return (Qwen2_5_VLConfig if _is25(kwargs) else Qwen2VLConfig)(**copy.deepcopy(kwargs))
 
 
 def write_vl_model(root, name: str, seed: int = 0) -> str:
-    """Random ``Qwen2VLForConditionalGeneration`` of ``VL_CASES[name]`` saved under ``root/name``.
+    """Random ``Qwen2VLForConditionalGeneration`` of ``VL_CASES[name]`` (``Qwen2_5_VLForConditionalGeneration``
+    of ``VL25_CASES[name]``) saved under ``root/name``.
 
     Every parameter is drawn anew: RMSNorm and LayerNorm weights uniform(0.5, 1.5), everything else
     (LayerNorm and linear biases included) normal(0, 0.08), so a mishandled norm or bias cannot
     hide behind transformers' 1/0 initialization. Returns the directory.
     """
-    from transformers import Qwen2VLForConditionalGeneration
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(vl_config(name))
+    config = vl_config(name)
+    model = (Qwen2_5_VLForConditionalGeneration if _is25(_kwargs(name)) else Qwen2VLForConditionalGeneration)(config)
     with torch.no_grad():
         for pname, p in model.named_parameters():
             is_norm = "norm" in pname or ".ln_q." in pname
@@ -96,7 +136,8 @@ _SAMPLES = {
     # t = 4 > max(h, w) / merge = 1: the positions of the text after it overlap the video's temporal ones
     "long_video": [("text", 1), ("video", (4, 2, 2)), ("text", 5)],
     "text_only": [("text", 7)],
-    "image_video_2": [("text", 1), ("image", (1, 2, 6)), ("text", 1), ("video", (2, 4, 2)), ("text", 2)],
+    # (1, 4, 6): 2x3 merged patches, whose Qwen2.5-VL windows of 2x2 ([0, 1, 3, 4], [2, 5]) reorder them
+    "image_video_2": [("text", 1), ("image", (1, 4, 6)), ("text", 1), ("video", (2, 4, 2)), ("text", 2)],
 }
 _BATCHES = {
     "one_image": ["one_image"],
@@ -128,6 +169,9 @@ def _pixels_and_grids(vision, cfg: dict, gen: torch.Generator) -> dict:
     v = cfg["vision_config"]
     patch_dim = v["in_channels"] * v["temporal_patch_size"] * v["patch_size"] ** 2
     out = {}
+    videos = sum(kind == "video" for kind, _ in vision)
+    if _is25(cfg) and videos:  # Qwen2.5-VL's processor gives one per video (temporal_patch_size / fps)
+        out["second_per_grid_ts"] = torch.tensor([_SECONDS[i % len(_SECONDS)] for i in range(videos)])
     for kind, pixel_key, grid_key in (("image", "pixel_values", "image_grid_thw"),
                                       ("video", "pixel_values_videos", "video_grid_thw")):
         grids = [g for k, g in vision if k == kind]
@@ -151,10 +195,11 @@ def vl_batch(config_kwargs_or_name, kind: str, seed: int = 0, padding_side: str 
     """A padded batch of ``kind`` (one of ``VL_BATCH_KINDS``) for ``Qwen2VLForConditionalGeneration``.
 
     Keys: input_ids, attention_mask, labels (-100 on vision placeholders and padding), pixel_values,
-    image_grid_thw, pixel_values_videos, video_grid_thw, mm_token_type_ids; None where absent.
+    image_grid_thw, pixel_values_videos, video_grid_thw, mm_token_type_ids; None where absent; for a
+    Qwen2.5-VL case with videos also second_per_grid_ts (one per video).
     Grids and pixel rows follow the images/videos in reading order, row after row.
     """
-    cfg = VL_CASES[config_kwargs_or_name] if isinstance(config_kwargs_or_name, str) else config_kwargs_or_name
+    cfg = _kwargs(config_kwargs_or_name)
     gen = torch.Generator().manual_seed(seed)
     rows, vision = [], []
     for spec in _BATCHES[kind]:
@@ -180,7 +225,7 @@ def vl_packed_batch(name, seed: int = 0) -> dict:
     segment is -100, as transformers' ``DataCollatorWithFlattening`` sets it, so that no segment is
     trained to predict the next one's first token and the packed loss is the per-segment loss.
     """
-    cfg = VL_CASES[name] if isinstance(name, str) else name
+    cfg = _kwargs(name)
     gen = torch.Generator().manual_seed(seed)
     ids, vision, bounds = [], [], [0]
     for spec in _PACKED:

@@ -1,11 +1,14 @@
-"""Qwen2-VL worker bodies (run on every rank by tests/test_qwen2_vl.py): our parallel model against
-transformers' ``Qwen2VLForConditionalGeneration`` loaded from the same directory in the same process.
+"""Qwen2-VL and Qwen2.5-VL worker bodies (run on every rank by tests/test_qwen2_vl.py and
+tests/test_qwen2_5_vl.py): our parallel model against transformers' ``Qwen2VLForConditionalGeneration``
+(``Qwen2_5_VLForConditionalGeneration``) loaded from the same directory in the same process; the
+directory's config.json says which.
 
 Records are ``(case, layout, metric, value)``; the test file holds the bounds.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -20,6 +23,19 @@ PADDED_KINDS = ("one_image", "two_images", "video", "image_video", "mixed")
 
 def _inputs(batch: dict) -> dict:
     return {k: v for k, v in batch.items() if v is not None}
+
+
+def _family(path: str):
+    """transformers' model class and our ``build_parallel_model`` for the model saved at ``path``."""
+    if json.loads((Path(path) / "config.json").read_text())["model_type"] == "qwen2_5_vl":
+        from transformers import Qwen2_5_VLForConditionalGeneration as hf_class
+
+        from models.qwen2_5_vl import build_parallel_model
+    else:
+        from transformers import Qwen2VLForConditionalGeneration as hf_class
+
+        from models.qwen2_vl import build_parallel_model
+    return hf_class, build_parallel_model
 
 
 def _unscored_padding_predictions(batch: dict) -> dict:
@@ -47,6 +63,7 @@ def _segments(batch: dict, cfg) -> list[dict]:
         queues[kind] = (token, pixels_key, grid_key, list(grid) if grid is not None else [],
                         batch.get(pixels_key))
     offsets = {"image": 0, "video": 0}
+    seconds, videos = batch.get("second_per_grid_ts"), 0  # Qwen2.5-VL: one per video, in order
     out = []
     for a, b in zip(bounds[:-1], bounds[1:]):
         seg = {"input_ids": ids[a:b][None], "labels": batch["labels"][0, a:b][None],
@@ -63,6 +80,9 @@ def _segments(batch: dict, cfg) -> list[dict]:
                 seg[grid_key] = torch.stack(taken)
                 seg[pixels_key] = pixels[offsets[kind]:offsets[kind] + rows]
                 offsets[kind] += rows
+                if kind == "video" and seconds is not None:
+                    seg["second_per_grid_ts"] = seconds[videos:videos + len(taken)]
+                    videos += len(taken)
         out.append(seg)
     return out
 
@@ -88,12 +108,9 @@ def _grad_diff(model, hf, prefix: str) -> float:
 def parity(case: str, path: str, pconfig: ParallelConfig, steps: int = 2, lr: float = 0.2) -> list[tuple]:
     """Logits and loss for every batch kind (right and left padding, packed), then two SGD steps
     on the mixed batch with every gradient compared (vision and text), then logits again."""
-    from transformers import Qwen2VLForConditionalGeneration
-
-    from models.qwen2_vl import build_parallel_model
-
+    hf_class, build_parallel_model = _family(path)
     tag = (case, pconfig.describe())
-    hf = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    hf = hf_class.from_pretrained(path, dtype=torch.float32).eval()
     model = build_parallel_model(path, pconfig)
     records = []
     encoded = []  # patch rows this rank's tower encodes (cp/ulysses ranks share the images)
@@ -157,12 +174,9 @@ def training_parity(case: str, path: str, pconfig: ParallelConfig, microbatches:
                     lr: float = 0.2) -> list[tuple]:
     """``forward_backward`` (micro-batches, pipeline stages with the tower on the first) on the mixed
     padded batch, then on the packed batch: loss and every gradient against transformers' whole batch."""
-    from transformers import Qwen2VLForConditionalGeneration
-
-    from models.qwen2_vl import build_parallel_model
-
+    hf_class, build_parallel_model = _family(path)
     tag = (case, f"{pconfig.describe()} forward_backward({microbatches})")
-    hf = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    hf = hf_class.from_pretrained(path, dtype=torch.float32).eval()
     model = build_parallel_model(path, pconfig)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     ref_opt = torch.optim.SGD(hf.parameters(), lr=lr)
@@ -268,9 +282,9 @@ def vllm_outputs(case: str, path: str, out: str) -> list[tuple]:
     vLLM's shards for TP 1 and 2)."""
     import torch.distributed as dist
 
-    from models.qwen2_vl import build_parallel_model
     from tests.workers_vllm import write_vllm_exports
 
+    build_parallel_model = _family(path)[1]
     model = build_parallel_model(path, ParallelConfig(tp=2, pp=2, num_layers_in_first_pipeline_stage=1))
     opt = torch.optim.SGD(model.parameters(), lr=0.2)
     batch = _inputs(vl_batch(case, "mixed"))

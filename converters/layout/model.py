@@ -24,10 +24,12 @@ def architectures() -> dict[str, Architecture]:
     """Registered architectures by HF model_type."""
     from models.llama.architecture import ARCHITECTURE as LLAMA
     from models.qwen2.architecture import ARCHITECTURE as QWEN2
+    from models.qwen2_5_vl.architecture import ARCHITECTURE as QWEN2_5_VL
     from models.qwen2_moe.architecture import ARCHITECTURE as QWEN2_MOE
     from models.qwen2_vl.architecture import ARCHITECTURE as QWEN2_VL
 
-    return {t: arch for arch in (LLAMA, QWEN2, QWEN2_MOE, QWEN2_VL) for t in arch.hf_model_types}
+    archs = (LLAMA, QWEN2, QWEN2_MOE, QWEN2_VL, QWEN2_5_VL)
+    return {t: arch for arch in archs for t in arch.hf_model_types}
 
 
 def require_megatron_layout(cfg: ModelConfig, where: str) -> None:

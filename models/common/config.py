@@ -61,12 +61,19 @@ class MoeConfig:
 
 @dataclass(frozen=True)
 class VisionConfig:
-    """Qwen2-VL's vision tower (transformers' ``Qwen2VLVisionConfig`` names) and its special tokens.
+    """The Qwen2-VL family's vision tower (transformers' ``Qwen2VLVisionConfig`` names) and its special tokens.
 
     Patches of ``in_channels x temporal_patch_size x patch_size^2`` pixels are embedded to
     ``embed_dim``, run through ``depth`` pre-LayerNorm blocks (``num_heads`` heads, 2-D rotary,
     quick-GELU MLP of ``embed_dim * mlp_ratio``), and every ``spatial_merge_size^2`` neighbouring
     patches are merged into one ``out_hidden_size`` (the text model's hidden size) feature.
+
+    Qwen2.5-VL's options (defaults: Qwen2-VL): ``rms_norm`` (RMSNorm without bias in the blocks and
+    the merger), ``gated_mlp`` (``down(act(gate(x)) * up(x))`` with biases, width ``intermediate_size``),
+    ``window_size`` > 0 (attention within windows of ``window_size / (patch_size * spatial_merge_size)``
+    merged patches per side, except the blocks in ``fullatt_block_indexes``, which attend per frame),
+    and ``tokens_per_second`` (M-RoPE temporal positions of a video step by ``tokens_per_second *
+    second_per_grid_ts``; None: by 1, as in Qwen2-VL).
     """
 
     depth: int
@@ -82,6 +89,12 @@ class VisionConfig:
     rope_theta: float = 10000.0
     image_token_id: int = 151655
     video_token_id: int = 151656
+    intermediate_size: int | None = None  # MLP width; None: embed_dim * mlp_ratio
+    rms_norm: bool = False
+    gated_mlp: bool = False
+    window_size: int = 0  # 0: no window attention
+    fullatt_block_indexes: tuple[int, ...] = ()
+    tokens_per_second: float | None = None
 
     @property
     def head_dim(self) -> int:
@@ -89,7 +102,12 @@ class VisionConfig:
 
     @property
     def mlp_hidden(self) -> int:
-        return int(self.embed_dim * self.mlp_ratio)
+        return self.intermediate_size if self.intermediate_size is not None else int(self.embed_dim * self.mlp_ratio)
+
+    @property
+    def window_tokens(self) -> int:
+        """Merged patches per window side (0: no window attention)."""
+        return self.window_size // (self.spatial_merge_size * self.patch_size)
 
     @property
     def patch_dim(self) -> int:

@@ -18,13 +18,16 @@ Pipeline stages follow ``vllm.distributed.utils.get_pp_indices`` (without the
 ``VLLM_PP_LAYER_PARTITION`` override): equal layer counts, the remainder given one each to the
 stages before the last.
 
-Vision-language models (Qwen2-VL, checked against vLLM 0.32 in tests/test_vllm_vl.py): vLLM wraps
-the text model, so its keys gain ``language_model.`` (``language_model.model.layers.N...``,
+Vision-language models (Qwen2-VL, Qwen2.5-VL, checked against vLLM 0.32 in tests/test_vllm_vl.py):
+vLLM wraps the text model, so its keys gain ``language_model.`` (``language_model.model.layers.N...``,
 ``language_model.lm_head.weight``, the attention scales too); the vision tower keeps HF's
 ``visual.*`` and is built whole on *every* pipeline stage (vLLM does not split it over PP), so each
-stage's files carry it. Its linear layers are vLLM's Column/RowParallelLinear; ``attn.qkv`` is one
-ColumnParallelLinear over the fused ``[q | k | v]`` rows, split contiguously (vLLM all-gathers it
-and re-splits per head in ``split_qkv``), not per q/k/v block as our training layout (``Fused``).
+stage's files carry it. Its linear layers are vLLM's Column/RowParallelLinear. Qwen2-VL's
+``attn.qkv`` is one ColumnParallelLinear over the fused ``[q | k | v]`` rows, split contiguously
+(vLLM all-gathers it and re-splits per head in ``split_qkv``), not per q/k/v block as our training
+layout (``Fused``); Qwen2.5-VL's is a QKVParallelLinear (rank r holds ``[q_r | k_r | v_r]``: our
+``Fused`` layout as it is), and its gated MLP a MergedColumnParallelLinear ``mlp.gate_up_proj``
+(``[gate_r | up_r]``, our packing and name).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ ATTENTION_SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
 TIED_HEAD_KEY = "lm_head.weight"
 LANGUAGE_MODEL_PREFIX = "language_model."  # vLLM's vision-language models hold the text model under it
 VISION_PREFIX = "visual."
+CONTIGUOUS_VISION_QKV = ("qwen2_vl",)  # vLLM splits these architectures' vision qkv as one ColumnParallelLinear
 
 
 class VllmLayoutError(ValueError):
@@ -89,8 +93,11 @@ def _vllm_fused_rows(entry: WeightEntry) -> WeightEntry:
 def vllm_weight_map(wmap: WeightMap, cfg: ModelConfig) -> WeightMap:
     """The weight map with vLLM's rules: padded vocabulary, fused experts, contiguous vision qkv."""
     padded = with_vocab_padding(wmap, padded_vocab(cfg.vocab_size))
+    first = padded.first_entries
+    if cfg.architecture in CONTIGUOUS_VISION_QKV:
+        first = tuple(map(_vllm_fused_rows, first))
     return replace(padded, moe_layer_entries=tuple(map(_vllm_experts, padded.moe_layer_entries)),
-                   first_entries=tuple(map(_vllm_fused_rows, padded.first_entries)))
+                   first_entries=first)
 
 
 def vllm_name(key: str, cfg: ModelConfig) -> str:

@@ -1,4 +1,4 @@
-"""Qwen2-VL's vision tower, tensor-parallel: patch embedding, 2-D rotary blocks, patch merger.
+"""The Qwen2-VL family's vision tower, tensor-parallel: patch embedding, 2-D rotary blocks, patch merger.
 
 Semantics are transformers' ``Qwen2VisionTransformerPretrainedModel``: ``pixel_values [N, C*T*P*P]``
 (one row per patch, as the image processor emits them, grouped by ``spatial_merge_size^2`` windows)
@@ -13,6 +13,14 @@ column-parallel per q/k/v block then per head (rule ``Fused(3)``: each rank hold
 ``mlp.2`` row. Norms, patch embedding and the residual stream stay whole on every TP rank (they are
 a small share of the tower's work); the matmuls and attention are split, so no rank repeats them.
 The output features are whole on every TP rank. Parameter names are transformers' (``visual.*``).
+
+Qwen2.5-VL is the same tower with options (``VisionConfig``): RMSNorm instead of LayerNorm (blocks
+and merger), a gated MLP ``down(act(gate(x)) * up(x))`` with biases (``gate_up_proj`` column-parallel
+holding ``[gate_r | up_r]``, ``down_proj`` row), and window attention: after the patch embedding the
+merged patches (``spatial_merge_size^2`` consecutive rows each) are reordered window by window
+(``vision_window_index``), the blocks attend within windows except those in ``fullatt_block_indexes``
+(within frames, which the reordering keeps contiguous), and the merger's output is put back in the
+original order (the inverse permutation), so features line up with the placeholder tokens.
 """
 
 from __future__ import annotations
@@ -23,8 +31,9 @@ from torch import nn
 
 from models.common.blocks.rope import _rotate_half
 from models.common.config import VisionConfig
+from models.common.vision_positions import vision_cu_seqlens, vision_patch_positions, vision_window_index
 from parallel.groups import ParallelGroups
-from parallel.layers import ColumnParallelLinear, RowParallelLinear
+from parallel.layers import ColumnParallelLinear, MergedColumnParallelLinear, RMSNorm, RowParallelLinear
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -94,6 +103,19 @@ class VisionAttention(nn.Module):
         return self.proj(torch.cat(outs, dim=0).reshape(n, -1))
 
 
+def _activation(cfg: VisionConfig):
+    if cfg.hidden_act not in _ACTIVATIONS:
+        raise ValueError(f"vision hidden_act={cfg.hidden_act!r} is not supported ({', '.join(_ACTIVATIONS)})")
+    return _ACTIVATIONS[cfg.hidden_act]
+
+
+def _norm(cfg: VisionConfig, dtype, device) -> nn.Module:
+    """The blocks' and the merger's norm: LayerNorm (Qwen2-VL) or RMSNorm without bias (Qwen2.5-VL)."""
+    if cfg.rms_norm:
+        return RMSNorm(cfg.embed_dim, 1e-6, dtype=dtype, device=device)
+    return nn.LayerNorm(cfg.embed_dim, eps=1e-6, dtype=dtype, device=device)
+
+
 class VisionMLP(nn.Module):
     def __init__(self, cfg: VisionConfig, groups: ParallelGroups, dtype, device) -> None:
         super().__init__()
@@ -101,21 +123,36 @@ class VisionMLP(nn.Module):
                                         dtype=dtype, device=device)
         self.fc2 = RowParallelLinear(cfg.mlp_hidden, cfg.embed_dim, bias=True, tp_group=groups.tp_group,
                                      dtype=dtype, device=device)
-        if cfg.hidden_act not in _ACTIVATIONS:
-            raise ValueError(f"vision hidden_act={cfg.hidden_act!r} is not supported ({', '.join(_ACTIVATIONS)})")
-        self.act = _ACTIVATIONS[cfg.hidden_act]
+        self.act = _activation(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
 
 
+class GatedVisionMLP(nn.Module):
+    """Qwen2.5-VL's ``down_proj(act(gate_proj(x)) * up_proj(x))`` with biases; ``gate_up_proj`` holds
+    this rank's ``[gate_r | up_r]`` rows (vLLM's packing)."""
+
+    def __init__(self, cfg: VisionConfig, groups: ParallelGroups, dtype, device) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.embed_dim, [cfg.mlp_hidden] * 2, bias=True,
+                                                       tp_group=groups.tp_group, dtype=dtype, device=device)
+        self.down_proj = RowParallelLinear(cfg.mlp_hidden, cfg.embed_dim, bias=True, tp_group=groups.tp_group,
+                                           dtype=dtype, device=device)
+        self.act = _activation(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
 class VisionBlock(nn.Module):
     def __init__(self, cfg: VisionConfig, groups: ParallelGroups, dtype, device) -> None:
         super().__init__()
-        self.norm1 = nn.LayerNorm(cfg.embed_dim, eps=1e-6, dtype=dtype, device=device)
-        self.norm2 = nn.LayerNorm(cfg.embed_dim, eps=1e-6, dtype=dtype, device=device)
+        self.norm1 = _norm(cfg, dtype, device)
+        self.norm2 = _norm(cfg, dtype, device)
         self.attn = VisionAttention(cfg, groups, dtype, device)
-        self.mlp = VisionMLP(cfg, groups, dtype, device)
+        self.mlp = (GatedVisionMLP if cfg.gated_mlp else VisionMLP)(cfg, groups, dtype, device)
 
     def forward(self, x, cu_seqlens, cos, sin):
         x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
@@ -123,12 +160,12 @@ class VisionBlock(nn.Module):
 
 
 class PatchMerger(nn.Module):
-    """LayerNorm, then ``spatial_merge_size^2`` consecutive patches as one row, Linear-GELU-Linear."""
+    """Norm, then ``spatial_merge_size^2`` consecutive patches as one row, Linear-GELU-Linear."""
 
     def __init__(self, cfg: VisionConfig, groups: ParallelGroups, dtype, device) -> None:
         super().__init__()
         self.merged_dim = cfg.merged_dim
-        self.ln_q = nn.LayerNorm(cfg.embed_dim, eps=1e-6, dtype=dtype, device=device)
+        self.ln_q = _norm(cfg, dtype, device)
         self.mlp = nn.ModuleList([
             ColumnParallelLinear(cfg.merged_dim, cfg.merged_dim, bias=True, tp_group=groups.tp_group, dtype=dtype,
                                  device=device),
@@ -155,12 +192,31 @@ class ParallelVisionTower(nn.Module):
         self.blocks = nn.ModuleList([VisionBlock(cfg, groups, dtype, device) for _ in range(cfg.depth)])
         self.merger = PatchMerger(cfg, groups, dtype, device)
 
-    def forward(self, pixel_values: torch.Tensor, patch_positions: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
-        """``patch_positions [N, 2]``: each patch's (h, w) in its image; ``cu_seqlens``: frame
-        boundaries in the patch axis (attention stays within a frame). Both come from the grids
-        (``models.qwen2_vl.positions``)."""
-        cos, sin = self.rotary_pos_emb(patch_positions.to(pixel_values.device))
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """``pixel_values [sum t*h*w, patch_dim]`` of the images/videos whose grids are ``grid_thw [n, 3]``
+        -> their merged features in the same order. Each patch's (h, w) rotary position and the frame
+        boundaries (attention stays within a frame, or within a window) come from the grids
+        (``models/common/vision_positions.py``)."""
+        cfg = self.cfg
+        grid_thw = grid_thw.cpu()
+        cos, sin = self.rotary_pos_emb(vision_patch_positions(grid_thw, cfg.spatial_merge_size).to(pixel_values.device))
+        frames = vision_cu_seqlens(grid_thw).tolist()
         x = self.patch_embed(pixel_values)
-        for block in self.blocks:
-            x = block(x, cu_seqlens, cos, sin)
-        return self.merger(x)
+        window = None
+        if cfg.window_size:
+            window, windows = vision_window_index(grid_thw, cfg.spatial_merge_size, cfg.window_tokens)
+            window = window.to(x.device)
+            x, cos, sin = (_by_merged_patch(t, window, cfg.spatial_merge_size) for t in (x, cos, sin))
+        for j, block in enumerate(self.blocks):
+            full = window is None or j in cfg.fullatt_block_indexes
+            x = block(x, frames if full else windows, cos, sin)
+        x = self.merger(x)
+        if window is not None:  # back to the patches' own order
+            x = x[torch.argsort(window)]
+        return x
+
+
+def _by_merged_patch(x: torch.Tensor, order: torch.Tensor, merge: int) -> torch.Tensor:
+    """Rows of ``x [N, ...]`` reordered in groups of ``merge^2`` (one merged patch each) by ``order``."""
+    unit = merge ** 2
+    return x.reshape(x.shape[0] // unit, unit, *x.shape[1:])[order].reshape(x.shape)

@@ -1,0 +1,15 @@
+"""Qwen2.5-VL: ``from models.qwen2_5_vl import build_parallel_model``."""
+
+from models.qwen2_5_vl.architecture import ARCHITECTURE
+
+
+def __getattr__(name: str):
+    # the model (and torch) load on first use, so converters can read the architecture without torch
+    if name == "build_parallel_model":
+        from models.qwen2_5_vl.model import build_parallel_model
+
+        return build_parallel_model
+    raise AttributeError(f"module 'models.qwen2_5_vl' has no attribute {name!r}")
+
+
+__all__ = ["ARCHITECTURE", "build_parallel_model"]
