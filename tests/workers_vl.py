@@ -271,9 +271,9 @@ def dp_text_and_image_ranks(path: str) -> list[tuple]:
             (*tag, "grads_text", _grad_diff(model, hf, "model."))]
 
 
-def vllm_outputs(case: str, path: str, out: str) -> list[tuple]:
-    """Train a TP2xPP2 Qwen2-VL two SGD steps (vision tower and one layer on stage 0, Fused(3) qkv shards;
-    vLLM splits the layers 2+1 instead), then write
+def vllm_outputs(case: str, path: str, out: str, layout: dict | None = None) -> list[tuple]:
+    """Train a TP2xPP2 (or ``layout``) Qwen2-VL / Qwen2.5-VL two SGD steps (vision tower and one layer on
+    stage 0, Fused(3) qkv shards; vLLM splits the layers 2+1 instead), then write
     what tests/test_vllm_vl.py checks with vLLM itself:
       hf/                              save_pretrained
       export-tp{N}.rank{r}.safetensors iter_export("vllm", target_tp=N, target_rank=r) (rank 0 writes)
@@ -285,7 +285,8 @@ def vllm_outputs(case: str, path: str, out: str) -> list[tuple]:
     from tests.workers_vllm import write_vllm_exports
 
     build_parallel_model = _family(path)[1]
-    model = build_parallel_model(path, ParallelConfig(tp=2, pp=2, num_layers_in_first_pipeline_stage=1))
+    layout = layout or {"tp": 2, "pp": 2, "num_layers_in_first_pipeline_stage": 1}
+    model = build_parallel_model(path, ParallelConfig(**layout))
     opt = torch.optim.SGD(model.parameters(), lr=0.2)
     batch = _inputs(vl_batch(case, "mixed"))
     ids, labels = batch.pop("input_ids"), batch.pop("labels")
