@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-ARCH_OF = {"qwen2": "models.qwen2", "llama": "models.llama"}
+ARCH_OF = {"qwen2": "models.qwen2", "llama": "models.llama", "qwen3": "models.qwen3", "qwen3moe": "models.qwen3_moe"}
 
 
 def _case_configs():
@@ -41,6 +41,36 @@ def _case_configs():
                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
                                      tie_word_embeddings=True,
                                      rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}),
+    }
+
+
+def qwen3_configs() -> dict:
+    """Qwen3 and Qwen3-MoE cases (tests/test_qwen3.py): q/k norms, head_dim decoupled from hidden/heads,
+    GQA with fewer KV heads than TP ranks, tied and untied embeddings, attention bias; MoE without a
+    shared expert, renormalised or plain top-k, dense layers (``mlp_only_layers``, ``decoder_sparse_step``)."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    return {
+        # head_dim 24 (4 * 24 != 64), 4 layers (room for PP2 x VPP2), vocab 101 (not divisible by 2)
+        "qwen3_untied": Qwen3Config(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                                    max_position_embeddings=64, tie_word_embeddings=False),
+        # one KV head (replicated over every TP rank), tied embeddings, bias on q/k/v and o_proj
+        "qwen3_tied_kv1": Qwen3Config(vocab_size=77, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=1, head_dim=16, attention_bias=True,
+                                      max_position_embeddings=64, tie_word_embeddings=True),
+        # the Qwen3-MoE checkpoints' switches: renormalised top-k, a dense layer among sparse ones
+        "qwen3moe_norm": Qwen3MoeConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                                        moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                                        norm_topk_prob=True, mlp_only_layers=[1], router_aux_loss_coef=0.1,
+                                        max_position_embeddings=64, tie_word_embeddings=False),
+        # transformers' default top-k (not renormalised), every 2nd layer sparse, one KV head, tied
+        "qwen3moe_step2": Qwen3MoeConfig(vocab_size=80, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                         num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                                         moe_intermediate_size=24, num_experts=4, num_experts_per_tok=3,
+                                         norm_topk_prob=False, decoder_sparse_step=2, router_aux_loss_coef=0.1,
+                                         max_position_embeddings=64, tie_word_embeddings=True),
     }
 
 

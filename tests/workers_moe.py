@@ -110,13 +110,14 @@ def parity(case: str, path: str, pconfig: ParallelConfig, steps: int = 2, lr: fl
 
     Pipeline layouts, and others when ``microbatches`` is given, train through ``forward_backward``
     with the load-balancing loss (per micro-batch, see ``_reference_microbatch_loss``)."""
-    from transformers import AutoModelForCausalLM
+    import importlib
 
-    from models.qwen2_moe import build_parallel_model
+    from transformers import AutoModelForCausalLM
 
     tag = (case, pconfig.describe() + (f" forward_backward({microbatches} {schedule})" if microbatches else ""))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model = build_parallel_model(path, pconfig)
+    # the model folder of the checkpoint's model_type (qwen2_moe, qwen3_moe)
+    model = importlib.import_module(f"models.{hf.config.model_type}").build_parallel_model(path, pconfig)
     ids, labels = _batch(hf.config.vocab_size)
     records = []
     if pconfig.pp == 1:

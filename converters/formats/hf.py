@@ -54,7 +54,7 @@ class HFCheckpoint:
         wmap = conversion_weight_map(arch, cfg)
         check_config_against_tensors(config_path, cfg, wmap, shapes, files)
         allowed = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
-        check_tensors(shapes, hf_shapes(cfg, wmap), self.path, allowed_extra=allowed)
+        check_tensors(shapes, hf_shapes(cfg, wmap), self.path, allowed_extra=allowed, files=files)
         self.arch, self.cfg, self.wmap = arch, cfg, wmap
         self.tensors: dict[str, StoredTensor] = {name: self.files.tensors[stored] for name, stored in stored_as.items()}
 

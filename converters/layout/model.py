@@ -27,8 +27,10 @@ def architectures() -> dict[str, Architecture]:
     from models.qwen2_5_vl.architecture import ARCHITECTURE as QWEN2_5_VL
     from models.qwen2_moe.architecture import ARCHITECTURE as QWEN2_MOE
     from models.qwen2_vl.architecture import ARCHITECTURE as QWEN2_VL
+    from models.qwen3.architecture import ARCHITECTURE as QWEN3
+    from models.qwen3_moe.architecture import ARCHITECTURE as QWEN3_MOE
 
-    archs = (LLAMA, QWEN2, QWEN2_MOE, QWEN2_VL, QWEN2_5_VL)
+    archs = (LLAMA, QWEN2, QWEN2_MOE, QWEN2_VL, QWEN2_5_VL, QWEN3, QWEN3_MOE)
     return {t: arch for arch in archs for t in arch.hf_model_types}
 
 
@@ -38,6 +40,9 @@ def require_megatron_layout(cfg: ModelConfig, where: str) -> None:
     if cfg.vision is not None:
         raise CheckpointError(f"{where}: {cfg.architecture} has no Megatron layout yet (its vision tower has no "
                               f"Megatron names here); convert it between HF and vLLM formats")
+    if cfg.qk_norm:  # Qwen3: Megatron's q_layernorm/k_layernorm (qk_layernorm, kv_channels args) not mapped yet
+        raise CheckpointError(f"{where}: {cfg.architecture} has no Megatron layout yet (its q/k norms have no "
+                              f"verified Megatron mapping here); convert it between HF and vLLM formats")
 
 
 def architecture_for(model_type: str | None, where: str) -> Architecture:

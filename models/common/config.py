@@ -54,6 +54,9 @@ class MoeConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.001
+    # False: the architecture has no shared-expert modules at all (Qwen3-MoE), not even the zero-size
+    # ones (and the gate) that Qwen2-MoE keeps when ``shared_expert_intermediate_size`` is 0
+    shared_expert: bool = True
 
     def is_sparse(self, layer: int) -> bool:
         return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
@@ -142,7 +145,16 @@ class ModelConfig:
     initializer_range: float = 0.02
     architecture: str = "llama"
     moe: MoeConfig | None = None  # None: every layer has the dense MLP
+    # Qwen3: RMSNorm over head_dim on every query and key head (``self_attn.q_norm``/``k_norm``), before RoPE
+    qk_norm: bool = False
+    # transformers' ``layer_types``: the attention block of each layer; () = every layer "full_attention"
+    # (the only one computed; ``from_hf`` refuses others)
+    layer_types: tuple[str, ...] = ()
     vision: VisionConfig | None = None  # Qwen2-VL: the vision tower on the first pipeline stage
+
+    def attention_type(self, layer: int) -> str:
+        """The attention block of layer ``layer`` (a ``layer_types`` entry)."""
+        return self.layer_types[layer] if self.layer_types else "full_attention"
 
     def sparse_layers(self) -> frozenset[int]:
         """Global indices of the layers whose MLP is a mixture of experts."""
@@ -152,17 +164,21 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf_config: Any, *, architecture: str, qkv_bias: bool, o_bias: bool,
-                mlp_bias: bool) -> "ModelConfig":
-        """Read the fields shared by Llama-like transformers configs; the caller sets the bias switches."""
+                mlp_bias: bool, qk_norm: bool = False) -> "ModelConfig":
+        """Read the fields shared by Llama-like transformers configs; the caller sets the bias and q/k-norm
+        switches."""
         act = getattr(hf_config, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise UnsupportedConfigError(f"{architecture}: hidden_act={act!r} is not supported (only silu)")
-        layer_types = getattr(hf_config, "layer_types", None) or []
-        if any(t != "full_attention" for t in layer_types) or getattr(hf_config, "use_sliding_window", False):
-            raise UnsupportedConfigError(
-                f"{architecture}: sliding-window attention (use_sliding_window / "
-                f"layer_types={sorted(set(layer_types))}) is not supported"
-            )
+        if getattr(hf_config, "use_sliding_window", False):
+            raise UnsupportedConfigError(f"{architecture}: use_sliding_window={hf_config.use_sliding_window!r} "
+                                         f"(sliding-window attention) is not supported")
+        layer_types = list(getattr(hf_config, "layer_types", None) or [])
+        other = sorted({str(t) for t in layer_types if t != "full_attention"})
+        if other:
+            raise UnsupportedConfigError(f"{architecture}: layer_types has {', '.join(map(repr, other))} (layers "
+                                         f"{[i for i, t in enumerate(layer_types) if t != 'full_attention'][:8]}); "
+                                         f"only 'full_attention' is supported")
         heads = hf_config.num_attention_heads
         kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
@@ -187,6 +203,7 @@ class ModelConfig:
             hidden_act="silu",
             initializer_range=getattr(hf_config, "initializer_range", 0.02),
             architecture=architecture,
+            qk_norm=qk_norm,
         )
 
 

@@ -259,15 +259,16 @@ def canonical_names(names: Iterable[str], rename: Callable[[str], str], where: s
 
 
 def check_tensors(shapes: Mapping[str, Sequence[int]], expected: Mapping[str, Sequence[int]], where: str,
-                  allowed_extra: Iterable[str] = ()) -> None:
+                  allowed_extra: Iterable[str] = (), files: Mapping[str, str] | None = None) -> None:
     """Every expected tensor present with its shape, nothing unexplained left over (names ending in
     one of the weight map's ``IGNORED_SUFFIXES`` excepted); else one CheckpointError listing the
-    problems. The model loader (``validate_source``) and the converters' HF reader both use it."""
+    problems (a mis-shaped tensor with the file holding it, when ``files`` maps names to files). The
+    model loader (``validate_source``) and the converters' HF reader both use it."""
     from models.common.weight_map import IGNORED_SUFFIXES
 
     missing = sorted(set(expected) - set(shapes))
-    wrong = sorted(f"{n} {tuple(shapes[n])} (expected {tuple(expected[n])})" for n in set(expected) & set(shapes)
-                   if tuple(shapes[n]) != tuple(expected[n]))
+    wrong = sorted(f"{n} {tuple(shapes[n])} (expected {tuple(expected[n])})" + (f" in {files[n]}" if files else "")
+                   for n in set(expected) & set(shapes) if tuple(shapes[n]) != tuple(expected[n]))
     extra = sorted(n for n in set(shapes) - set(expected) - set(allowed_extra) if not n.endswith(IGNORED_SUFFIXES))
     problems = []
     if missing:

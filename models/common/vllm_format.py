@@ -200,12 +200,18 @@ _MOE_PARAM_KEYS = {"mlp.experts.w13_weight": "mlp.experts.routed_experts.w13_wei
 _MOE_SHARDED_KEYS = {"mlp.shared_expert.gate_up_proj.weight": "mlp.experts._shared_experts._layer.gate_up_proj.weight",
                      "mlp.shared_expert.down_proj.weight": "mlp.experts._shared_experts._layer.down_proj.weight",
                      "mlp.shared_expert_gate.weight": "mlp.experts._shared_experts._layer.expert_gate.weight"}
+# vLLM 0.32 architectures whose sparse block hands its router to the fused-MoE layer (``gate=``, Qwen3-MoE):
+# the router is registered twice, ``mlp.gate`` (first: ``named_parameters()``) and ``mlp.experts.gate``
+# (alphabetically smaller: the ``sharded_state`` key). Checked by tests/test_qwen3_vllm.py.
+_ROUTER_IN_FUSED_MOE = frozenset({"qwen3_moe"})
 
 
 def _moe_key(entry: WeightEntry, cfg: ModelConfig, sharded: bool) -> str | None:
     """vLLM's key of a sparse-layer parameter (None: vLLM has no such tensor); others keep their name."""
     prefix, sep, leaf = entry.param.partition(".mlp.")
     leaf = sep[1:] + leaf
+    if cfg.moe is not None and sharded and leaf == "mlp.gate.weight" and cfg.architecture in _ROUTER_IN_FUSED_MOE:
+        return f"{prefix}.mlp.experts.gate.weight"
     if cfg.moe is None or leaf not in {**_MOE_PARAM_KEYS, **_MOE_SHARDED_KEYS}:
         return entry.param
     if leaf in _MOE_PARAM_KEYS:

@@ -111,7 +111,7 @@ class WeightMap:
 
 def dense_decoder_weight_map(cfg: ModelConfig, padded_vocab_size: int, *, hf_prefix: str = "model.",
                              hf_lm_head: str = "lm_head.weight") -> WeightMap:
-    """Weight map of the Llama/Qwen2 block family; biases and tying come from ``cfg``.
+    """Weight map of the Llama/Qwen2/Qwen3 block family; biases, q/k norms and tying come from ``cfg``.
 
     ``hf_prefix`` is where the decoder sits in HF names ("model." for Llama/Qwen2,
     "model.language_model." for Qwen2-VL's text model).
@@ -134,6 +134,11 @@ def dense_decoder_weight_map(cfg: ModelConfig, padded_vocab_size: int, *, hf_pre
     if cfg.o_bias:
         entries.append(WeightEntry("model.layers.{i}.self_attn.o_proj.bias", (layer + "self_attn.o_proj.bias",), (rep,),
                                    mc + "self_attention.linear_proj.bias"))
+    if cfg.qk_norm:  # Qwen3's per-head RMSNorm weights [head_dim], whole on every TP rank (vLLM: same names)
+        entries += [WeightEntry(f"model.layers.{{i}}.self_attn.{p}_norm.weight",
+                                (layer + f"self_attn.{p}_norm.weight",), (rep,),
+                                mc + f"self_attention.{p}_layernorm.weight", shapes=((cfg.head_dim,),))
+                    for p in "qk"]
     entries.append(WeightEntry("model.layers.{i}.mlp.gate_up_proj.weight",
                                (layer + "mlp.gate_proj.weight", layer + "mlp.up_proj.weight"), (col, col),
                                mc + "mlp.linear_fc1.weight", GATE_UP_STACKED))
@@ -197,7 +202,7 @@ def _dense_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
 
 def moe_decoder_weight_map(cfg: ModelConfig, padded_vocab_size: int, *, hf_prefix: str = "model.",
                            hf_lm_head: str = "lm_head.weight") -> WeightMap:
-    """The dense decoder's map plus Qwen2-MoE's sparse MLP on ``cfg.sparse_layers()``.
+    """The dense decoder's map plus Qwen2-MoE's / Qwen3-MoE's sparse MLP on ``cfg.sparse_layers()``.
 
     Sparse layer ``i`` (HF names as transformers writes them on disk, per expert):
       router        ``mlp.gate.weight [E, H]``                     replicated over TP
@@ -208,6 +213,7 @@ def moe_decoder_weight_map(cfg: ModelConfig, padded_vocab_size: int, *, hf_prefi
       shared expert ``mlp.shared_expert.{gate,up,down}_proj``      column/row over TP like the dense MLP
                     (zero rows when ``shared_expert_intermediate_size`` is 0, as transformers has it)
       shared gate   ``mlp.shared_expert_gate.weight [1, H]``       replicated
+                    (neither shared expert nor gate when ``moe.shared_expert`` is False: Qwen3-MoE)
     Megatron names follow megatron-core's local spec (``mlp.router``, ``mlp.experts.local_experts.{e}``,
     ``mlp.shared_experts`` with ``gate_weight``).
     """
@@ -230,14 +236,16 @@ def moe_decoder_weight_map(cfg: ModelConfig, padded_vocab_size: int, *, hf_prefi
                               mc + "experts.local_experts.{e}.linear_fc2.weight", experts=e_count,
                               shapes=((h, inter),)))
     shared = moe.shared_expert_intermediate_size  # 0: zero-size tensors, as transformers writes them
-    sparse.append(WeightEntry(param + "shared_expert.gate_up_proj.weight",
-                              (layer + "shared_expert.gate_proj.weight", layer + "shared_expert.up_proj.weight"),
-                              (col, col), mc + "shared_experts.linear_fc1.weight", GATE_UP_STACKED,
-                              shapes=((shared, h), (shared, h))))
-    sparse.append(WeightEntry(param + "shared_expert.down_proj.weight", (layer + "shared_expert.down_proj.weight",),
-                              (row,), mc + "shared_experts.linear_fc2.weight", shapes=((h, shared),)))
-    sparse.append(WeightEntry(param + "shared_expert_gate.weight", (layer + "shared_expert_gate.weight",), (rep,),
-                              mc + "shared_experts.gate_weight", shapes=((1, h),)))
+    if moe.shared_expert:  # Qwen3-MoE has no shared-expert tensors at all
+        sparse.append(WeightEntry(param + "shared_expert.gate_up_proj.weight",
+                                  (layer + "shared_expert.gate_proj.weight", layer + "shared_expert.up_proj.weight"),
+                                  (col, col), mc + "shared_experts.linear_fc1.weight", GATE_UP_STACKED,
+                                  shapes=((shared, h), (shared, h))))
+        sparse.append(WeightEntry(param + "shared_expert.down_proj.weight",
+                                  (layer + "shared_expert.down_proj.weight",), (row,),
+                                  mc + "shared_experts.linear_fc2.weight", shapes=((h, shared),)))
+        sparse.append(WeightEntry(param + "shared_expert_gate.weight", (layer + "shared_expert_gate.weight",), (rep,),
+                                  mc + "shared_experts.gate_weight", shapes=((1, h),)))
     norms = [e for e in sparse if e.param.endswith("layernorm.weight")]
     sparse = [e for e in sparse if e not in norms] + norms  # same order as the dense layer: MLP, then norms
     return WeightMap(dense.layer_entries, dense.first_entries, dense.last_entries, tuple(sparse),

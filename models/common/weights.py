@@ -37,7 +37,9 @@ def validate_source(source: TensorSource, expected: dict[str, tuple[int, ...]], 
     """Every expected tensor present with its shape, nothing unexplained left over; else CheckpointError
     (``hf_files.check_tensors``, the check the converters' HF reader makes too)."""
     names = source.names()
-    check_tensors({n: source.shape(n) for n in names}, expected, where, allowed_extra)
+    file_of = getattr(source, "file_of", None)  # safetensors sources say which file holds each tensor
+    files = {n: file_of(n) for n in names} if file_of is not None else None
+    check_tensors({n: source.shape(n) for n in names}, expected, where, allowed_extra, files)
 
 
 @torch.no_grad()

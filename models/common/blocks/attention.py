@@ -21,7 +21,7 @@ from models.common.blocks.rope import apply_rotary
 from models.common.config import ModelConfig
 from parallel.context_attention import context_parallel_attention
 from parallel.groups import ParallelGroups
-from parallel.layers import QKVParallelLinear, RowParallelLinear
+from parallel.layers import QKVParallelLinear, RMSNorm, RowParallelLinear
 from parallel.sequence_shard import SequenceShard
 from parallel.ulysses import heads_to_seq, qkv_to_heads
 
@@ -86,6 +86,15 @@ def _packed_attention(q, k, v, cu_seqlens, max_seqlen):
 
 
 class ParallelAttention(nn.Module):
+    """Full causal self-attention of one decoder layer over this TP rank's heads.
+
+    ``cfg.qk_norm`` (Qwen3): ``q_norm``/``k_norm``, RMSNorm over ``head_dim`` of every query/key head,
+    applied before RoPE. Their weights ``[head_dim]`` are whole on every TP rank, but each rank
+    normalises only its own heads (and, when tp > kv heads, a replicated KV head only for its own
+    query heads), so their gradients are partial sums over TP: tagged ``sequence_parallel`` for
+    ``finalize_grads`` to sum (the replica groups - dp, cp, ulysses - then reduce them like any parameter).
+    """
+
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups, dtype, device) -> None:
         super().__init__()
         sp = groups.sequence_parallel
@@ -95,15 +104,21 @@ class ParallelAttention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias,
                                         tp_group=groups.tp_group, sequence_parallel=sp, dtype=dtype, device=device)
         self.head_dim = cfg.head_dim
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:
+            partial = groups.tp_size > 1
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, sequence_parallel=partial, dtype=dtype, device=device)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, sequence_parallel=partial, dtype=dtype, device=device)
 
     def forward(self, x, cos, sin, attention_mask, cu_seqlens, max_seqlen, seq: SequenceShard | None = None):
         qkv = self.qkv_proj(x)  # [s, b, (hq + 2 hkv) * d]
         s, b, _ = qkv.shape
         q_size, kv_size, _ = self.qkv_proj.local_sizes()
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rotary(q.view(s, b, -1, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(s, b, -1, self.head_dim), cos, sin)
-        v = v.view(s, b, -1, self.head_dim)
+        q, k, v = (t.view(s, b, -1, self.head_dim) for t in (q, k, v))  # [s, b, heads, d]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if seq is None:
             out = causal_attention(q, k, v, attention_mask=attention_mask, cu_seqlens=cu_seqlens,
                                    max_seqlen=max_seqlen)

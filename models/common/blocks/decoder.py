@@ -21,6 +21,10 @@ from models.common.config import ModelConfig
 from parallel.groups import ParallelGroups
 from parallel.layers import RMSNorm, VocabParallelEmbedding
 
+# The attention block of each ``ModelConfig.attention_type`` (transformers' ``layer_types``); models with
+# other kinds of layers (linear attention, sliding windows) add theirs here.
+ATTENTION_BLOCKS = {"full_attention": ParallelAttention}
+
 
 @dataclass
 class CausalLMOutput:
@@ -39,14 +43,15 @@ class CausalLMOutput:
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention and MLP; the MLP of layer ``layer`` is a mixture of experts when ``cfg.moe`` says so."""
+    """Pre-norm attention and MLP, each chosen per layer from the config: the attention block by
+    ``cfg.attention_type(layer)``, the MLP a mixture of experts when ``cfg.moe`` says so."""
 
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups, dtype, device, layer: int = 0) -> None:
         super().__init__()
         sp = groups.sequence_parallel
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, sequence_parallel=sp, dtype=dtype,
                                        device=device)
-        self.self_attn = ParallelAttention(cfg, groups, dtype, device)
+        self.self_attn = ATTENTION_BLOCKS[cfg.attention_type(layer)](cfg, groups, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, sequence_parallel=sp, dtype=dtype,
                                                 device=device)
         if cfg.moe is not None and cfg.moe.is_sparse(layer):

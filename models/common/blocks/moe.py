@@ -80,14 +80,16 @@ class ParallelMoE(nn.Module):
         self.gate = _Weight(moe.num_experts, cfg.hidden_size, dtype, device)
         self.experts = LocalExperts(moe.num_experts // groups.ep_size, cfg.hidden_size, moe.moe_intermediate_size,
                                     dtype, device)
-        self.shared_expert = ParallelMLP(cfg, groups, dtype, device,
-                                         intermediate_size=moe.shared_expert_intermediate_size)
-        self.shared_expert_gate = _Weight(1, cfg.hidden_size, dtype, device)
+        self.shared_expert = self.shared_expert_gate = None  # moe.shared_expert False: none at all (Qwen3-MoE)
+        if moe.shared_expert:
+            self.shared_expert = ParallelMLP(cfg, groups, dtype, device,
+                                             intermediate_size=moe.shared_expert_intermediate_size)
+            self.shared_expert_gate = _Weight(1, cfg.hidden_size, dtype, device)
+            if groups.sequence_parallel:
+                self.shared_expert_gate.weight.sequence_parallel = True
         tp_split = groups.tp_size > 1
         for p in (self.gate.weight, self.experts.w13_weight, self.experts.w2_weight):
             p.sequence_parallel = tp_split  # each TP rank routed only its share of the tokens
-        if groups.sequence_parallel:
-            self.shared_expert_gate.weight.sequence_parallel = True
         if groups.ep_size > 1:
             for p in self.experts.parameters():
                 p.expert_parallel = True
@@ -116,7 +118,7 @@ class ParallelMoE(nn.Module):
         if self.token_mask is not None:
             self.stats = AuxStats(experts, probs, logits, self._mask_share(self.token_mask).to(probs.device))
         out = routed
-        if self.moe.shared_expert_intermediate_size:
+        if self.shared_expert is not None and self.moe.shared_expert_intermediate_size:
             shared = self.shared_expert(x) * torch.sigmoid(F.linear(x, self.shared_expert_gate.weight))
             out = out + shared.reshape(-1, h)
         return out.view(s, b, h)
