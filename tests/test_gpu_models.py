@@ -131,15 +131,16 @@ def test_cuda_moe_matches_transformers(tmp_path):
     assert not bad and set(ref_grads) <= set(got), (bad, sorted(set(ref_grads) - set(got))[:5])
 
 
-def test_cuda_qwen2_vl_matches_transformers(tmp_path):
-    from transformers import Qwen2VLForConditionalGeneration
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_cuda_qwen2_vl_matches_transformers(tmp_path, family):
+    """Qwen2-VL, and Qwen2.5-VL (window attention: the window order is built on the host)."""
+    from tests.vl_cases import VL25_CASES, VL_CASES, vl_batch, write_vl_model
+    from tests.workers_vl import _family
 
-    from models.qwen2_vl import build_parallel_model
-    from tests.vl_cases import VL_CASES, vl_batch, write_vl_model
-
-    name = sorted(VL_CASES)[0]
+    name = sorted(VL25_CASES if family == "qwen2_5_vl" else VL_CASES)[0]
     path = write_vl_model(tmp_path, name)
-    hf = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    hf_class, build_parallel_model = _family(path)
+    hf = hf_class.from_pretrained(path, dtype=torch.float32).cuda().eval()
     ours = build_parallel_model(path, device="cuda")
     for kind in ("one_image", "mixed"):
         batch = {k: v.cuda() for k, v in vl_batch(name, kind).items() if v is not None}
@@ -200,17 +201,17 @@ def test_nccl_process_group_forward_backward_matches_transformers(text_dirs, pco
     assert result["logp_device"].startswith("cuda") and result["logp"] <= FP32_TOL, result
 
 
-def test_cuda_qwen2_vl_forward_backward_matches_transformers(tmp_path):
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_cuda_qwen2_vl_forward_backward_matches_transformers(tmp_path, family):
     """Micro-batched training on CUDA with images: the micro-batches are planned on the host and
-    must reach the GPU with their pixels."""
-    from transformers import Qwen2VLForConditionalGeneration
+    must reach the GPU with their pixels (Qwen2.5-VL: and its videos' second_per_grid_ts)."""
+    from tests.vl_cases import VL25_CASES, VL_CASES, vl_batch, write_vl_model
+    from tests.workers_vl import _family
 
-    from models.qwen2_vl import build_parallel_model
-    from tests.vl_cases import VL_CASES, vl_batch, write_vl_model
-
-    name = sorted(VL_CASES)[0]
+    name = sorted(VL25_CASES if family == "qwen2_5_vl" else VL_CASES)[0]
     path = write_vl_model(tmp_path, name)
-    hf = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).cuda()
+    hf_class, build_parallel_model = _family(path)
+    hf = hf_class.from_pretrained(path, dtype=torch.float32).cuda()
     ours = build_parallel_model(path, device="cuda")
     batch = {k: v.cuda() for k, v in vl_batch(name, "mixed").items() if v is not None}
     ref = hf(**batch)
