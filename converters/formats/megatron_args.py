@@ -157,7 +157,8 @@ def args_layout(args: Any) -> dict[str, int]:
 
 
 def detect_arch(args: Any, where: str) -> str:
-    """llama, qwen2 or qwen2_moe from the args' switches; UnsupportedConfigError for anything else."""
+    """llama, qwen2, qwen2_moe, qwen3 or qwen3_moe from the args' switches (``qk_layernorm``: Qwen3's
+    per-head q/k RMSNorm); UnsupportedConfigError for anything else."""
     problems = []
     if arg_value(args, "normalization", "LayerNorm") != "RMSNorm":
         problems.append(f"normalization={arg_value(args, 'normalization', 'LayerNorm')}")
@@ -168,8 +169,15 @@ def detect_arch(args: Any, where: str) -> str:
     if problems:
         raise UnsupportedConfigError(f"{where}: unknown architecture: Megatron args with {', '.join(problems)} "
                                      f"match neither llama nor qwen2 (pass --arch to force)")
+    qkv_bias, all_bias = arg_value(args, "add_qkv_bias", False), arg_value(args, "add_bias_linear", False)
+    if arg_value(args, "qk_layernorm", False):  # Qwen3 / Qwen3-MoE: q/k norms, no linear biases
+        if qkv_bias or all_bias:
+            raise UnsupportedConfigError(f"{where}: Megatron args with qk_layernorm and add_qkv_bias={bool(qkv_bias)}, "
+                                         f"add_bias_linear={bool(all_bias)}: not a Qwen3 model Megatron can hold "
+                                         f"(Qwen3's attention_bias puts a bias on q/k/v and o_proj only)")
+        return "qwen3_moe" if num_experts_of(args) else "qwen3"
     if num_experts_of(args):
-        # Qwen2-MoE is the one MoE architecture here; its router options are checked when read
+        # Qwen2-MoE (Qwen3-MoE above); router options are checked when read
         if not arg_value(args, "add_qkv_bias", False):
             raise UnsupportedConfigError(f"{where}: Megatron MoE args without add_qkv_bias: not a Qwen2-MoE model "
                                          f"(the only mixture-of-experts architecture supported)")
@@ -220,17 +228,20 @@ def hf_config_from_args(args: Any, *, arch: str | None, hf_config_dir: str | Non
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     if arch == "qwen2":
         return config_from_fields("qwen2", **common, rope_parameters=rope)
-    if arch == "qwen2_moe":
+    if arch in ("qwen2_moe", "qwen3_moe"):
         if not num_experts_of(args):
-            raise CheckpointError(f"{where}: --arch qwen2_moe, but the Megatron args have no num_experts")
-        moe = moe_hf_fields(args, common["num_hidden_layers"], common["intermediate_size"], where)
-        return config_from_fields("qwen2_moe", **common, **moe, rope_parameters=rope)
+            raise CheckpointError(f"{where}: --arch {arch}, but the Megatron args have no num_experts")
+        moe = moe_hf_fields(args, common["num_hidden_layers"], common["intermediate_size"], where, arch=arch)
+        return config_from_fields(arch, **common, **moe, rope_parameters=rope)
+    if arch == "qwen3":
+        return config_from_fields("qwen3", **common, rope_parameters=rope, attention_bias=False)
     if arch == "llama":
         all_bias = bool(arg_value(args, "add_bias_linear", False))
         if arg_value(args, "add_qkv_bias", False) and not all_bias:
             raise UnsupportedConfigError(f"{where}: --arch llama cannot hold a bias on q/k/v only (that is qwen2)")
         return config_from_fields("llama", **common, rope_parameters=rope, attention_bias=all_bias, mlp_bias=all_bias)
-    raise CheckpointError(f"{where}: unknown architecture {arch!r} (supported: llama, qwen2, qwen2_moe)")
+    raise CheckpointError(f"{where}: unknown architecture {arch!r} (supported: llama, qwen2, qwen2_moe, qwen3, "
+                          f"qwen3_moe)")
 
 
 def _check_against_args(config: Any, args: Any, where: str, hf_dir: str) -> None:
@@ -255,8 +266,8 @@ def _check_against_args(config: Any, args: Any, where: str, hf_dir: str) -> None
             ours = config.hidden_size // config.num_attention_heads
         if value is not None and ours is not None and ours != value:
             bad.append(f"{h}={ours} vs {m}={value}")
-    if detected == "qwen2_moe":
-        bad += check_hf_against_args(config, args, where, hf_dir)
+    if detected in ("qwen2_moe", "qwen3_moe"):
+        bad += check_hf_against_args(config, args, where, hf_dir, arch=detected)
     padded = arg_value(args, "padded_vocab_size")
     if padded is not None and getattr(config, "vocab_size", 0) > padded:
         bad.append(f"vocab_size={config.vocab_size} exceeds the checkpoint's padded vocab {padded}")
@@ -266,19 +277,19 @@ def _check_against_args(config: Any, args: Any, where: str, hf_dir: str) -> None
 
 def args_for_target(hf_config: Any, cfg, *, tp: int, pp: int, vpp: int, padded_vocab: int, dtype, fmt: str,
                     divisible_by: int, first: int | None = None, last: int | None = None,
-                    ep: int = 1) -> argparse.Namespace:
+                    ep: int = 1, grouped_gemm: bool = False) -> argparse.Namespace:
     """Megatron-LM-style args for a checkpoint we write (what our readers and Megatron-LM read back)."""
     import torch
 
     fields = target_arg_fields(hf_config, cfg, tp=tp, pp=pp, vpp=vpp, padded_vocab=padded_vocab,
                                dtype_name=str(dtype).removeprefix("torch."), fmt=fmt, divisible_by=divisible_by,
-                               first=first, last=last, ep=ep)
+                               first=first, last=last, ep=ep, grouped_gemm=grouped_gemm)
     return argparse.Namespace(**{**fields, "params_dtype": getattr(torch, fields["params_dtype"])})
 
 
 def target_arg_fields(hf_config: Any, cfg, *, tp: int, pp: int, vpp: int, padded_vocab: int, dtype_name: str,
                       fmt: str, divisible_by: int, first: int | None = None, last: int | None = None,
-                      ep: int = 1) -> dict:
+                      ep: int = 1, grouped_gemm: bool = False) -> dict:
     """The fields of ``args_for_target`` without torch: ``params_dtype`` is the dtype's name
     (``"bfloat16"``); the torch-free writers pickle it as ``torch.bfloat16``."""
     if not (cfg.o_bias == cfg.mlp_bias and (cfg.qkv_bias or not cfg.o_bias)):
@@ -294,6 +305,7 @@ def target_arg_fields(hf_config: Any, cfg, *, tp: int, pp: int, vpp: int, padded
         norm_epsilon=cfg.rms_norm_eps, normalization="RMSNorm", rotary_base=cfg.rope.theta, rotary_percent=1.0,
         use_rope_scaling=cfg.rope.rope_type == "llama3", rope_scaling_factor=cfg.rope.factor,
         position_embedding_type="rope", swiglu=True, add_bias_linear=cfg.o_bias, add_qkv_bias=cfg.qkv_bias,
+        qk_layernorm=cfg.qk_norm,
         untie_embeddings_and_output_weights=not cfg.tie_word_embeddings,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, expert_model_parallel_size=1,
@@ -303,5 +315,5 @@ def target_arg_fields(hf_config: Any, cfg, *, tp: int, pp: int, vpp: int, padded
         hf_model_type=getattr(hf_config, "model_type", None),
     )
     if cfg.moe is not None:
-        fields.update(moe_arg_fields(cfg, tp=tp, ep=ep))
+        fields.update(moe_arg_fields(cfg, tp=tp, ep=ep, grouped_gemm=grouped_gemm))
     return fields

@@ -60,10 +60,14 @@ def moe_layer_pattern(args: Any, num_layers: int, where: str) -> list[int]:
     return pattern
 
 
-def check_router(args: Any, where: str) -> None:
+def check_router(args: Any, where: str, arch: str = "qwen2_moe") -> None:
     """UnsupportedConfigError (one line, the first reason) for Megatron MoE options that make the
-    model something other than Qwen2-MoE: converting them would silently change the model."""
+    model something other than Qwen2-MoE / Qwen3-MoE (``arch``; the same router, Qwen3-MoE without
+    a shared expert): converting them would silently change the model."""
     reasons = []
+    if arch == "qwen3_moe" and arg_value(args, "moe_shared_expert_intermediate_size"):
+        reasons.append(f"moe_shared_expert_intermediate_size={arg_value(args, 'moe_shared_expert_intermediate_size')} "
+                       f"(Qwen3-MoE has no shared expert)")
     score = arg_value(args, "moe_router_score_function", "softmax")
     if score != "softmax":
         reasons.append(f"moe_router_score_function={score!r} (Qwen2-MoE scores experts with a softmax)")
@@ -92,17 +96,20 @@ def check_router(args: Any, where: str) -> None:
     if shared and not arg_value(args, "moe_shared_expert_gate", False):
         reasons.append("a shared expert without moe_shared_expert_gate (Qwen2-MoE gates it with a sigmoid)")
     if reasons:
-        raise UnsupportedConfigError(f"{where}: not a Qwen2-MoE model: {reasons[0]}"
+        name = {"qwen3_moe": "Qwen3-MoE"}.get(arch, "Qwen2-MoE")
+        raise UnsupportedConfigError(f"{where}: not a {name} model: {reasons[0]}"
                                      + (f" (and {len(reasons) - 1} more)" if len(reasons) > 1 else ""))
 
 
-def moe_hf_fields(args: Any, num_layers: int, ffn_hidden_size: int, where: str) -> dict[str, Any]:
-    """The Qwen2-MoE config.json fields of Megatron MoE args (router checked first)."""
-    check_router(args, where)
+def moe_hf_fields(args: Any, num_layers: int, ffn_hidden_size: int, where: str,
+                  arch: str = "qwen2_moe") -> dict[str, Any]:
+    """The Qwen2-MoE (or Qwen3-MoE: no shared expert, no qkv bias) config.json fields of Megatron MoE
+    args (router checked first)."""
+    check_router(args, where, arch)
     experts = num_experts_of(args)
     topk = int(arg_value(args, "moe_router_topk", 2))
     pattern = moe_layer_pattern(args, num_layers, where)
-    return dict(
+    fields = dict(
         num_experts=experts,
         num_experts_per_tok=topk,
         moe_intermediate_size=int(arg_value(args, "moe_ffn_hidden_size", ffn_hidden_size)),
@@ -116,18 +123,21 @@ def moe_hf_fields(args: Any, num_layers: int, ffn_hidden_size: int, where: str) 
         output_router_logits=False,
         qkv_bias=True,
     )
+    if arch == "qwen3_moe":
+        del fields["shared_expert_intermediate_size"], fields["qkv_bias"]
+    return fields
 
 
-def check_hf_against_args(config: Any, args: Any, where: str, hf_dir: str) -> list[str]:
-    """Mismatches between an HF Qwen2-MoE config and the MoE args of the checkpoint."""
-    fields = moe_hf_fields(args, int(args.num_layers), int(arg_value(args, "ffn_hidden_size", 0)), where)
+def check_hf_against_args(config: Any, args: Any, where: str, hf_dir: str, arch: str = "qwen2_moe") -> list[str]:
+    """Mismatches between an HF Qwen2-MoE / Qwen3-MoE config and the MoE args of the checkpoint."""
+    fields = moe_hf_fields(args, int(args.num_layers), int(arg_value(args, "ffn_hidden_size", 0)), where, arch)
     bad = []
     for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
                  "norm_topk_prob"):
         ours = getattr(config, name, None)
         if name == "norm_topk_prob":
             ours = bool(ours)
-        if ours is not None and ours != fields[name]:
+        if ours is not None and name in fields and ours != fields[name]:
             bad.append(f"{name}={ours} vs args' {fields[name]}")
     step = int(getattr(config, "decoder_sparse_step", 1) or 1)
     only = set(getattr(config, "mlp_only_layers", None) or ())
@@ -137,8 +147,10 @@ def check_hf_against_args(config: Any, args: Any, where: str, hf_dir: str) -> li
     return bad
 
 
-def moe_arg_fields(cfg: Any, *, tp: int, ep: int) -> dict[str, Any]:
-    """Megatron-LM args that make megatron-core build the Qwen2-MoE model ``cfg`` (ModelConfig)."""
+def moe_arg_fields(cfg: Any, *, tp: int, ep: int, grouped_gemm: bool = False) -> dict[str, Any]:
+    """Megatron-LM args that make megatron-core build the Qwen2-MoE / Qwen3-MoE model ``cfg`` (ModelConfig);
+    ``grouped_gemm``: experts as one ``GroupedMLP`` per layer (``moe_grouped_gemm``, see
+    ``converters/layout/experts``) instead of a ``SequentialMLP``."""
     moe = cfg.moe
     pattern = [1 if moe.is_sparse(i) else 0 for i in range(cfg.num_hidden_layers)]
     shared = moe.shared_expert_intermediate_size
@@ -150,7 +162,7 @@ def moe_arg_fields(cfg: Any, *, tp: int, ep: int) -> dict[str, Any]:
         moe_router_group_topk=None, moe_expert_capacity_factor=None,
         moe_layer_freq=1 if all(pattern) else pattern,
         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=moe.router_aux_loss_coef,
-        moe_grouped_gemm=False, moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=bool(grouped_gemm), moe_token_dispatcher_type="alltoall",
         expert_model_parallel_size=ep, expert_tensor_parallel_size=tp,
     )
 

@@ -40,9 +40,6 @@ def require_megatron_layout(cfg: ModelConfig, where: str) -> None:
     if cfg.vision is not None:
         raise CheckpointError(f"{where}: {cfg.architecture} has no Megatron layout yet (its vision tower has no "
                               f"Megatron names here); convert it between HF and vLLM formats")
-    if cfg.qk_norm:  # Qwen3: Megatron's q_layernorm/k_layernorm (qk_layernorm, kv_channels args) not mapped yet
-        raise CheckpointError(f"{where}: {cfg.architecture} has no Megatron layout yet (its q/k norms have no "
-                              f"verified Megatron mapping here); convert it between HF and vLLM formats")
 
 
 def architecture_for(model_type: str | None, where: str) -> Architecture:
