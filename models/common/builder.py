@@ -48,7 +48,8 @@ def random_source(arch: Architecture, cfg: ModelConfig, pconfig: ParallelConfig,
     wmap = arch.weight_map(cfg, pconfig.padded_vocab_size(cfg.vocab_size))
     specs = {}
     for name, shape in hf_shapes(cfg, wmap).items():
-        init = "ones" if name.endswith("norm.weight") else "zeros" if name.endswith(".bias") else "normal"
+        norm = name.endswith(("norm.weight", ".norm1.weight", ".norm2.weight", ".ln_q.weight"))  # + vision towers'
+        init = "ones" if norm else "zeros" if name.endswith(".bias") else "normal"
         specs[name] = (shape, init)
     return RandomSource(specs, seed=seed, std=cfg.initializer_range)
 
