@@ -50,6 +50,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     from converters.engine import convert
 
     dst = convert(args.src, args.dst, to=args.to, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep,
+                  moe_grouped_gemm=args.moe_grouped_gemm,
                   hf_config=args.hf_config,
                   arch=args.arch, vocab_size=args.vocab_size, dtype=args.dtype, overwrite=args.overwrite,
                   workers=args.workers, max_shard_size=args.max_shard_size,
@@ -169,7 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ep", type=_positive_int, metavar="N",
                    help="target expert-parallel size (Megatron targets of a MoE model; experts are also split over "
                         "--tp, Megatron-LM's default expert TP; default: a Megatron source's, else 1)")
-    p.add_argument("--arch", choices=["llama", "qwen2", "qwen2_moe"],
+    p.add_argument("--moe-grouped-gemm", action=argparse.BooleanOptionalAction, default=None,
+                   help="legacy Megatron target of a MoE model: experts as megatron-core's grouped-GEMM GroupedMLP "
+                        "(mlp.experts.weight1/weight2; Megatron's --moe-grouped-gemm) instead of SequentialMLP "
+                        "(default: a Megatron source's layout, else SequentialMLP; torch_dist stores both alike)")
+    p.add_argument("--arch", choices=["llama", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"],
                    help="architecture of a Megatron source (default: from its args)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="output dtype (default: the source's)")
     p.add_argument("--max-shard-size", default="5GB", type=_size, metavar="SIZE",

@@ -79,7 +79,8 @@ def check_options(*, tp: Any = None, pp: Any = None, vpp: Any = None, workers: A
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int | None = None, pp: int | None = None,
-            vpp: int | None = None, ep: int | None = None, hf_config: str | None = None, arch: str | None = None,
+            vpp: int | None = None, ep: int | None = None, moe_grouped_gemm: bool | None = None,
+            hf_config: str | None = None, arch: str | None = None,
             vocab_size: int | None = None, dtype: str | torch.dtype | None = None, overwrite: bool = False,
             workers: int | None = None, max_shard_size: str | int = "5GB", make_vocab_size_divisible_by: int = 128,
             progress: bool = False) -> Path:
@@ -90,6 +91,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
     PP ``pp``). tp/pp/vpp left at None: a Megatron target keeps a Megatron source's layout (tp
     alone; pp with vpp and uneven first/last stages), else 1; an HF target takes none of them.
     ep: expert parallelism of a Megatron target (MoE models; default: a Megatron source's, else 1).
+    moe_grouped_gemm: legacy experts as megatron-core's grouped-GEMM ``GroupedMLP`` (``weight1``/``weight2``)
+    instead of ``SequentialMLP`` (recorded as the ``moe_grouped_gemm`` arg; default: a Megatron source's
+    GroupedMLP layout, else False; see ``converters/layout/experts``).
     MoE models always take the torch path (the copy path plans dense models only).
     Missing parent directories of ``dst`` are created. Raises CheckpointError/ValueError with
     nothing left at ``dst`` (nor any directory created for it).
@@ -101,6 +105,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
                                 max_shard_size=max_shard_size)
     if ep is not None and (isinstance(ep, bool) or not isinstance(ep, int) or ep <= 0):
         raise ValueError(f"--ep must be a positive integer, got {ep!r}")
+    if moe_grouped_gemm and to not in ("megatron", "megatron-dist"):
+        raise ValueError(f"--moe-grouped-gemm: a layout of Megatron experts; --to {to} has none")
     if to == "vllm" and ep not in (None, 1):
         raise ValueError(f"--ep {ep}: vLLM targets take no expert-parallel layout")
     given = [f"--{k} {v}" for k, v in (("tp", tp), ("pp", pp), ("vpp", vpp), ("ep", ep)) if v is not None]
@@ -121,7 +127,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
     location = locate_source(src, hf_config)
     src, hf_config = location.path, hf_config or location.hf_config_dir
     # --ep > 1 is for MoE models, which the copy path leaves to the torch path anyway
-    if to != "vllm" and ep in (None, 1) and _convert_by_copy(
+    if to != "vllm" and ep in (None, 1) and not moe_grouped_gemm and _convert_by_copy(
             src, dst_path, to=to, overwrite=overwrite, hf_config=hf_config, arch=arch, vocab_size=vocab_size,
             dtype=wanted_dtype, shard_bytes=shard_bytes, workers=workers, progress=progress, tp=tp, pp=pp, vpp=vpp,
             divisible_by=make_vocab_size_divisible_by):
@@ -159,7 +165,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
         pp, vpp, first, last = layout["pp"], vpp or layout["vpp"], layout["first"], layout["last"]
     target = plan_megatron_target(reader, tp=tp or layout["tp"], pp=pp, vpp=vpp or 1, dtype=out_dtype,
                                   divisible_by=make_vocab_size_divisible_by, first=first, last=last,
-                                  fmt="torch" if to == "megatron" else "torch_dist", ep=ep or layout["ep"])
+                                  fmt="torch" if to == "megatron" else "torch_dist", ep=ep or layout["ep"],
+                                  grouped_gemm=layout["grouped_gemm"] if moe_grouped_gemm is None else moe_grouped_gemm)
     with Staging(dst_path, overwrite) as tmp:
         write_megatron(reader, target, str(tmp), fmt=to, workers=workers, progress=progress,
                        hf_config_dir=hf_config)
@@ -176,13 +183,16 @@ def source_layout(reader: Any) -> dict[str, Any]:
         return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
 
     out: dict[str, Any] = {"tp": count("tp"), "pp": count("pp"), "vpp": count("vpp"), "ep": count("ep"),
-                           "first": None, "last": None}
+                           "first": None, "last": None, "grouped_gemm": False}
     args = getattr(reader, "args", None)
     if reader.info.format in ("megatron", "megatron-dist") and args is not None:
         from converters.formats.megatron_args import args_layout
+        from converters.layout.experts import source_grouped_gemm
 
         uneven = args_layout(args)
         out["first"], out["last"] = uneven["first"], uneven["last"]
+        out["grouped_gemm"] = reader.cfg.moe is not None and source_grouped_gemm(
+            args, getattr(getattr(reader, "ckpt", None), "expert_layout", None))
     return out
 
 

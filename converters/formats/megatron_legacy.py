@@ -34,6 +34,7 @@ from converters.formats.megatron_args import (
 from converters.formats.megatron_moe import num_experts_of
 from converters.formats.tensors import RawTensor, StridedTensor
 from converters.formats.torch_zip import read_torch_archive
+from converters.layout.experts import SEQUENTIAL, fc_of, grouped_shape, layout_of_keys, stored_key
 from converters.layout.megatron import COL1, GATE_UP, ROW0, megatron_full_shape, tp_split_kind
 from converters.layout.model import Unit, model_from_config
 from converters.layout.stages import (
@@ -109,6 +110,9 @@ class LegacyCheckpoint:
         self.layout = MegatronLayout(self.cfg.num_hidden_layers, self.pp, self.vpp, lay["first"], lay["last"],
                                      str(it_dir))
         self.padded_vocab = int(getattr(args, "padded_vocab_size", 0) or self.cfg.vocab_size)
+        # SequentialMLP, GroupedMLP or TEGroupedMLP experts (converters/layout/experts): the file's keys decide
+        self.expert_layout = SEQUENTIAL if self.cfg.moe is None else layout_of_keys(
+            (k for v in range(self.vpp) for k in chunk_state(data, v, self.vpp, first_file)), args)
         stored = chunk_state(data, 0, self.vpp, first_file).values()
         self.dtype = next((t.dtype for t in stored if isinstance(t, (RawTensor, StridedTensor))
                            and t.dtype in ("F64", "F32", "F16", "BF16")), "F32")
@@ -137,9 +141,16 @@ class LegacyCheckpoint:
         path = self.rank_file(t, p, e)
         return chunk_state(self.archive(path), v, self.vpp, path)
 
+    def locate(self, t: int, p: int, e: int, v: int, key: str) -> tuple[str, Any, int | None]:
+        """(key stored, its location or None, GroupedMLP block or None) of the weight-map key ``key``
+        in the file of (tp ``t``, pp ``p``, ep ``e``), chunk ``v`` (experts per ``expert_layout``)."""
+        key, slot = stored_key(key, self.expert_layout)
+        found, tensor = lookup_key(self.state(t, p, e, v), key)
+        return found, tensor, slot
+
     def _check_expert_layout(self, first_file: Path) -> None:
-        """Only the expert layout megatron-core writes by default is read: experts split over TP
-        (expert_tensor_parallel_size = tp), one SequentialMLP per expert."""
+        """Experts split over TP (expert_tensor_parallel_size = tp, Megatron-LM's default) are read, in
+        any of megatron-core's expert modules (``expert_layout``)."""
         if not num_experts_of(self.args):
             return
         etp = getattr(self.args, "expert_tensor_parallel_size", None)
@@ -147,9 +158,6 @@ class LegacyCheckpoint:
             raise CheckpointError(f"{first_file}: expert_tensor_parallel_size={etp} with "
                                   f"tensor_model_parallel_size={self.tp}: only expert TP = TP (Megatron-LM's default) "
                                   f"legacy checkpoints are read (convert from torch_dist, which stores experts whole)")
-        if getattr(self.args, "moe_grouped_gemm", False):
-            raise CheckpointError(f"{first_file}: moe_grouped_gemm=True: legacy checkpoints with grouped-GEMM experts "
-                                  f"(one weight{{e}} per expert in a grouped linear) are not read yet")
 
     def _check_layer_count(self) -> None:
         """The layers the rank files of TP rank 0 hold (distinct local numbers per stage and chunk)
@@ -184,20 +192,23 @@ class LegacyCheckpoint:
                     for e in range(self.ep) if ep_rank is None else (ep_rank,):
                         found = []
                         for t in range(self.tp):
-                            stored, tensor = lookup_key(self.state(t, p, e, v), key)
+                            stored, tensor, slot = self.locate(t, p, e, v, key)
                             if tensor is None:
-                                raise CheckpointError(f"{self.rank_file(t, p, e)}: missing tensor {key} (chunk {v})")
+                                raise CheckpointError(f"{self.rank_file(t, p, e)}: missing tensor {stored} (chunk {v})")
                             if not isinstance(tensor, (RawTensor, StridedTensor)):
                                 raise CheckpointError(f"{self.rank_file(t, p, e)}: {key} (chunk {v}) is a "
                                                       f"{type(tensor).__name__}, not a tensor")
                             found.append(tensor)
                         shapes = [x.shape for x in found]
                         if len(set(shapes)) != 1:
-                            raise CheckpointError(f"{self.it_dir}: tensor {key} (pp rank {p}, chunk {v}) has "
+                            raise CheckpointError(f"{self.it_dir}: tensor {stored} (pp rank {p}, chunk {v}) has "
                                                   f"different shapes across TP ranks: {shapes}")
                         used[e].add(stored)
                         used[e].add(key)
-                        self._check_shape(entry, key, shapes[0], p, e)
+                        if slot is None:
+                            self._check_shape(entry, stored, shapes[0], p, e)
+                        else:
+                            self._check_grouped_shape(stored, shapes[0], p, e)
                         self.shards[(p, v, e)][key] = found
                 for e in range(self.ep):
                     for t in range(self.tp):
@@ -214,7 +225,7 @@ class LegacyCheckpoint:
                     self._archives.pop(self.rank_file(t, p, e), None)
 
     def _expert_count_hint(self, unused: list[str]) -> str:
-        if self.cfg.moe is None or not any(".local_experts." in k for k in unused):
+        if self.cfg.moe is None or not any(".mlp.experts." in k for k in unused):
             return ""
         return (f": {self.cfg.moe.num_experts} experts over ep={self.ep} give "
                 f"{self.cfg.moe.num_experts // self.ep} local experts per file")
@@ -229,6 +240,19 @@ class LegacyCheckpoint:
         """With tied embeddings and PP > 1 the last stage stores its own copy as output_layer.weight."""
         return self.cfg.tie_word_embeddings and key == "output_layer.weight" and p == self.pp - 1 and v == self.vpp - 1
 
+    def _check_grouped_shape(self, key: str, shard_shape: tuple, p: int, e: int) -> None:
+        """A GroupedMLP ``weight1`` / ``weight2`` holds E_local experts of the config's width."""
+        moe, fc = self.cfg.moe, fc_of(key)
+        local = moe.num_experts // self.ep
+        expected = grouped_shape(fc, local, self.cfg.hidden_size, moe.moe_intermediate_size, self.tp)
+        if tuple(shard_shape) != expected:
+            width = f"2*moe_ffn_hidden_size/tp = 2*{moe.moe_intermediate_size}/{self.tp}" if fc == 1 else \
+                f"moe_ffn_hidden_size/tp = {moe.moe_intermediate_size}/{self.tp}"
+            raise CheckpointError(f"{self.rank_file(0, p, e)}: grouped-GEMM tensor {key} has shape "
+                                  f"{tuple(shard_shape)}, the config implies {expected}: {moe.num_experts} experts "
+                                  f"over ep={self.ep} = {local} local experts x {width} "
+                                  f"{'columns' if fc == 1 else 'rows'}")
+
     def _check_shape(self, entry: WeightEntry, key: str, shard_shape: tuple, p: int, e: int = 0) -> None:
         if "_hf_shapes" not in self.__dict__:
             self._hf_shapes = hf_shapes(self.cfg, self.wmap)
@@ -240,6 +264,5 @@ class LegacyCheckpoint:
         elif kind == COL1:
             expected[1] //= self.tp
         if tuple(expected) != tuple(shard_shape):
-            where = self.rank_file(0, p, e).parent if self.ep > 1 else self.rank_file(0, p).parent.parent
-            raise CheckpointError(f"{where}: tensor {key} has shape {tuple(shard_shape)} per "
+            raise CheckpointError(f"{self.rank_file(0, p, e)}: tensor {key} has shape {tuple(shard_shape)} per "
                                   f"TP rank, the model config implies {tuple(expected)} (tp={self.tp})")

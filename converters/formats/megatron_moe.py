@@ -167,9 +167,12 @@ def moe_arg_fields(cfg: Any, *, tp: int, ep: int, grouped_gemm: bool = False) ->
     )
 
 
-def check_ep_target(cfg: Any, tp: int, ep: int) -> None:
+def check_ep_target(cfg: Any, tp: int, ep: int, grouped_gemm: bool = False) -> None:
     """ValueError naming the numbers when ``cfg`` cannot be written at this expert layout."""
     moe = cfg.moe
+    if moe is None and grouped_gemm:
+        raise ValueError(f"--moe-grouped-gemm: grouped-GEMM experts need a mixture-of-experts model "
+                         f"({cfg.architecture} has no experts)")
     if moe is None:
         if ep > 1:
             raise ValueError(f"--ep {ep}: expert parallelism needs a mixture-of-experts model "

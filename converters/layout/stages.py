@@ -83,6 +83,12 @@ def not_in_megatron(templates) -> set[str]:
     return set()
 
 
+def stores_shared_expert(templates) -> bool:
+    """Whether Megatron stores a shared expert for these layer templates (Qwen3-MoE has none at all;
+    Qwen2-MoE of width 0 has none in Megatron)."""
+    return any(t.megatron and ".shared_experts." in t.megatron for t in templates) and not not_in_megatron(templates)
+
+
 def unit_megatron_keys_ep(reader_wmap, unit: Unit, local_index: int | None,
                           ep: int) -> list[tuple[WeightEntry, str, int | None]]:
     """(entry, legacy Megatron key, EP rank holding it or None) for a unit at expert parallelism ``ep``.
@@ -128,17 +134,19 @@ def absent_tensors(reader_wmap, unit: Unit) -> dict[str, tuple[int, ...]]:
 
 
 def extra_state_modules(unit: Unit, local_index: int | None, wmap: Any = None, ep: int = 1,
-                        ep_rank: int = 0) -> list[str]:
+                        ep_rank: int = 0, experts: str = "sequential") -> list[str]:
     """Modules whose (empty) ``_extra_state`` a Megatron-LM rank file holds for this unit (MoE
-    layers: attention, this EP rank's local experts and the shared expert, as megatron-core writes)."""
+    layers: attention, this EP rank's local experts and the shared expert, as megatron-core writes;
+    ``experts`` is the expert module (``converters/layout/experts``): GroupedMLP keeps none)."""
     if isinstance(unit, int):
         prefix = f"decoder.layers.{local_index}."
         if wmap is None or unit not in wmap.moe_layers:
             return [prefix + m for m in LINEAR_MODULES]
         modules = [prefix + m for m in LINEAR_MODULES[:2]]
         local = next((t.experts for t in wmap.moe_layer_entries if t.experts), 0) // ep
-        modules += [f"{prefix}mlp.experts.local_experts.{i}.linear_fc{j}" for i in range(local) for j in (1, 2)]
-        if not not_in_megatron(wmap.moe_layer_entries):
+        if experts == "sequential":
+            modules += [f"{prefix}mlp.experts.local_experts.{i}.linear_fc{j}" for i in range(local) for j in (1, 2)]
+        if stores_shared_expert(wmap.moe_layer_entries):
             modules += [f"{prefix}mlp.shared_experts.linear_fc{j}" for j in (1, 2)]
         return modules
     return ["output_layer"] if unit == FINAL else []

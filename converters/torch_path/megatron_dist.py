@@ -29,8 +29,8 @@ from converters.layout.stages import (
     LAYER_PREFIX,
     LINEAR_MODULES,
     absent_tensors,
-    not_in_megatron,
     stacked_key,
+    stores_shared_expert,
 )
 from converters.runtime.tasks import run_tasks
 from converters.torch_path.megatron_target import megatron_unit_tensors
@@ -181,7 +181,7 @@ def _dist_extra_states(wmap, layer: int, L: int, E: int, stacked: bool) -> list[
     for j in (1, 2):
         out += [(f"{prefix}mlp.experts.experts.linear_fc{j}",
                  f"shard_{layer}.{e}_{L}.{E}" if stacked else f"shard_{e}_{E}") for e in range(E)]
-    if not not_in_megatron(wmap.moe_layer_entries):
+    if stores_shared_expert(wmap.moe_layer_entries):
         out += [(f"{prefix}mlp.shared_experts.linear_fc{j}", where) for j in (1, 2)]
     return out
 

@@ -23,6 +23,7 @@ import torch
 
 from converters.formats.megatron_args import legacy_rank_dir_name
 from converters.formats.megatron_legacy import LegacyCheckpoint, rank_file_object
+from converters.layout.experts import GROUPED_GEMM, SEQUENTIAL, fc_of, grouped_block, pack_grouped, stored_key
 from converters.layout.megatron import (
     COL1,
     GATE_UP,
@@ -37,7 +38,7 @@ from converters.layout.megatron import (
     tp_split_kind,
 )
 from converters.layout.model import EMBED, FINAL, Unit
-from converters.layout.stages import RANK_FILE, absent_tensors, extra_state_modules, lookup_key, unit_megatron_keys_ep
+from converters.layout.stages import RANK_FILE, absent_tensors, extra_state_modules, unit_megatron_keys_ep
 from converters.torch_path.megatron_target import MegatronTarget, megatron_unit_tensors
 from converters.torch_path.reader import TORCH_DTYPES, CheckpointReader, MappedFiles, ReaderInfo, reopen
 from models.common.errors import CheckpointError
@@ -71,15 +72,20 @@ class LegacyReader(CheckpointReader):
         """``LegacyCheckpoint.validate``: every rank file, tensor and shape (see there)."""
         self.ckpt.validate()
 
-    def _shards(self, key: str, p: int, e: int, v: int) -> list[torch.Tensor]:
-        """The TP shards of ``key`` in chunk ``v`` of stage ``p`` (EP rank ``e``), mapped from the files."""
-        out = []
+    def _shards(self, key: str, p: int, e: int, v: int) -> tuple[list[torch.Tensor], bool]:
+        """The TP shards of ``key`` in chunk ``v`` of stage ``p`` (EP rank ``e``), mapped from the files,
+        and whether they are GroupedMLP blocks (views cut from ``weight1``/``weight2``, not file ranges)."""
+        out, grouped = [], False
         for t in range(self.tp):
-            location = lookup_key(self.ckpt.state(t, p, e, v), key)[1]
+            stored, location, slot = self.ckpt.locate(t, p, e, v, key)
             if location is None:
-                raise CheckpointError(f"{self.it_dir}: missing tensor {key} on pp rank {p}")
-            out.append(self._files.tensor(location))
-        return out
+                raise CheckpointError(f"{self.it_dir}: missing tensor {stored} on pp rank {p}")
+            tensor = self._files.tensor(location)
+            if slot is not None:
+                tensor, grouped = grouped_block(tensor, slot, self.cfg.moe.num_experts // self.ep,
+                                                self.cfg.hidden_size, fc_of(stored)), True
+            out.append(tensor)
+        return out, grouped
 
     @staticmethod
     def _shard_of(piece: torch.Tensor, shards: list[torch.Tensor]) -> int:
@@ -108,10 +114,13 @@ class LegacyReader(CheckpointReader):
                                               for n, shape in absent_tensors(self.wmap, unit).items()}
         for entry, key, ep_rank in keys:
             files = all_files[ep_rank or 0]
-            shards = self._shards(key, p, ep_rank or 0, v)
+            shards, grouped = self._shards(key, p, ep_rank or 0, v)
             kind = tp_split_kind(entry, shards[0].dim())
             try:
-                if kind == ROW0:
+                if grouped:  # transposed blocks of a GroupedMLP tensor: merged into new tensors
+                    full = merge_tp(kind, [s.contiguous() for s in shards], key)
+                    out.update((n, [t]) for n, t in zip(entry.hf, megatron_to_hf(entry, full, self.cfg)))
+                elif kind == ROW0:
                     ranges = hf_row_ranges(entry, self.cfg, shards[0].shape[0] * self.tp)
                     for name, r in zip(entry.hf, ranges):
                         out[name] = [_mapped(piece, files[self._shard_of(piece, shards)])
@@ -165,16 +174,24 @@ def write_legacy_rank(reopen_args: tuple, target: MegatronTarget, directory: str
         # a clone: a view would make torch.save write the whole storage
         return split_tp(tp_split_kind(entry, full.dim()), full, target.tp, key)[t].clone()
 
+    experts = GROUPED_GEMM if getattr(target.args, "moe_grouped_gemm", False) else SEQUENTIAL
     state: dict[str, dict] = {}
     for v in range(target.vpp):
         chunk = state.setdefault("model" if target.vpp == 1 else f"model{v}", {})
         for unit, local in target.layout.stage_units(p, v):
+            blocks: dict[str, dict[int, torch.Tensor]] = {}  # GroupedMLP weight1/weight2: local expert -> shard
             for entry, key, full in megatron_unit_tensors(reader, unit, local, target.padded_vocab, target.dtype,
                                                           target.ep, e):
-                chunk[key] = shard_of(entry, key, full)
+                stored, slot = stored_key(key, experts)
+                if slot is None:
+                    chunk[stored] = shard_of(entry, key, full)
+                else:
+                    blocks.setdefault(stored, {})[slot] = shard_of(entry, key, full)
                 del full
+            for stored, by_slot in blocks.items():
+                chunk[stored] = pack_grouped([by_slot[i] for i in sorted(by_slot)], fc_of(stored))
             chunk.update({f"{m}._extra_state": None
-                          for m in extra_state_modules(unit, local, reader.wmap, target.ep, e)})
+                          for m in extra_state_modules(unit, local, reader.wmap, target.ep, e, experts)})
         if reader.cfg.tie_word_embeddings and target.pp > 1 and p == target.pp - 1 and v == target.vpp - 1:
             # Megatron's last stage keeps its own copy of the tied embedding as output_layer.weight.
             entry, key, full = megatron_unit_tensors(reader, EMBED, None, target.padded_vocab, target.dtype)[0]

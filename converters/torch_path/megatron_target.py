@@ -34,17 +34,17 @@ class MegatronTarget:
 
 def plan_megatron_target(reader: CheckpointReader, *, tp: int, pp: int, vpp: int, dtype: torch.dtype,
                          divisible_by: int = 128, first: int | None = None, last: int | None = None,
-                         fmt: str = "torch", ep: int = 1) -> MegatronTarget:
+                         fmt: str = "torch", ep: int = 1, grouped_gemm: bool = False) -> MegatronTarget:
     """Validate the target layout for this model (ParallelConfigError / ValueError name the numbers)."""
     cfg = reader.cfg
     require_megatron_layout(cfg, reader.path)
     pconfig = ParallelConfig(tp=tp, pp=pp, vpp=vpp, num_layers_in_first_pipeline_stage=first,
                              num_layers_in_last_pipeline_stage=last)
     pconfig.validate(cfg)
-    check_ep_target(cfg, tp, ep)
+    check_ep_target(cfg, tp, ep, grouped_gemm)
     padded = megatron_padded_vocab(cfg.vocab_size, tp, divisible_by)
     args = args_for_target(reader.hf_config, cfg, tp=tp, pp=pp, vpp=vpp, padded_vocab=padded, dtype=dtype, fmt=fmt,
-                           divisible_by=divisible_by, first=first, last=last, ep=ep)
+                           divisible_by=divisible_by, first=first, last=last, ep=ep, grouped_gemm=grouped_gemm)
     layout = MegatronLayout(cfg.num_hidden_layers, pp, vpp, first, last, "target")
     iteration = reader.info.layout.get("iteration")
     return MegatronTarget(tp, pp, vpp, padded, dtype, layout, args, iteration if isinstance(iteration, int) else None,
