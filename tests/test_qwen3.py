@@ -207,3 +207,20 @@ def test_pmz_convert_inspect_verify_qwen3(qwen3_dirs, tmp_path, capsys):
         assert main(["verify", src, str(out), "--logits"]) == 1
         report = capsys.readouterr().out
         assert key in report and "max abs diff 0\n" not in report.split("logits (transformers")[1], report
+
+
+def test_qwen3_with_o_proj_bias_refused_for_vllm(qwen3_dirs, tmp_path, capsys):
+    """vLLM 0.32's Qwen3 has no o_proj bias (transformers' attention_bias adds one): its format is refused in
+    one line by ``pmz convert --to vllm`` and by the live writers, before anything is written."""
+    from models.common.export import ExportError
+    from models.qwen3 import build_parallel_model
+
+    src = qwen3_dirs[0]["qwen3_tied_kv1"]  # attention_bias=True
+    rc, lines = _pmz(capsys, "convert", src, tmp_path / "out", "--to", "vllm")
+    assert rc == 1 and len(lines) == 1 and "attention_bias=True" in lines[0], lines
+    model = build_parallel_model(src)  # one process: a collective would fail differently
+    with pytest.raises(ExportError, match="attention_bias=True"):
+        model.save_vllm_sharded_state(tmp_path / "live", tp=1)
+    with pytest.raises(ExportError, match="attention_bias=True"):
+        next(iter(model.iter_export("vllm", target_tp=1, target_rank=0)))
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

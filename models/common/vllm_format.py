@@ -45,6 +45,7 @@ ATTENTION_SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
 TIED_HEAD_KEY = "lm_head.weight"
 LANGUAGE_MODEL_PREFIX = "language_model."  # vLLM's vision-language models hold the text model under it
 VISION_PREFIX = "visual."
+NO_O_PROJ_BIAS = ("qwen3", "qwen3_moe")  # vLLM 0.32's Qwen3 attention: qkv bias from attention_bias, o_proj none
 CONTIGUOUS_VISION_QKV = ("qwen2_vl",)  # vLLM splits these architectures' vision qkv as one ColumnParallelLinear
 
 
@@ -140,6 +141,11 @@ def check_layout(cfg: ModelConfig, tp: int, pp: int = 1) -> None:
                         f"of {VOCAB_MULTIPLE}) is not divisible by tp={tp}")
     if pp > cfg.num_hidden_layers:
         problems.append(f"pp={pp} exceeds num_hidden_layers={cfg.num_hidden_layers}")
+    if cfg.architecture in NO_O_PROJ_BIAS and cfg.o_bias:
+        problems.append(f"attention_bias=True: vLLM's {cfg.architecture} builds o_proj without a bias (transformers "
+                        f"adds one), so it cannot hold this model")
+    if cfg.moe is not None and cfg.moe.num_experts < tp:
+        problems.append(f"num_experts={cfg.moe.num_experts} is smaller than tp={tp} (vLLM refuses it)")
     vis = cfg.vision
     if vis is not None:  # vLLM's vision tower is tensor-parallel over the same ranks
         for name, value in (("num_heads", vis.num_heads), ("MLP width", vis.mlp_hidden),
