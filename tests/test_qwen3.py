@@ -174,16 +174,6 @@ def test_qwen3_fields_not_computed_are_refused(qwen3_dirs, tmp_path, capsys, fie
     assert not (tmp_path / "out").exists()
 
 
-def test_qwen3_megatron_targets_refused(qwen3_dirs, tmp_path, capsys):
-    """Megatron layouts of Qwen3 (q_layernorm/k_layernorm) are not mapped yet: refused in one line."""
-    for name in ("qwen3_untied", "qwen3moe_norm"):
-        for to in ("megatron", "megatron-dist"):
-            out = tmp_path / f"{name}_{to}"
-            rc, lines = _pmz(capsys, "convert", qwen3_dirs[0][name], out, "--to", to)
-            assert rc == 1 and len(lines) == 1 and "no Megatron layout" in lines[0], lines
-            assert not out.exists()
-
-
 def test_pmz_convert_inspect_verify_qwen3(qwen3_dirs, tmp_path, capsys):
     """``pmz convert`` HF -> HF keeps every tensor (``pmz verify --logits``: transformers' logits equal), ``pmz
     inspect`` names the architecture, and a changed k_norm in the copy is caught by verify (logits move)."""
