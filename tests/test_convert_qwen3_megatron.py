@@ -122,15 +122,37 @@ def test_megatron_core_gives_transformers_logits(oracle, name):
         assert _diff(oracle[name], _hf_logits(os.path.join(oracle["root"], f"hf_{other}"), SPECS[other])) > 1e-2
 
 
-@pytest.mark.parametrize("copy_path", ["1", "0"])
-@pytest.mark.parametrize("name", sorted(SAVED))
+def _paths(kind: str) -> tuple[str, ...]:
+    """PMZ_COPY_PATH values to run: Qwen3 on both paths, MoE on the torch path (the copy path leaves it)."""
+    return ("1", "0") if kind == "dense" else ("0",)
+
+
+def _spy_copy_path(monkeypatch) -> list[str]:
+    """Record each call of the copy path's writers (the engine imports them at call time)."""
+    import converters.copy_path.hf as copy_hf
+    import converters.copy_path.megatron as copy_megatron
+
+    calls: list[str] = []
+
+    def spying(name, real):
+        def spy(*args, **kwargs):
+            calls.append(name)
+            return real(*args, **kwargs)
+        return spy
+
+    for module, name in ((copy_hf, "write_hf_by_copy"), (copy_megatron, "write_megatron_by_copy")):
+        monkeypatch.setattr(module, name, spying(name, getattr(module, name)))
+    return calls
+
+
+@pytest.mark.parametrize("name,copy_path", [(n, c) for n in sorted(SAVED) for c in _paths(SAVED[n][0])])
 def test_megatron_core_checkpoint_to_hf_is_bitwise(oracle, tmp_path, monkeypatch, name, copy_path):
     kind = SAVED[name][0]
-    if copy_path == "1" and kind != "dense":
-        pytest.skip("MoE conversions take the torch path")
     monkeypatch.setenv("PMZ_COPY_PATH", copy_path)
+    calls = _spy_copy_path(monkeypatch)
     out = tmp_path / "hf"
     assert pmz(["convert", os.path.join(oracle["root"], name), str(out), "--to", "hf", "--quiet"]) == 0
+    assert calls == (["write_hf_by_copy"] if copy_path == "1" else [])
     _assert_same_hf(os.path.join(oracle["root"], f"hf_{kind}"), str(out))
     assert _diff(_hf_logits(str(out), SPECS[kind]), oracle[name]) <= TOL
 
@@ -172,15 +194,14 @@ ROUND_TRIPS = [("dense", "megatron", ["--tp", "2", "--pp", "2"]), ("dense", "meg
                ("moe", "megatron", ["--ep", "4"]), ("moe", "megatron-dist", ["--tp", "2", "--ep", "2"])]
 
 
-@pytest.mark.parametrize("copy_path", ["1", "0"])
-@pytest.mark.parametrize("kind,to,layout", ROUND_TRIPS)
+@pytest.mark.parametrize("kind,to,layout,copy_path", [(*case, c) for case in ROUND_TRIPS for c in _paths(case[0])])
 def test_round_trip_is_bitwise(oracle, tmp_path, monkeypatch, kind, to, layout, copy_path):
-    if copy_path == "1" and kind != "dense":
-        pytest.skip("MoE conversions take the torch path")
     monkeypatch.setenv("PMZ_COPY_PATH", copy_path)
+    calls = _spy_copy_path(monkeypatch)
     src = os.path.join(oracle["root"], f"hf_{kind}")
     assert pmz(["convert", src, str(tmp_path / "mc"), "--to", to, *layout, "--quiet"]) == 0
     assert pmz(["convert", str(tmp_path / "mc"), str(tmp_path / "hf"), "--to", "hf", "--quiet"]) == 0
+    assert calls == (["write_megatron_by_copy", "write_hf_by_copy"] if copy_path == "1" else [])
     _assert_same_hf(src, str(tmp_path / "hf"))
 
 
@@ -303,3 +324,26 @@ def test_bad_grouped_gemm_tensors(oracle, tmp_path, capsys, what):
 def test_grouped_gemm_for_a_dense_model_is_refused(oracle, tmp_path, capsys):
     _fails(capsys, ["convert", os.path.join(oracle["root"], "hf_dense"), str(tmp_path / "mc"), "--to", "megatron",
                     "--moe-grouped-gemm"], tmp_path / "mc", "--moe-grouped-gemm", "no experts")
+
+
+def test_verl_dist_ckpt_of_qwen3_moe(oracle, tmp_path):
+    """verl's Megatron checkpoint of a Qwen3-MoE actor (``global_step_N/actor/dist_ckpt`` = megatron-core's
+    torch_dist save without args, ``actor/huggingface/`` the HF config): megatron-core's grouped-GEMM EP2
+    save laid out so -> pmz -> HF, bitwise."""
+    actor = tmp_path / "verl" / "global_step_5" / "actor"
+    shutil.copytree(next(Path(oracle["root"], "m_ep2gg_dist").glob("iter_*")), actor / "dist_ckpt")
+    common = torch.load(actor / "dist_ckpt" / "common.pt", weights_only=False)
+    del common["args"]  # verl's common state has no Megatron args
+    torch.save(common, actor / "dist_ckpt" / "common.pt")
+    (actor / "huggingface").mkdir()
+    shutil.copy(Path(oracle["root"], "hf_moe", "config.json"), actor / "huggingface" / "config.json")
+    (tmp_path / "verl" / "latest_checkpointed_iteration.txt").write_text("5")
+    assert pmz(["convert", str(tmp_path / "verl"), str(tmp_path / "hf"), "--to", "hf", "--quiet"]) == 0
+    _assert_same_hf(os.path.join(oracle["root"], "hf_moe"), str(tmp_path / "hf"))
+
+
+@pytest.mark.parametrize("name,experts", [("m_ep2gg", "grouped_gemm"), ("m_ep2", "sequential")])
+def test_inspect_names_the_expert_layout(oracle, capsys, name, experts):
+    assert pmz(["inspect", os.path.join(oracle["root"], name)]) == 0
+    out = capsys.readouterr().out
+    assert "qwen3_moe" in out and "ep=2" in out and f"experts={experts}" in out, out

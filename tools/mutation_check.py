@@ -148,6 +148,12 @@ MUTATIONS = (
              (("models/common/vllm_format.py", '_ROUTER_IN_FUSED_MOE = frozenset({"qwen3_moe"})',
                "_ROUTER_IN_FUSED_MOE = frozenset()"),),
              ("tests/test_qwen3_vllm.py",)),
+    Mutation("grouped-gemm-expert-order", "grouped-GEMM experts read as column blocks of weight1 (not its "
+             "[E_local, H, 2F/tp] view)",
+             (("converters/layout/experts.py", "        return weight.reshape(local, hidden, -1)[slot].t()\n",
+               "        cols = weight.shape[1] // local\n"
+               "        return weight[:, slot * cols:(slot + 1) * cols].t()\n"),),
+             ("tests/test_convert_qwen3_megatron.py",)),
 )
 
 

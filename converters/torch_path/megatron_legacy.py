@@ -60,7 +60,8 @@ class LegacyReader(CheckpointReader):
         self.info = ReaderInfo("megatron", self.arch.name,
                                {"tp": self.tp, "pp": self.pp, "vpp": self.vpp, "padded_vocab": self.padded_vocab,
                                 "iteration": ckpt.iteration,
-                                **({"ep": self.ep, "etp": self.tp} if self.cfg.moe is not None else {})},
+                                **({"ep": self.ep, "etp": self.tp, "experts": ckpt.expert_layout}
+                                   if self.cfg.moe is not None else {})},
                                self.tp * self.pp * self.ep, TORCH_DTYPES.get(ckpt.dtype, torch.float32))
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._files = MappedFiles()
