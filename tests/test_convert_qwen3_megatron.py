@@ -43,7 +43,8 @@ SAVES2 = {"d_tp2": ("dense", Layout(tp=2), "torch"), "d_pp2": ("dense", Layout(p
           "m_tp2gg": ("moe", Layout(tp=2, grouped_gemm=True), "torch"),
           "m_ep2gg_dist": ("moe", Layout(ep=2, grouped_gemm=True), "torch_dist"),
           "p_ep2": ("moe_plain", Layout(ep=2), "torch")}
-SAVES4 = {"m_tp2ep2gg": ("moe", Layout(tp=2, ep=2, grouped_gemm=True), "torch")}
+SAVES4 = {"m_tp2ep2gg": ("moe", Layout(tp=2, ep=2, grouped_gemm=True), "torch"),
+          "m_ep4gg": ("moe", Layout(ep=4, grouped_gemm=True), "torch")}
 # pmz conversions of the HF checkpoints, loaded by megatron-core: name -> (spec, to, options, layout, fmt)
 LOADS2 = {"l_d_tp2": ("dense", "megatron", dict(tp=2), Layout(tp=2), "torch"),
           "l_d_pp2": ("dense", "megatron", dict(pp=2), Layout(pp=2), "torch"),
@@ -347,3 +348,31 @@ def test_inspect_names_the_expert_layout(oracle, capsys, name, experts):
     assert pmz(["inspect", os.path.join(oracle["root"], name)]) == 0
     out = capsys.readouterr().out
     assert "qwen3_moe" in out and "ep=2" in out and f"experts={experts}" in out, out
+
+
+def test_expert_count_disagreeing_in_torch_dist(oracle, tmp_path, capsys):
+    src = tmp_path / "src"
+    shutil.copytree(os.path.join(oracle["root"], "m_ep2gg_dist"), src)
+    md_path = next(src.glob("*/.metadata"))
+    md = pickle.loads(md_path.read_bytes())  # megatron-core's own file, in a test
+    key = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+    md.state_dict_metadata[key].size = torch.Size([2, 8, 64, 64])
+    md_path.write_bytes(pickle.dumps(md))
+    _fails(capsys, ["convert", str(src), str(tmp_path / "hf"), "--to", "hf"], tmp_path / "hf", key,
+           "(2, 8, 64, 64)", "(2, 4, 64, 64)")
+
+
+@pytest.mark.parametrize("copy_path", ["1", "0"])
+def test_bad_q_norm_in_hf_to_megatron(oracle, tmp_path, capsys, monkeypatch, copy_path):
+    from safetensors.torch import save_file
+
+    monkeypatch.setenv("PMZ_COPY_PATH", copy_path)
+    src = tmp_path / "hf_bad"
+    shutil.copytree(os.path.join(oracle["root"], "hf_dense"), src)
+    tensors = read_hf(str(src))
+    tensors["model.layers.1.self_attn.q_norm.weight"] = tensors["model.layers.1.self_attn.q_norm.weight"][:20].clone()
+    for f in src.glob("*.safetensors"):
+        f.unlink()
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    _fails(capsys, ["convert", str(src), str(tmp_path / "mc"), "--to", "megatron", "--tp", "2"], tmp_path / "mc",
+           "model.layers.1.self_attn.q_norm.weight", "(20,)", "(24,)")
