@@ -243,10 +243,12 @@ def _qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Qwen3Spec) -> 
 
 
 @torch.no_grad()
-def fill_from_hf(chunks: list, hf: dict, spec: Qwen3Spec, layout: Layout) -> None:
+def fill_from_hf(chunks: list, hf: dict, spec: Qwen3Spec, layout: Layout, weight1_columns: bool = False) -> None:
     """Every parameter of this rank from the HF tensors ``hf`` (megatron-core's TP conventions:
     column-parallel rows / row-parallel columns in contiguous chunks, gated fc1 ``[gate_r; up_r]``,
-    vocab padded with zeros; experts ``ep_rank * E_local + i``; GroupedMLP as the module docstring)."""
+    vocab padded with zeros; experts ``ep_rank * E_local + i``; GroupedMLP as the module docstring).
+    ``weight1_columns``: a negative control filling GroupedMLP's ``weight1`` as column blocks
+    ``[fc1_0.T | fc1_1.T | ...]`` (the plausible misreading of its shape)."""
     from megatron.core import parallel_state as ps
 
     tp, r, ep_rank = layout.tp, ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank()
@@ -301,11 +303,20 @@ def fill_from_hf(chunks: list, hf: dict, spec: Qwen3Spec, layout: Layout) -> Non
                     part = int(rest[-1])
                     blocks = [expert(h, ep_rank * n_local + i, part).t() for i in range(n_local)]
                     value = torch.stack(blocks).reshape(param.shape)
+                    if weight1_columns and part == 1:
+                        value = torch.cat(blocks, dim=1)
                 else:
                     raise KeyError(f"no HF source for megatron parameter {name}")
             if tuple(value.shape) != tuple(param.shape):
                 raise ValueError(f"{name}: HF gives {tuple(value.shape)}, megatron-core holds {tuple(param.shape)}")
             param.copy_(value)
+
+
+def weight1_columns_logits(hf_dir: str, spec: Qwen3Spec, layout: Layout) -> torch.Tensor:
+    """Logits of a GroupedMLP model whose ``weight1`` was filled as column blocks (negative control)."""
+    chunks = build(spec, layout)
+    fill_from_hf(chunks, read_hf(hf_dir), spec, layout, weight1_columns=True)
+    return forward_logits(chunks, spec)
 
 
 def _rank_dir(layout: Layout) -> str:

@@ -28,7 +28,16 @@ from converters.cli import main as pmz  # noqa: E402
 from converters.engine import convert  # noqa: E402
 from tests.cases import snapshot  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
-from tests.megatron_qwen3_oracle import Layout, Qwen3Spec, args_of, load_logits, prompt_ids, read_hf, save_from_hf  # noqa: E402,E501
+from tests.megatron_qwen3_oracle import (  # noqa: E402
+    Layout,
+    Qwen3Spec,
+    args_of,
+    load_logits,
+    prompt_ids,
+    read_hf,
+    save_from_hf,
+    weight1_columns_logits,
+)
 
 TOL = 1e-5
 DENSE = Qwen3Spec(tie_embeddings=True, seed=3)
@@ -75,6 +84,9 @@ def _suite(root: str, saves: dict, loads: dict) -> dict:
     dist.barrier()
     for name, (spec, _to, _options, layout, fmt) in loads.items():
         out[name] = load_logits(os.path.join(root, name), SPECS[spec], layout, fmt)
+    if dist.get_world_size() == 2:
+        out["weight1_columns"] = weight1_columns_logits(os.path.join(root, "hf_moe"), MOE,
+                                                        Layout(ep=2, grouped_gemm=True))
     return out
 
 
@@ -144,6 +156,14 @@ def _spy_copy_path(monkeypatch) -> list[str]:
     for module, name in ((copy_hf, "write_hf_by_copy"), (copy_megatron, "write_megatron_by_copy")):
         monkeypatch.setattr(module, name, spying(name, getattr(module, name)))
     return calls
+
+
+def test_grouped_gemm_layout_is_megatron_cores_view(oracle):
+    """Negative control of the oracle's GroupedMLP mapping: weight1 filled as column blocks (not the
+    ``view(E_local, H, 2F/tp)`` megatron-core computes with) gives other logits than transformers'."""
+    reference = _hf_logits(os.path.join(oracle["root"], "hf_moe"), MOE)
+    assert _diff(oracle["m_ep2gg"], reference) <= TOL
+    assert _diff(oracle["weight1_columns"], reference) > 1e-3
 
 
 @pytest.mark.parametrize("name,copy_path", [(n, c) for n in sorted(SAVED) for c in _paths(SAVED[n][0])])
