@@ -17,6 +17,8 @@ import os
 import signal
 import sys
 
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' own bars (read at its import) off
+
 from models.common.config import UnsupportedConfigError  # these three modules are plain Python (no torch)
 from models.common.errors import CheckpointError
 from parallel.config import ParallelConfigError
@@ -51,23 +53,53 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
     dst = convert(args.src, args.dst, to=args.to, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep,
                   moe_grouped_gemm=args.moe_grouped_gemm,
+                  first_stage_layers=args.decoder_first_pipeline_num_layers,
+                  last_stage_layers=args.decoder_last_pipeline_num_layers,
                   hf_config=args.hf_config,
                   arch=args.arch, vocab_size=args.vocab_size, dtype=args.dtype, overwrite=args.overwrite,
                   workers=args.workers, max_shard_size=args.max_shard_size,
                   make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, progress=not args.quiet)
     print(f"wrote {args.to} checkpoint to {dst}")
+    note = _derived_config_note(args)
+    if note:
+        print(f"pmz convert: note: {note}", file=sys.stderr)
     return 0
+
+
+def _derived_config_note(args: argparse.Namespace) -> str | None:
+    """When an HF target's config.json had to be rebuilt from Megatron args (no ``--hf-config``, no
+    ``hf_config/`` sidecar, no HF config beside a verl/Bridge checkpoint): say what that loses."""
+    if args.to not in ("hf", "vllm") or args.hf_config:
+        return None
+    from converters.formats.locate import locate_source
+    from converters.formats.megatron_args import sidecar_config_dir
+
+    location = locate_source(args.src)
+    if location.format not in ("megatron", "megatron-dist") or location.hf_config_dir:
+        return None
+    if sidecar_config_dir(location.path):
+        return None
+    return ("config.json was rebuilt from the Megatron args with transformers' defaults for the rest; token ids, "
+            "RoPE details, generation config and tokenizer files are not in a Megatron checkpoint: pass "
+            "--hf-config DIR (the original HF model directory) to get them exactly")
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     from converters.verify import verify
 
     report = verify(args.a, args.b, atol=args.atol, rtol=args.rtol, logits=args.logits, logits_atol=args.logits_atol,
-                    vocab_size=args.vocab_size, hf_config=args.hf_config)
-    width = max((len(r[0]) for r in report.rows), default=10)
-    print(f"{'tensor':<{width}}  {'max abs diff':>12}  {'max rel diff':>12}")
-    for name, max_abs, max_rel in report.rows:
-        print(f"{name:<{width}}  {max_abs:>12.3g}  {max_rel:>12.3g}")
+                    vocab_size=args.vocab_size, hf_config=args.hf_config, progress=not args.quiet)
+    if args.verbose:
+        width = max((len(r[0]) for r in report.rows), default=10)
+        print(f"{'tensor':<{width}}  {'max abs diff':>12}  {'max rel diff':>12}")
+        for name, max_abs, max_rel in report.rows:
+            print(f"{name:<{width}}  {max_abs:>12.3g}  {max_rel:>12.3g}")
+    worst = report.worst()
+    if worst is not None and worst[1] == 0:
+        print(f"compared {len(report.rows)} tensors: all bitwise equal")
+    elif worst is not None:
+        print(f"compared {len(report.rows)} tensors; largest difference: {worst[0]} (max abs {worst[1]:.3g}, "
+              f"max rel {worst[2]:.3g})")
     if report.logits_diff is not None:
         print(f"logits (transformers, fixed prompt): max abs diff {report.logits_diff:.3g}")
     if report.ok:
@@ -167,6 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vpp", type=_positive_int, metavar="N",
                    help="target virtual pipeline chunks per stage (Megatron targets; default: a Megatron source's "
                         "when --pp is not given, else 1)")
+    p.add_argument("--decoder-first-pipeline-num-layers", type=_positive_int, metavar="N",
+                   help="layers of the first pipeline stage of a Megatron target, for an uneven split (Megatron's "
+                        "flag of the same name; with --pp, vpp 1; the other stages share the rest evenly)")
+    p.add_argument("--decoder-last-pipeline-num-layers", type=_positive_int, metavar="N",
+                   help="layers of the last pipeline stage of a Megatron target (as above)")
     p.add_argument("--ep", type=_positive_int, metavar="N",
                    help="target expert-parallel size (Megatron targets of a MoE model; experts are also split over "
                         "--tp, Megatron-LM's default expert TP; default: a Megatron source's, else 1)")
@@ -204,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--logits", action="store_true", help="also compare transformers' logits on a fixed prompt")
     p.add_argument("--logits-atol", type=_non_negative_float, default=1e-4,
                    help="max abs difference allowed between the logits with --logits (default 1e-4)")
+    p.add_argument("--verbose", action="store_true", help="one line per tensor (default: a summary)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     source_options(p)
     p.set_defaults(func=_cmd_verify)
     return parser

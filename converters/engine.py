@@ -79,7 +79,8 @@ def check_options(*, tp: Any = None, pp: Any = None, vpp: Any = None, workers: A
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int | None = None, pp: int | None = None,
-            vpp: int | None = None, ep: int | None = None, moe_grouped_gemm: bool | None = None,
+            vpp: int | None = None, ep: int | None = None, first_stage_layers: int | None = None,
+            last_stage_layers: int | None = None, moe_grouped_gemm: bool | None = None,
             hf_config: str | None = None, arch: str | None = None,
             vocab_size: int | None = None, dtype: str | torch.dtype | None = None, overwrite: bool = False,
             workers: int | None = None, max_shard_size: str | int = "5GB", make_vocab_size_divisible_by: int = 128,
@@ -94,6 +95,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
     moe_grouped_gemm: legacy experts as megatron-core's grouped-GEMM ``GroupedMLP`` (``weight1``/``weight2``)
     instead of ``SequentialMLP`` (recorded as the ``moe_grouped_gemm`` arg; default: a Megatron source's
     GroupedMLP layout, else False; see ``converters/layout/experts``).
+    first_stage_layers / last_stage_layers: an uneven pipeline split of a Megatron target (Megatron's
+    ``decoder_first/last_pipeline_num_layers``; with ``pp``, vpp 1); without them a source's uneven
+    split is kept when ``pp`` is not given.
     MoE models always take the torch path (the copy path plans dense models only).
     Missing parent directories of ``dst`` are created. Raises CheckpointError/ValueError with
     nothing left at ``dst`` (nor any directory created for it).
@@ -103,8 +107,14 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
     shard_bytes = check_options(tp=tp, pp=pp, vpp=vpp, workers=workers, vocab_size=vocab_size,
                                 make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                                 max_shard_size=max_shard_size)
-    if ep is not None and (isinstance(ep, bool) or not isinstance(ep, int) or ep <= 0):
-        raise ValueError(f"--ep must be a positive integer, got {ep!r}")
+    for option, value in (("--ep", ep), ("--decoder-first-pipeline-num-layers", first_stage_layers),
+                          ("--decoder-last-pipeline-num-layers", last_stage_layers)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ValueError(f"{option} must be a positive integer, got {value!r}")
+    uneven = first_stage_layers is not None or last_stage_layers is not None
+    if uneven and (to not in ("megatron", "megatron-dist") or pp is None):
+        raise ValueError("--decoder-first/last-pipeline-num-layers split a Megatron target's stages unevenly: give "
+                         "them with --to megatron or megatron-dist and --pp")
     if moe_grouped_gemm and to not in ("megatron", "megatron-dist"):
         raise ValueError(f"--moe-grouped-gemm: a layout of Megatron experts; --to {to} has none")
     if to == "vllm" and ep not in (None, 1):
@@ -130,7 +140,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
     if to != "vllm" and ep in (None, 1) and not moe_grouped_gemm and _convert_by_copy(
             src, dst_path, to=to, overwrite=overwrite, hf_config=hf_config, arch=arch, vocab_size=vocab_size,
             dtype=wanted_dtype, shard_bytes=shard_bytes, workers=workers, progress=progress, tp=tp, pp=pp, vpp=vpp,
-            divisible_by=make_vocab_size_divisible_by):
+            divisible_by=make_vocab_size_divisible_by, first=first_stage_layers, last=last_stage_layers):
         return dst_path
     out_dtype = parse_dtype(wanted_dtype)
     reader = open_reader(src, arch=arch, hf_config=hf_config, vocab_size=vocab_size)
@@ -160,7 +170,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
     from converters.torch_path.megatron import plan_megatron_target, write_megatron
 
     layout = source_layout(reader)
-    first = last = None
+    first, last = first_stage_layers, last_stage_layers
     if pp is None:  # the source's stages: pp with its virtual chunks and uneven first/last stage sizes
         pp, vpp, first, last = layout["pp"], vpp or layout["vpp"], layout["first"], layout["last"]
     target = plan_megatron_target(reader, tp=tp or layout["tp"], pp=pp, vpp=vpp or 1, dtype=out_dtype,
@@ -198,7 +208,8 @@ def source_layout(reader: Any) -> dict[str, Any]:
 
 def _convert_by_copy(src, dst_path: Path, *, to: str, overwrite: bool, hf_config, arch, vocab_size,
                      dtype: str | None, shard_bytes: int, workers: int, progress: bool, tp: int | None = None,
-                     pp: int | None = None, vpp: int | None = None, divisible_by: int = 128) -> bool:
+                     pp: int | None = None, vpp: int | None = None, divisible_by: int = 128,
+                     first: int | None = None, last: int | None = None) -> bool:
     """The copy path (no torch, byte ranges moved by system calls: ``converters/copy_path/hf.py`` for
     HF targets, ``converters/copy_path/megatron.py`` for Megatron ones) when the source allows it and
     no dtype change is asked for; False when the torch path must do the conversion."""
@@ -223,7 +234,6 @@ def _convert_by_copy(src, dst_path: Path, *, to: str, overwrite: bool, hf_config
 
     # the source's layout when none is asked for, as the torch path (source_layout) does
     layout = source.layout or {}
-    first = last = None
     if pp is None:
         pp, vpp = layout.get("pp", 1), vpp or layout.get("vpp", 1)
         first, last = layout.get("first"), layout.get("last")

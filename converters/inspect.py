@@ -1,4 +1,8 @@
-"""``pmz inspect``: what a checkpoint holds, from headers and metadata (tensor data is not read)."""
+"""``pmz inspect``: what a checkpoint holds, from headers and metadata (tensor data is not read).
+
+What it lists it has validated: the source's reader checks every file, header and tensor entry as a
+conversion would before writing (a truncated rank file is an error naming it, exit 1), so a summary
+means the checkpoint converts; tensor *values* are not read (``pmz verify`` compares them)."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ def inspect_checkpoint(path: str | os.PathLike, *, vocab_size: int | None = None
     parameter count, dtype, bytes on disk, and the non-model entries a conversion skips."""
     location = locate_source(path, hf_config)
     reader = open_reader(path, vocab_size=vocab_size, hf_config=hf_config)
+    reader.validate()  # every rank file and tensor entry, as a conversion checks them before writing
     shapes = reader.hf_shapes()
     params = 0
     for shape in shapes.values():
@@ -39,7 +44,15 @@ def inspect_checkpoint(path: str | os.PathLike, *, vocab_size: int | None = None
         "parameters": params,
         "dtype": str(reader.info.dtype).replace("torch.", ""),
         "bytes": size,
+        "checked": "every file's headers and metadata, every tensor's presence and shape (not the values: pmz verify)",
     }
+    if reader.info.format in ("megatron", "megatron-dist"):
+        from converters.engine import source_layout
+
+        stages = source_layout(reader)
+        for side in ("first", "last"):
+            if stages[side] is not None:
+                info["parallel_layout"] += f", {side} stage {stages[side]} layers"
     if reader.info.format == "megatron-dist" and getattr(reader, "args", None) is None:
         info["parallel_layout"] = ("saved with: unknown (no Megatron args; torch_dist tensors are global); "
                                    + info["parallel_layout"])
@@ -58,7 +71,7 @@ def inspect_checkpoint(path: str | os.PathLike, *, vocab_size: int | None = None
 
 def _config_source(reader: Any, location: SourceLocation, hf_config: str | None) -> str:
     """Where the model's description (sizes, architecture) came from."""
-    if reader.info.format == "hf":
+    if reader.info.format in ("hf", "vllm"):
         return f"config.json in {location.path}"
     args = getattr(reader, "args", None)
     checked = " (checked against the Megatron args)" if args is not None else ""

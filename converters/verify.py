@@ -29,6 +29,10 @@ class VerifyReport:
     def ok(self) -> bool:
         return not self.mismatched
 
+    def worst(self) -> tuple[str, float, float] | None:
+        """The row with the largest absolute difference (then relative), None when nothing was compared."""
+        return max(self.rows, key=lambda r: (r[1], r[2]), default=None)
+
 
 def _diffs(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
     a64, b64 = a.double(), b.double()
@@ -39,8 +43,9 @@ def _diffs(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 
 
 def verify(a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, logits: bool = False, logits_atol: float = 1e-4,
-           vocab_size: int | None = None, hf_config: str | None = None) -> VerifyReport:
-    """Compare every HF tensor of ``a`` and ``b``; ``--logits`` also compares transformers' logits."""
+           vocab_size: int | None = None, hf_config: str | None = None, progress: bool = False) -> VerifyReport:
+    """Compare every HF tensor of ``a`` and ``b``; ``--logits`` also compares transformers' logits.
+    ``progress``: a bar over the units on stderr (shown on a terminal only)."""
     ra = open_reader(a, vocab_size=vocab_size, hf_config=hf_config)
     rb = open_reader(b, vocab_size=vocab_size, hf_config=hf_config)
     if ra.cfg != rb.cfg:
@@ -50,7 +55,17 @@ def verify(a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, logits: bool
     ra.validate()
     rb.validate()
     report = VerifyReport()
-    for unit in ra.units():
+    units = ra.units()
+    bar = None
+    if progress:
+        import sys
+
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(units), desc="comparing", unit="unit", file=sys.stderr, leave=False, disable=None)
+    for unit in units:
+        if bar is not None:
+            bar.update(1)
         ta, tb = ra.read_unit(unit), rb.read_unit(unit)
         for name in ta:
             if ta[name].shape != tb[name].shape:
@@ -61,6 +76,8 @@ def verify(a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, logits: bool
             report.rows.append((name, max_abs, max_rel))
             if not (max_abs <= atol or max_rel <= rtol):
                 report.mismatched.append(f"{name}: max abs {max_abs:.3g}, max rel {max_rel:.3g}")
+    if bar is not None:
+        bar.close()
     if logits:
         report.logits_diff = _logits_diff(a, b, ra.cfg, vocab_size, hf_config)
         if report.logits_diff > logits_atol:

@@ -10,10 +10,9 @@ from pathlib import Path
 from converters.copy_path.io import DEFAULT_BUFFER, fill_file, thread_buffer
 from converters.copy_path.sources import RawSource
 from converters.formats.hf import FilePlan, header, nbytes, plan_shards, split_file_plan, tensor_offsets, write_index
-from converters.formats.hf_config import read_hf_config
+from converters.formats.hf_config import read_hf_config, write_config_dir
 from converters.formats.tensors import TAG_TO_TORCH_NAME
 from converters.runtime.tasks import run_tasks
-from models.common.hf_files import copy_companion_files
 
 
 def plan_hf_files(source: RawSource, max_shard_bytes: int) -> tuple[str, list[FilePlan]]:
@@ -51,6 +50,4 @@ def write_hf_by_copy(source: RawSource, directory: str, *, max_shard_bytes: int,
     config = source.hf_config
     if source.hf_config_dir and source.format != "hf":
         config = read_hf_config(source.hf_config_dir)
-    if source.hf_config_dir:
-        copy_companion_files(source.hf_config_dir, directory)
-    config.save(directory, TAG_TO_TORCH_NAME[tag])
+    write_config_dir(config, directory, TAG_TO_TORCH_NAME[tag])  # config, generation config, tokenizer files

@@ -35,6 +35,7 @@ from converters.copy_path.megatron_ops import full_rows_ops, full_segments, row_
 from converters.copy_path.ops import Interleave, Op, Zeros
 from converters.copy_path.sources import RawSource
 from converters.formats import pickles as pw
+from converters.formats.hf_config import write_config_dir
 from converters.formats.megatron_args import (
     HF_CONFIG_DIR,
     iteration_folder,
@@ -53,6 +54,7 @@ from converters.layout.stages import (
     LINEAR_MODULES,
     RANK_FILE,
     MegatronLayout,
+    check_target_stages,
     extra_state_modules,
     stacked_key,
     unit_megatron_keys,
@@ -84,6 +86,7 @@ def plan_copy_target(source: RawSource, *, fmt: str, tp: int, pp: int, vpp: int,
     """Validate the target layout for the model (ParallelConfigError names the numbers)."""
     cfg = source.cfg
     require_megatron_layout(cfg, source.path)
+    check_target_stages(cfg.num_hidden_layers, pp, vpp, first, last)
     ParallelConfig(tp=tp, pp=pp, vpp=vpp, num_layers_in_first_pipeline_stage=first,
                    num_layers_in_last_pipeline_stage=last).validate(cfg)
     tag = source.dtype()
@@ -317,6 +320,6 @@ def write_megatron_by_copy(source: RawSource, target: CopyTarget, directory: str
     # RoPE scaling, token ids); our readers pick it up, Megatron ignores it.
     cfg_dir = root / HF_CONFIG_DIR
     cfg_dir.mkdir()
-    source.hf_config.save(str(cfg_dir))
+    write_config_dir(source.hf_config, cfg_dir)  # with generation config, tokenizer files, chat template
 
 __all__ = ["CopyTarget", "plan_copy_target", "write_megatron_by_copy", "scatter_bands"]

@@ -7,11 +7,12 @@ beside it, what writing the format needs (file layouts, names, metadata structur
   megatron_dist   megatron-core ``torch_dist``: metadata.json, .metadata, .distcp chunks, common.pt
   megatron_bridge Megatron-Bridge's run_config.yaml (bounded, data only)
   megatron_args   Megatron args <-> HF config, trackers and iteration folders (``megatron_moe``: MoE args)
+  vllm_sharded    vLLM ``sharded_state`` directories as a source (the writer's rules inverted)
   locate          what a path holds (Megatron-LM, verl, Megatron-Bridge layouts) and ``detect_format``
 
 Both execution paths consume the same readers: the copy path (``converters/copy_path``) plans byte
 ranges from them, the torch path (``converters/torch_path``) maps them as tensors. A new source
-format (vLLM ``sharded_state``, say) is one module here with a validating reader, one entry in
+format (as vLLM ``sharded_state`` was) is one module here with a validating reader, one entry in
 ``CHECKPOINTS`` below, a reader class in ``torch_path.READERS`` and, if the copy path should read
 it, a raw source in ``copy_path.sources.RAW_SOURCES``; ``locate`` recognises its directories.
 """
@@ -26,6 +27,7 @@ CHECKPOINTS = {
     "hf": "converters.formats.hf:HFCheckpoint",
     "megatron": "converters.formats.megatron_legacy:LegacyCheckpoint",
     "megatron-dist": "converters.formats.megatron_dist:DistCheckpoint",
+    "vllm": "converters.formats.vllm_sharded:VllmShardedCheckpoint",
 }
 
 

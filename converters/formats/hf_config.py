@@ -13,17 +13,19 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from models.common.errors import CheckpointError
-from models.common.hf_files import read_config_json
+from models.common.hf_files import copy_companion_files, read_config_json
 
 ARCHITECTURE_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                       "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 class HFConfig:
-    """Attribute view of a config.json dict (absent keys -> None)."""
+    """Attribute view of a config.json dict (absent keys -> None); ``source_dir``: the HF directory it
+    was read from (None when built from Megatron args), whose files ``write_config_dir`` keeps."""
 
-    def __init__(self, data: dict[str, Any]) -> None:
+    def __init__(self, data: dict[str, Any], source_dir: str | None = None) -> None:
         self.__dict__["data"] = dict(data)
+        self.__dict__["source_dir"] = source_dir
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
@@ -37,11 +39,38 @@ class HFConfig:
         return dict(self.__dict__["data"])
 
     def save(self, directory: str | Path, dtype: Any = None) -> None:
-        """``config.json``; ``dtype`` (a torch dtype or its name, "bfloat16") sets ``dtype``/``torch_dtype``."""
+        """``config.json``; ``dtype`` (a torch dtype or its name, "bfloat16") sets ``dtype`` (transformers 5's
+        key; an older config's ``torch_dtype`` is updated too, never added)."""
         data = self.to_dict()
         if dtype is not None:
-            data["dtype"] = data["torch_dtype"] = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+            data["dtype"] = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+            if "torch_dtype" in data:
+                data["torch_dtype"] = data["dtype"]
         Path(directory, "config.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def write_config_dir(config: HFConfig, directory: str | Path, dtype: str | None = None) -> None:
+    """``config.json`` and the files users ship beside it (``generation_config.json``, tokenizer files,
+    chat template: ``models/common/hf_files.COMPANION_SUFFIXES``) into ``directory``.
+
+    From a config read from an HF directory, the files are copied byte for byte, config.json too
+    unless the tensors written are in another dtype than the one it records (``dtype``: the torch
+    dtype name of the written tensors; None: not an HF model directory, e.g. the ``hf_config/``
+    sidecar of a Megatron checkpoint, whose args record the dtype). So HF -> Megatron -> HF gives
+    back config.json and every tokenizer file unchanged. A config built from Megatron args is
+    written as transformers writes it for that model (``transformers_config``)."""
+    import shutil
+
+    source = config.source_dir
+    if source is None:  # derived from Megatron args (config_from_fields: transformers' defaults filled in)
+        config.save(directory, dtype)
+        return
+    copy_companion_files(source, directory)
+    recorded = config.data.get("dtype") or config.data.get("torch_dtype") or "float32"  # transformers' default
+    if dtype is None or dtype == recorded:
+        shutil.copy2(Path(source) / "config.json", Path(directory) / "config.json")
+    else:
+        config.save(directory, dtype)
 
 
 def read_hf_config(directory: str | Path) -> HFConfig:
@@ -53,7 +82,7 @@ def read_hf_config(directory: str | Path) -> HFConfig:
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
         if not isinstance(text.get(key), int) or text[key] <= 0:
             raise CheckpointError(f"{path}: '{where}{key}' must be a positive integer, found {text.get(key)!r}")
-    return HFConfig(data)
+    return HFConfig(data, str(directory))
 
 
 def check_config_against_tensors(config_path: str | Path, cfg: Any, wmap: Any, shapes: Mapping[str, Sequence[int]],
@@ -99,16 +128,49 @@ def _describe_layers(layers: set[int], prefix: str) -> str:
     return f"{len(layers)} layer(s) ({prefix}{shown})"
 
 
+# What transformers' save_pretrained writes for each model type beyond the fields Megatron args give
+# (transformers 5's defaults and derived fields; tests/test_convert_roundtrip.py compares a config
+# rebuilt from Megatron args with transformers' own, key for key, for every architecture).
+_TOKEN_IDS = {"llama": (1, 2)}  # (bos, eos); the Qwen families leave them unset (None)
+_WINDOW_FIELDS = {"qwen2": None, "qwen2_moe": 0, "qwen3": None, "qwen3_moe": None}  # sliding_window when unused
+_LAYER_TYPES = ("qwen2", "qwen2_moe", "qwen3")  # configs that list every layer's attention (max_window_layers 28)
+
+
 def config_from_fields(model_type: str, **fields: Any) -> HFConfig:
-    """A complete config.json for a Llama/Qwen2/Qwen2-MoE model from its fields (used for Megatron sources)."""
-    base = {"architectures": [ARCHITECTURE_CLASS[model_type]], "model_type": model_type, "hidden_act": "silu",
-            "initializer_range": 0.02, "use_cache": True, "attention_dropout": 0.0}
+    """A complete config.json, as transformers writes it for this model type, from its fields (used for
+    Megatron sources without an HF config beside them)."""
+    base: dict[str, Any] = {"architectures": [ARCHITECTURE_CLASS[model_type]], "model_type": model_type,
+                            "hidden_act": "silu", "initializer_range": 0.02, "use_cache": True,
+                            "attention_dropout": 0.0}
+    bos, eos = _TOKEN_IDS.get(model_type, (None, None))
+    base.update(bos_token_id=bos, eos_token_id=eos, pad_token_id=None)
     if model_type == "llama":
         base.update(pretraining_tp=1, attention_bias=False, mlp_bias=False)
     else:
-        base.update(use_sliding_window=False, sliding_window=None, max_window_layers=fields["num_hidden_layers"])
+        base.update(use_sliding_window=False, sliding_window=_WINDOW_FIELDS.get(model_type))
+    if model_type == "qwen3_moe":
+        base.update(attention_bias=False)
     base.update(fields)
-    rope = base.get("rope_parameters") or {"rope_type": "default", "rope_theta": 10000.0}
-    base["rope_parameters"] = rope
-    base["rope_theta"] = rope["rope_theta"]
+    layers = int(base["num_hidden_layers"])
+    if model_type in _LAYER_TYPES:
+        base.update(max_window_layers=28, layer_types=["full_attention"] * layers)
+    if model_type == "qwen3_moe" and "num_experts" in base:  # transformers' attribute for it
+        base["num_local_experts"] = base.pop("num_experts")
+    if model_type in ("qwen2", "qwen2_moe") and base.get("head_dim") == base["hidden_size"] // base[
+            "num_attention_heads"]:
+        base.pop("head_dim")  # these configs derive it
+    base["rope_parameters"] = base.get("rope_parameters") or {"rope_type": "default", "rope_theta": 10000.0}
+    version = _transformers_version()
+    if version:
+        base["transformers_version"] = version
     return HFConfig(base)
+
+
+def _transformers_version() -> str | None:
+    """The installed transformers' version, read from its package metadata (transformers not imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("transformers")
+    except PackageNotFoundError:
+        return None

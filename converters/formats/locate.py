@@ -13,6 +13,7 @@ itself does not (no Megatron ``args``):
                        no args), huggingface/ (HF config + tokenizer, maybe HF weights),
                        transformer_config.json, maybe adapter_checkpoint/. Newer verl nests them:
                        model/dist_ckpt/, model/huggingface/, optimizer/dist_ckpt/, extra/dist_ckpt/.
+  vLLM sharded_state   config.json + model-rank-T-part-K.safetensors (model-pp-P-tp-T-part-K with PP)
   Megatron-Bridge      <root>/latest_checkpointed_iteration.txt (+ latest_train_state.pt),
                        iter_XXXXXXX/ torch_dist without args, run_config.yaml, train_state.pt,
                        tokenizer/, with ``also_save_hf_checkpoint`` an HF export in hf/
@@ -29,6 +30,7 @@ from typing import Any
 
 from converters.formats.megatron_args import TRACKER, read_tracker, resolve_iteration_dir, tracker_step
 from converters.formats.megatron_bridge import bridge_hf_model_id
+from converters.formats.vllm_sharded import is_vllm_dir
 from models.common.errors import CheckpointError
 
 VERL_ROLES = ("actor", "critic")
@@ -41,7 +43,7 @@ class SourceLocation:
     the checkpoint describes itself, or ``--hf-config`` must), and what was recognized."""
 
     path: str
-    format: str  # "hf", "megatron" (legacy torch) or "megatron-dist" (torch_dist)
+    format: str  # "hf", "megatron" (legacy torch), "megatron-dist" (torch_dist) or "vllm" (sharded_state)
     layout: str
     hf_config_dir: str | None = None
     config_origin: str | None = None  # how hf_config_dir was found, for `pmz inspect`
@@ -63,6 +65,8 @@ def locate_source(path: Any, hf_config: str | None = None) -> SourceLocation:
         raise CheckpointError(f"{p}: no such file or directory")
     if not p.is_dir():
         raise CheckpointError(f"{p}: not a checkpoint directory")
+    if is_vllm_dir(p):  # before is_hf_dir: config.json + *.safetensors too, but one TP rank's shards each
+        return SourceLocation(str(p), "vllm", "vLLM sharded_state")
     if is_hf_dir(p):
         return SourceLocation(str(p), "hf", "HuggingFace")
     tracker = p / TRACKER

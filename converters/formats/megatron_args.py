@@ -188,15 +188,21 @@ def detect_arch(args: Any, where: str) -> str:
     return "llama"
 
 
+def sidecar_config_dir(where: str) -> str | None:
+    """The ``hf_config/`` folder our converters write beside a Megatron checkpoint's iterations
+    (config.json, generation config, tokenizer files), None when there is none."""
+    root = Path(where)
+    for candidate in (root / HF_CONFIG_DIR, root.parent / HF_CONFIG_DIR):
+        if (candidate / "config.json").is_file():
+            return str(candidate)
+    return None
+
+
 def hf_config_from_args(args: Any, *, arch: str | None, hf_config_dir: str | None, vocab_size: int | None,
                         where: str) -> Any:
     """The transformers config of a Megatron checkpoint (``--hf-config`` wins over args)."""
     if not hf_config_dir and not arch and not vocab_size:
-        root = Path(where)
-        for candidate in (root / HF_CONFIG_DIR, root.parent / HF_CONFIG_DIR):
-            if (candidate / "config.json").is_file():
-                hf_config_dir = str(candidate)
-                break
+        hf_config_dir = sidecar_config_dir(where)
     if hf_config_dir:
         config = read_hf_config(hf_config_dir)
         _check_against_args(config, args, where, hf_config_dir)

@@ -30,6 +30,25 @@ DIST_METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version"
                       "common_backend_version": 1}
 
 
+FIRST_FLAG, LAST_FLAG = "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"
+
+
+def check_target_stages(num_layers: int, pp: int, vpp: int, first: int | None, last: int | None) -> None:
+    """A target pipeline split that exists, else ParallelConfigError in pmz's own terms: why, the
+    ``--pp`` values that split ``num_layers`` evenly (at this ``--vpp``), and the flags that give an
+    uneven split (Megatron's ``decoder_first/last_pipeline_num_layers``)."""
+    try:
+        stage_layer_ranges(num_layers, ParallelConfig(pp=pp, vpp=vpp, num_layers_in_first_pipeline_stage=first,
+                                                      num_layers_in_last_pipeline_stage=last))
+    except ParallelConfigError as exc:
+        reason = str(exc).split("; set num_layers_in_first")[0]
+        even = [p for p in range(1, num_layers + 1) if num_layers % (p * vpp) == 0]
+        with_vpp = f" with --vpp {vpp}" if vpp > 1 else ""
+        uneven = f"; or an uneven split: {FIRST_FLAG} N and/or {LAST_FLAG} N (with --vpp 1)"
+        raise ParallelConfigError(f"--pp {pp}{with_vpp}: {reason}; even splits of {num_layers} layers: --pp "
+                                  f"{', '.join(map(str, even)) or 'none'}{with_vpp}{uneven}") from None
+
+
 class MegatronLayout:
     """Where each global layer lives for a (pp, vpp, uneven) layout."""
 

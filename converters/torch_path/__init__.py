@@ -18,6 +18,7 @@ READERS = {
     "hf": "converters.torch_path.hf:HFReader",
     "megatron": "converters.torch_path.megatron_legacy:LegacyReader",
     "megatron-dist": "converters.torch_path.megatron_dist:DistReader",
+    "vllm": "converters.torch_path.vllm:VllmReader",
 }
 
 
@@ -34,6 +35,6 @@ def open_reader(path: str | os.PathLike, *, arch: str | None = None, hf_config: 
     path, hf_config = location.path, hf_config or location.hf_config_dir
     module, name = READERS[location.format].split(":")
     cls = getattr(importlib.import_module(module), name)
-    if location.format == "hf":
+    if location.format in ("hf", "vllm"):  # they describe themselves (config.json beside the weights)
         return cls(path)
     return cls(path, arch=arch, hf_config_dir=hf_config, vocab_size=vocab_size)

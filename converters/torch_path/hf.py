@@ -19,10 +19,10 @@ import torch
 
 from converters.formats import hf as hf_format
 from converters.formats.hf import FilePlan, HFCheckpoint, plan_shards, split_file_plan, tensor_offsets  # noqa: F401
-from converters.formats.hf_config import read_hf_config
+from converters.formats.hf_config import read_hf_config, write_config_dir
 from converters.layout.model import Unit, unit_entries
 from converters.torch_path.reader import TORCH_DTYPES, CheckpointReader, ReaderInfo, reopen
-from models.common.sources import CheckpointError, RenamedSource, SafetensorsSource, copy_companion_files
+from models.common.sources import CheckpointError, RenamedSource, SafetensorsSource
 from parallel.sharding import Piece
 
 SAFETENSORS_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
@@ -197,12 +197,10 @@ def write_shard_range(plan: FilePlan, directory: str, dtype: torch.dtype, lo: in
 
 
 def write_hf_config(reader: CheckpointReader, directory: str, dtype: torch.dtype, hf_config_dir: str | None) -> None:
-    """config.json (from ``hf_config_dir`` when given, else the reader's config) plus tokenizer files."""
-    config = reader.hf_config
-    if hf_config_dir:
-        config = read_hf_config(hf_config_dir)
-        copy_companion_files(hf_config_dir, directory)
-    config.save(directory, dtype)
+    """config.json (from ``hf_config_dir`` when given, else the reader's config) plus the generation
+    config, tokenizer files and chat template, byte for byte (``hf_config.write_config_dir``)."""
+    config = read_hf_config(hf_config_dir) if hf_config_dir else reader.hf_config
+    write_config_dir(config, directory, str(dtype).removeprefix("torch."))
 
 
 def create_shard_file(plan: FilePlan, directory: str, dtype: torch.dtype) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from converters.formats.hf_config import write_config_dir
 from converters.formats.megatron_args import HF_CONFIG_DIR, iteration_folder
 from converters.runtime.tasks import run_tasks
 from converters.torch_path.megatron_dist import write_dist
@@ -32,4 +33,4 @@ def write_megatron(reader: CheckpointReader, target: MegatronTarget, directory: 
     # RoPE scaling, token ids); our readers pick it up, Megatron ignores it.
     hf_dir = root / HF_CONFIG_DIR
     hf_dir.mkdir()
-    reader.hf_config.save(hf_dir)
+    write_config_dir(reader.hf_config, hf_dir)  # with generation config, tokenizer files, chat template

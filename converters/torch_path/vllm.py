@@ -1,4 +1,5 @@
-"""Writing vLLM ``sharded_state`` checkpoints (``pmz convert SRC DST --to vllm --tp N [--pp M]``).
+"""vLLM ``sharded_state`` checkpoints on the torch path: the writer (``pmz convert SRC DST --to vllm
+--tp N [--pp M]``) and, beside it, the reader of such directories as a source (``VllmReader``).
 
 One task per vLLM rank (pipeline stage ``p``, tensor rank ``t``): it reads the stage's units one at
 a time from any reader, packs each weight-map entry into rank ``t``'s shard with the weight map's
@@ -7,6 +8,12 @@ rules at TP ``N`` (vLLM's vocabulary padding: ``models/common/vllm_format.py``) 
 starting a new part when the next tensor would pass ``max_shard_size`` (vLLM's own rule). Keys are
 exactly those vLLM's strict ``ShardedStateLoader`` expects, attention scales included. Memory: one
 unit plus the part being filled.
+
+Reading inverts the same rules: ``VllmReader`` takes everything from the format's validating reader
+(``converters/formats/vllm_sharded.py``: files, headers, every rank's keys and shard shapes), and
+for each unit gathers every TP rank's shard of an entry from the stage that holds it and merges them
+with the entry's own rules (``Packed.merge``: q/k/v and gate/up blocks, replicated KV heads,
+vocabulary padding dropped; fused expert stacks expert by expert). Memory: one unit of every rank.
 """
 
 from __future__ import annotations
@@ -15,9 +22,58 @@ from pathlib import Path
 
 import torch
 
-from converters.layout.model import EMBED, FINAL
-from converters.torch_path.reader import CheckpointReader, reopen
+from converters.formats.vllm_sharded import VllmShardedCheckpoint
+from converters.layout.model import EMBED, FINAL, Unit, unit_entries
+from converters.torch_path.reader import TORCH_DTYPES, CheckpointReader, ReaderInfo, reopen
 from models.common import vllm_format
+from models.common.weight_map import WeightEntry
+
+
+class VllmReader(CheckpointReader):
+    """A vLLM ``sharded_state`` directory as a source: HF-named full tensors, one unit at a time."""
+
+    def __init__(self, path: str) -> None:
+        self.path = str(path)
+        self._remember_args(self.path)
+        ckpt = VllmShardedCheckpoint(path)
+        self.ckpt = ckpt
+        self.hf_config, self.arch, self.cfg, self.wmap = ckpt.hf_config, ckpt.arch, ckpt.cfg, ckpt.wmap
+        weights = [t for stage in ckpt.tensors.values() for key, t in stage.items() if ".attn._" not in key]
+        dtype = TORCH_DTYPES.get(weights[0].dtype, torch.float32) if weights else torch.float32
+        files = len({t.path for stage in ckpt.tensors.values() for t in stage.values()})
+        self.info = ReaderInfo("vllm", self.arch.name, {"tp": ckpt.tp, "pp": ckpt.pp}, files, dtype)
+        self._open: dict[str, object] = {}
+
+    def validate(self) -> None:
+        """Nothing left to check: ``VllmShardedCheckpoint`` checked files, keys and shard shapes."""
+
+    def _shard(self, pp_rank: int, tp_rank: int, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        path = self.ckpt.tensors[(pp_rank, tp_rank)][key].path
+        if path not in self._open:
+            self._open[path] = safe_open(path, framework="pt")
+        return self._open[path].get_tensor(key)
+
+    def _merge(self, entry: WeightEntry, shards: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        shapes = self.hf_shapes()
+        if entry.experts:
+            out: dict[str, torch.Tensor] = {}
+            for e in range(entry.experts):
+                out.update(self._merge(entry.expert(e), [s[e] for s in shards]))
+            return out
+        parts = entry.packed.merge(shards, [shapes[name] for name in entry.hf])
+        return dict(zip(entry.hf, parts))
+
+    def read_unit(self, unit: Unit) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for entry in unit_entries(self.ckpt.vmap, unit):
+            pp_rank, key = self.ckpt.locate(entry.param)
+            out.update(self._merge(entry, [self._shard(pp_rank, t, key) for t in range(self.ckpt.tp)]))
+        return out
+
+    def close(self) -> None:
+        self._open.clear()
 
 
 def write_vllm_rank(reopen_args: tuple, directory: str, pp_rank: int, tp_rank: int, tp: int, pp: int,

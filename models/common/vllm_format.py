@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from models.common.config import ModelConfig
-from models.common.weights import WeightEntry, WeightMap
+from models.common.weight_map import WeightEntry, WeightMap  # plain data: converters read this torch-free
 from parallel.sharding import Fused, ShardingError, Split, Vocab
 
 VOCAB_MULTIPLE = 64
