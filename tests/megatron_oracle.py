@@ -173,6 +173,9 @@ class OracleSpec:
     max_position_embeddings: int = 64
     init_method_std: float = 0.05
     seed: int = 7
+    # uneven pipeline stages (megatron-core's num_layers_in_first/last_pipeline_stage); None: even
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.arch not in ("llama", "qwen2"):
@@ -250,7 +253,8 @@ def check_layout(spec: OracleSpec, tp: int, pp: int, vpp: int | None) -> None:
     problems = []
     if world % (tp * pp):
         problems.append(f"world size {world} is not a multiple of tp*pp = {tp * pp}")
-    if spec.num_layers % (pp * chunks):
+    uneven = getattr(spec, "first_stage_layers", None) or getattr(spec, "last_stage_layers", None)
+    if spec.num_layers % (pp * chunks) and not uneven:
         problems.append(f"num_layers {spec.num_layers} is not divisible by pp*vpp = {pp * chunks}")
     if vpp and vpp > 1 and pp == 1:
         problems.append("virtual pipeline stages need pp > 1")
@@ -315,6 +319,8 @@ def transformer_config(spec, tp: int, pp: int, vpp: int | None = None, **extra):
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
+        num_layers_in_first_pipeline_stage=getattr(spec, "first_stage_layers", None),
+        num_layers_in_last_pipeline_stage=getattr(spec, "last_stage_layers", None),
         **extra,
     )
 

@@ -8,6 +8,7 @@ loads them and its logits must equal transformers'. Megatron -> Megatron reshard
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -155,12 +156,23 @@ def hf_to_megatron(tmp_path_factory):
                     make_vocab_size_divisible_by=DIVISIBLE_BY, workers=2)
             jobs.append(("load", str(dst), spec, *load))
             names.append((arch, name))
+        # uneven stages written from pmz's flags (4 layers as 1 + 3 and 3 + 1), loaded by megatron-core
+        # built with the same num_layers_in_first/last_pipeline_stage
+        for name, fmt, first, last in [("uneven_legacy_first1", "megatron", 1, None),
+                                       ("uneven_dist_last1", "megatron-dist", None, 1)]:
+            dst = root / f"{arch}_{name}"
+            convert(hf_dir, dst, to=fmt, pp=2, first_stage_layers=first, last_stage_layers=last,
+                    make_vocab_size_divisible_by=DIVISIBLE_BY, workers=2)
+            uneven = dataclasses.replace(spec, first_stage_layers=first, last_stage_layers=last)
+            jobs.append(("load", str(dst), uneven, 1, 2, None, "torch" if fmt == "megatron" else "torch_dist"))
+            names.append((arch, name))
     logits = run_distributed(2, oracle_jobs, jobs)[0]
     return refs, dict(zip(names, logits))
 
 
 @pytest.mark.parametrize("arch", list(SPECS))
-@pytest.mark.parametrize("name", [t[0] for t in TARGETS] + ["reshard_legacy_pp2vpp2", "reshard_dist_tp1"])
+@pytest.mark.parametrize("name", [t[0] for t in TARGETS] + ["reshard_legacy_pp2vpp2", "reshard_dist_tp1",
+                                                            "uneven_legacy_first1", "uneven_dist_last1"])
 def test_hf_to_megatron_loads_in_megatron_core(hf_to_megatron, arch, name):
     refs, logits = hf_to_megatron
     assert _diff(logits[(arch, name)], refs[arch]) <= LOGITS_TOL

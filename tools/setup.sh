@@ -12,7 +12,7 @@ START=$SECONDS
 LAST=$SECONDS
 say() { echo "setup: $*"; }
 took() { say "  ... done in $((SECONDS - LAST)) s"; LAST=$SECONDS; }
-say "checking .venv (imports torch, transformers and the project: a few seconds)"
+[ -x .venv/bin/python ] && say "checking .venv (imports torch, transformers and the project: a few seconds)"
 if [ ! -x .venv/bin/python ]; then
   say "creating .venv ($PY -m venv)"
   "$PY" -m venv .venv
