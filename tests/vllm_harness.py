@@ -5,7 +5,8 @@ for all of them; each job still builds and shuts down its own engine). A job's r
 when the whole client finished cleanly: exit code 0 *and* the client's closing line
 (``FINISHED_LINE``), which it prints after every engine was shut down and every distributed state
 destroyed. A client that wrote its results and then crashed at exit fails the test (no retry, no
-ignored exit code), and so does one that leaves vLLM shared-memory segments in ``/dev/shm``.
+ignored exit code), and so does one that leaves vLLM shared-memory segments in ``/dev/shm`` (new
+segments no live process maps; another run's engine on the same machine is not counted).
 """
 
 from __future__ import annotations
@@ -31,6 +32,20 @@ def _vllm_segments() -> set[str]:
     return {p.name for p in SHM.iterdir() if p.name.startswith(("vllm", "pmz-state-"))}
 
 
+def _mapped_anywhere(names: list[str]) -> set[str]:
+    """The segments among ``names`` some live process still maps (an engine of another test run on
+    this machine, say): in use, not left behind."""
+    wanted = {str(SHM / n) for n in names}
+    found: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:  # the process ended, or is not ours to read
+            continue
+        found |= {w for w in wanted if w in text}
+    return {Path(f).name for f in found}
+
+
 def run_clients(jobs: list[tuple[str, dict, Path]]) -> list[dict]:
     """Run ``jobs`` (``(step, args, out_file)``) in one vLLM client process; their JSON results."""
     assert VLLM_PYTHON.exists(), f"{VLLM_PYTHON} missing: run tools/setup.sh (it creates the vLLM venv)"
@@ -44,7 +59,8 @@ def run_clients(jobs: list[tuple[str, dict, Path]]) -> list[dict]:
     if proc.returncode != 0 or FINISHED_LINE not in proc.stdout.splitlines():
         tail = "\n".join(line for line in (proc.stdout + proc.stderr).splitlines() if " INFO " not in line)[-4000:]
         pytest.fail(f"vLLM client ({steps}) did not finish cleanly (exit {proc.returncode}):\n{tail}")
-    left = sorted(_vllm_segments() - before)
+    new = sorted(_vllm_segments() - before)
+    left = sorted(set(new) - _mapped_anywhere(new))
     assert not left, f"vLLM client ({steps}) left shared-memory segments in /dev/shm: {left[:4]}"
     return [json.loads(Path(out).read_text()) for _, _, out in jobs]
 
