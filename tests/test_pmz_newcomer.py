@@ -109,6 +109,19 @@ def test_vllm_sharded_state_back_to_hf_bitwise(models, tmp_path, name, tp, pp):
     assert pmz("verify", other, models[name]).returncode == 0
 
 
+@pytest.mark.parametrize("case", ["tied", "v25_tied"])  # Qwen2-VL, Qwen2.5-VL: the tower on every vLLM stage
+def test_vision_language_vllm_sharded_state_back_to_hf_bitwise(tmp_path, case):
+    from tests.vl_cases import write_vl_model
+
+    src = Path(write_vl_model(tmp_path / "src", case, seed=1))
+    for tp, pp in ((2, 1), (1, 2)):
+        vllm_dir, back = tmp_path / f"vllm{tp}{pp}", tmp_path / f"back{tp}{pp}"
+        assert pmz("convert", src, vllm_dir, "--to", "vllm", "--tp", tp, "--pp", pp, "--quiet").returncode == 0
+        res = pmz("convert", vllm_dir, back, "--to", "hf", "--quiet")
+        assert res.returncode == 0, res.stderr
+        _assert_same_tensors(src, back)
+
+
 def test_vllm_source_damage_is_one_line(models, tmp_path):
     vllm_dir = tmp_path / "vllm"
     assert pmz("convert", models["qwen2"], vllm_dir, "--to", "vllm", "--tp", 2, "--quiet").returncode == 0
