@@ -183,11 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--vocab-size", type=_positive_int, metavar="N",
                        help="real vocabulary size when a Megatron checkpoint records only the padded one")
 
-    p = sub.add_parser("convert", help="convert between hf, megatron (legacy torch) and megatron-dist (torch_dist); "
-                                       "write vllm (sharded_state)",
+    p = sub.add_parser("convert", help="convert between hf, megatron (legacy torch), megatron-dist (torch_dist) and "
+                                       "vllm (sharded_state)",
                        description="Convert a checkpoint (format detected) to another format and parallel layout. "
                                    "Output is written to a temp dir beside DST and renamed into place when complete.")
-    p.add_argument("src", help="source checkpoint: an HF directory or a Megatron checkpoint (legacy or torch_dist)")
+    p.add_argument("src", help="source checkpoint: an HF directory, a Megatron checkpoint (legacy or torch_dist; "
+                               "verl, Megatron-Bridge) or a vLLM sharded_state directory")
     p.add_argument("dst", help="destination directory (must not exist unless --overwrite; missing parent "
                                "directories are created)")
     p.add_argument("--to", required=True, choices=TARGETS, help="target format")
@@ -226,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inspect", help="format, architecture, parallel layout, parameter count, dtypes, size",
                        description="Describe a checkpoint from its headers and metadata (tensor data is not read).")
-    p.add_argument("path", help="checkpoint directory: HF, Megatron legacy or torch_dist")
+    p.add_argument("path", help="checkpoint directory: HF, Megatron legacy or torch_dist, vLLM sharded_state")
     source_options(p)
     p.set_defaults(func=_cmd_inspect)
 
@@ -265,12 +266,13 @@ def _silence_stdout() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "convert" and args.to == "hf":
-        given = [f"--{k}" for k in ("tp", "pp", "vpp", "ep") if getattr(args, k) is not None]
-        if given:
-            print(f"pmz convert: error: {'/'.join(given)} given for --to hf: an HF checkpoint has no parallel "
-                  f"layout (--tp/--pp/--vpp apply to Megatron and vLLM targets) (see pmz convert --help)",
-                  file=sys.stderr)
+    if args.command == "convert":  # a layout for an HF target is a bad argument (exit 2): the engine's own check
+        from converters.engine import check_hf_target_layout
+
+        try:
+            check_hf_target_layout(args.to, **{k: getattr(args, k) for k in ("tp", "pp", "vpp", "ep")})
+        except ValueError as exc:
+            print(f"pmz convert: error: {exc} (see pmz convert --help)", file=sys.stderr)
             return 2
     previous = None
     try:

@@ -58,12 +58,15 @@ def parse_dtype(name: Any) -> torch.dtype | None:
     return None if canonical is None else getattr(torch, canonical)
 
 
-def check_options(*, tp: Any = None, pp: Any = None, vpp: Any = None, workers: Any = None, vocab_size: Any = None,
-                  make_vocab_size_divisible_by: Any = 128, max_shard_size: Any = "5GB") -> int:
+def check_options(*, tp: Any = None, pp: Any = None, vpp: Any = None, ep: Any = None, workers: Any = None,
+                  vocab_size: Any = None, make_vocab_size_divisible_by: Any = 128, max_shard_size: Any = "5GB",
+                  first_stage_layers: Any = None, last_stage_layers: Any = None) -> int:
     """ValueError naming the option unless every count is a positive integer (None: not given) and
     ``max_shard_size`` a positive size; returns the shard size in bytes. Reads and writes nothing."""
-    counts = {"--tp": tp, "--pp": pp, "--vpp": vpp, "--workers": workers, "--vocab-size": vocab_size,
-              "--make-vocab-size-divisible-by": make_vocab_size_divisible_by}
+    counts = {"--tp": tp, "--pp": pp, "--vpp": vpp, "--ep": ep, "--workers": workers, "--vocab-size": vocab_size,
+              "--make-vocab-size-divisible-by": make_vocab_size_divisible_by,
+              "--decoder-first-pipeline-num-layers": first_stage_layers,
+              "--decoder-last-pipeline-num-layers": last_stage_layers}
     for option, value in counts.items():
         if value is None and option != "--make-vocab-size-divisible-by":
             continue
@@ -76,6 +79,15 @@ def check_options(*, tp: Any = None, pp: Any = None, vpp: Any = None, workers: A
     if shard_bytes <= 0:
         raise ValueError(f"--max-shard-size must be a positive size, got {max_shard_size!r}")
     return shard_bytes
+
+
+def check_hf_target_layout(to: str, **layout: Any) -> None:
+    """ValueError when a parallel layout is given for an HF target (the CLI reports it as a bad
+    argument, exit 2, before anything is read)."""
+    given = [f"--{k} {v}" for k, v in layout.items() if v is not None]
+    if to == "hf" and given:
+        raise ValueError(f"{' '.join(given)}: an HF checkpoint has no parallel layout (--tp/--pp/--vpp/--ep apply "
+                         f"to Megatron and vLLM targets)")
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int | None = None, pp: int | None = None,
@@ -104,13 +116,10 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
     """
     if to not in TARGETS:
         raise ValueError(f"unknown target format {to!r} (choose {', '.join(TARGETS)})")
-    shard_bytes = check_options(tp=tp, pp=pp, vpp=vpp, workers=workers, vocab_size=vocab_size,
+    shard_bytes = check_options(tp=tp, pp=pp, vpp=vpp, ep=ep, workers=workers, vocab_size=vocab_size,
                                 make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                                max_shard_size=max_shard_size)
-    for option, value in (("--ep", ep), ("--decoder-first-pipeline-num-layers", first_stage_layers),
-                          ("--decoder-last-pipeline-num-layers", last_stage_layers)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-            raise ValueError(f"{option} must be a positive integer, got {value!r}")
+                                max_shard_size=max_shard_size, first_stage_layers=first_stage_layers,
+                                last_stage_layers=last_stage_layers)
     uneven = first_stage_layers is not None or last_stage_layers is not None
     if uneven and (to not in ("megatron", "megatron-dist") or pp is None):
         raise ValueError("--decoder-first/last-pipeline-num-layers split a Megatron target's stages unevenly: give "
@@ -119,10 +128,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
         raise ValueError(f"--moe-grouped-gemm: a layout of Megatron experts; --to {to} has none")
     if to == "vllm" and ep not in (None, 1):
         raise ValueError(f"--ep {ep}: vLLM targets take no expert-parallel layout")
-    given = [f"--{k} {v}" for k, v in (("tp", tp), ("pp", pp), ("vpp", vpp), ("ep", ep)) if v is not None]
-    if to == "hf" and given:
-        raise ValueError(f"{' '.join(given)}: an HF checkpoint has no parallel layout (--tp/--pp/--vpp apply to "
-                         f"Megatron and vLLM targets)")
+    check_hf_target_layout(to, tp=tp, pp=pp, vpp=vpp, ep=ep)
     if to == "vllm" and vpp not in (None, 1):
         raise ValueError(f"vLLM has no virtual pipeline stages (got --vpp {vpp})")
     wanted_dtype = dtype_name(dtype)
@@ -186,7 +192,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
 def source_layout(reader: Any) -> dict[str, Any]:
     """tp/pp/vpp (and uneven first/last stage sizes) a checkpoint was saved with: legacy readers say
     ``tp``/``pp``/``vpp`` in ``info.layout``, torch_dist ones ``saved_with_tp``/...; HF is 1/1/1."""
-    layout = reader.info.layout
+    layout = reader.info.layout if reader.info.format in ("megatron", "megatron-dist") else {}
 
     def count(key: str) -> int:
         value = layout.get(key, layout.get(f"saved_with_{key}"))

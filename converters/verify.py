@@ -80,7 +80,7 @@ def verify(a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, logits: bool
         bar.close()
     if logits:
         report.logits_diff = _logits_diff(a, b, ra.cfg, vocab_size, hf_config)
-        if report.logits_diff > logits_atol:
+        if not report.logits_diff <= logits_atol:  # NaN logits fail too
             report.mismatched.append(f"logits: max abs diff {report.logits_diff:.3g} > {logits_atol}")
     return report
 

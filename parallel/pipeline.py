@@ -34,6 +34,11 @@ def check_schedule(name: str, vpp: int, num_microbatches: int, pp: int) -> None:
                             f"to be a multiple of pp={pp}")
 
 
+def resolve_schedule(name: str, vpp: int) -> str:
+    """The schedule that runs: "1f1b" with virtual stages is the interleaved 1F1B."""
+    return "interleaved_1f1b" if name == "1f1b" and vpp > 1 else name
+
+
 def microbatch_multiple(name: str, pp: int) -> int:
     """What the micro-batch count must be a multiple of for ``name``."""
     return pp if name in MULTI_STAGE else 1

@@ -51,7 +51,9 @@ def _bad_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["--hidden", "36"], "head_dim=9 is odd"),  # used to pass and fail inside rope.py
         (["--batch", "3"], "do not split evenly over dp=2"),  # world 2 -> dp 2
         (["--cp", "2", "--seq", "6"], "2*cp = 4 context-parallel chunks"),
-        (["--pp", "2", "--microbatches", "1"], "at least 2 micro-batches"),
+        # 1F1B runs a micro-batch per stage
+        (["--pp", "2", "--batch", "1", "--microbatches", "1"], "need at least 2 samples per replica"),
+        (["--pp", "2", "--vpp", "2", "--schedule", "gpipe"], "needs one of interleaved_1f1b"),
         (["--init-from", str(tmp_path / "missing")], "missing"),
         (["--steps", "2", "--bogus"], "unrecognized arguments: --bogus"),
         (["--tp", "abc"], "invalid int value: 'abc'"),
@@ -99,13 +101,13 @@ def test_help_prints_once_under_torchrun():
     assert ranks[1].stdout == "" and ranks[1].stderr == ""
 
 
-def _transformers_eval_loss(directory: Path, train_mod, microbatches: int, seq: int, seed: int) -> float:
+def _transformers_eval_loss(directory: Path, train_mod, samples: int, seq: int, seed: int) -> float:
     """The held-out loss train.py prints, computed by transformers on the saved checkpoint: each
     sample on its own, the token mean of -log p(next token)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
-    flat, cu = train_mod.synthetic_batch(10**6, microbatches, seq, model.config.vocab_size, seed + 1)
+    flat, cu = train_mod.synthetic_batch(10**6, samples, seq, model.config.vocab_size, seed + 1)
     total, count = 0.0, 0
     with torch.no_grad():
         for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
@@ -134,7 +136,7 @@ def test_init_from_and_save_round_trip_equals_transformers(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert re.search(r"^step 2/2 loss [0-9.]+ [0-9,]+ tokens/s$", proc.stdout, re.M), proc.stdout
     ours = float(re.search(r"eval loss ([0-9.]+)", proc.stdout).group(1))
-    reference = _transformers_eval_loss(out, _train_module(), microbatches=2, seq=16, seed=3)
+    reference = _transformers_eval_loss(out, _train_module(), samples=2, seq=16, seed=3)  # pp 2, 2 micro-batches
     assert abs(ours - reference) <= 1e-5, (ours, reference)
     trained = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
     initial = load_file(str(src / "model.safetensors"))

@@ -5,14 +5,18 @@ for all of them; each job still builds and shuts down its own engine). A job's r
 when the whole client finished cleanly: exit code 0 *and* the client's closing line
 (``FINISHED_LINE``), which it prints after every engine was shut down and every distributed state
 destroyed. A client that wrote its results and then crashed at exit fails the test (no retry, no
-ignored exit code), and so does one that leaves vLLM shared-memory segments in ``/dev/shm`` (new
-segments no live process maps; another run's engine on the same machine is not counted).
+ignored exit code), and so does one that leaves processes running (the client runs in a session of
+its own: EngineCore, TP workers and spawned ranks must all have ended) or vLLM shared-memory
+segments in ``/dev/shm`` (new segments no live process maps; another run's engine on the same
+machine is not counted).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -39,11 +43,27 @@ def _mapped_anywhere(names: list[str]) -> set[str]:
     found: set[str] = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):
         try:
-            text = maps.read_text()
+            lines = maps.read_text().splitlines()
         except OSError:  # the process ended, or is not ours to read
             continue
-        found |= {w for w in wanted if w in text}
-    return {Path(f).name for f in found}
+        for line in lines:
+            path = line.split(maxsplit=5)[5] if len(line.split(maxsplit=5)) == 6 else ""
+            if path.removesuffix(" (deleted)") in wanted:
+                found.add(Path(path.removesuffix(" (deleted)")).name)
+    return found
+
+
+def _session_survivors(sid: int) -> list[int]:
+    """Processes still alive in session ``sid`` (the client's: EngineCore, TP workers, spawned ranks)."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 4 and int(fields[3]) == sid and fields[0] != "Z":  # fields[3]: session id
+            alive.append(int(stat.parent.name))
+    return alive
 
 
 def run_clients(jobs: list[tuple[str, dict, Path]]) -> list[dict]:
@@ -53,9 +73,16 @@ def run_clients(jobs: list[tuple[str, dict, Path]]) -> list[dict]:
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests" / "vllm_shims")])  # see its sitecustomize
     before = _vllm_segments()
     payload = json.dumps([[step, args, str(out)] for step, args, out in jobs])
+    # a session of its own: whatever the client started must have ended with it
     proc = subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_client.py"), payload],
-                          env=env, capture_output=True, text=True, timeout=900 * len(jobs), cwd=str(ROOT))
+                          env=env, capture_output=True, text=True, timeout=900 * len(jobs), cwd=str(ROOT),
+                          start_new_session=True)
     steps = ", ".join(step for step, _, _ in jobs)
+    survivors = _session_survivors(proc.pid)
+    for pid in survivors:  # do not leave them running whatever the verdict
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    assert not survivors, f"vLLM client ({steps}) exited leaving processes {survivors} running"
     if proc.returncode != 0 or FINISHED_LINE not in proc.stdout.splitlines():
         tail = "\n".join(line for line in (proc.stdout + proc.stderr).splitlines() if " INFO " not in line)[-4000:]
         pytest.fail(f"vLLM client ({steps}) did not finish cleanly (exit {proc.returncode}):\n{tail}")

@@ -46,7 +46,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parallel import ParallelConfig  # noqa: E402
 from parallel.launch import run_distributed  # noqa: E402
-from parallel.pipeline import MULTI_STAGE, SCHEDULES, check_schedule, microbatch_minimum  # noqa: E402
+from parallel.pipeline import (  # noqa: E402
+    MULTI_STAGE,
+    SCHEDULES,
+    check_schedule,
+    microbatch_minimum,
+    microbatch_multiple,
+    resolve_schedule,
+)
 
 # dense bf16 peak of the GPUs whose name contains the key (TFLOP/s, without sparsity), for MFU
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "GH200": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0}
@@ -117,17 +124,14 @@ def validate(args: argparse.Namespace, world_size: int) -> tuple[Any, Any]:
     if args.batch % dp:
         raise UsageError(f"--batch={args.batch} samples do not split evenly over dp={dp} replicas")
     per_replica = args.batch // dp
-    if per_replica < args.microbatches:
-        raise UsageError(f"--microbatches={args.microbatches} exceeds the {per_replica} samples per replica "
-                         f"(--batch {args.batch} / dp {dp})")
-    schedule = "interleaved_1f1b" if args.schedule == "1f1b" and args.vpp > 1 else args.schedule
     try:
-        check_schedule(schedule, args.vpp, args.microbatches, args.pp)
+        schedule, runs = microbatches_run(args)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    if args.microbatches < microbatch_minimum(schedule, args.pp):
-        raise UsageError(f"schedule {schedule!r} needs at least {microbatch_minimum(schedule, args.pp)} micro-batches "
-                         f"with pp={args.pp}, got --microbatches={args.microbatches}")
+    if per_replica < runs:
+        raise UsageError(f"{runs} micro-batches (--microbatches {args.microbatches}, schedule {schedule!r} with "
+                         f"pp={args.pp}) need at least {runs} samples per replica, --batch {args.batch} / dp {dp} "
+                         f"gives {per_replica}")
     shortest = args.seq // 2
     if shortest < 2 * args.cp:
         raise UsageError(f"--seq={args.seq}: the shortest sample ({shortest} tokens) cannot give each of the 2*cp = "
@@ -135,6 +139,19 @@ def validate(args: argparse.Namespace, world_size: int) -> tuple[Any, Any]:
     if args.save and Path(args.save).exists():
         raise UsageError(f"--save {args.save}: already exists (choose a new directory)")
     return hf_config, arch
+
+
+def microbatches_run(args: argparse.Namespace) -> tuple[str, int]:
+    """The schedule ``forward_backward`` resolves and the micro-batch count it runs for
+    ``--microbatches`` (at least one per stage for 1F1B, a multiple of pp for the interleaved
+    schedules; each micro-batch needs a sample). ValueError for a schedule the layout cannot run."""
+    schedule = resolve_schedule(args.schedule, args.vpp)
+    check_schedule(schedule, args.vpp, microbatch_multiple(schedule, args.pp), args.pp)
+    runs = args.microbatches
+    if args.pp > 1:
+        multiple = microbatch_multiple(schedule, args.pp)
+        runs = -(-max(runs, microbatch_minimum(schedule, args.pp)) // multiple) * multiple
+    return schedule, runs
 
 
 def model_flops_per_token(cfg: Any, seq: float) -> float:
@@ -164,7 +181,8 @@ def peak_flops(device: torch.device | None) -> float | None:
 
 def eval_loss(model, args: argparse.Namespace, vocab: int, device) -> float:
     """Token mean of -log p(next token) on a held-out batch (every replica the same whole batch)."""
-    flat, cu = synthetic_batch(10**6, args.microbatches, args.seq, vocab, args.seed + 1)
+    samples = microbatches_run(args)[1]  # one per micro-batch the schedule runs
+    flat, cu = synthetic_batch(10**6, samples, args.seq, vocab, args.seed + 1)
     if device is not None:
         flat = flat.to(device)
     with torch.no_grad():

@@ -95,7 +95,7 @@ def locate_source(path: Any, hf_config: str | None = None) -> SourceLocation:
                               f"{p / steps[-1][1] / 'actor'}")
     raise CheckpointError(f"{p}: not a recognized checkpoint (HF: config.json + *.safetensors; Megatron: "
                           f"latest_checkpointed_iteration.txt / iter_*/ with mp_rank_* or metadata.json; "
-                          f"verl: global_step_N/actor/)")
+                          f"verl: global_step_N/actor/; vLLM: config.json + model-rank-T-part-K.safetensors)")
 
 
 def _is_verl_role(p: Path) -> bool:

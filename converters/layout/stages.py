@@ -42,9 +42,15 @@ def check_target_stages(num_layers: int, pp: int, vpp: int, first: int | None, l
                                                       num_layers_in_last_pipeline_stage=last))
     except ParallelConfigError as exc:
         reason = str(exc).split("; set num_layers_in_first")[0]
-        even = [p for p in range(1, num_layers + 1) if num_layers % (p * vpp) == 0]
+        even = []
+        for p in range(1, num_layers + 1):
+            try:
+                stage_layer_ranges(num_layers, ParallelConfig(pp=p, vpp=vpp))
+                even.append(p)
+            except ParallelConfigError:
+                continue
         with_vpp = f" with --vpp {vpp}" if vpp > 1 else ""
-        uneven = f"; or an uneven split: {FIRST_FLAG} N and/or {LAST_FLAG} N (with --vpp 1)"
+        uneven = "" if first or last else f"; or an uneven split: {FIRST_FLAG} N and/or {LAST_FLAG} N (with --vpp 1)"
         raise ParallelConfigError(f"--pp {pp}{with_vpp}: {reason}; even splits of {num_layers} layers: --pp "
                                   f"{', '.join(map(str, even)) or 'none'}{with_vpp}{uneven}") from None
 

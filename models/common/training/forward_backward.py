@@ -23,7 +23,7 @@ from models.common.training.microbatches import IGNORE_INDEX, merge_sample_input
 from models.common.training.pipeline_chunk import PipelineChunk
 from parallel.grads import finalize_grads
 from parallel.microbatch import plan_microbatches
-from parallel.pipeline import PipelineRunner, check_schedule, microbatch_minimum, microbatch_multiple
+from parallel.pipeline import PipelineRunner, check_schedule, microbatch_minimum, microbatch_multiple, resolve_schedule
 from parallel.sequence_shard import SequenceShard, gather_tokens, plan_for, shard_of
 
 
@@ -41,8 +41,7 @@ def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = 
         raise ValueError(f"the load-balancing loss with cp/ulysses {groups.config.describe()} is not supported yet "
                          f"(it needs router statistics over whole sequences); pass aux_loss=False")
     pp, vpp, tp = groups.pp_size, groups.config.vpp, groups.tp_size
-    if schedule == "1f1b" and vpp > 1:
-        schedule = "interleaved_1f1b"
+    schedule = resolve_schedule(schedule, vpp)
     if pp > 1:  # name and vpp; the planner below makes the count a multiple of what the schedule needs
         check_schedule(schedule, vpp, microbatch_multiple(schedule, pp), pp)
     # Micro-batches are planned and packed on the host (lengths, sorting, small index tensors), then
