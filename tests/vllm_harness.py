@@ -74,11 +74,17 @@ def run_clients(jobs: list[tuple[str, dict, Path]]) -> list[dict]:
     before = _vllm_segments()
     payload = json.dumps([[step, args, str(out)] for step, args, out in jobs])
     # a session of its own: whatever the client started must have ended with it
-    proc = subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_client.py"), payload],
-                          env=env, capture_output=True, text=True, timeout=900 * len(jobs), cwd=str(ROOT),
-                          start_new_session=True)
+    client = subprocess.Popen([str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_client.py"), payload], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(ROOT),
+                              start_new_session=True)
+    try:
+        out, err = client.communicate(timeout=900 * len(jobs))
+    except subprocess.TimeoutExpired:
+        client.kill()
+        out, err = client.communicate()
+    proc = subprocess.CompletedProcess(client.args, client.returncode, out, err)
     steps = ", ".join(step for step, _, _ in jobs)
-    survivors = _session_survivors(proc.pid)
+    survivors = _session_survivors(client.pid)  # the session id is the client's pid
     for pid in survivors:  # do not leave them running whatever the verdict
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
