@@ -18,6 +18,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 FINISHED_LINE = "pmz-vllm-client: finished"  # tests/vllm_client.py prints it last
 SHM = Path("/dev/shm")
+SURVIVOR_GRACE_S = 30.0  # how long the client's helper processes may take to end after it exits
 
 
 def _vllm_segments() -> set[str]:
@@ -84,7 +86,13 @@ def run_clients(jobs: list[tuple[str, dict, Path]]) -> list[dict]:
         out, err = client.communicate()
     proc = subprocess.CompletedProcess(client.args, client.returncode, out, err)
     steps = ", ".join(step for step, _, _ in jobs)
-    survivors = _session_survivors(client.pid)  # the session id is the client's pid
+    # the session id is the client's pid; helpers that end on their own once the client is gone
+    # (multiprocessing's resource tracker waits for its pipe to close) get a grace period
+    deadline = time.monotonic() + SURVIVOR_GRACE_S
+    survivors = _session_survivors(client.pid)
+    while survivors and time.monotonic() < deadline:
+        time.sleep(0.5)
+        survivors = _session_survivors(client.pid)
     for pid in survivors:  # do not leave them running whatever the verdict
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
