@@ -29,6 +29,7 @@ from converters.formats.megatron_moe import (
 )
 from models.common.config import UnsupportedConfigError
 from models.common.errors import CheckpointError
+from models.common.hf_files import read_bounded
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MAX_TRACKER_BYTES = 4096  # a tracker holds one number or "release"
@@ -54,13 +55,7 @@ def resolve_iteration_dir(path: Path) -> Path:
 def read_tracker(tracker: Path) -> str:
     """The stripped text of a ``latest_checkpointed_iteration.txt``; CheckpointError naming the file
     when it cannot be read or is not text (a binary or truncated file, another encoding)."""
-    try:
-        with open(tracker, "rb") as f:
-            raw = f.read(MAX_TRACKER_BYTES + 1)
-    except OSError as exc:
-        raise CheckpointError(f"{tracker}: unreadable ({exc.strerror or exc})") from exc
-    if len(raw) > MAX_TRACKER_BYTES:
-        raise CheckpointError(f"{tracker}: over {MAX_TRACKER_BYTES} bytes; expected an iteration number or 'release'")
+    raw = read_bounded(tracker, MAX_TRACKER_BYTES, "expected an iteration number or 'release'")
     try:
         return raw.decode("utf-8").strip()
     except UnicodeDecodeError as exc:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from models.common.errors import CheckpointError
+from models.common.hf_files import read_bounded
 
 MAX_RUN_CONFIG_BYTES = 4 << 20  # Bridge writes tens of KB
 MAX_MODEL_ID_CHARS = 4096
@@ -45,14 +46,8 @@ def read_run_config(path: Path) -> dict[str, Any]:
     too large, not UTF-8, not YAML data, holds aliases or Python tags, or is not a mapping."""
     import yaml
 
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_RUN_CONFIG_BYTES + 1)
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read: {exc.strerror or exc}") from exc
-    if len(raw) > MAX_RUN_CONFIG_BYTES:
-        raise CheckpointError(f"{path}: over {MAX_RUN_CONFIG_BYTES} bytes (a Megatron-Bridge run_config.yaml is tens "
-                              f"of KB; pass --hf-config DIR to convert without it)")
+    raw = read_bounded(path, MAX_RUN_CONFIG_BYTES, "a Megatron-Bridge run_config.yaml is tens of KB; pass "
+                       "--hf-config DIR to convert without it")
     try:
         data = yaml.load(raw.decode("utf-8"), Loader=_loader())  # a SafeLoader subclass: data only
     except UnicodeDecodeError as exc:

@@ -39,7 +39,7 @@ from converters.layout.megatron import megatron_full_shape
 from converters.layout.model import model_from_config
 from converters.layout.stages import dist_key, not_in_megatron
 from models.common.errors import CheckpointError
-from models.common.hf_files import plain_file_name
+from models.common.hf_files import plain_file_name, read_bounded
 from models.common.weight_map import hf_shapes
 
 # torch_dist entries that are not model weights: skipped by both paths (their bytes are never read)
@@ -82,11 +82,7 @@ def _counts(x: Any) -> tuple[int, ...] | None:
 
 def read_backend(meta_json: Path) -> None:
     """metadata.json must be a JSON object naming the torch_dist backend (CheckpointError otherwise)."""
-    try:
-        with open(meta_json, "rb") as f:
-            raw = f.read(MAX_METADATA_JSON_BYTES + 1)
-    except OSError as exc:
-        raise CheckpointError(f"{meta_json}: unreadable ({exc.strerror or exc})") from exc
+    raw = read_bounded(meta_json, MAX_METADATA_JSON_BYTES, "a torch_dist metadata.json is a few bytes of JSON")
     try:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:

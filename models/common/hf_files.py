@@ -166,15 +166,23 @@ def plain_file_name(name: Any) -> bool:
             and "\0" not in name)
 
 
+def read_bounded(path: str | os.PathLike, limit: int, expected: str) -> bytes:
+    """The bytes of a small metadata file (index, tracker, metadata.json, run_config.yaml), read
+    without trusting its size: CheckpointError naming the file when it cannot be read or holds more
+    than ``limit`` bytes (``expected``: what such a file should be, for the message)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(limit + 1)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    if len(raw) > limit:
+        raise CheckpointError(f"{path}: over {limit} bytes ({expected})")
+    return raw
+
+
 def _read_index(index: Path) -> dict[str, str]:
     """The ``weight_map`` of a ``model.safetensors.index.json``: tensor name -> a plain file name."""
-    try:
-        with open(index, "rb") as f:
-            raw = f.read(MAX_INDEX_BYTES + 1)
-    except OSError as exc:
-        raise CheckpointError(f"{index}: cannot read: {exc.strerror or exc}") from exc
-    if len(raw) > MAX_INDEX_BYTES:
-        raise CheckpointError(f"{index}: over {MAX_INDEX_BYTES} bytes (not a safetensors index)")
+    raw = read_bounded(index, MAX_INDEX_BYTES, "not a safetensors index")
     try:
         data = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
