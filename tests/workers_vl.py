@@ -207,11 +207,37 @@ def training_parity(case: str, path: str, pconfig: ParallelConfig, microbatches:
     return records
 
 
+def bf16_parity(case: str, path: str, pconfig: ParallelConfig) -> list[tuple]:
+    """Our model in bf16 against transformers in bf16 on the same weights (the mixed batch: images and
+    a video, right padding), and both against transformers in fp32: the quantities and bounds of the
+    text models' bf16 check (docs/numerics.md)."""
+    hf_class, build_parallel_model = _family(path)
+    tag = (case, pconfig.describe())
+    model = build_parallel_model(path, pconfig, dtype=torch.bfloat16)
+    hf = hf_class.from_pretrained(path, dtype=torch.bfloat16).eval()
+    exact = hf_class.from_pretrained(path, dtype=torch.float32).eval()
+    batch = vl_batch(case, "mixed")
+    low = {k: v.to(torch.bfloat16) if k.startswith("pixel_values") else v for k, v in _inputs(batch).items()}
+    with torch.no_grad():
+        ours = model(**low, gather_logits=True)
+        ref = hf(**low)
+        truth = exact(**_inputs(batch))
+    valid = batch["attention_mask"].bool()
+    ours_l, ref_l, truth_l = (x.logits[valid].float() for x in (ours, ref, truth))
+    scale = truth_l.abs().max().item()
+    return [(*tag, "bf16_logits_rel", _max_diff(ours_l, ref_l) / scale),
+            (*tag, "bf16_loss", _max_diff(ours.loss.float(), ref.loss.float())),
+            # ours in bf16 is no further from the fp32 truth than transformers in bf16 (with slack)
+            (*tag, "bf16_vs_fp32_ratio", _max_diff(ours_l, truth_l) / max(_max_diff(ref_l, truth_l), 1e-6))]
+
+
 def suite(dirs: dict[str, str], layouts: list[tuple]) -> list[tuple]:
     records = []
     for case, kwargs, *options in layouts:
         options = options[0] if options else {}
-        if options.get("forward_backward"):
+        if options.get("bf16"):
+            records += bf16_parity(case, dirs[case], ParallelConfig(**kwargs))
+        elif options.get("forward_backward"):
             records += training_parity(case, dirs[case], ParallelConfig(**kwargs),
                                        microbatches=options.get("microbatches", 2))
         else:
