@@ -28,6 +28,7 @@ from models.common.sources import (
 from models.common.weights import hf_shapes, load_weights, validate_source
 from parallel.config import ParallelConfig, ParallelConfigError
 from parallel.groups import ParallelGroups, build_groups
+from parallel.lm_head_loss import check_chunk_tokens
 
 
 def load_hf_config(directory: str | os.PathLike) -> Any:
@@ -56,7 +57,8 @@ def random_source(arch: Architecture, cfg: ModelConfig, pconfig: ParallelConfig,
 
 def build_model(arch: Architecture, source: Any, parallel_config: ParallelConfig | None = None, *,
                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                groups: ParallelGroups | None = None, seed: int = 0, lora: Any = None) -> ParallelCausalLM:
+                groups: ParallelGroups | None = None, seed: int = 0, lora: Any = None,
+                loss_chunk_tokens: int | None = None) -> ParallelCausalLM:
     """Build this rank's part of the model and fill it from ``source``.
 
     source: an HF model directory (config.json + safetensors), a transformers config (deterministic
@@ -66,7 +68,10 @@ def build_model(arch: Architecture, source: Any, parallel_config: ParallelConfig
         any size is > 1. ``groups`` reuses already-built groups (e.g. ``groups_from_megatron()``).
     lora: a ``peft.LoraConfig``: LoRA factors on the targeted modules, base weights frozen
         (``models/common/blocks/lora.py``); fill them from an adapter with ``model.load_lora_adapter``.
+    loss_chunk_tokens: tokens per chunk of the fused LM-head loss (``parallel/lm_head_loss.py``; None:
+        from a byte budget for one chunk's logits); also settable later as ``model.loss_chunk_tokens``.
     """
+    check_chunk_tokens(loss_chunk_tokens)
     parallel_config = parallel_config or (groups.config if groups is not None else ParallelConfig())
     tensor_source: TensorSource | None = None
     where = "checkpoint"
@@ -114,6 +119,7 @@ def build_model(arch: Architecture, source: Any, parallel_config: ParallelConfig
                                   f"(build them with parallel.build_groups, not groups_from_megatron)")
     model = _model_class(arch)(cfg, groups, wmap, dtype=dtype, device=device)
     model.hf_config = hf_config  # what save_pretrained writes as config.json
+    model.loss_chunk_tokens = loss_chunk_tokens
     model.source_dir = str(source) if isinstance(source, (str, os.PathLike)) else None  # tokenizer files for exports
     load_weights(dict(model.named_parameters()), model.load_entries(), tensor_source, groups.tp_rank, groups.tp_size,
                  groups.ep_rank, groups.ep_size)
@@ -124,7 +130,7 @@ def build_model(arch: Architecture, source: Any, parallel_config: ParallelConfig
     if parallel_config.fsdp:
         from parallel.fsdp import shard_model
 
-        shard_model(model, groups)
+        shard_model(model, groups, forward_methods=("packed_logits", "packed_losses"))
     return model
 
 

@@ -25,6 +25,7 @@ from parallel.fsdp import unshard
 from parallel.grads import finalize_grads
 from parallel.groups import ParallelGroups
 from parallel.layers import ParallelLMHead
+from parallel.lm_head_loss import check_chunk_tokens, linear_cross_entropy
 from parallel.pipeline_layout import stage_layer_ranges
 from parallel.sequence_layout import SequencePlan
 from parallel.sequence_shard import SequenceShard, plan_for
@@ -61,6 +62,17 @@ class ParallelCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
         if device is not None:
             self.rotary.to(device)
+        self._loss_chunk_tokens: int | None = None
+
+    @property
+    def loss_chunk_tokens(self) -> int | None:
+        """Tokens per chunk of the fused LM-head loss (``parallel/lm_head_loss.py``); None: chosen from
+        a byte budget for one chunk's logits. Setting it checks the value (a positive integer or None)."""
+        return self._loss_chunk_tokens
+
+    @loss_chunk_tokens.setter
+    def loss_chunk_tokens(self, value: int | None) -> None:
+        self._loss_chunk_tokens = check_chunk_tokens(value)
 
     # ------------------------------------------------------------------ inputs
     def _prepare(self, input_ids, position_ids, attention_mask, labels, cu_seqlens):
@@ -117,6 +129,11 @@ class ParallelCausalLM(nn.Module):
         batch ``input_ids [T]``/``[1, T]`` with ``cu_seqlens [n + 1]``. ``labels`` like ``input_ids``;
         shifted inside, ``-100`` ignored (transformers semantics).
 
+        ``return_logits=False`` (what a training step wants) computes the loss with the LM head fused
+        into it in chunks of ``loss_chunk_tokens`` tokens (``head_losses``): no full ``[tokens, vocab/tp]``
+        logits exist in forward or backward. When logits are returned (the default; ``gather_logits``
+        gathers them over TP) the loss is computed from those logits, as before.
+
         With context/Ulysses parallelism every rank of the group passes the same full batch (the
         model takes its own tokens; logits come back whole), or, with ``sequence_plan``, only its own
         tokens (``plan.token_index``) and their ``targets`` (HF-shifted labels, ``-100`` ignored);
@@ -161,12 +178,15 @@ class ParallelCausalLM(nn.Module):
             if blocks:
                 aux_loss = load_balancing_loss(blocks, self.groups)
                 router_logits = tuple(full_router_logits(blk, ids.numel(), ids.shape[0], seq_len) for blk in blocks)
-        logits = self.lm_head(self.model.norm(h))  # [s, b, V_pad/tp]
+        h = self.model.norm(h)
+        # Logits are built whole only when returned; a loss alone goes through the chunked, fused head.
+        logits = self.lm_head(h) if return_logits else None  # [s, b, V_pad/tp]
         loss = None
         if labels is not None:
             target = self.shift_labels(labels, cu_seqlens, ids.shape[1]).t()  # [s, b]
             count = (target != IGNORE_INDEX).sum()
-            loss = self.token_losses(logits, target).sum() / count.clamp(min=1)
+            per_token = self.token_losses(logits, target) if return_logits else self.head_losses(h, target)
+            loss = per_token.sum() / count.clamp(min=1)
             if aux_loss is not None:
                 loss = loss + self.config.moe.router_aux_loss_coef * aux_loss
         out_logits = None
@@ -220,9 +240,20 @@ class ParallelCausalLM(nn.Module):
                       seq: SequenceShard | None = None, inputs: dict | None = None) -> torch.Tensor:
         """One packed micro-batch ``ids [1, T]`` (this rank's tokens under cp/ulysses) through the whole
         model: vocab-sharded logits ``[T, 1, V_pad/tp]`` (a forward method FSDP2 knows about)."""
+        return self.lm_head(self._packed_hidden(ids, position_ids, cu_seqlens, seq, inputs))
+
+    def packed_losses(self, ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                      seq: SequenceShard | None, inputs: dict | None, target: torch.Tensor, entropy: bool = False):
+        """``packed_logits`` fused with the loss: per-token cross entropy ``[T]`` against ``target [T, 1]``
+        (and the entropy, ``head_losses``) without full logits (a forward method FSDP2 knows about,
+        so the head's weight is unsharded while the fused head runs)."""
+        return self.head_losses(self._packed_hidden(ids, position_ids, cu_seqlens, seq, inputs), target, entropy)
+
+    def _packed_hidden(self, ids, position_ids, cu_seqlens, seq, inputs) -> torch.Tensor:
+        """Final-norm hidden states ``[T(/tp), 1, hidden]`` of one packed micro-batch."""
         h = self.embed_microbatch(ids, inputs, seq)
         h = self.run_layers(h, self.layer_ids(), position_ids, None, None if seq is not None else cu_seqlens, seq=seq)
-        return self.lm_head(self.model.norm(h))
+        return self.model.norm(h)
 
 
     def run_layers(self, h: torch.Tensor, layer_ids: list[int], position_ids: torch.Tensor,
@@ -250,6 +281,16 @@ class ParallelCausalLM(nn.Module):
         return vocab_parallel_cross_entropy(
             logits.reshape(-1, logits.shape[-1]), target.reshape(-1), vocab_start=self.lm_head.vocab_start,
             valid_columns=self.lm_head.valid_columns, group=self.groups.tp_group, ignore_index=IGNORE_INDEX)
+
+    def head_losses(self, h: torch.Tensor, target: torch.Tensor, entropy: bool = False):
+        """Per-token cross entropy ``[s * b]`` of final-norm hidden states ``h [s(/tp), b, hidden]`` against
+        ``target [s, b]``: the LM head fused with the loss in chunks of ``loss_chunk_tokens`` tokens
+        (``parallel/lm_head_loss.py``), never full logits; ``entropy=True`` returns ``(loss, entropy)``."""
+        head = self.lm_head
+        return linear_cross_entropy(
+            h.reshape(-1, h.shape[-1]), head.shared_weight, target.reshape(-1), vocab_start=head.vocab_start,
+            valid_columns=head.valid_columns, group=self.groups.tp_group, sequence_parallel=head.sequence_parallel,
+            ignore_index=IGNORE_INDEX, chunk_tokens=self.loss_chunk_tokens, entropy=entropy)
 
     # ------------------------------------------------------------------ weights
     def layer_ids(self) -> list[int]:
@@ -282,36 +323,43 @@ class ParallelCausalLM(nn.Module):
 
     def iter_export(self, format: str = "hf", *, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = None,
                     merge_lora: bool = False, target_tp: int | None = None, target_rank: int | None = None,
-                    transport: str = "collective"):
+                    transport: str = "collective", quantization: str | None = None):
         """Collective over every rank of the job: the whole model as flat buckets
         (``ExportBucket``: ``.buffer``, ``.metas``, ``.tensors()``), the same on every rank, for any
         tp/pp/vpp/dp/fsdp layout. ``format="hf"``: full HF tensors; ``format="vllm"``: vLLM rank
         ``target_rank``'s shards for an engine with TP ``target_tp``, under vLLM's names.
         ``merge_lora``: with the LoRA adapter merged. ``transport="shm"``: buckets through shared memory
-        (one host; a bucket is valid until the next is requested). See ``models/common/export/buckets.py``."""
+        (one host; a bucket is valid until the next is requested). ``quantization="fp8"``: linear
+        weights as block-wise FP8 e4m3 plus ``<name>_scale_inv`` (``models/common/export/fp8.py``).
+        See ``models/common/export/buckets.py``."""
         from models.common.export.buckets import iter_export
 
         return iter_export(self, format, bucket_bytes=bucket_bytes, dtype=dtype, merge_lora=merge_lora,
-                           target_tp=target_tp, target_rank=target_rank, transport=transport)
+                           target_tp=target_tp, target_rank=target_rank, transport=transport,
+                           quantization=quantization)
 
     def save_vllm_sharded_state(self, directory, *, tp: int, pp: int = 1, dtype: torch.dtype | None = None,
-                                max_shard_size: str | int = "5GB", merge_lora: bool = False) -> None:
+                                max_shard_size: str | int = "5GB", merge_lora: bool = False,
+                                quantization: str | None = None) -> None:
         """Collective over every rank: vLLM's ``sharded_state`` directory for an engine with TP ``tp``
-        and PP ``pp`` (loaded with ``load_format="sharded_state"``); atomic. See
+        and PP ``pp`` (loaded with ``load_format="sharded_state"``); atomic; ``quantization="fp8"``:
+        block-wise FP8 linear shards with their scales (a ``tp`` cutting a 128 block is refused). See
         ``models/common/export/saving.py``."""
         from models.common.export.saving import save_vllm_sharded_state
 
         save_vllm_sharded_state(self, directory, tp=tp, pp=pp, dtype=dtype, max_shard_size=max_shard_size,
-                                merge_lora=merge_lora)
+                                merge_lora=merge_lora, quantization=quantization)
 
     def save_pretrained(self, directory, *, dtype: torch.dtype | None = None, max_shard_size: str | int = "5GB",
-                        merge_lora: bool = False) -> None:
+                        merge_lora: bool = False, quantization: str | None = None) -> None:
         """Collective over every rank: an HF checkpoint directory (config.json, safetensors shards and
         index) that transformers loads unchanged; atomic; ``merge_lora``: LoRA merged into the
-        weights. See ``models/common/export/saving.py``."""
+        weights; ``quantization="fp8"``: block-wise FP8 linear weights with ``weight_scale_inv`` and
+        ``quantization_config`` (DeepSeek-V3's format). See ``models/common/export/saving.py``."""
         from models.common.export.saving import save_pretrained
 
-        save_pretrained(self, directory, dtype=dtype, max_shard_size=max_shard_size, merge_lora=merge_lora)
+        save_pretrained(self, directory, dtype=dtype, max_shard_size=max_shard_size, merge_lora=merge_lora,
+                        quantization=quantization)
 
     def load_lora_adapter(self, directory) -> None:
         """Fill the LoRA factors (model built with ``lora=``) from a peft adapter directory."""
@@ -331,7 +379,7 @@ class ParallelCausalLM(nn.Module):
                          cu_seqlens: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                          position_ids: torch.Tensor | None = None,
                          max_tokens_per_microbatch: int | None = None, aux_loss: bool | None = None,
-                         return_aux_loss: bool = False):
+                         return_aux_loss: bool = False, return_entropy: bool = False):
         """One training step's forward and backward over balanced micro-batches (any pp, same API).
 
         Returns the loss of the whole batch: the token mean over every non-ignored label of the
@@ -339,7 +387,11 @@ class ParallelCausalLM(nn.Module):
         every ``.grad`` is final (TP/SP, replicated KV, tied embedding across stages, DP), so a plain
         ``optimizer.step()`` follows. ``forward_only=True`` instead returns per-token log-probs of the
         labels laid out like ``input_ids`` (``out[..., t] = log p(labels[..., t] | tokens < t)``; 0 where
-        ignored), on every rank, in the original sample order. Schedules: "gpipe", "1f1b",
+        ignored), on every rank, in the original sample order; with ``return_entropy=True`` it returns
+        ``(logprobs, entropy)``, the entropy of the distribution each log-prob was taken from, laid out
+        the same way (at every predicted token, ignored labels included; 0 at first tokens and
+        padding). The LM head runs fused with the loss in chunks of ``loss_chunk_tokens`` tokens
+        (no full logits), in training and forward-only alike. Schedules: "gpipe", "1f1b",
         "interleaved_1f1b" (chosen for "1f1b" when vpp > 1), "looped_bfs", "interleaved_zero_bubble".
 
         Mixture-of-experts models: ``aux_loss`` (default: the HF config's ``output_router_logits``,
@@ -356,7 +408,7 @@ class ParallelCausalLM(nn.Module):
         return forward_backward(self, input_ids, labels, num_microbatches=num_microbatches, schedule=schedule,
                                 forward_only=forward_only, cu_seqlens=cu_seqlens, attention_mask=attention_mask,
                                 position_ids=position_ids, max_tokens_per_microbatch=max_tokens_per_microbatch,
-                                aux_loss=aux_loss, return_aux_loss=return_aux_loss)
+                                aux_loss=aux_loss, return_aux_loss=return_aux_loss, return_entropy=return_entropy)
 
     def finalize_grads(self) -> None:
         """After ``model(...).loss.backward()``: sum SP-partial and replicated-KV gradients over TP, sum

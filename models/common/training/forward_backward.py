@@ -11,12 +11,18 @@ exact number transformers computes for the concatenated batch: each micro-batch 
 With context/Ulysses parallelism every micro-batch is laid out over the cp/ulysses ranks
 (``SequencePlan``) after packing: each rank runs its tokens, the token losses of all ranks add up
 to the micro-batch's, and gradients are summed over those ranks like over DP.
+
+The LM head runs fused with the loss in chunks of tokens (``lm.head_losses``,
+``parallel/lm_head_loss.py``): the last stage's output is the final-norm hidden states and the
+loss function applies the head, so no micro-batch's full logits ever exist; forward-only passes
+return per-token losses (log-probs) and, when asked, entropies the same way.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from models.common.blocks.moe import balance_loss, split_carry
 from models.common.training.microbatches import IGNORE_INDEX, merge_sample_inputs, pack, to_samples
@@ -31,11 +37,13 @@ def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = 
                      schedule: str = "1f1b", forward_only: bool = False, cu_seqlens: torch.Tensor | None = None,
                      attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                      max_tokens_per_microbatch: int | None = None, aux_loss: bool | None = None,
-                     return_aux_loss: bool = False, sample_inputs=None):
+                     return_aux_loss: bool = False, return_entropy: bool = False, sample_inputs=None):
     """See ``ParallelCausalLM.forward_backward``. ``sample_inputs``: called with the samples' token ids
     (each row without padding, or each packed segment), it returns each sample's model inputs, which
     the first stage gets merged per micro-batch (Qwen2-VL's pixels and grids)."""
     groups = lm.groups
+    if return_entropy and not forward_only:
+        raise ValueError("return_entropy=True needs forward_only=True (the entropy is a forward-only output)")
     aux = lm._wants_router_logits(aux_loss) and not forward_only
     if aux and groups.sequence_split:
         raise ValueError(f"the load-balancing loss with cp/ulysses {groups.config.describe()} is not supported yet "
@@ -97,16 +105,16 @@ def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = 
         set_replica_scale(lm, None)  # losses are already over the global token count: sum
     if pp == 1:
         loss_fn = _TokenLoss(lm)
-        loss_fn.reset(forward_only, global_count, aux_scale)
+        loss_fn.reset(forward_only, global_count, aux_scale, return_entropy)
         outputs = []
-        chunk = PipelineChunk(lm, 0, aux) if aux else None
+        chunk = loss_chunk(lm, 0, aux) if aux else None
         for (ids, pos, tgt, cu), shard, token_mask, inputs in zip(mbs, shards, token_masks, mb_inputs):
             with torch.set_grad_enabled(not forward_only):
                 if chunk is not None:
                     out = loss_fn(chunk(ids, position_ids=pos, cu_seqlens=cu, seq=shard, token_mask=token_mask,
                                         inputs=inputs), tgt)
-                else:
-                    out = loss_fn(lm.packed_logits(ids, pos, cu, shard, inputs), tgt)
+                else:  # one FSDP2 forward method from the ids to the fused head's token losses
+                    out = loss_fn.reduce(lm.packed_losses(ids, pos, cu, shard, inputs, tgt.t(), return_entropy))
             if not forward_only:
                 out.backward()
                 out = out.detach()
@@ -114,7 +122,7 @@ def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = 
     else:
         runner = _runner(lm, schedule, len(mbs), total, aux)
         loss_fn = runner.loss_fn
-        loss_fn.reset(forward_only, global_count, aux_scale)
+        loss_fn.reset(forward_only, global_count, aux_scale, return_entropy)
         kwarg_mbs = [{"position_ids": pos, "cu_seqlens": cu, "seq": shard}
                      for (_, pos, _, cu), shard in zip(mbs, shards)]
         if aux:
@@ -129,8 +137,14 @@ def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = 
             has_backward=not forward_only)
     if forward_only:
         if groups.sequence_split and lm.is_last_stage:  # every rank's token losses, in packed order
-            outputs = [gather_tokens(o.reshape(-1), shard) for o, shard in zip(outputs, shards)]
-        return _logprobs(lm, outputs, plan, samples, input_ids, attention_mask, cu_seqlens, total).to(in_device)
+            outputs = [gather_tokens(o, shard) for o, shard in zip(outputs, shards)]
+        values = _per_token(lm, outputs, plan, samples, input_ids, attention_mask, cu_seqlens, total,
+                            2 if return_entropy else 1)
+        logprobs = -values[0]
+        if not return_entropy:
+            return logprobs.to(in_device)
+        entropy = values[1] if attention_mask is None else values[1] * attention_mask.to(values.dtype)  # 0 at pads
+        return logprobs.to(in_device), entropy.to(in_device)
     if lm.is_last_stage:  # [loss, sum of this rank's micro-batch aux losses]
         aux_values = loss_fn.aux_values[-len(mbs):] if aux else []
         ce = torch.stack(outputs).sum().float()
@@ -148,9 +162,32 @@ def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = 
     return loss
 
 
+class _HeadInLoss(nn.Module):
+    """Takes the LM head's place in the last pipeline chunk: passes the final-norm hidden states on, and
+    ``_TokenLoss`` applies the head fused with the loss. The head stays a child, so the chunk still
+    owns its weight (the zero-bubble schedules compute weight gradients of the chunk's parameters)."""
+
+    def __init__(self, head: nn.Module) -> None:
+        super().__init__()
+        self.head = head
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h
+
+
+def loss_chunk(lm, chunk: int, aux: bool = False) -> PipelineChunk:
+    """``PipelineChunk(lm, chunk, aux)`` whose last chunk outputs final-norm hidden states ``[T(/tp), 1,
+    hidden]`` instead of logits (the loss function runs the fused, chunked head)."""
+    module = PipelineChunk(lm, chunk, aux)
+    if module.last:
+        module.lm_head = _HeadInLoss(module.lm_head)
+    return module
+
+
 class _TokenLoss:
-    """The schedule's loss function: summed token losses over the global token count (training), or
-    the per-token losses themselves (forward-only); with a router carry (``PipelineChunk(aux=True)``)
+    """The schedule's loss function on the last chunk's hidden states: the fused head's summed token
+    losses over the global token count (training), or the per-token losses themselves ``[T, 1]``
+    (forward-only; ``[T, 2]`` with the entropy); with a router carry (``PipelineChunk(aux=True)``)
     plus ``aux_scale`` times the micro-batch's load-balancing loss. Mutable so a cached schedule
     serves every step."""
 
@@ -158,15 +195,21 @@ class _TokenLoss:
         self.lm = lm
         self.reset(False, 1.0, 0.0)
 
-    def reset(self, forward_only: bool, global_count: float, aux_scale: float) -> None:
+    def reset(self, forward_only: bool, global_count: float, aux_scale: float, entropy: bool = False) -> None:
         self.forward_only, self.global_count, self.aux_scale = forward_only, global_count, aux_scale
+        self.entropy = entropy and forward_only
         self.aux_values: list[torch.Tensor] = []  # per micro-batch, in schedule order
 
     def __call__(self, output, target: torch.Tensor) -> torch.Tensor:
-        logits, carry = output if isinstance(output, tuple) else (output, None)
-        per_token = self.lm.token_losses(logits, target.t())  # logits [T, 1, V/tp], target [1, T]
+        hidden, carry = output if isinstance(output, tuple) else (output, None)
+        # hidden [T(/tp), 1, H], target [1, T]
+        return self.reduce(self.lm.head_losses(hidden, target.t(), self.entropy), carry)
+
+    def reduce(self, per_token, carry: torch.Tensor | None = None) -> torch.Tensor:
+        """The loss (or forward-only output) of one micro-batch's per-token losses (``(loss, entropy)``)."""
         if self.forward_only:
-            return per_token.detach()
+            columns = per_token if isinstance(per_token, tuple) else (per_token,)
+            return torch.stack([c.detach().reshape(-1) for c in columns], dim=1)
         loss = per_token.sum() / self.global_count
         if carry is not None:
             aux = balance_loss(*split_carry(carry))
@@ -188,7 +231,7 @@ def _runner(lm, schedule: str, n_microbatches: int, total_tokens: int, aux: bool
         if len(cache) >= _RUNNERS_KEPT:
             cache.pop(next(iter(cache)))
         cache[key] = PipelineRunner(
-            [PipelineChunk(lm, v, aux) for v in range(vpp)],
+            [loss_chunk(lm, v, aux) for v in range(vpp)],
             stage_indices=[v * pp + groups.pp_rank for v in range(vpp)],
             num_stages=pp * vpp, pp_group=groups.pp_group, device=next(lm.parameters()).device, schedule=schedule,
             n_microbatches=n_microbatches, loss_fn=_TokenLoss(lm))
@@ -235,26 +278,35 @@ def _tied_pair_trains(lm) -> bool:
     return frozen.item() == 0.0
 
 
-def _logprobs(lm, outputs, plan, samples, input_ids, attention_mask, cu_seqlens, total) -> torch.Tensor:
-    """Per-token log-probs of the labels, laid out like ``input_ids``, on every rank.
+def _per_token(lm, outputs, plan, samples, input_ids, attention_mask, cu_seqlens, total, k: int) -> torch.Tensor:
+    """The forward-only outputs (``[T, k]`` per micro-batch: token losses, entropies) laid out like
+    ``input_ids``, ``[k, *input_ids.shape]``, on every rank.
 
-    ``out[..., t]`` = log p(labels[..., t] | tokens before t); 0 at ignored labels and first tokens.
+    ``out[:, ..., t]`` = the values of the prediction of token t (made at token t-1); 0 at first
+    tokens and padding (the token losses are also 0 at ignored labels).
     """
     n_mb = plan.count
     if lm.is_last_stage:
-        stacked = torch.stack([o.reshape(-1) for o in outputs]).float()  # [n_mb, total] token losses
+        stacked = torch.stack([o.reshape(total, k) for o in outputs]).float()  # [n_mb, total, k]
     else:
-        stacked = torch.zeros(n_mb, total, dtype=torch.float32, device=next(lm.parameters()).device)
+        stacked = torch.zeros(n_mb, total, k, dtype=torch.float32, device=next(lm.parameters()).device)
     stacked = _from_last_stage(lm, stacked).cpu()  # laid out like the (host copies of the) inputs below
+    return torch.stack([_layout(stacked[..., j], plan, samples, input_ids, attention_mask, cu_seqlens)
+                        for j in range(k)])
+
+
+def _layout(stacked: torch.Tensor, plan, samples, input_ids, attention_mask, cu_seqlens) -> torch.Tensor:
+    """Per-micro-batch token values ``[n_mb, total]`` (packed order) -> ``input_ids``' layout, shifted
+    by one: ``out[..., t]`` = the value computed at token t-1 of the same sequence."""
     per_mb = []
     for m, group in enumerate(plan.groups):
         offset, res = 0, []
         for i in group:
             n = len(samples[i].ids)
-            res.append(-stacked[m, offset:offset + n])
+            res.append(stacked[m, offset:offset + n])
             offset += n
         per_mb.append(res)
-    per_sample = plan.restore_order(per_mb)  # per token t: log-prob of target t (= label t+1)
+    per_sample = plan.restore_order(per_mb)  # per token t: the value of its target (= label t+1)
     if cu_seqlens is not None:
         out = torch.zeros(input_ids.numel(), dtype=torch.float32)
         for (a, b), lp in zip(zip(cu_seqlens.tolist()[:-1], cu_seqlens.tolist()[1:]), per_sample):

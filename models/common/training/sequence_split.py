@@ -159,10 +159,12 @@ def split_sequence_forward(lm, input_ids, position_ids, attention_mask, labels, 
         raise ValueError("multimodal inputs need the whole batch (not sequence_plan= slices)")
     h = lm.embed_shard(ids, shard, batch if not presliced else None, multimodal)  # [n(/tp), 1, hidden]
     h = lm.run_layers(h, lm.layer_ids(), pos[:, None] if pos.dim() == 2 else pos[None], seq=shard)
-    logits = lm.lm_head(lm.model.norm(h))  # [n, 1, V_pad/tp]
+    h = lm.model.norm(h)
+    logits = lm.lm_head(h) if return_logits else None  # [n, 1, V_pad/tp]; without: the fused, chunked head
     loss = None
     if tgt is not None:
-        local_sum = lm.token_losses(logits, tgt[:, None]).sum()
+        per_token = lm.token_losses(logits, tgt[:, None]) if return_logits else lm.head_losses(h, tgt[:, None])
+        local_sum = per_token.sum()
         loss = sum_over_sequence_groups(local_sum, groups) / count.clamp(min=1).to(local_sum.dtype)
     out_logits = None
     if return_logits:
