@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from models.common import vllm_format
 from models.common.blocks.lora import MergedParameters
+from models.common.export import fp8
 from models.common.weights import WeightEntry, export_hf_state, hf_shapes
 from parallel.fsdp import unshard
 from parallel.pipeline_layout import stage_layer_ranges
@@ -48,11 +49,13 @@ class ExportError(ValueError):
 
 @dataclass(frozen=True)
 class TensorMeta:
-    """Where one HF tensor sits in a bucket's buffer: elements ``[offset, offset + numel)``."""
+    """Where one HF tensor sits in a bucket's buffer: elements ``[offset, offset + numel)``; with
+    ``dtype`` (a quantized bucket: one byte buffer of mixed dtypes) bytes ``[offset, offset + nbytes)``."""
 
     name: str
     shape: tuple[int, ...]
     offset: int
+    dtype: torch.dtype | None = None  # None: the buffer's own dtype
 
     @property
     def numel(self) -> int:
@@ -82,7 +85,33 @@ class ExportBucket:
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         """``(hf_name, tensor)`` views into the buffer (no copies)."""
-        return [(m.name, self.buffer[m.offset:m.offset + m.numel].view(m.shape)) for m in self.metas]
+        return [(m.name, self.buffer[m.offset:m.offset + m.numel].view(m.shape) if m.dtype is None else
+                 self.buffer[m.offset:m.offset + m.numel * m.dtype.itemsize].view(m.dtype).view(m.shape))
+                for m in self.metas]
+
+
+def _packed_bucket(pairs: list[tuple[str, torch.Tensor]], device) -> ExportBucket:
+    """One byte buffer holding tensors of several dtypes, each at a 16-byte aligned offset."""
+    metas, offset = [], 0
+    for name, tensor in pairs:
+        metas.append(TensorMeta(name, tuple(tensor.shape), offset, tensor.dtype))
+        offset += -(-tensor.numel() * tensor.element_size() // 16) * 16
+    buffer = torch.empty(offset, dtype=torch.uint8, device=device)
+    for meta, (_, tensor) in zip(metas, pairs):
+        flat = tensor.reshape(-1).view(torch.uint8)
+        buffer[meta.offset:meta.offset + flat.numel()].copy_(flat)
+    return ExportBucket(buffer, tuple(metas))
+
+
+def _quantized(bucket: ExportBucket, plan: BucketPlan, format: str, dtype: torch.dtype) -> ExportBucket:
+    """``bucket`` (source dtype) as stored with FP8 (``fp8.py``): each linear weight as e4m3 plus its
+    ``_scale_inv``, every other tensor cast to ``dtype``; the same on every rank (same input)."""
+    views = dict(bucket.tensors())
+    groups = zip(plan.entries, ([m.name] for m in plan.metas)) if format == "vllm" else \
+        ((e, list(e.hf)) for e in plan.entries)
+    stored = [pair for entry, names in groups
+              for pair in fp8.quantize_named([(n, views[n]) for n in names], fp8.is_quantized(entry), dtype)]
+    return _packed_bucket(stored, bucket.buffer.device)
 
 
 def _hf_items(model, stage_entries: list[WeightEntry]) -> list[tuple[WeightEntry, list[tuple[str, tuple[int, ...]]]]]:
@@ -157,7 +186,11 @@ def _source_tensors(model, merge_lora: bool) -> dict:
     return _Unsharded(model.named_parameters())
 
 
-def _check_export_args(model, format, target_tp, target_rank, bucket_bytes) -> None:
+def _check_export_args(model, format, target_tp, target_rank, bucket_bytes, quantization=None) -> None:
+    try:
+        fp8.check_quantization(quantization)
+    except fp8.QuantizationError as exc:
+        raise ExportError(str(exc)) from None
     if format not in FORMATS:
         raise ExportError(f"unknown export format {format!r} (choose {', '.join(FORMATS)})")
     if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 1:
@@ -174,12 +207,24 @@ def _check_export_args(model, format, target_tp, target_rank, bucket_bytes) -> N
         raise ExportError(str(exc)) from None
     if not isinstance(target_rank, int) or isinstance(target_rank, bool) or not 0 <= target_rank < target_tp:
         raise ExportError(f"target_rank={target_rank!r} is out of range for target_tp={target_tp}")
+    if quantization is not None:
+        check_vllm_fp8(model, target_tp)
+
+
+def check_vllm_fp8(model, tp: int) -> None:
+    """ExportError naming the numbers when vLLM at TP ``tp`` cannot take this model's FP8 shards."""
+    vmap = vllm_format.vllm_weight_map(model.weight_map, model.config)
+    try:
+        fp8.vllm_block_check(vmap, model.config, hf_shapes(model.config, vmap), tp)
+    except fp8.QuantizationError as exc:
+        raise ExportError(str(exc)) from None
 
 
 @torch.no_grad()
 def iter_export(model, format: str = "hf", *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                 dtype: torch.dtype | None = None, merge_lora: bool = False, target_tp: int | None = None,
-                target_rank: int | None = None, transport: str = "collective") -> Iterator[ExportBucket]:
+                target_rank: int | None = None, transport: str = "collective",
+                quantization: str | None = None) -> Iterator[ExportBucket]:
     """Collective over every rank: yields the same ``ExportBucket``s everywhere (see module doc).
 
     ``format="hf"``: full tensors under HF names. ``format="vllm"``: the shards vLLM rank
@@ -197,9 +242,16 @@ def iter_export(model, format: str = "hf", *, bucket_bytes: int = DEFAULT_BUCKET
     into a bucket in shared memory (``/dev/shm``, unlinked at once) that every rank reads in place -
     one copy per byte in the whole job, no process-to-process traffic. Its buffers are views into
     two rotating segments: a bucket is valid until the next one is requested (clone it to keep it).
+
+    ``quantization="fp8"``: linear weights as block-wise FP8 e4m3 plus ``<name>_scale_inv`` (fp32,
+    one per 128x128 block), everything else in ``dtype`` (rule and format: ``fp8.py``). Each bucket
+    is gathered in the parameters' dtype (``bucket_bytes`` bounds that), quantized in fp32 by every
+    rank alike, and yielded as one byte buffer whose metas carry each tensor's dtype (valid as long
+    as it is kept, whatever the transport). ``format="vllm"`` refuses a ``target_tp`` whose shard
+    boundaries cut a 128 block, naming the numbers.
     """
     failure = _Failure()
-    failure.run(_check_export_args, model, format, target_tp, target_rank, bucket_bytes)
+    failure.run(_check_export_args, model, format, target_tp, target_rank, bucket_bytes, quantization)
     if merge_lora and getattr(model, "lora_config", None) is None:
         failure.run(_raise, "merge_lora=True but the model has no LoRA adapter")
     if transport not in TRANSPORTS:
@@ -208,7 +260,8 @@ def iter_export(model, format: str = "hf", *, bucket_bytes: int = DEFAULT_BUCKET
         # expert stacks are gathered over EP (one layer at a time); the shared-memory writers do not know them yet
         failure.run(_raise, "transport='shm' is not supported for mixture-of-experts models yet "
                             "(use transport='collective')")
-    problem = failure.agree(same=(format, target_tp, target_rank, bucket_bytes, str(dtype), merge_lora, transport))
+    problem = failure.agree(same=(format, target_tp, target_rank, bucket_bytes, str(dtype), merge_lora, transport,
+                                  quantization))
     if problem:
         raise ExportError(f"iter_export: {problem}")
     if transport == "shm":
@@ -219,6 +272,7 @@ def iter_export(model, format: str = "hf", *, bucket_bytes: int = DEFAULT_BUCKET
     groups = model.groups
     params = list(model.parameters())
     dtype = dtype or params[0].dtype
+    kept_dtype, dtype = dtype, (params[0].dtype if quantization else dtype)  # FP8 is taken from the source
     device = params[0].device if params[0].device.type != "meta" else None
     element_size = torch.empty((), dtype=dtype).element_size()
     plans = plan_buckets(model, bucket_bytes, element_size, format, target_tp or 1)
@@ -234,7 +288,8 @@ def iter_export(model, format: str = "hf", *, bucket_bytes: int = DEFAULT_BUCKET
                                          src_entries), groups)
             if dist.is_initialized():
                 dist.barrier()  # the bucket is complete for every reader
-            yield ExportBucket(buffer, plan.metas)
+            bucket = ExportBucket(buffer, plan.metas)
+            yield _quantized(bucket, plan, format, kept_dtype) if quantization else bucket
             continue
         buffer = torch.empty(plan.numel, dtype=dtype, device=device)
         if groups.pp_rank == plan.stage:
@@ -254,7 +309,8 @@ def iter_export(model, format: str = "hf", *, bucket_bytes: int = DEFAULT_BUCKET
                     buffer[meta.offset:meta.offset + meta.numel].copy_(full.reshape(-1))
         if groups.pp_size > 1:
             dist.broadcast(buffer, src=dist.get_global_rank(groups.pp_group, plan.stage), group=groups.pp_group)
-        yield ExportBucket(buffer, plan.metas)
+        bucket = ExportBucket(buffer, plan.metas)
+        yield _quantized(bucket, plan, format, kept_dtype) if quantization else bucket
 
 
 def _open_shared(model, plans: list[BucketPlan], element_size: int, device):

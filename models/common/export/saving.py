@@ -8,16 +8,20 @@ live export (``buckets.py``); each file is written once, by one rank.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
 from models.common import vllm_format
+from models.common.export import fp8
 from models.common.export.buckets import (
     DEFAULT_BUCKET_BYTES,
     ExportError,
     _Failure,
     _first_replica,
     _source_tensors,
+    check_vllm_fp8,
     iter_export,
     plan_buckets,
 )
@@ -46,12 +50,15 @@ def _check_destination(target) -> None:
         raise ExportError(f"{target.parent}: not writable")
 
 
-def _saved_config(hf_config, dtype: torch.dtype):
+def _saved_config(hf_config, dtype: torch.dtype, quantization_config: dict | None = None):
     """A copy of the config recording the stored dtype (``dtype`` on transformers 5, ``torch_dtype``
-    before) and the model class (vLLM and SGLang read ``architectures``)."""
+    before; FP8: the dtype of the unquantized tensors), the model class (vLLM and SGLang read
+    ``architectures``) and, for a quantized export, its ``quantization_config``."""
     import copy
 
     saved = copy.deepcopy(hf_config)
+    if quantization_config is not None:
+        saved.quantization_config = quantization_config
     if isinstance(getattr(type(saved), "torch_dtype", None), property):
         saved.dtype = dtype
     else:
@@ -127,7 +134,11 @@ class _StagedDirectory:
             raise ExportError(f"{self.what}({self.target}): {problem}")
 
 
-def _check_saveable(model, merge_lora: bool) -> None:
+def _check_saveable(model, merge_lora: bool, quantization=None) -> None:
+    try:
+        fp8.check_quantization(quantization)
+    except fp8.QuantizationError as exc:
+        raise ExportError(str(exc)) from None
     if getattr(model, "hf_config", None) is None:
         raise ExportError("the model has no transformers config to save (build it with build_parallel_model)")
     if merge_lora and getattr(model, "lora_config", None) is None:
@@ -144,7 +155,7 @@ def _parse_shard_size(max_shard_size) -> int:
 
 
 def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, max_shard_size: str | int = "5GB",
-                    merge_lora: bool = False) -> None:
+                    merge_lora: bool = False, quantization: str | None = None) -> None:
     """Collective over every rank: write an HF checkpoint directory that transformers loads unchanged.
 
     Files are planned from the config alone (the same on every rank); each file holds tensors of one
@@ -152,18 +163,24 @@ def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, max_s
     round-robin over the TP ranks), from tensors gathered over TP (ranks that do not write drop
     them as they come). Atomic and failure-agreeing (``_StagedDirectory``): no half-written
     ``directory``, no rank left waiting. Needs a filesystem every writing rank sees at the same path.
+
+    ``quantization="fp8"``: linear weights as block-wise FP8 with ``<name>_scale_inv`` and
+    ``quantization_config`` in config.json (``fp8.py``), quantized in fp32 from the parameters;
+    ``dtype`` is then the dtype of the other tensors. Files are planned on the parameters' bytes, so
+    FP8 files come out smaller than ``max_shard_size``.
     """
     import json
 
     from safetensors.torch import save_file
 
     staged = _StagedDirectory(directory, "save_pretrained")
-    staged.check((_check_saveable, model, merge_lora))
+    staged.check((_check_saveable, model, merge_lora, quantization))
     limit = _parse_shard_size(max_shard_size)
     hf_config = model.hf_config
     groups = model.groups
-    dtype = dtype or next(model.parameters()).dtype
-    element_size = torch.empty((), dtype=dtype).element_size()
+    source_dtype = next(model.parameters()).dtype
+    dtype = dtype or source_dtype
+    element_size = torch.empty((), dtype=source_dtype if quantization else dtype).element_size()
     plans = plan_buckets(model, limit, element_size)
     names = _file_names(len(plans))
     staged.open()
@@ -174,19 +191,28 @@ def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, max_s
             continue
         writer = _first_replica(groups) and groups.tp_rank == index % groups.tp_size
         tensors = {}
+        quantized = {n for e in plan.entries if quantization and fp8.is_quantized(e) for n in e.hf}
         for name, full in export_hf_state(named, list(plan.entries), shapes, groups.tp_group, groups.ep_group):
             if writer:
-                tensors[name] = full.to(device="cpu", dtype=dtype).contiguous()
+                for key, t in fp8.quantize_named([(name, full)], name in quantized, dtype):
+                    tensors[key] = t.to(device="cpu").contiguous()
         if writer:
             staged.run(save_file, tensors, str(staged.tmp / file_name), metadata={"format": "pt"})
         del tensors
 
+    def stored(plan):  # (name, shape, dtype) of what the plan's file holds
+        quantized = {n for e in plan.entries if quantization and fp8.is_quantized(e) for n in e.hf}
+        return [t for m in plan.metas for t in fp8.stored_layout(m.name, m.shape, m.name in quantized, dtype)]
+
     def finish(tmp) -> None:
         _copy_source_files(model, tmp)
-        _saved_config(hf_config, dtype).save_pretrained(str(tmp))
+        qconfig = fp8.quantization_config(model.weight_map, model.config.num_hidden_layers) if quantization else None
+        _saved_config(hf_config, dtype, qconfig).save_pretrained(str(tmp))
         if len(plans) > 1:
-            index = {"metadata": {"total_size": sum(p.numel for p in plans) * element_size},
-                     "weight_map": {m.name: file_name for plan, file_name in zip(plans, names) for m in plan.metas}}
+            files = [(stored(plan), file_name) for plan, file_name in zip(plans, names)]
+            size = sum(math.prod(shape) * dt.itemsize for layout, _ in files for _, shape, dt in layout)
+            index = {"metadata": {"total_size": size},
+                     "weight_map": {name: file_name for layout, file_name in files for name, _, _ in layout}}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
     staged.commit(finish)
@@ -205,7 +231,7 @@ def _copy_source_files(model, directory) -> None:
 
 def save_vllm_sharded_state(model, directory, *, tp: int, pp: int = 1, dtype: torch.dtype | None = None,
                             max_shard_size: str | int = "5GB", merge_lora: bool = False,
-                            bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                            bucket_bytes: int = DEFAULT_BUCKET_BYTES, quantization: str | None = None) -> None:
     """Collective over every rank: vLLM's ``sharded_state`` directory for an engine with TP ``tp`` and
     PP ``pp`` (``LLM(model=directory, load_format="sharded_state", tensor_parallel_size=tp,
     pipeline_parallel_size=pp)``), plus config.json and the source's tokenizer files.
@@ -215,6 +241,11 @@ def save_vllm_sharded_state(model, directory, *, tp: int, pp: int = 1, dtype: to
     rank ``r % world_size``, one file per vLLM pipeline stage and part of at most ``max_shard_size``
     (vLLM's own ``save_sharded_state`` rule), with the four attention scale scalars vLLM's strict
     loader expects. Atomic like ``save_pretrained``.
+
+    ``quantization="fp8"``: each rank's linear shards as FP8 with their ``_scale_inv`` blocks
+    (``fp8.py``), ``quantization_config`` in config.json, and the four KV-cache scale parameters
+    vLLM's FP8 attention registers (``fp8.VLLM_KV_SCALES``); a ``tp`` whose shard boundaries cut a
+    128 block is refused before anything is written, naming the numbers.
     """
     from safetensors.torch import save_file
 
@@ -226,7 +257,8 @@ def save_vllm_sharded_state(model, directory, *, tp: int, pp: int = 1, dtype: to
         except vllm_format.VllmLayoutError as exc:
             raise ExportError(str(exc)) from None
 
-    staged.check((_check_saveable, model, merge_lora), (check_layout,))
+    checks = [(_check_saveable, model, merge_lora, quantization), (check_layout,)]
+    staged.check(*checks, *([(check_vllm_fp8, model, tp)] if quantization else []))
     limit = _parse_shard_size(max_shard_size)
     cfg = model.config
     dtype = dtype or next(model.parameters()).dtype
@@ -251,22 +283,27 @@ def save_vllm_sharded_state(model, directory, *, tp: int, pp: int = 1, dtype: to
 
         parts = [vllm_format.PartSplitter(limit, writer_for(p)) for p in range(pp)]
         for bucket in iter_export(model, "vllm", bucket_bytes=bucket_bytes, dtype=dtype, merge_lora=merge_lora,
-                                  target_tp=tp, target_rank=r):
+                                  target_tp=tp, target_rank=r, quantization=quantization):
             if not writer:
                 continue
             for name, tensor in bucket.tensors():
-                for p, key in placement[name]:
-                    parts[p].add(key, tensor.to("cpu").clone())
+                is_scale = name.endswith(fp8.SCALE_SUFFIX) and name.removesuffix(fp8.SCALE_SUFFIX) in placement
+                base = name.removesuffix(fp8.SCALE_SUFFIX) if is_scale else name
+                for p, key in placement[base]:
+                    parts[p].add(fp8.scale_name(key) if is_scale else key, tensor.to("cpu").clone())
                     if name.endswith("self_attn.o_proj.weight"):  # the layer's attention scales follow it
-                        for scale in vllm_format.ATTENTION_SCALES:
+                        scales = [(s, 1.0) for s in vllm_format.ATTENTION_SCALES]
+                        scales += [(s, fp8.VLLM_KV_SCALE_VALUE) for s in fp8.VLLM_KV_SCALES if quantization]
+                        for scale, value in scales:
                             parts[p].add(name.replace("o_proj.weight", f"attn.{scale}"),
-                                         torch.ones((), dtype=torch.float32))
+                                         torch.full((), value, dtype=torch.float32))
         if writer:
             for splitter in parts:
                 splitter.close()
 
     def finish(tmp) -> None:
         _copy_source_files(model, tmp)
-        _saved_config(model.hf_config, dtype).save_pretrained(str(tmp))
+        qconfig = fp8.quantization_config(model.weight_map, cfg.num_hidden_layers) if quantization else None
+        _saved_config(model.hf_config, dtype, qconfig).save_pretrained(str(tmp))
 
     staged.commit(finish)

@@ -1,0 +1,217 @@
+"""FP8 rollout weights: the one rule for which tensors are stored as block-wise FP8 and how.
+
+Read by every export path (``iter_export(..., quantization="fp8")`` for HF and vLLM buckets,
+``save_pretrained``, ``save_vllm_sharded_state``) and meant for ``pmz convert --quantize fp8``:
+``quantize_named`` turns ``(name, tensor)`` pairs of one weight-map entry into what is stored.
+
+Format (DeepSeek-V3's, as vLLM's ``Fp8LinearMethod`` and transformers' ``FineGrainedFP8`` read it;
+``quantization_config`` below):
+  * every linear weight ``W [..., rows, cols]`` (``ROLES``: attention and MLP projections, routed and
+    shared experts, the vision blocks' linears) is stored as ``float8_e4m3fn`` under its own name,
+    plus ``<name>_scale_inv`` (fp32, ``[..., ceil(rows/128), ceil(cols/128)]``): one scale per
+    128x128 block of the grid that starts at row 0 / column 0; the last row and column of blocks
+    may be partial (smaller than 128), as DeepSeek's layout has them. Dequantized weight =
+    ``fp8 * scale_inv`` of its block.
+  * per block, in fp32 from the source weights: ``scale_inv = amax / 448`` (448: e4m3's largest
+    finite value); a block whose ``scale_inv`` is not a positive finite number (all zeros, an
+    underflow, inf or NaN inside) gets ``scale_inv = 1`` (transformers', verl's and
+    Megatron-Bridge's convention for an all-zero block); ``fp8 = e4m3(clamp(W / scale_inv, -448,
+    448))`` with torch's round-to-nearest-even cast. Dividing by the stored ``scale_inv`` (rather
+    than multiplying by a separately rounded ``448 / amax``) keeps ``fp8 * scale_inv`` the nearest
+    e4m3 grid point of ``W`` in every block.
+  * everything else keeps the source dtype (or the export's ``dtype``): embeddings, norms, biases,
+    the LM head, the MoE router and shared-expert gate, the vision patch embedding and merger.
+    The kept linear modules are listed in ``modules_to_not_convert`` so that loaders that would
+    otherwise quantize every linear (vLLM: ``ignored_layers``; transformers on GPU) leave them alone.
+
+vLLM shards (``save_vllm_sharded_state``, ``iter_export("vllm")``): a rank's shard of a packed
+parameter is quantized as one tensor. vLLM (0.32, ``validate_fp8_block_shape`` and the block-scale
+loaders in ``linear.py``) loads each part's scale rows at ``ceil(offset/128)`` and each rank's rows
+at ``rank * ceil(rows/128)``, so the scales are only consistent when every TP boundary and every
+packing boundary (q|k|v, gate|up, the fused vision q|k|v) falls on a block edge; ``vllm_block_check``
+refuses the rest before any work, naming the numbers. Where it passes, a rank's FP8 shard and
+scales are exactly the rows/blocks of the HF FP8 tensors (tests/test_fp8_export.py).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Iterable, Sequence
+
+import torch
+
+QUANTIZATIONS = ("fp8",)  # what ``quantization=`` accepts besides None
+BLOCK = 128  # rows and columns of one scale block
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+SCALE_SUFFIX = "_scale_inv"  # ``<name>_scale_inv``: ``...proj.weight_scale_inv``, ``...w13_weight_scale_inv``
+
+QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                       "weight_block_size": [BLOCK, BLOCK]}
+
+# vLLM's FP8 attention (``Fp8KVCacheMethod``) registers four more scalar parameters per layer that its
+# strict ``sharded_state`` loader wants; -1.0 is its own "not in the checkpoint" value (the KV cache stays
+# unquantized and they are ignored), which is what loading the HF FP8 directory leaves in them.
+VLLM_KV_SCALES = ("k_scale", "v_scale", "q_scale", "prob_scale")
+VLLM_KV_SCALE_VALUE = -1.0
+
+# Every parameter of every architecture's weight map has a role (by internal name): quantized
+# linear weights, or kept tensors. A name with no role is an error, so a new architecture must say.
+QUANTIZED_ROLES = (
+    (r"^model\.layers\.\d+\.self_attn\.(qkv|o)_proj\.weight$", "attention projection"),
+    (r"^model\.layers\.\d+\.mlp\.(gate_up|down)_proj\.weight$", "MLP projection"),
+    (r"^model\.layers\.\d+\.mlp\.experts\.w(13|2)_weight$", "routed experts"),
+    (r"^model\.layers\.\d+\.mlp\.shared_expert\.(gate_up|down)_proj\.weight$", "shared expert"),
+    (r"^visual\.blocks\.\d+\.attn\.(qkv|proj)\.weight$", "vision attention"),
+    (r"^visual\.blocks\.\d+\.mlp\.(fc1|fc2|gate_up_proj|down_proj)\.weight$", "vision MLP"),
+)
+KEPT_ROLES = (
+    (r"\.bias$", "bias"),
+    (r"(norm\d?|ln_q)\.weight$", "norm"),
+    (r"^model\.embed_tokens\.weight$", "embedding"),
+    (r"^lm_head\.weight$", "LM head"),
+    (r"^model\.layers\.\d+\.mlp\.gate\.weight$", "MoE router"),
+    (r"^model\.layers\.\d+\.mlp\.shared_expert_gate\.weight$", "shared-expert gate"),
+    (r"^visual\.patch_embed\.proj\.weight$", "vision patch embedding"),
+    (r"^visual\.merger\.mlp\.\d+\.weight$", "vision merger"),
+)
+# kept tensors of linear modules (transformers' nn.Linear, vLLM's LinearBase with the quant config)
+KEPT_LINEAR_ROLES = ("LM head", "MoE router", "shared-expert gate", "vision merger")
+
+
+class QuantizationError(ValueError):
+    """A quantization that cannot be done as asked (the value or the numbers are named)."""
+
+
+def check_quantization(quantization) -> None:
+    """``None`` (no quantization) or one of ``QUANTIZATIONS``; anything else is refused in one line."""
+    if quantization is not None and (not isinstance(quantization, str) or quantization not in QUANTIZATIONS):
+        raise QuantizationError(f"quantization={quantization!r} is not a format we write "
+                                f"(choose {', '.join(map(repr, QUANTIZATIONS))} or None)")
+
+
+def role(param: str) -> tuple[str, bool]:
+    """``(role, quantized)`` of a weight-map parameter (internal name); QuantizationError if it has none."""
+    for table, quantized in ((QUANTIZED_ROLES, True), (KEPT_ROLES, False)):
+        for pattern, what in table:
+            if re.search(pattern, param):
+                return what, quantized
+    raise QuantizationError(f"{param}: no FP8 role (models/common/export/fp8.py lists which tensors are quantized)")
+
+
+def is_quantized(entry) -> bool:
+    """Whether a weight-map entry's tensors are stored as FP8 (the same for all its HF parts)."""
+    return role(entry.param)[1]
+
+
+def scale_name(name: str) -> str:
+    return name + SCALE_SUFFIX
+
+
+def scale_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    """Shape of the scales of a weight of ``shape`` (leading dims kept: expert stacks)."""
+    *lead, rows, cols = shape
+    return (*lead, math.ceil(rows / BLOCK), math.ceil(cols / BLOCK))
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(fp8, scale_inv)`` of ``weight [..., rows, cols]`` (bf16/fp16/fp32), computed in fp32 (module doc)."""
+    w = weight.detach().to(torch.float32)
+    *lead, rows, cols = w.shape
+    br, bc = math.ceil(rows / BLOCK), math.ceil(cols / BLOCK)
+    padded = torch.zeros((*lead, br * BLOCK, bc * BLOCK), dtype=torch.float32, device=w.device)
+    padded[..., :rows, :cols] = w  # zero padding: never raises a block's amax
+    blocks = padded.view(*lead, br, BLOCK, bc, BLOCK)
+    scale_inv = blocks.abs().amax(dim=(-3, -1)) / FP8_MAX
+    scale_inv = torch.where(torch.isfinite(scale_inv) & (scale_inv > 0), scale_inv, torch.ones_like(scale_inv))
+    q = (blocks / scale_inv[..., :, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    q = q.view(*lead, br * BLOCK, bc * BLOCK)[..., :rows, :cols].contiguous()
+    return q, scale_inv.contiguous()
+
+
+def dequantize(fp8: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``fp8 * scale_inv`` of each block, in fp32, returned as ``dtype``."""
+    *_, rows, cols = fp8.shape
+    scales = scale_inv.repeat_interleave(BLOCK, dim=-2)[..., :rows, :].repeat_interleave(BLOCK, dim=-1)[..., :cols]
+    return (fp8.to(torch.float32) * scales).to(dtype)
+
+
+def quantize_named(pairs: Iterable[tuple[str, torch.Tensor]], quantized: bool,
+                   dtype: torch.dtype | None) -> list[tuple[str, torch.Tensor]]:
+    """What is stored for the tensors of one entry: ``(name, fp8), (name_scale_inv, fp32)`` per tensor
+    when ``quantized``, else ``(name, tensor)`` cast to ``dtype`` (None: unchanged)."""
+    out = []
+    for name, tensor in pairs:
+        if quantized:
+            q, s = quantize(tensor)
+            out += [(name, q), (scale_name(name), s)]
+        else:
+            out.append((name, tensor if dtype is None else tensor.to(dtype)))
+    return out
+
+
+def stored_layout(name: str, shape: Sequence[int], quantized: bool,
+                  dtype: torch.dtype) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """``(name, shape, dtype)`` of what ``quantize_named`` stores for one tensor (planning, indexes)."""
+    if quantized:
+        return [(name, tuple(shape), FP8_DTYPE), (scale_name(name), scale_shape(shape), torch.float32)]
+    return [(name, tuple(shape), dtype)]
+
+
+def modules_to_not_convert(weight_map, num_layers: int) -> list[str]:
+    """HF module names of the kept linear modules (``KEPT_LINEAR_ROLES``), ``lm_head`` always first
+    (tied or not: transformers builds it as a Linear)."""
+    names = ["lm_head"]
+    for entry in weight_map.entries(range(num_layers)):
+        what, quantized = role(entry.param)
+        if not quantized and what in KEPT_LINEAR_ROLES and entry.param.endswith(".weight"):
+            names += [h.removesuffix(".weight") for h in entry.hf if h.removesuffix(".weight") not in names]
+    return names
+
+
+def quantization_config(weight_map, num_layers: int) -> dict:
+    """config.json's ``quantization_config`` for an FP8 export of a model with this weight map."""
+    return {**QUANTIZATION_CONFIG, "modules_to_not_convert": modules_to_not_convert(weight_map, num_layers)}
+
+
+def _generic(name: str) -> str:
+    return re.sub(r"\.(layers|blocks|experts)\.\d+\.", r".\1.*.", name)
+
+
+def vllm_block_problems(vmap, cfg, shapes: dict, tp: int) -> list[str]:
+    """Why vLLM at TP ``tp`` could not take FP8 shards of ``vmap`` (vLLM's rules, one message per
+    tensor and reason, every layer alike), empty when it can: a TP boundary inside a split dimension
+    or a packing boundary (all parts but the last of a packed parameter) that is not a multiple of 128."""
+    problems: list[str] = []
+    dense = [i for i in range(cfg.num_hidden_layers) if i not in vmap.moe_layers][:1]
+    layers = sorted(dense + sorted(vmap.moe_layers)[:1])  # every layer of a kind has the same shapes
+    for entry in vmap.entries(layers):
+        if not is_quantized(entry):
+            continue
+        parts = [(entry.hf[j], rule) for j, rule in enumerate(entry.rules)]
+        for j, (name, rule) in enumerate(parts):
+            shape = shapes[name]
+            piece = rule.piece(shape, 0, tp)
+            if piece.dim is None:
+                continue
+            size = piece.stop - piece.start
+            merged = j < len(parts) - 1 or piece.chunks > 1
+            what = "rows" if piece.dim == 0 else "columns"
+            if tp > 1 and size % BLOCK:
+                problems.append(f"{_generic(name)}: {size} {what} per rank (of {shape[piece.dim] // piece.chunks}"
+                                f"{' per fused block' if piece.chunks > 1 else ''}) is not a multiple of {BLOCK}: "
+                                f"a shard boundary cuts a {BLOCK}x{BLOCK} block")
+            elif merged and size % BLOCK:
+                problems.append(f"{_generic(name)}: {size} {what} packed before the next part of "
+                                f"{_generic(entry.param)} is not a multiple of {BLOCK} (vLLM packs each part's "
+                                f"blocks after the previous part's)")
+    return list(dict.fromkeys(problems))
+
+
+def vllm_block_check(vmap, cfg, shapes: dict, tp: int) -> None:
+    """QuantizationError naming the numbers when vLLM at TP ``tp`` could not take the FP8 shards."""
+    problems = vllm_block_problems(vmap, cfg, shapes, tp)
+    if problems:
+        more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+        raise QuantizationError(f"FP8 vLLM shards at tp={tp}: " + "; ".join(problems[:3]) + more)
