@@ -23,7 +23,7 @@ from models.common.config import UnsupportedConfigError  # these three modules a
 from models.common.errors import CheckpointError
 from parallel.config import ParallelConfigError
 
-TARGETS = ["hf", "megatron", "megatron-dist", "vllm"]
+TARGETS = ["hf", "megatron", "megatron-dist", "megatron-bridge", "vllm"]
 
 
 class _Terminated(BaseException):
@@ -183,15 +183,18 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--vocab-size", type=_positive_int, metavar="N",
                        help="real vocabulary size when a Megatron checkpoint records only the padded one")
 
-    p = sub.add_parser("convert", help="convert between hf, megatron (legacy torch), megatron-dist (torch_dist) and "
-                                       "vllm (sharded_state)",
+    p = sub.add_parser("convert", help="convert between hf, megatron (legacy torch), megatron-dist (torch_dist), "
+                                       "megatron-bridge (Megatron-Bridge's layout of Qwen2-VL/Qwen2.5-VL) and vllm "
+                                       "(sharded_state)",
                        description="Convert a checkpoint (format detected) to another format and parallel layout. "
                                    "Output is written to a temp dir beside DST and renamed into place when complete.")
     p.add_argument("src", help="source checkpoint: an HF directory, a Megatron checkpoint (legacy or torch_dist; "
                                "verl, Megatron-Bridge) or a vLLM sharded_state directory")
     p.add_argument("dst", help="destination directory (must not exist unless --overwrite; missing parent "
                                "directories are created)")
-    p.add_argument("--to", required=True, choices=TARGETS, help="target format")
+    p.add_argument("--to", required=True, choices=TARGETS,
+                   help="target format (megatron-bridge: torch_dist as Megatron-Bridge saves a vision-language model, "
+                        "iter_N/ with run_config.yaml; the Megatron layout of Qwen2-VL and Qwen2.5-VL)")
     p.add_argument("--tp", type=_positive_int, metavar="N",
                    help="target tensor-parallel size (Megatron and vLLM targets; default: a Megatron source's, else 1)")
     p.add_argument("--pp", type=_positive_int, metavar="N",

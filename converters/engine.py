@@ -34,7 +34,8 @@ from models.common.sizes import parse_size  # noqa: F401 (part of this module's 
 if TYPE_CHECKING:
     import torch
 
-TARGETS = ("hf", "megatron", "megatron-dist", "vllm")
+TARGETS = ("hf", "megatron", "megatron-dist", "megatron-bridge", "vllm")
+MEGATRON_TARGETS = ("megatron", "megatron-dist", "megatron-bridge")
 DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
                "fp16": "float16", "float16": "float16"}
 
@@ -100,9 +101,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
     """Convert ``src`` (format detected) to ``to`` in ``dst``; returns the destination path.
 
     to: "hf", "megatron" (legacy torch, at tp/pp/vpp), "megatron-dist" (torch_dist; tp/pp/vpp
-    are recorded in its args) or "vllm" (vLLM ``sharded_state`` for an engine with TP ``tp`` and
-    PP ``pp``). tp/pp/vpp left at None: a Megatron target keeps a Megatron source's layout (tp
-    alone; pp with vpp and uneven first/last stages), else 1; an HF target takes none of them.
+    are recorded in its args), "megatron-bridge" (Megatron-Bridge's save layout of a vision-language
+    model: torch_dist with run_config.yaml; tp/pp/vpp recorded there) or "vllm" (vLLM
+    ``sharded_state`` for an engine with TP ``tp`` and PP ``pp``). tp/pp/vpp left at None: a
+    Megatron target keeps a Megatron source's layout (tp alone; pp with vpp and uneven first/last
+    stages), else 1; an HF target takes none of them.
     ep: expert parallelism of a Megatron target (MoE models; default: a Megatron source's, else 1).
     moe_grouped_gemm: legacy experts as megatron-core's grouped-GEMM ``GroupedMLP`` (``weight1``/``weight2``)
     instead of ``SequentialMLP`` (recorded as the ``moe_grouped_gemm`` arg; default: a Megatron source's
@@ -121,9 +124,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
                                 max_shard_size=max_shard_size, first_stage_layers=first_stage_layers,
                                 last_stage_layers=last_stage_layers)
     uneven = first_stage_layers is not None or last_stage_layers is not None
-    if uneven and (to not in ("megatron", "megatron-dist") or pp is None):
+    if uneven and (to not in MEGATRON_TARGETS or pp is None):
         raise ValueError("--decoder-first/last-pipeline-num-layers split a Megatron target's stages unevenly: give "
-                         "them with --to megatron or megatron-dist and --pp")
+                         "them with --to megatron, megatron-dist or megatron-bridge and --pp")
+    if to == "megatron-bridge" and ep not in (None, 1):
+        raise ValueError(f"--ep {ep}: --to megatron-bridge writes the vision-language models, which have no experts")
     if moe_grouped_gemm and to not in ("megatron", "megatron-dist"):
         raise ValueError(f"--moe-grouped-gemm: a layout of Megatron experts; --to {to} has none")
     if to == "vllm" and ep not in (None, 1):
@@ -143,7 +148,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
     location = locate_source(src, hf_config)
     src, hf_config = location.path, hf_config or location.hf_config_dir
     # --ep > 1 is for MoE models, which the copy path leaves to the torch path anyway
-    if to != "vllm" and ep in (None, 1) and not moe_grouped_gemm and _convert_by_copy(
+    # Megatron-Bridge's layout (run_config.yaml, its names) is written by the torch path
+    if to not in ("vllm", "megatron-bridge") and ep in (None, 1) and not moe_grouped_gemm and _convert_by_copy(
             src, dst_path, to=to, overwrite=overwrite, hf_config=hf_config, arch=arch, vocab_size=vocab_size,
             dtype=wanted_dtype, shard_bytes=shard_bytes, workers=workers, progress=progress, tp=tp, pp=pp, vpp=vpp,
             divisible_by=make_vocab_size_divisible_by, first=first_stage_layers, last=last_stage_layers):
@@ -179,6 +185,14 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
     first, last = first_stage_layers, last_stage_layers
     if pp is None:  # the source's stages: pp with its virtual chunks and uneven first/last stage sizes
         pp, vpp, first, last = layout["pp"], vpp or layout["vpp"], layout["first"], layout["last"]
+    if to == "megatron-bridge":
+        from converters.torch_path.megatron_bridge import plan_bridge_target, write_bridge
+
+        target = plan_bridge_target(reader, tp=tp or layout["tp"], pp=pp, vpp=vpp or 1, dtype=out_dtype,
+                                    first=first, last=last)
+        with Staging(dst_path, overwrite) as tmp:
+            write_bridge(reader, target, str(tmp), workers=workers, progress=progress)
+        return dst_path
     target = plan_megatron_target(reader, tp=tp or layout["tp"], pp=pp, vpp=vpp or 1, dtype=out_dtype,
                                   divisible_by=make_vocab_size_divisible_by, first=first, last=last,
                                   fmt="torch" if to == "megatron" else "torch_dist", ep=ep or layout["ep"],

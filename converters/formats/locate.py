@@ -16,7 +16,8 @@ itself does not (no Megatron ``args``):
   vLLM sharded_state   config.json + model-rank-T-part-K.safetensors (model-pp-P-tp-T-part-K with PP)
   Megatron-Bridge      <root>/latest_checkpointed_iteration.txt (+ latest_train_state.pt),
                        iter_XXXXXXX/ torch_dist without args, run_config.yaml, train_state.pt,
-                       tokenizer/, with ``also_save_hf_checkpoint`` an HF export in hf/
+                       tokenizer/, with ``also_save_hf_checkpoint`` an HF export in hf/; pmz's own
+                       ``--to megatron-bridge`` adds <root>/hf_config/ (the HF config and tokenizer)
 
 The format found is read by its validating reader (``converters/formats/__init__.CHECKPOINTS``).
 """
@@ -28,7 +29,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from converters.formats.megatron_args import TRACKER, read_tracker, resolve_iteration_dir, tracker_step
+from converters.formats.megatron_args import (
+    HF_CONFIG_DIR,
+    TRACKER,
+    read_tracker,
+    resolve_iteration_dir,
+    sidecar_config_dir,
+    tracker_step,
+)
 from converters.formats.megatron_bridge import bridge_hf_model_id
 from converters.formats.vllm_sharded import is_vllm_dir
 from models.common.errors import CheckpointError
@@ -170,6 +178,9 @@ def _bridge_location(p: Path, it_dir: Path, hf_config: str | None) -> SourceLoca
     hf = it_dir / "hf"
     if (hf / "config.json").is_file():
         return SourceLocation(str(p), "megatron-dist", name, str(hf), "Megatron-Bridge hf/ export", notes)
+    sidecar = sidecar_config_dir(str(it_dir))  # what pmz writes beside the iterations (--to megatron-bridge)
+    if sidecar:
+        return SourceLocation(str(p), "megatron-dist", name, sidecar, f"{HF_CONFIG_DIR}/ beside the iterations", notes)
     try:
         model_id = bridge_hf_model_id(it_dir / "run_config.yaml")
     except CheckpointError as exc:
@@ -194,7 +205,7 @@ def dist_has_model(dist: Path) -> bool:
         keys = list(md.state_dict_metadata)
     except (CheckpointError, AttributeError, TypeError):
         return True  # let the reader name the problem
-    return any(k.startswith(("embedding.", "decoder.", "output_layer.")) for k in keys)
+    return any(k.startswith(("embedding.", "decoder.", "output_layer.", "language_model.", "visual.")) for k in keys)
 
 
 __all__ = ["SourceLocation", "locate_source", "is_hf_dir", "dist_has_model"]

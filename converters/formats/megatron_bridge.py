@@ -1,4 +1,5 @@
-"""Megatron-Bridge checkpoints: ``iter_*/run_config.yaml`` read as bounded data.
+"""Megatron-Bridge checkpoints: ``iter_*/run_config.yaml`` read as bounded data and written for the
+vision-language models; the vision tower's shapes checked against the config.
 
 What Megatron-Bridge writes: ``<root>/latest_checkpointed_iteration.txt``, ``iter_XXXXXXX/`` with
 megatron-core's torch_dist files (no Megatron args), ``run_config.yaml``, ``train_state.pt``,
@@ -15,14 +16,26 @@ from it. CheckpointError naming the file otherwise.
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
+from converters.formats.hf_config import check_block_count
 from models.common.errors import CheckpointError
 from models.common.hf_files import read_bounded
 
 MAX_RUN_CONFIG_BYTES = 4 << 20  # Bridge writes tens of KB
 MAX_MODEL_ID_CHARS = 4096
+RUN_CONFIG = "run_config.yaml"
+TRAIN_STATE = "train_state.pt"  # iter_*/train_state.pt; latest_train_state.pt beside the iterations
+COMMON_STATE = "common_state/shard_0_1"  # megatron-core >= 0.17 keeps common.pt's dict as this torch_dist item
+# what megatron-core 0.19 records as the checkpoint's content metadata (how sharded_state_dict was made)
+CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+# Megatron-Bridge's providers (0.6.2): Qwen2.5-VL has one; Qwen2-VL has none (see docs/formats.md)
+PROVIDERS = {"qwen2_5_vl": "megatron.bridge.models.qwen_vl.qwen25_vl_provider.Qwen25VLModelProvider"}
+VISION_CONFIGS = {"qwen2_5_vl": "transformers.models.qwen2_5_vl.configuration_qwen2_5_vl.Qwen2_5_VLVisionConfig",
+                  "qwen2_vl": "transformers.models.qwen2_vl.configuration_qwen2_vl.Qwen2VLVisionConfig"}
 
 
 def _loader() -> type:
@@ -84,3 +97,128 @@ def bridge_hf_model_id(run_config: Path) -> str | None:
             raise CheckpointError(f"{run_config}: {where} is {shown}, not a model path or id (pass --hf-config DIR)")
         return value
     return None
+
+
+# ------------------------------------------------------------------------------------------- checking
+
+
+def check_bridge_vision(vis: Any, shapes: Mapping[str, tuple], config_path: str, metadata: str) -> None:
+    """The vision tower of a Megatron-Bridge checkpoint (``visual.*``, transformers' names, whole
+    tensors) against ``vision_config`` (``vis``: VisionConfig): the block count first (a config
+    claiming 10^9 blocks fails before anything is listed), then every tensor's shape. One
+    CheckpointError naming the file, the tensor and the numbers."""
+    from models.common.vision_weights import vision_entries
+
+    if any(k.startswith("vision_model.") for k in shapes):
+        raise CheckpointError(f"{metadata}: the vision tower is stored as vision_model.* (mbridge's layout: "
+                              f"megatron-core vision blocks); pmz reads Megatron-Bridge's (visual.*, transformers' "
+                              f"names)")
+    check_block_count(f"{config_path}", "vision_config.depth", vis.depth, "visual.blocks.", shapes)
+    fields = (f"hidden_size={vis.embed_dim}, num_heads={vis.num_heads}, mlp width={vis.mlp_hidden}, "
+              f"patch_size={vis.patch_size}, temporal_patch_size={vis.temporal_patch_size}, in_channels="
+              f"{vis.in_channels}, spatial_merge_size={vis.spatial_merge_size}, out_hidden_size={vis.out_hidden_size}")
+    for entry in vision_entries(vis):
+        for name, shape in zip(entry.hf, entry.shapes):
+            got = shapes.get(name)
+            if got is None:
+                raise CheckpointError(f"{metadata}: missing vision tensor {name} (vision_config.depth={vis.depth})")
+            if tuple(got) != tuple(shape):
+                raise CheckpointError(f"{config_path}: vision_config ({fields}) implies {name} of shape "
+                                      f"{tuple(shape)}, but {metadata} has {tuple(got)}")
+
+
+# ------------------------------------------------------------------------------------------- writing
+
+
+def run_config_text(hf_config: Any, cfg: Any, *, tp: int, pp: int, vpp: int, dtype: str) -> str:
+    """``run_config.yaml`` for a vision-language model in Megatron-Bridge's layout: the ``model``
+    section its ``load_megatron_model`` instantiates (the provider and the fields its
+    ``Qwen25VLBridge.provider_bridge`` sets from the HF config; the rest keep the provider's
+    defaults) and the ``checkpoint`` fields its resume path reads. ``dtype``: the torch dtype name of
+    the tensors ("float32", "bfloat16", "float16").
+
+    Qwen2-VL: Megatron-Bridge 0.6.2 has no provider for it, so ``model`` names none (``_target_``
+    left out): the fields describe the model, but Bridge itself cannot build it."""
+    vision = dict(hf_config.vision_config or {})
+    vision.pop("transformers_version", None)
+    text = hf_config.text_config if isinstance(hf_config.text_config, dict) else hf_config.to_dict()
+    model: dict[str, Any] = {}
+    provider = PROVIDERS.get(cfg.architecture)
+    if provider:
+        model["_target_"] = provider
+    model.update({
+        "num_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size, "ffn_hidden_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads, "num_query_groups": cfg.num_key_value_heads,
+        "kv_channels": cfg.head_dim, "init_method_std": cfg.initializer_range, "layernorm_epsilon": cfg.rms_norm_eps,
+        "vocab_size": cfg.vocab_size, "should_pad_vocab": False, "seq_length": cfg.max_position_embeddings,
+        "normalization": "RMSNorm", "gated_linear_unit": True, "activation_func":
+            {"_target_": "torch.nn.functional.silu", "_call_": False},
+        "add_qkv_bias": cfg.qkv_bias, "add_bias_linear": False, "hidden_dropout": 0.0, "attention_dropout": 0.0,
+        "position_embedding_type": "mrope", "rotary_base": cfg.rope.theta,
+        "mrope_section": list(cfg.rope.mrope_section or ()),
+        "share_embeddings_and_output_weights": cfg.tie_word_embeddings,
+        "params_dtype": {"_target_": f"torch.{dtype}", "_call_": False},
+        "bf16": dtype == "bfloat16", "fp16": dtype == "float16",
+        "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+        "virtual_pipeline_model_parallel_size": vpp if vpp > 1 else None,
+        "bos_token_id": text.get("bos_token_id"), "eos_token_id": text.get("eos_token_id"),
+    })
+    for key in ("vision_start_token_id", "vision_end_token_id", "vision_token_id", "image_token_id", "video_token_id"):
+        if getattr(hf_config, key) is not None:
+            model[key] = getattr(hf_config, key)
+    model["vision_config"] = {"_target_": VISION_CONFIGS[cfg.architecture], **vision}
+    checkpoint = {"ckpt_format": "torch_dist", "save_optim": False, "save_rng": False, "fully_parallel_save": True}
+    head = ("# Written by pmz (parallel model zoo): Megatron-Bridge's layout of a vision-language model.\n"
+            "# Megatron-Bridge's load_megatron_model instantiates `model`; its resume path reads `checkpoint`.\n")
+    if not provider:
+        head += (f"# Megatron-Bridge has no provider for {cfg.architecture}: `model` describes it but names no "
+                 f"_target_.\n")
+    return head + _yaml({"checkpoint": checkpoint, "model": model})
+
+
+_PLAIN_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _scalar(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if value != value or abs(value) == float("inf"):
+            return ".nan" if value != value else ".inf" if value > 0 else "-.inf"
+        mantissa, e, exponent = repr(value).partition("e")
+        # YAML 1.1 (PyYAML) reads a float only with a dot in the mantissa and a signed exponent
+        mantissa = mantissa if "." in mantissa else mantissa + ".0"
+        return mantissa + (f"e{'' if exponent[0] in '+-' else '+'}{exponent}" if e else "")
+    return json.dumps(str(value))  # a double-quoted JSON string is a YAML string
+
+
+def _yaml(value: Any, indent: int = 0) -> str:
+    """Block-style YAML of plain data (dicts with string keys, lists, scalars): a few lines of the
+    subset ``yaml.safe_load`` reads back as the same data (tests/test_convert_bridge_vl.py checks it)."""
+    pad = "  " * indent
+    out = []
+    if isinstance(value, dict):
+        for key, item in value.items():
+            name = key if _PLAIN_KEY.match(str(key)) else json.dumps(str(key))
+            if isinstance(item, (dict, list)) and item:
+                out.append(f"{pad}{name}:\n" + _yaml(item, indent + 1))
+            else:
+                out.append(f"{pad}{name}: {_flow(item)}\n")
+    else:
+        for item in value:
+            if isinstance(item, (dict, list)) and item:
+                out.append(f"{pad}-\n" + _yaml(item, indent + 1))
+            else:
+                out.append(f"{pad}- {_flow(item)}\n")
+    return "".join(out)
+
+
+def _flow(value: Any) -> str:
+    """A scalar, or an empty mapping / list, on one line."""
+    if isinstance(value, dict):
+        return "{}"
+    return "[]" if isinstance(value, list) else _scalar(value)

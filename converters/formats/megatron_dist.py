@@ -31,12 +31,13 @@ from typing import Any, Mapping
 
 from converters.formats.hf_config import read_hf_config
 from converters.formats.megatron_args import args_layout, check_args, hf_config_from_args, resolve_iteration_dir
+from converters.formats.megatron_bridge import COMMON_STATE, check_bridge_vision
 from converters.formats.megatron_moe import dist_expert_key
 from converters.formats.pickles import Record, TorchDtype, read_pickle
 from converters.formats.tensors import RawTensor, StridedTensor
 from converters.formats.torch_zip import read_torch_archive
 from converters.layout.megatron import megatron_full_shape
-from converters.layout.model import model_from_config
+from converters.layout.model import BRIDGE_TEXT_PREFIX, architecture_for, model_from_config
 from converters.layout.stages import dist_key, not_in_megatron
 from models.common.errors import CheckpointError
 from models.common.hf_files import plain_file_name, read_bounded
@@ -208,17 +209,20 @@ def config_without_args(hf_config_dir: str | None, where: str) -> Any:
 def check_config_against_dist(cfg: Any, shapes: Mapping[str, tuple], config_path: str, where: str) -> None:
     """The sizes of an HF config (``cfg``: ModelConfig) against the global shapes of the tensors a
     torch_dist checkpoint holds (name -> shape), before per-layer tables are built from the config.
+    A vision-language model's text tensors are looked for under Megatron-Bridge's ``language_model.``.
 
     One CheckpointError naming the config file, the config values and the tensor shapes."""
     model = {k: tuple(s) for k, s in shapes.items() if is_model_key(k)}
+    pre = BRIDGE_TEXT_PREFIX if cfg.vision is not None else ""
+    emb_key, out_key, layers = pre + EMBEDDING, pre + OUTPUT, pre + "decoder.layers."
     adapters = sorted(k for k in model if ".adapter." in k or "lora" in k.lower())
     if adapters:
-        only = "" if EMBEDDING in model else " (an adapter-only checkpoint: the base weights are not in it)"
+        only = "" if emb_key in model else " (an adapter-only checkpoint: the base weights are not in it)"
         raise CheckpointError(f"{where}: LoRA adapter tensors ({adapters[0]}, ... {len(adapters)} in all){only}; "
                               f"pmz converts full models: merge the adapters first or convert the base checkpoint")
-    if not any(k.startswith(("embedding.", "decoder.")) for k in model):
+    if not any(k.startswith((pre + "embedding.", pre + "decoder.")) for k in model):
         groups = sorted({k.split("/", 1)[0].split(".", 1)[0] for k in shapes})
-        raise CheckpointError(f"{where}: .metadata lists no model tensors (embedding.*, decoder.*), only "
+        raise CheckpointError(f"{where}: .metadata lists no model tensors ({pre}embedding.*, {pre}decoder.*), only "
                               f"{', '.join(groups[:6]) or 'nothing'}")
     problems = []
 
@@ -226,48 +230,52 @@ def check_config_against_dist(cfg: Any, shapes: Mapping[str, tuple], config_path
         problems.append(f"{claim}, but {key} has shape {model[key]}{detail}")
 
     L, H = cfg.num_hidden_layers, cfg.hidden_size
-    stacked = sorted(k for k in model if k.startswith("decoder.layers.") and not k.split(".")[2].isdigit())
-    numbered = {int(k.split(".")[2]) for k in model if k.startswith("decoder.layers.") and k.split(".")[2].isdigit()}
-    qkv = _find(model, "self_attention.linear_qkv.weight")
+    index = [(k, k[len(layers):].split(".", 1)[0]) for k in model if k.startswith(layers)]
+    stacked = sorted(k for k, i in index if not i.isdigit())
+    numbered = {int(i) for _, i in index if i.isdigit()}
+    qkv = _find(model, "self_attention.linear_qkv.weight", layers)
     if stacked:
         key = qkv if qkv in stacked else stacked[0]
         if model[key][0] != L:
             bad(f"num_hidden_layers={L}", key, f" ({model[key][0]} stacked layers)")
     elif len(numbered) != L or (numbered and max(numbered) != L - 1):
         problems.append(f"num_hidden_layers={L}, but .metadata holds {len(numbered)} numbered layer(s) "
-                        f"(decoder.layers.0..{max(numbered) if numbered else -1})")
-    if EMBEDDING in model:
-        rows, cols = model[EMBEDDING][0], model[EMBEDDING][-1]
+                        f"({layers}0..{max(numbered) if numbered else -1})")
+    if emb_key in model:
+        rows, cols = model[emb_key][0], model[emb_key][-1]
         if cols != H:
-            bad(f"hidden_size={H}", EMBEDDING, "")
+            bad(f"hidden_size={H}", emb_key, "")
         elif rows < cfg.vocab_size:
-            bad(f"vocab_size={cfg.vocab_size}", EMBEDDING, f" ({rows} rows, fewer than the vocabulary)")
-    if OUTPUT in model and model[OUTPUT][0] == 1:
-        problems.append(f"{OUTPUT} has shape {model[OUTPUT]}: a value head (a verl critic or reward model), not "
+            bad(f"vocab_size={cfg.vocab_size}", emb_key, f" ({rows} rows, fewer than the vocabulary)")
+    if out_key in model and model[out_key][0] == 1:
+        problems.append(f"{out_key} has shape {model[out_key]}: a value head (a verl critic or reward model), not "
                         f"a language-model head")
     nh, ng, hd, ffn = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
     if qkv and model[qkv][-2:] != ((nh + 2 * ng) * hd, H):
         bad(f"num_attention_heads={nh}, num_key_value_heads={ng}, head_dim={hd}, hidden_size={H} imply "
             f"{(nh + 2 * ng) * hd} qkv rows of {H}", qkv, "")
-    proj = _find(model, "self_attention.linear_proj.weight")
+    proj = _find(model, "self_attention.linear_proj.weight", layers)
     if proj and model[proj][-1] != nh * hd:
         bad(f"num_attention_heads={nh}, head_dim={hd} imply {nh * hd} attention-output columns", proj, "")
-    fc1 = _find(model, "mlp.linear_fc1.weight")
+    fc1 = _find(model, "mlp.linear_fc1.weight", layers)
     if fc1 and model[fc1][-2] != 2 * ffn:
         bad(f"intermediate_size={ffn} implies {2 * ffn} gate+up rows", fc1, "")
-    fc2 = _find(model, "mlp.linear_fc2.weight")
+    fc2 = _find(model, "mlp.linear_fc2.weight", layers)
     if fc2 and model[fc2][-1] != ffn:
         bad(f"intermediate_size={ffn}", fc2, "")
     if problems:
         raise CheckpointError(f"{config_path} does not describe the checkpoint {where}: {'; '.join(problems[:4])}")
+    if cfg.vision is not None:
+        check_bridge_vision(cfg.vision, model, config_path, f"{where}/.metadata")
 
 
-def _find(model: Mapping[str, tuple], suffix: str) -> str | None:
-    """The stacked key ``decoder.layers.<suffix>``, else layer 0's."""
-    for key in (f"decoder.layers.{suffix}", f"decoder.layers.0.{suffix}"):
+def _find(model: Mapping[str, tuple], suffix: str, layers: str = "decoder.layers.") -> str | None:
+    """The stacked key ``<layers><suffix>``, else layer 0's."""
+    for key in (f"{layers}{suffix}", f"{layers}0.{suffix}"):
         if key in model:
             return key
     return None
+
 
 
 
@@ -302,11 +310,14 @@ class DistCheckpoint:
                                          where=where)
             self.layout = args_layout(self.args)
         self.hf_config = config
-        self.arch, self.cfg, self.wmap = model_from_config(config, self.path, megatron=True)
         config_path = f"{hf_config_dir}/config.json" if hf_config_dir else "the config from the Megatron args"
-        check_config_against_dist(self.cfg, {k: t.size for k, t in self.tensors.items()}, config_path, where)
+        # sizes (text layers, vision blocks) against the tensors before the weight map lists them
+        cfg = architecture_for(getattr(config, "model_type", None), self.path).model_config(config)
+        check_config_against_dist(cfg, {k: t.size for k, t in self.tensors.items()}, config_path, where)
+        self.arch, self.cfg, self.wmap = model_from_config(config, self.path, megatron="torch_dist")
+        self.text_prefix = BRIDGE_TEXT_PREFIX if self.cfg.vision is not None else ""
         self.skipped = skipped_summary({**self.tensors, **{k: None for k in self.objects}})
-        emb = self.tensors.get(EMBEDDING)
+        emb = self.tensors.get(self.text_prefix + EMBEDDING)
         self.padded_vocab = emb.size[0] if emb is not None and emb.size else self.cfg.vocab_size
         self.dtype = next((t.dtype for k, t in self.tensors.items() if is_model_key(k)), "F32")
         iteration = getattr(self.args, "iteration", None) if self.args is not None else None
@@ -336,7 +347,23 @@ class DistCheckpoint:
             args = read_torch_archive(self.it_dir / file, at, length)
             check_args(args, f"{self.it_dir / file} (the 'args' item)")
             return args
+        if COMMON_STATE in self.objects and not self.common:  # megatron-core >= 0.17 (Megatron-Bridge)
+            self.common = self._common_state(self.objects[COMMON_STATE])
         return None
+
+    def _common_state(self, info: Any) -> dict:
+        """The ``common_state`` item (``torch.save([dict])``: iteration, checkpoint_version, content
+        metadata); {} when it is not such a dict (it carries no weights, so it only loses the iteration)."""
+        file, at, length = (getattr(info, "relative_path", None), getattr(info, "offset", None),
+                            getattr(info, "length", None))
+        if not plain_file_name(file) or not _count(at) or not _count(length):
+            raise CheckpointError(f"{self.it_dir / '.metadata'}: the {COMMON_STATE} item has no byte range in a file "
+                                  f"of this folder")
+        try:
+            data = read_torch_archive(self.it_dir / file, at, length)
+        except CheckpointError:
+            return {}
+        return data[0] if isinstance(data, list) and len(data) == 1 and isinstance(data[0], dict) else {}
 
     def chunk(self, key: str, chunk: DistChunk) -> RawTensor | StridedTensor:
         """Where the bytes of one chunk are, its archive read and checked (cached)."""
@@ -406,7 +433,7 @@ class DistCheckpoint:
             elif meta.size != tuple(shape):
                 problems.append(f"tensor {key} has global shape {meta.size}, the config implies {tuple(shape)}")
         names = {k for k, _ in expected}
-        tied_copy = {OUTPUT} if self.cfg.tie_word_embeddings else set()
+        tied_copy = {self.text_prefix + OUTPUT} if self.cfg.tie_word_embeddings else set()
         unused = sorted(k for k in self.tensors if k not in names and k not in tied_copy and is_model_key(k))
         if unused:
             problems.append(f"unused tensor(s) {', '.join(unused[:8])} (not part of a {self.arch.name} model)")

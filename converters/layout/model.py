@@ -8,12 +8,13 @@ units. Peak memory is therefore a few units, whatever the model size.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Union
 
 from models.common.architecture import Architecture
 from models.common.config import ModelConfig
 from models.common.errors import CheckpointError
-from models.common.weight_map import WeightEntry, WeightMap
+from models.common.weight_map import PLAIN, WeightEntry, WeightMap
 
 EMBED = "embed"
 FINAL = "final"
@@ -34,12 +35,21 @@ def architectures() -> dict[str, Architecture]:
     return {t: arch for arch in archs for t in arch.hf_model_types}
 
 
-def require_megatron_layout(cfg: ModelConfig, where: str) -> None:
-    """Megatron formats name every tensor by its Megatron module; the vision tower of a
-    vision-language model has no such names here yet (HF and vLLM formats only)."""
-    if cfg.vision is not None:
-        raise CheckpointError(f"{where}: {cfg.architecture} has no Megatron layout yet (its vision tower has no "
-                              f"Megatron names here); convert it between HF and vLLM formats")
+# Megatron-Bridge's vision-language models (``Qwen25VLModel``) hold megatron-core's GPTModel as
+# ``language_model`` and transformers' own vision tower as ``visual``: their torch_dist keys are the text
+# model's Megatron names under this prefix and the tower's HF names unchanged.
+BRIDGE_TEXT_PREFIX = "language_model."
+BRIDGE_TARGET = "--to megatron-bridge"
+
+
+def require_megatron_layout(cfg: ModelConfig, where: str, bridge: bool = False) -> None:
+    """A vision-language model has a Megatron layout only as Megatron-Bridge saves it (torch_dist,
+    ``bridge``): Megatron-LM's legacy and plain torch_dist layouts have no names for its vision tower."""
+    if cfg.vision is not None and not bridge:
+        raise CheckpointError(f"{where}: {cfg.architecture} has no Megatron layout yet in Megatron-LM's formats "
+                              f"(--to megatron, megatron-dist: no names for its vision tower); its Megatron layout is "
+                              f"Megatron-Bridge's (torch_dist, the text model under {BRIDGE_TEXT_PREFIX}): "
+                              f"{BRIDGE_TARGET}")
 
 
 def architecture_for(model_type: str | None, where: str) -> Architecture:
@@ -54,13 +64,46 @@ def conversion_weight_map(arch: Architecture, cfg: ModelConfig) -> WeightMap:
     return arch.weight_map(cfg, cfg.vocab_size)
 
 
-def model_from_config(hf_config: Any, where: str, megatron: bool) -> tuple[Architecture, ModelConfig, WeightMap]:
+def megatron_weight_map(arch: Architecture, cfg: ModelConfig) -> WeightMap:
+    """The conversion weight map with the Megatron names a torch_dist checkpoint of this model holds:
+    the architecture's own for text models, Megatron-Bridge's for vision-language ones
+    (``bridge_vl_weight_map``)."""
+    wmap = conversion_weight_map(arch, cfg)
+    return wmap if cfg.vision is None else bridge_vl_weight_map(wmap)
+
+
+def bridge_vl_weight_map(wmap: WeightMap) -> WeightMap:
+    """Megatron-Bridge's names for a Qwen2-VL-family weight map (its ``Qwen25VLBridge`` mapping
+    registry; docs/formats.md has the table): every text entry's Megatron name under
+    ``BRIDGE_TEXT_PREFIX`` (same layouts: interleaved QKV, stacked gate/up, layer-stacked in torch_dist),
+    and every vision tensor one plain entry named as in HF (Bridge's ``ReplicatedMapping("visual.**")``:
+    the tower is transformers' module, so the packed ``mlp.gate_up_proj`` is stored as ``gate_proj`` and
+    ``up_proj`` again)."""
+
+    def text(e: WeightEntry) -> WeightEntry:
+        return replace(e, megatron=BRIDGE_TEXT_PREFIX + e.megatron)
+
+    first: list[WeightEntry] = []
+    for e in wmap.first_entries:
+        if e.megatron is not None:
+            first.append(text(e))
+            continue
+        assert e.shapes is not None, f"{e.param}: vision entries carry their shapes"
+        first += [WeightEntry(name, (name,), (e.rules[j],), name, PLAIN, shapes=(e.shapes[j],))
+                  for j, name in enumerate(e.hf)]
+    return WeightMap(tuple(map(text, wmap.layer_entries)), tuple(first), tuple(map(text, wmap.last_entries)),
+                     tuple(map(text, wmap.moe_layer_entries)), wmap.moe_layers)
+
+
+def model_from_config(hf_config: Any, where: str, megatron: bool | str) -> tuple[Architecture, ModelConfig, WeightMap]:
     """Architecture, model config and conversion weight map of an HF config, for every reader and raw
-    source; ``megatron``: the checkpoint is in a Megatron format (refused for models without Megatron names)."""
+    source; ``megatron``: the checkpoint is in a Megatron format (True: legacy, where vision-language
+    models are refused; "torch_dist": vision-language models in Megatron-Bridge's names)."""
     arch = architecture_for(getattr(hf_config, "model_type", None), where)
     cfg = arch.model_config(hf_config)
     if megatron:
-        require_megatron_layout(cfg, where)
+        require_megatron_layout(cfg, where, bridge=megatron == "torch_dist")
+        return arch, cfg, megatron_weight_map(arch, cfg)
     return arch, cfg, conversion_weight_map(arch, cfg)
 
 

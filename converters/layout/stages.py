@@ -202,12 +202,22 @@ def lookup_key(state: dict, key: str) -> tuple[str, Any]:
 
 def stacked_key(template: str) -> str:
     """``decoder.layers.{i}.x.weight`` -> torch_dist's stacked ``decoder.layers.x.weight`` (norms
-    under their Transformer-Engine names)."""
+    under their Transformer-Engine names); a prefix before ``decoder.`` (Megatron-Bridge's
+    ``language_model.``) is kept."""
     key = template.replace("layers.{i}.", "layers.")
-    for local, te in TE_NORM_ALIASES.items():
-        if key == LAYER_PREFIX + local:
-            return LAYER_PREFIX + te
+    head, sep, local = key.partition(LAYER_PREFIX)
+    if sep and local in TE_NORM_ALIASES:
+        return head + LAYER_PREFIX + TE_NORM_ALIASES[local]
     return key
+
+
+def layer_prefix(wmap: Any) -> str:
+    """Where a weight map's decoder layers are in Megatron names: ``decoder.layers.`` or, for
+    Megatron-Bridge's vision-language models, ``language_model.decoder.layers.``."""
+    for entry in wmap.layer_entries:
+        if entry.megatron and LAYER_PREFIX in entry.megatron:
+            return entry.megatron.split(LAYER_PREFIX, 1)[0] + LAYER_PREFIX
+    return LAYER_PREFIX
 
 
 def dist_key(template: str, layer: int | None, tensors: dict) -> tuple[str, int | None]:

@@ -20,15 +20,17 @@ from typing import Any
 
 import torch
 
+from converters.formats.megatron_bridge import CONTENT_METADATA
 from converters.formats.megatron_dist import DistCheckpoint
 from converters.layout.megatron import LayoutError, megatron_to_hf
-from converters.layout.model import EMBED, FINAL, Unit
+from converters.layout.model import EMBED, FINAL, Unit, conversion_weight_map, megatron_weight_map
 from converters.layout.stages import (
     DIST_DATA_FILES,
     DIST_METADATA_JSON,
     LAYER_PREFIX,
     LINEAR_MODULES,
     absent_tensors,
+    layer_prefix,
     stacked_key,
     stores_shared_expert,
 )
@@ -47,7 +49,10 @@ class DistReader(CheckpointReader):
         self._remember_args(self.path, arch=arch, hf_config_dir=hf_config_dir, vocab_size=vocab_size)
         self.ckpt = ckpt = DistCheckpoint(self.path, arch=arch, hf_config_dir=hf_config_dir, vocab_size=vocab_size)
         self.it_dir, self.args, self.common, self.tensors = ckpt.it_dir, ckpt.args, ckpt.common, ckpt.tensors
-        self.hf_config, self.arch, self.cfg, self.wmap = ckpt.hf_config, ckpt.arch, ckpt.cfg, ckpt.wmap
+        # the model's own weight map for writers (vLLM packs the vision MLP's gate/up); the checkpoint's
+        # Megatron names (Megatron-Bridge's for vision-language models) only for reading
+        self.hf_config, self.arch, self.cfg = ckpt.hf_config, ckpt.arch, ckpt.cfg
+        self.wmap = conversion_weight_map(self.arch, self.cfg)
         self.skipped, self.padded_vocab = ckpt.skipped, ckpt.padded_vocab
         lay: dict[str, Any] = ckpt.layout or {"tp": None, "pp": None, "vpp": None}
         files = sorted({c.file for t in self.tensors.values() for c in t.chunks})
@@ -95,12 +100,12 @@ class DistReader(CheckpointReader):
         return out[(0,) * len(lead)] if lead else out
 
     def read_unit(self, unit: Unit) -> dict[str, torch.Tensor]:
+        stored = self.ckpt.wmap
         if unit in (EMBED, FINAL):
-            entries = [(e, e.megatron, None)
-                       for e in (self.wmap.first_entries if unit == EMBED else self.wmap.last_entries)]
+            entries = [(e, e.megatron, None) for e in (stored.first_entries if unit == EMBED else stored.last_entries)]
         else:
             entries = self.ckpt.layer_keys(int(unit))
-        out = {n: torch.zeros(shape, dtype=self.info.dtype) for n, shape in absent_tensors(self.wmap, unit).items()}
+        out = {n: torch.zeros(shape, dtype=self.info.dtype) for n, shape in absent_tensors(stored, unit).items()}
         for entry, key, idx in entries:
             try:
                 out.update(zip(entry.hf, megatron_to_hf(entry, self.read_tensor(key, idx), self.cfg)))
@@ -122,7 +127,8 @@ def write_dist_units(reopen_args: tuple, target, directory: str, units: list, fi
     """Write ``units`` into ``file_name``; returns (key, global_shape, dtype, offsets, sizes, storage) records."""
     reader = reopen(reopen_args)
     L = reader.cfg.num_hidden_layers
-    wmap = reader.wmap
+    wmap = megatron_weight_map(reader.arch, reader.cfg) if target.bridge else reader.wmap
+    prefix = layer_prefix(wmap)  # decoder.layers. (language_model.decoder.layers. for Bridge's VL models)
     # megatron-core stacks layers only when they are uniform: with dense layers between MoE ones
     # every key carries its global layer number (norms still under their TE names)
     stacked = not wmap.has_experts or len(wmap.moe_layers) == L
@@ -137,7 +143,8 @@ def write_dist_units(reopen_args: tuple, target, directory: str, units: list, fi
     with open(Path(directory) / file_name, "wb") as f:
         for unit in units:
             layer = None if unit in (EMBED, FINAL) else int(unit)
-            for _entry, key, full in megatron_unit_tensors(reader, unit, layer, target.padded_vocab, target.dtype):
+            for _entry, key, full in megatron_unit_tensors(reader, unit, layer, target.padded_vocab, target.dtype,
+                                                           wmap=wmap):
                 expert = _EXPERT.search(key)
                 lead: tuple[int, ...] = ()
                 if layer is None:
@@ -155,12 +162,12 @@ def write_dist_units(reopen_args: tuple, target, directory: str, units: list, fi
                     if stacked:
                         gshape, offsets, lead = (L,), (layer,), (1,)
                     else:
-                        gkey, gshape, offsets = gkey.replace(LAYER_PREFIX, f"{LAYER_PREFIX}{layer}.", 1), (), ()
+                        gkey, gshape, offsets = gkey.replace(prefix, f"{prefix}{layer}.", 1), (), ()
                 chunk = full.reshape(*lead, *full.shape).contiguous()
                 put(gkey, (*gshape, *full.shape), full.dtype, (*offsets, *(0,) * full.dim()), tuple(chunk.shape),
                     chunk)
             if layer is not None:
-                for module, suffix in _dist_extra_states(wmap, layer, L, E, stacked):
+                for module, suffix in _dist_extra_states(wmap, layer, L, E, stacked, prefix):
                     put(f"{module}._extra_state/{suffix}", None, None, None, None, [None])
     reader.close()
     return records
@@ -169,11 +176,12 @@ def write_dist_units(reopen_args: tuple, target, directory: str, units: list, fi
 _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 
 
-def _dist_extra_states(wmap, layer: int, L: int, E: int, stacked: bool) -> list[tuple[str, str]]:
+def _dist_extra_states(wmap, layer: int, L: int, E: int, stacked: bool,
+                       layers: str = LAYER_PREFIX) -> list[tuple[str, str]]:
     """(module, shard suffix) of the empty ``_extra_state`` items megatron-core writes for a layer:
     ``shard_{layer}_{L}`` stacked, ``shard_0_1`` per layer; experts ``shard_{layer}.{e}_{L}.{E}``
-    stacked, ``shard_{e}_{E}`` per layer."""
-    prefix = LAYER_PREFIX if stacked else f"{LAYER_PREFIX}{layer}."
+    stacked, ``shard_{e}_{E}`` per layer. ``layers``: where the layers are (``layout.stages.layer_prefix``)."""
+    prefix = layers if stacked else f"{layers}{layer}."
     where = f"shard_{layer}_{L}" if stacked else "shard_0_1"
     if layer not in wmap.moe_layers:
         return [(prefix + m, where) for m in LINEAR_MODULES]
@@ -224,8 +232,10 @@ def write_dist(reader: CheckpointReader, target, directory: str, *, workers: int
     metadata = Metadata(state_dict_metadata=dict(sorted(state_md.items())), planner_data=None, storage_data=storage)
     with open(Path(directory) / ".metadata", "wb") as f:
         pickle.dump(metadata, f)
-    torch.save({"args": target.args, "checkpoint_version": 3.0, "iteration": target.iteration or 0},
-               Path(directory) / "common.pt")
+    common: dict[str, Any] = {"args": target.args, "checkpoint_version": 3.0, "iteration": target.iteration or 0}
+    if target.bridge:  # no Megatron args: Bridge describes the model in run_config.yaml
+        common = {"checkpoint_version": 3.0, "iteration": target.iteration or 0, "content_metadata": CONTENT_METADATA}
+    torch.save(common, Path(directory) / "common.pt")
     (Path(directory) / "metadata.json").write_text(json.dumps(DIST_METADATA_JSON))
 
 

@@ -30,6 +30,7 @@ class MegatronTarget:
     args: argparse.Namespace
     iteration: int | None
     ep: int = 1  # expert parallel (MoE): rank files mp_rank_TT[_PPP]_EEE, experts split over TP too
+    bridge: bool = False  # Megatron-Bridge's layout (torch_dist, its names; ``megatron_bridge.write_bridge``)
 
 
 def plan_megatron_target(reader: CheckpointReader, *, tp: int, pp: int, vpp: int, dtype: torch.dtype,
@@ -54,14 +55,15 @@ def plan_megatron_target(reader: CheckpointReader, *, tp: int, pp: int, vpp: int
 
 def megatron_unit_tensors(reader: CheckpointReader, unit: Unit, local_index: int | None,
                           padded_vocab: int, dtype: torch.dtype, ep: int = 1,
-                          ep_rank: int | None = None) -> list[tuple[Any, str, torch.Tensor]]:
+                          ep_rank: int | None = None, wmap: Any = None) -> list[tuple[Any, str, torch.Tensor]]:
     """(entry, Megatron key with local layer number, Megatron full tensor) for one unit.
 
     Experts: one plain entry per expert (``entry.megatron`` holds the global id); the key holds the
-    local id at expert parallelism ``ep``; ``ep_rank`` given: only that EP rank's experts."""
+    local id at expert parallelism ``ep``; ``ep_rank`` given: only that EP rank's experts. ``wmap``:
+    the Megatron names to write (default the reader's; Megatron-Bridge's for ``layout.model.megatron_weight_map``)."""
     hf = reader.read_unit(unit)
     out = []
-    for entry, key, rank in unit_megatron_keys_ep(reader.wmap, unit, local_index, ep):
+    for entry, key, rank in unit_megatron_keys_ep(wmap or reader.wmap, unit, local_index, ep):
         if rank is not None and ep_rank is not None and rank != ep_rank:
             continue
         full = hf_to_megatron(entry, [hf[n] for n in entry.hf], reader.cfg, padded_vocab).to(dtype)

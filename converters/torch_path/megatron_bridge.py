@@ -1,0 +1,82 @@
+"""Writing Megatron-Bridge's checkpoint layout of a vision-language model (``pmz convert --to megatron-bridge``).
+
+What Megatron-Bridge 0.6.2 saves (``save_megatron_model``; checked against it, tests/bridge_oracle.py) and
+what its ``load_megatron_model`` needs to load the model again:
+
+  <root>/latest_checkpointed_iteration.txt   the iteration (Bridge's tracker)
+  <root>/latest_train_state.pt               the training counters Bridge keeps beside it
+  <root>/iter_XXXXXXX/                       megatron-core torch_dist: .metadata, __R_0.distcp,
+                                             metadata.json, common.pt (checkpoint version, iteration,
+                                             content metadata; no Megatron args), train_state.pt,
+                                             run_config.yaml (the model provider Bridge instantiates)
+  <root>/hf_config/                          ours: config.json and tokenizer files of the HF model
+                                             (Bridge ignores it; pmz reads the model description there)
+
+The tensors are the text model's Megatron names under ``language_model.`` and the vision tower's HF
+names (``converters/layout/model.bridge_vl_weight_map``), global (unsharded) at any TP/PP: the
+parallel layout is recorded in run_config.yaml only. Vocabulary rows are not padded (Bridge's
+providers default to ``should_pad_vocab=False``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from converters.formats.hf_config import write_config_dir
+from converters.formats.megatron_args import HF_CONFIG_DIR, iteration_folder
+from converters.formats.megatron_bridge import RUN_CONFIG, TRAIN_STATE, run_config_text
+from converters.layout.model import BRIDGE_TARGET
+from converters.layout.stages import MegatronLayout, check_target_stages
+from converters.torch_path.megatron_dist import write_dist
+from converters.torch_path.megatron_target import MegatronTarget
+from converters.torch_path.reader import CheckpointReader
+from models.common.errors import CheckpointError
+from parallel.config import ParallelConfig
+
+
+def plan_bridge_target(reader: CheckpointReader, *, tp: int, pp: int, vpp: int, dtype: torch.dtype,
+                       first: int | None = None, last: int | None = None) -> MegatronTarget:
+    """The Bridge target of a vision-language model, its layout validated (ParallelConfigError names
+    the numbers); CheckpointError for a text model, whose torch_dist layout ``--to megatron-dist`` writes."""
+    cfg = reader.cfg
+    if cfg.vision is None:
+        raise CheckpointError(f"{reader.path}: {BRIDGE_TARGET} writes the vision-language models (Qwen2-VL, "
+                              f"Qwen2.5-VL); a {cfg.architecture} torch_dist checkpoint is --to megatron-dist (the "
+                              f"tensors megatron-core and Megatron-Bridge load)")
+    check_target_stages(cfg.num_hidden_layers, pp, vpp, first, last)
+    ParallelConfig(tp=tp, pp=pp, vpp=vpp, num_layers_in_first_pipeline_stage=first,
+                   num_layers_in_last_pipeline_stage=last).validate(cfg)
+    layout = MegatronLayout(cfg.num_hidden_layers, pp, vpp, first, last, "target")
+    iteration = reader.info.layout.get("iteration")
+    iteration = iteration if isinstance(iteration, int) and not isinstance(iteration, bool) else 0
+    return MegatronTarget(tp, pp, vpp, cfg.vocab_size, dtype, layout, None, iteration, bridge=True)
+
+
+def train_state(iteration: int) -> dict[str, torch.Tensor]:
+    """``train_state.pt`` as Megatron-Bridge writes it (counters of a run that has not trained here)."""
+    zero = torch.tensor(0)
+    return {"step": torch.tensor(iteration), "consumed_train_samples": zero.clone(),
+            "skipped_train_samples": zero.clone(), "consumed_valid_samples": zero.clone(),
+            "floating_point_operations_so_far": torch.tensor(0.0), "do_train": torch.tensor(False),
+            "do_valid": torch.tensor(False), "do_test": torch.tensor(False)}
+
+
+def write_bridge(reader: CheckpointReader, target: MegatronTarget, directory: str, *, workers: int,
+                 progress: bool) -> None:
+    """Megatron-Bridge's layout (module docstring) in ``directory``."""
+    root = Path(directory)
+    folder = iteration_folder(root, target.iteration)
+    write_dist(reader, target, str(folder), workers=workers, progress=progress)
+    dtype = str(target.dtype).removeprefix("torch.")
+    (folder / RUN_CONFIG).write_text(run_config_text(reader.hf_config, reader.cfg, tp=target.tp, pp=target.pp,
+                                                     vpp=target.vpp, dtype=dtype))
+    torch.save(train_state(target.iteration), folder / TRAIN_STATE)
+    torch.save(train_state(target.iteration), root / f"latest_{TRAIN_STATE}")
+    hf_dir = root / HF_CONFIG_DIR
+    hf_dir.mkdir()
+    write_config_dir(reader.hf_config, hf_dir)  # with generation config, tokenizer files, chat template
+
+
+__all__ = ["plan_bridge_target", "write_bridge"]
