@@ -113,7 +113,8 @@ def check_bridge_vision(vis: Any, shapes: Mapping[str, tuple], config_path: str,
         raise CheckpointError(f"{metadata}: the vision tower is stored as vision_model.* (mbridge's layout: "
                               f"megatron-core vision blocks); pmz reads Megatron-Bridge's (visual.*, transformers' "
                               f"names)")
-    check_block_count(f"{config_path}", "vision_config.depth", vis.depth, "visual.blocks.", shapes)
+    check_block_count(f"{config_path} (checkpoint {metadata})", "vision_config.depth", vis.depth, "visual.blocks.",
+                      shapes)
     fields = (f"hidden_size={vis.embed_dim}, num_heads={vis.num_heads}, mlp width={vis.mlp_hidden}, "
               f"patch_size={vis.patch_size}, temporal_patch_size={vis.temporal_patch_size}, in_channels="
               f"{vis.in_channels}, spatial_merge_size={vis.spatial_merge_size}, out_hidden_size={vis.out_hidden_size}")
