@@ -21,9 +21,17 @@ matrix and never another rank's keys.
   gradient contributions back to their owner (summed there). Simpler; holds all keys/values of
   the sequence at once while the layer runs (not saved for backward: gathered again there).
 
-Kernels: on CPU ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (what
-SDPA itself runs); elsewhere an exact matmul/softmax form of the same computation, which
-materializes each block's score matrix transiently (a flash-attn varlen kernel is not wired in yet).
+Kernels (``kernel=``; by default chosen from the tensors):
+  * CUDA fp16/bf16 (``varlen_kernels.flash_kernel``): torch's flash varlen kernels, **all blocks of
+    one step in one call** (``context_varlen.py``), the forward returning the log-sum-exp and the
+    backward running from the final output and log-sum-exp; no Python loop per sequence.
+  * everywhere else, block by block (``attend_segments``): on CPU
+    ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (what SDPA itself runs);
+    on CUDA in fp32/fp64 an exact matmul/softmax form that materializes each block's score matrix
+    transiently (flash kernels take half precision only).
+  * ``kernel="reference"`` runs the one-call-per-step path with the exact varlen reference kernel,
+    on any device: how CPU tests check that path; ``"torch"`` forces torch's flash kernels,
+    ``"segments"`` the block-by-block path.
 """
 
 from __future__ import annotations
@@ -34,17 +42,14 @@ import torch
 import torch.distributed as dist
 
 from parallel.collectives import all_gather_dim0, group_rank, group_size
+from parallel.context_varlen import attend_step, step_backward, step_calls
 from parallel.sequence_layout import Segment, SequencePlan
+from parallel.varlen_kernels import acc_dtype, flash_kernel
 
 _KV_TAG, _DKV_TAG = 17, 18
 
 
 # ---------------------------------------------------------------------- one block
-def acc_dtype(x: torch.Tensor) -> torch.dtype:
-    """Accumulation dtype of outputs, log-sum-exps and gradients: fp64 for fp64 inputs, else fp32."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
     """KV heads ``[n, hkv, d]`` -> ``[n, hkv * groups, d]`` (query head h uses KV head h // groups)."""
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
@@ -120,6 +125,23 @@ def segments_backward(dout, q, k, v, out, lse, segments: list[Segment], scale: f
         dkv[1, ka:kb] += gv.to(dkv.dtype).reshape(n, hkv, groups, -1).sum(2)
 
 
+def _attend(q, kv, plan: SequencePlan, r: int, src: int, scale: float, out, lse, kernel: str) -> None:
+    """Step (r, src) forward: ``kv [2, L, hkv, d]`` is rank ``src``'s keys and values."""
+    if kernel == "segments":
+        attend_segments(q, kv[0], kv[1], plan.segments(r, src), scale, out, lse)
+    else:
+        attend_step(q, kv, step_calls(plan, r, src, q.device), scale, out, lse, kernel)
+
+
+def _attend_backward(dout, q, kv, out, lse, plan: SequencePlan, r: int, src: int, scale: float, dq, dkv,
+                     kernel: str) -> None:
+    """Step (r, src) backward into ``dq`` and ``dkv [2, L, hkv, d]`` (rank ``src``'s block)."""
+    if kernel == "segments":
+        segments_backward(dout, q, kv[0], kv[1], out, lse, plan.segments(r, src), scale, dq, dkv)
+    else:
+        step_backward(dout, q, kv, out, lse, step_calls(plan, r, src, q.device), scale, dq, dkv, kernel)
+
+
 # ---------------------------------------------------------------------- communication
 def _peer(group: Any, rank: int) -> int:
     return dist.get_global_rank(group, rank % group_size(group))
@@ -152,27 +174,27 @@ def _restore(ctx, dout: torch.Tensor):
     return q, k, v, out, lse, ctx.plan, ctx.group, ctx.scale, dout.contiguous(), dq
 
 
-def _save(ctx, q, k, v, out, lse, plan: SequencePlan, group, scale: float) -> torch.Tensor:
+def _save(ctx, q, k, v, out, lse, plan: SequencePlan, group, scale: float, kernel: str) -> torch.Tensor:
     """What backward needs (this rank's q/k/v, the final output and log-sum-exp); returns the output."""
     out = out.to(q.dtype)
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.plan, ctx.group, ctx.scale = plan, group, scale
+    ctx.plan, ctx.group, ctx.scale, ctx.kernel = plan, group, scale, kernel
     return out
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan: SequencePlan, group, scale: float):
+    def forward(ctx, q, k, v, plan: SequencePlan, group, scale: float, kernel: str):
         n, r = group_size(group), group_rank(group)
         out, lse = _accumulators(q)
         cur = torch.stack([k, v]).contiguous()  # [2, L, hkv, d]: one message per step
         for step in range(n):
             nxt = torch.empty_like(cur) if step < n - 1 else None
             works = _shift(cur, nxt, group, _KV_TAG) if nxt is not None else []
-            attend_segments(q, cur[0], cur[1], plan.segments(r, (r - step) % n), scale, out, lse)
+            _attend(q, cur, plan, r, (r - step) % n, scale, out, lse, kernel)
             _wait(works)
             cur = nxt if nxt is not None else cur
-        return _save(ctx, q, k, v, out, lse, plan, group, scale)
+        return _save(ctx, q, k, v, out, lse, plan, group, scale, kernel)
 
     @staticmethod
     def backward(ctx, dout):
@@ -185,7 +207,7 @@ class _RingAttention(torch.autograd.Function):
             nxt = torch.empty_like(cur) if step < n - 1 else None
             kv_works = _shift(cur, nxt, group, _KV_TAG) if nxt is not None else []
             dkv = torch.zeros((2, *k.shape), dtype=acc_dtype(q), device=k.device)
-            segments_backward(dout, q, cur[0], cur[1], out, lse, plan.segments(r, (r - step) % n), scale, dq, dkv)
+            _attend_backward(dout, q, cur, out, lse, plan, r, (r - step) % n, scale, dq, dkv, ctx.kernel)
             _wait(dkv_works)  # the previous exchange: its receive is this block's accumulator
             if incoming is not None:
                 dkv += incoming
@@ -194,7 +216,7 @@ class _RingAttention(torch.autograd.Function):
             _wait(kv_works)
             cur = nxt if nxt is not None else cur
         _wait(dkv_works)  # after n hops the accumulator received is our own block's gradient
-        return dq.to(q.dtype), incoming[0].to(k.dtype), incoming[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), incoming[0].to(k.dtype), incoming[1].to(v.dtype), None, None, None, None
 
 
 def _all_gather_kv(k: torch.Tensor, v: torch.Tensor, group: Any) -> torch.Tensor:
@@ -204,13 +226,13 @@ def _all_gather_kv(k: torch.Tensor, v: torch.Tensor, group: Any) -> torch.Tensor
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan: SequencePlan, group, scale: float):
+    def forward(ctx, q, k, v, plan: SequencePlan, group, scale: float, kernel: str):
         n, r = group_size(group), group_rank(group)
         kv = _all_gather_kv(k, v, group)
         out, lse = _accumulators(q)
         for j in range(n):
-            attend_segments(q, kv[j, 0], kv[j, 1], plan.segments(r, j), scale, out, lse)
-        return _save(ctx, q, k, v, out, lse, plan, group, scale)  # local k/v only: gathered again in backward
+            _attend(q, kv[j], plan, r, j, scale, out, lse, kernel)
+        return _save(ctx, q, k, v, out, lse, plan, group, scale, kernel)  # local k/v only: gathered again in backward
 
     @staticmethod
     def backward(ctx, dout):
@@ -219,31 +241,41 @@ class _AllGatherAttention(torch.autograd.Function):
         kv = _all_gather_kv(k, v, group)
         dkv = torch.zeros((n, 2, *k.shape), dtype=acc_dtype(q), device=k.device)
         for j in range(n):
-            segments_backward(dout, q, kv[j, 0], kv[j, 1], out, lse, plan.segments(r, j), scale, dq, dkv[j])
+            _attend_backward(dout, q, kv[j], out, lse, plan, r, j, scale, dq, dkv[j], ctx.kernel)
         del kv
         received = torch.empty_like(dkv)
         dist.all_to_all_single(received, dkv, group=group)  # received[j] = rank j's share for my block
         own = received.sum(0)
-        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None
+
+
+CP_KERNELS = ("segments", "torch", "reference")
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SequencePlan, group: Any,
-                               comm: str = "ring", scale: float | None = None) -> torch.Tensor:
+                               comm: str = "ring", scale: float | None = None,
+                               kernel: str | None = None) -> torch.Tensor:
     """Causal attention of this CP rank's local tokens against the whole sequences.
 
     ``q [L, hq, d]``, ``k/v [L, hkv, d]`` (GQA: hq a multiple of hkv), ``L = plan.local_len``;
     returns ``[L, hq, d]`` (zeros at padding). Collective over ``group`` (the CP group, size
-    ``plan.cp``): every member calls it with the same plan.
+    ``plan.cp``): every member calls it with the same plan and kernel. ``kernel``: one of
+    ``CP_KERNELS`` (module docstring); None picks torch's flash kernels where they take the tensors,
+    else ``"segments"``.
     """
     if group_size(group) != plan.cp:
         raise ValueError(f"the plan is for cp={plan.cp} but the group has {group_size(group)} ranks")
     if q.shape[0] != plan.local_len or k.shape[0] != plan.local_len:
         raise ValueError(f"q/k hold {q.shape[0]}/{k.shape[0]} tokens, the plan {plan.local_len} per rank")
+    kernel = kernel or flash_kernel(q, need_lse=True) or "segments"
+    if kernel not in CP_KERNELS:
+        raise ValueError(f"context-parallel attention kernel {kernel!r}: one of {', '.join(CP_KERNELS)} (the "
+                         f"blocks need a backward from a given log-sum-exp, which flash_attn keeps private)")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if plan.cp == 1:
-        return _SingleRankAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, scale)
+        return _SingleRankAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, scale, kernel)
     fn = {"ring": _RingAttention, "allgather": _AllGatherAttention}[comm]
-    return fn.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, group, scale)
+    return fn.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, group, scale, kernel)
 
 
 class _SingleRankAttention(torch.autograd.Function):
@@ -252,14 +284,14 @@ class _SingleRankAttention(torch.autograd.Function):
     block kernels and their merge be checked in one process."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan: SequencePlan, scale: float):
+    def forward(ctx, q, k, v, plan: SequencePlan, scale: float, kernel: str):
         out, lse = _accumulators(q)
-        attend_segments(q, k, v, plan.segments(0, 0), scale, out, lse)
-        return _save(ctx, q, k, v, out, lse, plan, None, scale)
+        _attend(q, torch.stack([k, v]), plan, 0, 0, scale, out, lse, kernel)
+        return _save(ctx, q, k, v, out, lse, plan, None, scale, kernel)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, plan, _, scale, dout, dq = _restore(ctx, dout)
         dkv = torch.zeros((2, *k.shape), dtype=acc_dtype(q), device=k.device)
-        segments_backward(dout, q, k, v, out, lse, plan.segments(0, 0), scale, dq, dkv)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        _attend_backward(dout, q, torch.stack([k, v]), out, lse, plan, 0, 0, scale, dq, dkv, ctx.kernel)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None

@@ -1,17 +1,26 @@
-"""Causal self-attention: the kernels (SDPA everywhere, flash-attn (varlen) on CUDA when installed) and
-the tensor-parallel attention block of the decoder (``ParallelAttention``: packed QKV, RoPE, Ulysses /
-context-parallel attention over a sequence-split batch, row-parallel output projection).
+"""Causal self-attention: the kernels and the tensor-parallel attention block of the decoder
+(``ParallelAttention``: packed QKV, RoPE, Ulysses / context-parallel attention over a sequence-split
+batch, row-parallel output projection).
 
 Kernel inputs are per-rank heads after RoPE: ``q [s, b, hq, d]``, ``k/v [s, b, hkv, d]`` (GQA: hq is a
 multiple of hkv). Output ``[s, b, hq * d]``. Two batch forms:
   * padded ``[s, b]`` with an optional key-padding mask ``attention_mask [b, s]`` (1 = real token);
   * packed (remove-padding): ``b == 1`` and ``cu_seqlens [n + 1]`` marking sequence boundaries in
     the flat token axis; tokens attend only within their own sequence.
+
+Kernels. Where a flash kernel takes the tensors (CUDA, fp16/bf16: ``varlen_kernels.flash_kernel``;
+the ``flash_attn`` package's when installed, else torch's own) both forms run one varlen call: a
+padded batch is unpadded first (each row's real tokens, in order, are one sequence; no ``s x s``
+mask), and its padding rows come back as zeros. Everywhere else (CPU, fp32/fp64) SDPA as before:
+a causal + key-padding mask for padded batches (a padding query also sees itself, so no row is all
+-inf), one SDPA call per sequence for packed ones. ``kernel=`` forces a varlen kernel (``"reference"``
+runs the varlen path on CPU for tests).
 """
 
 from __future__ import annotations
 
-import importlib.util
+import weakref
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -24,13 +33,7 @@ from parallel.groups import ParallelGroups
 from parallel.layers import QKVParallelLinear, RMSNorm, RowParallelLinear
 from parallel.sequence_shard import SequenceShard
 from parallel.ulysses import heads_to_seq, qkv_to_heads
-
-_FLASH_AVAILABLE = importlib.util.find_spec("flash_attn") is not None
-
-
-def flash_attn_usable(q: torch.Tensor) -> bool:
-    """flash-attn applies: installed, CUDA tensors, half precision."""
-    return _FLASH_AVAILABLE and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+from parallel.varlen_kernels import flash_kernel, varlen_attention
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
@@ -40,16 +43,23 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
-                     cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None) -> torch.Tensor:
-    """Causal attention for a padded or packed batch; see the module docstring for layouts."""
+                     cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
+                     kernel: str | None = None) -> torch.Tensor:
+    """Causal attention for a padded or packed batch; see the module docstring for layouts and kernels.
+    ``max_seqlen`` is a hint the varlen path does not need (it reads the lengths once per tensor)."""
     s, b, hq, d = q.shape
+    kernel = kernel or flash_kernel(q)
     if cu_seqlens is not None:
-        return _packed_attention(q, k, v, cu_seqlens, max_seqlen).reshape(s, b, hq * d)
-    if flash_attn_usable(q) and attention_mask is None:
-        from flash_attn import flash_attn_func
-
-        out = flash_attn_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), causal=True)  # [b, s, h, d]
-        return out.transpose(0, 1).reshape(s, b, hq * d)
+        if q.shape[1] != 1:
+            raise ValueError(f"packed attention expects batch 1 (flat tokens), got q of shape {tuple(q.shape)}")
+        if kernel is not None and s:
+            lay = _layouts.get(cu_seqlens, ("packed", s, q.device), lambda: packed_layout(cu_seqlens, s, q.device))
+            out = varlen_attention(q[:, 0], k[:, 0], v[:, 0], lay.cu, lay.cu, lay.max_len, lay.max_len, True,
+                                   d ** -0.5, kernel)
+            return out.reshape(s, b, hq * d)
+        return _packed_sdpa(q[:, 0], k[:, 0], v[:, 0], cu_seqlens).reshape(s, b, hq * d)
+    if kernel is not None:
+        return _unpadded_attention(q, k, v, attention_mask, kernel)
     qt, kt, vt = (x.permute(1, 2, 0, 3) for x in (q, k, v))  # [b, h, s, d]
     mask = None
     if attention_mask is not None:
@@ -61,18 +71,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, atten
     return out.permute(2, 0, 1, 3).reshape(s, b, hq * d)
 
 
-def _packed_attention(q, k, v, cu_seqlens, max_seqlen):
-    """Packed tokens ``[T, 1, h, d]``: each sequence attends causally within itself."""
-    if q.shape[1] != 1:
-        raise ValueError(f"packed attention expects batch 1 (flat tokens), got q of shape {tuple(q.shape)}")
-    qf, kf, vf = q[:, 0], k[:, 0], v[:, 0]  # [T, h, d]
-    if flash_attn_usable(q):
-        from flash_attn import flash_attn_varlen_func
-
-        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-        if max_seqlen is None:
-            max_seqlen = int((cu[1:] - cu[:-1]).max())
-        return flash_attn_varlen_func(qf, kf, vf, cu, cu, max_seqlen, max_seqlen, causal=True)
+def _packed_sdpa(qf, kf, vf, cu_seqlens):
+    """Packed tokens ``[T, h, d]``, one SDPA call per sequence (the CPU / fp32 path)."""
     bounds = cu_seqlens.tolist()
     if bounds[0] != 0 or bounds[-1] != qf.shape[0]:
         raise ValueError(f"cu_seqlens must run from 0 to the token count {qf.shape[0]}, got {bounds[0]}..{bounds[-1]}")
@@ -83,6 +83,86 @@ def _packed_attention(q, k, v, cu_seqlens, max_seqlen):
         qs, ks, vs = (x[start:stop].transpose(0, 1).unsqueeze(0) for x in (qf, kf, vf))  # [1, h, n, d]
         outs.append(_sdpa(qs, ks, vs, None, causal=True)[0].transpose(0, 1))  # [n, h, d]
     return torch.cat(outs, dim=0)
+
+
+# ---------------------------------------------------------------------- varlen layouts
+class VarlenLayout(NamedTuple):
+    """Where the sequences of a batch are: ``index`` (padded batches: flat ``[s * b]`` position of each
+    real token, sequence by sequence; None for packed input, already flat), ``cu`` int32 cumulative
+    lengths on the device (empty sequences dropped: flash's kernel selection assumes none), ``max_len``
+    and ``tokens`` (the real token count) as host ints."""
+
+    index: torch.Tensor | None
+    cu: torch.Tensor
+    max_len: int
+    tokens: int
+
+
+def _cu_of(lengths: list[int], device) -> torch.Tensor:
+    kept = [n for n in lengths if n > 0]
+    return torch.tensor([0] + kept, dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
+
+
+def packed_layout(cu_seqlens: torch.Tensor, total: int, device) -> VarlenLayout:
+    """Layout of packed tokens from ``cu_seqlens`` (read on the host once)."""
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != total or any(b < a for a, b in zip(bounds[:-1], bounds[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to the token count {total}, got {bounds}")
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    return VarlenLayout(None, _cu_of(lengths, device), max(lengths, default=0), total)
+
+
+def padded_layout(attention_mask: torch.Tensor | None, s: int, b: int, device) -> VarlenLayout:
+    """Layout of a padded ``[s, b]`` batch: row ``r``'s real tokens (mask 1; all ``s`` without a mask),
+    in order, are one sequence; token ``(t, r)`` sits at flat position ``t * b + r``. Holes in a mask
+    are fine: a real query sees the real keys before it, as the mask says."""
+    if attention_mask is None:  # built on the device: nothing to read back
+        t = torch.arange(s, device=device)
+        index = (t[None, :] * b + torch.arange(b, device=device)[:, None]).reshape(-1)
+        cu = torch.arange(b + 1, dtype=torch.int32, device=device) * s
+        return VarlenLayout(index, cu, s, s * b)
+    if tuple(attention_mask.shape) != (b, s):
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, the batch is [b={b}, s={s}]")
+    rows, cols = attention_mask.to(device=device).bool().nonzero(as_tuple=True)  # row-major: row, then position
+    lengths = attention_mask.bool().sum(1).tolist()
+    return VarlenLayout(cols * b + rows, _cu_of(lengths, device), max(lengths, default=0), rows.numel())
+
+
+class _LastLayouts:
+    """Memo of the layout of the last mask / cu_seqlens tensor seen (weakly held, checked by identity
+    and version). Every layer of a forward passes the same tensor, so the host read of its lengths (a
+    device sync on CUDA) happens once per forward, not once per layer."""
+
+    def __init__(self) -> None:
+        self._entry: tuple | None = None
+
+    def get(self, tensor: torch.Tensor | None, key: tuple, build) -> VarlenLayout:
+        if tensor is None:
+            return build()
+        if self._entry is not None:
+            ref, version, old_key, value = self._entry
+            if ref() is tensor and version == tensor._version and old_key == key:
+                return value
+        value = build()
+        self._entry = (weakref.ref(tensor), tensor._version, key, value)
+        return value
+
+
+_layouts = _LastLayouts()
+
+
+def _unpadded_attention(q, k, v, attention_mask, kernel: str) -> torch.Tensor:
+    """A padded batch through one varlen call: gather the real tokens, attend, scatter back (padding
+    rows 0)."""
+    s, b, hq, d = q.shape
+    lay = _layouts.get(attention_mask, ("padded", s, b, q.device),
+                       lambda: padded_layout(attention_mask, s, b, q.device))
+    out = q.new_zeros(s * b, hq, d)
+    if lay.tokens:
+        qu, ku, vu = (x.reshape(s * b, x.shape[2], d).index_select(0, lay.index) for x in (q, k, v))
+        att = varlen_attention(qu, ku, vu, lay.cu, lay.cu, lay.max_len, lay.max_len, True, d ** -0.5, kernel)
+        out = out.index_copy(0, lay.index, att)
+    return out.reshape(s, b, hq * d)
 
 
 class ParallelAttention(nn.Module):
