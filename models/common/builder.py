@@ -16,6 +16,7 @@ import torch
 
 from models.common.architecture import Architecture  # noqa: F401 (re-exported)
 from models.common.causal_lm import ParallelCausalLM
+from models.common.compiled_layers import check_compile_backend, check_compile_option, compile_layers
 from models.common.config import ModelConfig
 from models.common.sources import (
     CheckpointError,
@@ -58,7 +59,7 @@ def random_source(arch: Architecture, cfg: ModelConfig, pconfig: ParallelConfig,
 def build_model(arch: Architecture, source: Any, parallel_config: ParallelConfig | None = None, *,
                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                 groups: ParallelGroups | None = None, seed: int = 0, lora: Any = None,
-                loss_chunk_tokens: int | None = None) -> ParallelCausalLM:
+                loss_chunk_tokens: int | None = None, compile: bool = False) -> ParallelCausalLM:
     """Build this rank's part of the model and fill it from ``source``.
 
     source: an HF model directory (config.json + safetensors), a transformers config (deterministic
@@ -70,8 +71,13 @@ def build_model(arch: Architecture, source: Any, parallel_config: ParallelConfig
         (``models/common/blocks/lora.py``); fill them from an adapter with ``model.load_lora_adapter``.
     loss_chunk_tokens: tokens per chunk of the fused LM-head loss (``parallel/lm_head_loss.py``; None:
         from a byte budget for one chunk's logits); also settable later as ``model.loss_chunk_tokens``.
+    compile: each decoder layer's forward through ``torch.compile`` (``models/common/compiled_layers.py``);
+        CompileUnavailableError in one line, before any group exists, where the backend cannot build kernels.
     """
     check_chunk_tokens(loss_chunk_tokens)
+    check_compile_option(compile)
+    if compile:
+        check_compile_backend(device)
     parallel_config = parallel_config or (groups.config if groups is not None else ParallelConfig())
     tensor_source: TensorSource | None = None
     where = "checkpoint"
@@ -127,6 +133,8 @@ def build_model(arch: Architecture, source: Any, parallel_config: ParallelConfig
         from models.common.blocks.lora import apply_lora
 
         apply_lora(model, lora, lora_targets, seed=seed)
+    if compile:  # before FSDP2 wraps the layers: its hooks stay outside the compiled forward
+        compile_layers(model.model.layers.values())
     if parallel_config.fsdp:
         from parallel.fsdp import shard_model
 

@@ -33,10 +33,12 @@ class ParallelQwen2_5_VL(ParallelVisionLanguageModel):
 
 def build_parallel_model(source: Any, parallel_config: ParallelConfig | None = None, *,
                          dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                         groups: ParallelGroups | None = None, seed: int = 0, lora: Any = None) -> ParallelQwen2_5_VL:
+                         groups: ParallelGroups | None = None, seed: int = 0, lora: Any = None,
+                         loss_chunk_tokens: int | None = None, compile: bool = False) -> ParallelQwen2_5_VL:
     """Build this rank's Qwen2.5-VL shard from an HF directory (either key layout) or a transformers
     config (random weights). Call after ``torch.distributed.init_process_group`` when the layout
     uses more than one rank. See ``models.common.builder.build_model`` for the arguments."""
     if lora is not None:
         raise ValueError("qwen2_5_vl: LoRA is not supported yet")
-    return build_model(ARCHITECTURE, source, parallel_config, dtype=dtype, device=device, groups=groups, seed=seed)
+    return build_model(ARCHITECTURE, source, parallel_config, dtype=dtype, device=device, groups=groups, seed=seed,
+                       loss_chunk_tokens=loss_chunk_tokens, compile=compile)

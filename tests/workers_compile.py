@@ -1,0 +1,75 @@
+"""Rank bodies for tests/test_compile.py: ``compile=True`` models against transformers.
+
+Every layout trains two SGD steps next to transformers on the same batch (right and left padding,
+ignored labels; packed sequences under context parallelism) and records the loss and the largest
+relative gradient difference of each step: the compiled model is held to the fp32 tolerances of the
+eager one. The eager model of the same layout runs beside it, so the records also say how far
+compilation moved the numbers (``*_vs_eager``). Records are ``(layout, what, value)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from parallel import ParallelConfig
+from tests.cases import build, load_hf
+from tests.workers import _max_diff, _rel_diff, hf_named_grads
+from tests.workers_fused_loss import batch, packed
+
+
+def _grad_diff(model, hf) -> float:
+    ref = dict(hf.named_parameters())
+    return max(_rel_diff(g, ref[n].grad) for n, g in hf_named_grads(model).items())
+
+
+def _step(model, inputs: dict, pipeline: bool) -> torch.Tensor:
+    if pipeline:
+        return model.forward_backward(inputs["input_ids"], inputs["labels"], num_microbatches=3,
+                                      attention_mask=inputs.get("attention_mask"))
+    loss = model(**inputs, return_logits=False).loss
+    loss.backward()
+    model.finalize_grads()
+    return loss
+
+
+def compile_case(case: str, path: str, kwargs: dict, lr: float = 0.5) -> list[tuple]:
+    pconfig = ParallelConfig(**kwargs)
+    tag = (f"{case} {pconfig.describe()}",)
+    hf = load_hf(path)
+    vocab = hf.config.vocab_size
+    if pconfig.cp > 1:
+        flat, cu, labels, rows, mask, row_labels = packed(vocab)
+        inputs = {"input_ids": flat, "cu_seqlens": cu, "labels": labels}
+        ref_inputs = {"input_ids": rows, "attention_mask": mask, "labels": row_labels}  # the same sequences
+    else:
+        ids, mask, labels = batch(vocab)
+        inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        ref_inputs = inputs
+    compiled = build(case, path, pconfig, compile=True)
+    eager = build(case, path, pconfig)
+    pipeline = pconfig.pp > 1
+    opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in (compiled, eager, hf)]
+    records = []
+    for step in range(2):
+        for opt in opts:
+            opt.zero_grad()
+        loss = _step(compiled, inputs, pipeline)
+        eager_loss = _step(eager, inputs, pipeline)
+        ref_loss = hf(**ref_inputs).loss
+        ref_loss.backward()
+        records += [(*tag, f"loss_step{step}", _max_diff(loss, ref_loss)),
+                    (*tag, f"grads_step{step}", _grad_diff(compiled, hf)),
+                    (*tag, f"loss_vs_eager_step{step}", _max_diff(loss, eager_loss))]
+        for opt in opts:
+            opt.step()
+    return records
+
+
+def compile_suite(dirs: dict[str, str], layouts: list[tuple]) -> list[tuple]:
+    from torch._dynamo.utils import counters
+
+    records = []
+    for case, kwargs in layouts:
+        records += compile_case(case, dirs[case], kwargs)
+    # graphs dynamo built in this process: 0 would mean the "compiled" model ran eagerly
+    return records + [("all layouts", "compiled_graphs", counters["stats"]["unique_graphs"])]
