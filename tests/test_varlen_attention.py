@@ -23,7 +23,14 @@ from parallel.varlen_kernels import (
     varlen_forward,
 )
 from tests.distributed import run_distributed
-from tests.varlen_cases import cp_kernels_rank, cp_steps_in_one_process, max_rel, packed_inputs, sequence_reference
+from tests.varlen_cases import (
+    cp_kernels_rank,
+    cp_steps_in_one_process,
+    masked_reference,
+    max_rel,
+    packed_inputs,
+    sequence_reference,
+)
 
 TOL = {torch.float64: 1e-12, torch.float32: 2e-6}
 
@@ -95,18 +102,6 @@ def test_lse_layout_conversions_round_trip():
     assert torch.equal(lse_packed_from_padded(padded, cu, sum(lengths)), packed)
 
 
-def _masked_reference(q, k, v, mask):
-    """Row by row: SDPA (fp64, causal) over the row's real tokens only; [s, b, hq*d], padding rows 0."""
-    s, b, hq, d = q.shape
-    out = torch.zeros(s, b, hq, d, dtype=torch.float64)
-    for r in range(b):
-        keep = mask[r].bool().nonzero()[:, 0] if mask is not None else torch.arange(s)
-        if keep.numel():
-            cu = torch.tensor([0, keep.numel()])
-            out[keep, r] = sequence_reference(q[keep, r], k[keep, r], v[keep, r], cu, cu, causal=True)[0]
-    return out.reshape(s, b, hq * d)
-
-
 @pytest.mark.parametrize("padding", ["none", "right", "left", "holes_and_empty_row"])
 def test_unpadded_varlen_matches_masked_reference(padding):
     """A padded batch through the varlen path (unpad, one call, scatter back), forward and backward,
@@ -127,7 +122,7 @@ def test_unpadded_varlen_matches_masked_reference(padding):
     dout = torch.randn(s, b, 32, generator=gen, dtype=torch.float64)
     given = None if padding == "none" else mask
     ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
-    ref = _masked_reference(*ref_in, given)
+    ref = masked_reference(*ref_in, given)
     ref.backward(dout)
     mine = [x.clone().requires_grad_() for x in (q, k, v)]
     out = causal_attention(*mine, attention_mask=given, kernel="reference")

@@ -32,6 +32,20 @@ def sequence_reference(q, k, v, cu_q, cu_k, causal: bool, scale: float | None = 
     return torch.cat(outs), torch.cat(lses, dim=1)
 
 
+def masked_reference(q, k, v, mask):
+    """Padded ``[s, b, h, d]`` batch, row by row: causal SDPA (fp64, host) over the row's real tokens
+    only (``mask [b, s]``, 1 = real; None = all real); ``[s, b, hq * d]``, padding rows 0."""
+    s, b, hq, d = q.shape
+    out = torch.zeros(s, b, hq, d, dtype=torch.float64)
+    q, k, v = (x.double().cpu() for x in (q, k, v))
+    for r in range(b):
+        keep = mask[r].bool().cpu().nonzero()[:, 0] if mask is not None else torch.arange(s)
+        if keep.numel():
+            cu = torch.tensor([0, keep.numel()])
+            out[keep, r] = sequence_reference(q[keep, r], k[keep, r], v[keep, r], cu, cu, causal=True)[0]
+    return out.reshape(s, b, hq * d)
+
+
 def packed_inputs(lengths, hq, hkv, d, dtype, device="cpu", seed=0, k_lengths=None):
     """Random ``q [Tq, hq, d]``, ``k/v [Tk, hkv, d]``, ``dout`` and int32 ``cu_q``/``cu_k`` on ``device``."""
     gen = torch.Generator().manual_seed(seed)

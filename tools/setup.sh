@@ -2,8 +2,8 @@
 # Set up .venv for this project (idempotent; one line per step it takes, with its rough size, and the total time).
 #   CPU machines: installs the pinned CPU wheel torch==2.13.0 first, so nothing pulls a multi-GB CUDA build.
 #   GPU machines (nvidia-smi present) or PMZ_TORCH="<pip spec>": installs that torch instead
-#   (default on GPU: the registry's CUDA build), plus flash-attn (default on GPU machines, so the GPU
-#   tests run there; PMZ_FLASH_ATTN=0 skips it, PMZ_FLASH_ATTN=1 forces it).
+#   (default on GPU: the registry's CUDA build, whose own flash kernels the GPU paths use; the optional
+#   flash-attn package, `pip install -e ".[flash]"`, is used where installed and never built here).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -40,14 +40,6 @@ if ! "$VPY" -c "import models, parallel, converters, transformers, safetensors, 
   say "installing the project (editable) and .[dev]: transformers, peft, megatron-core, pytest, hypothesis, ruff (~0.5 GB, ~1 min)"
   pip_q -e ".[dev]"
   touch .venv/.pmz-installed
-  took
-fi
-if command -v nvidia-smi >/dev/null 2>&1; then FLASH_DEFAULT=1; else FLASH_DEFAULT=0; fi
-if [ "${PMZ_FLASH_ATTN:-$FLASH_DEFAULT}" = "1" ] && ! "$VPY" -c "import flash_attn" >/dev/null 2>&1; then
-  LAST=$SECONDS
-  say "installing flash-attn (GPU machine; PMZ_FLASH_ATTN=0 skips it)"
-  pip_q flash-attn --no-build-isolation
-  "$VPY" -c "import flash_attn" >/dev/null 2>&1 || echo "setup: WARNING: flash-attn did not install; tests/test_gpu.py will fail on this GPU machine" >&2
   took
 fi
 "$VPY" -c "import torch, models, parallel, converters" || { echo "setup failed: the project does not import" >&2; exit 1; }
