@@ -162,6 +162,12 @@ def layout_case(arch: str, path: str, parallel: dict, out_dir: str, vllm_tp: int
                             dtype=torch.float64)
     sums = [torch.zeros_like(checksum) for _ in range(dist.get_world_size())]
     dist.all_gather(sums, checksum)
+    shm_differs = None
+    if not model.weight_map.has_experts:  # shared memory carries the source bucket; FP8 is made from it alike
+        shm = {n: t.clone() for b in model.iter_export("hf", bucket_bytes=40_000, quantization="fp8", transport="shm")
+               for n, t in b.tensors()}
+        shm_differs = set(shm) != set(exported) or any(not torch.equal(as_bytes(shm[n]), as_bytes(t))
+                                                       for n, t in exported.items())
     model.save_pretrained(f"{out_dir}/hf", quantization="fp8", max_shard_size=60_000)
     if vllm_tp:
         model.save_vllm_sharded_state(f"{out_dir}/vllm", tp=vllm_tp, quantization="fp8")
@@ -169,7 +175,7 @@ def layout_case(arch: str, path: str, parallel: dict, out_dir: str, vllm_tp: int
         from safetensors.torch import save_file
 
         save_file(exported, f"{out_dir}/exported.safetensors")
-    return {"ranks_differ": len({s.item() for s in sums}) > 1}
+    return {"ranks_differ": len({s.item() for s in sums}) > 1, "shm_differs": shm_differs}
 
 
 def bad_name_case(path: str, out_dir: str) -> list[str]:

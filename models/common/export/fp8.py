@@ -159,6 +159,12 @@ def stored_layout(name: str, shape: Sequence[int], quantized: bool,
     return [(name, tuple(shape), dtype)]
 
 
+def vllm_attention_scales(quantization) -> list[tuple[str, float]]:
+    """``(name, value)`` of the extra fp32 scalars each attention layer's ``self_attn.attn.<name>``
+    needs in a vLLM ``sharded_state`` of this quantization (none without one)."""
+    return [(name, VLLM_KV_SCALE_VALUE) for name in VLLM_KV_SCALES] if quantization else []
+
+
 def modules_to_not_convert(weight_map, num_layers: int) -> list[str]:
     """HF module names of the kept linear modules (``KEPT_LINEAR_ROLES``), ``lm_head`` always first
     (tied or not: transformers builds it as a Linear)."""

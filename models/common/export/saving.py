@@ -244,7 +244,7 @@ def save_vllm_sharded_state(model, directory, *, tp: int, pp: int = 1, dtype: to
 
     ``quantization="fp8"``: each rank's linear shards as FP8 with their ``_scale_inv`` blocks
     (``fp8.py``), ``quantization_config`` in config.json, and the four KV-cache scale parameters
-    vLLM's FP8 attention registers (``fp8.VLLM_KV_SCALES``); a ``tp`` whose shard boundaries cut a
+    vLLM's FP8 attention registers (``fp8.vllm_attention_scales``); a ``tp`` whose shard boundaries cut a
     128 block is refused before anything is written, naming the numbers.
     """
     from safetensors.torch import save_file
@@ -293,8 +293,7 @@ def save_vllm_sharded_state(model, directory, *, tp: int, pp: int = 1, dtype: to
                     parts[p].add(fp8.scale_name(key) if is_scale else key, tensor.to("cpu").clone())
                     if name.endswith("self_attn.o_proj.weight"):  # the layer's attention scales follow it
                         scales = [(s, 1.0) for s in vllm_format.ATTENTION_SCALES]
-                        scales += [(s, fp8.VLLM_KV_SCALE_VALUE) for s in fp8.VLLM_KV_SCALES if quantization]
-                        for scale, value in scales:
+                        for scale, value in scales + fp8.vllm_attention_scales(quantization):
                             parts[p].add(name.replace("o_proj.weight", f"attn.{scale}"),
                                          torch.full((), value, dtype=torch.float32))
         if writer:
