@@ -62,4 +62,24 @@ if [ "${PMZ_VLLM:-1}" = "1" ] && [ ! -f .venv-vllm/.pmz-installed ]; then
   touch .venv-vllm/.pmz-installed
   took
 fi
-say "ready in $((SECONDS - START)) s (.venv$( [ "${PMZ_VLLM:-1}" = "1" ] && echo " and .venv-vllm"))"
+# The Megatron-Bridge test oracle (tests/bridge_oracle.py): megatron-bridge 0.6.2 and megatron-core 0.19.2
+# with transformers 5.12.1 in a venv of their own (~1.7 GB, ~2 min). Bridge asks for Python 3.12 and
+# pulls GPU-only packages (Transformer Engine, flash-attn, ...): it is installed without its declared
+# dependencies, beside the plain-Python ones it imports; the oracle stubs the GPU-only imports.
+# PMZ_BRIDGE=0 skips it (tests/test_convert_bridge_vl.py then fails: it is not optional).
+if [ "${PMZ_BRIDGE:-1}" = "1" ] && [ ! -f .venv-bridge/.pmz-installed ]; then
+  LAST=$SECONDS
+  say "creating .venv-bridge, the Megatron-Bridge test oracle: torch==2.13.0 + megatron-bridge 0.6.2 + megatron-core 0.19.2 + transformers 5.12.1 (~1.7 GB, ~2 min)"
+  rm -rf .venv-bridge
+  "$PY" -m venv .venv-bridge
+  BRIDGE_PY=.venv-bridge/bin/python
+  bpip() { "$BRIDGE_PY" -m pip install --disable-pip-version-check -q "$@" 2>&1 | grep -v -E "^WARNING: (Location|Ignoring)|^ERROR: pip's dependency resolver|^megatron-bridge .* requires" || true; }
+  bpip "torch==2.13.0"
+  bpip --no-deps --ignore-requires-python "megatron-bridge==0.6.2" "megatron-core==0.19.2"
+  bpip "transformers==5.12.1" omegaconf hydra-core accelerate einops rich qwen-vl-utils datasets tensorboard pyyaml
+  # (megatron.core itself imports only under the oracle's stubs: its MoE stash kernel needs Triton)
+  "$BRIDGE_PY" -c "import importlib.util as u, torch, transformers, yaml, omegaconf; assert u.find_spec('megatron.bridge') and u.find_spec('megatron.core')" >/dev/null 2>&1 || { echo "setup failed: .venv-bridge lacks megatron-bridge, megatron-core or their Python deps" >&2; exit 1; }
+  touch .venv-bridge/.pmz-installed
+  took
+fi
+say "ready in $((SECONDS - START)) s (.venv$( [ "${PMZ_VLLM:-1}" = "1" ] && echo ", .venv-vllm")$( [ "${PMZ_BRIDGE:-1}" = "1" ] && echo ", .venv-bridge"))"

@@ -213,7 +213,8 @@ def check_config_against_dist(cfg: Any, shapes: Mapping[str, tuple], config_path
 
     One CheckpointError naming the config file, the config values and the tensor shapes."""
     model = {k: tuple(s) for k, s in shapes.items() if is_model_key(k)}
-    pre = BRIDGE_TEXT_PREFIX if cfg.vision is not None else ""
+    vision = getattr(cfg, "vision", None)
+    pre = BRIDGE_TEXT_PREFIX if vision is not None else ""
     emb_key, out_key, layers = pre + EMBEDDING, pre + OUTPUT, pre + "decoder.layers."
     adapters = sorted(k for k in model if ".adapter." in k or "lora" in k.lower())
     if adapters:
@@ -265,8 +266,8 @@ def check_config_against_dist(cfg: Any, shapes: Mapping[str, tuple], config_path
         bad(f"intermediate_size={ffn}", fc2, "")
     if problems:
         raise CheckpointError(f"{config_path} does not describe the checkpoint {where}: {'; '.join(problems[:4])}")
-    if cfg.vision is not None:
-        check_bridge_vision(cfg.vision, model, config_path, f"{where}/.metadata")
+    if vision is not None:
+        check_bridge_vision(vision, model, config_path, f"{where}/.metadata")
 
 
 def _find(model: Mapping[str, tuple], suffix: str, layers: str = "decoder.layers.") -> str | None:
