@@ -1,6 +1,7 @@
 """The models on CUDA against transformers on the same GPU: what CPU CI cannot see (a tensor made on
-the CPU inside a forward, a CPU-only op, NCCL process groups). Attention is SDPA here (flash-attn,
-when installed, is checked in test_gpu.py). Skipped, and reported as skipped, on machines without CUDA.
+the CPU inside a forward, a CPU-only op, NCCL process groups). Attention is torch's flash varlen kernel
+in bf16 (parallel/varlen_kernels.py, checked alone in test_gpu.py) and SDPA in fp32. Skipped, and
+reported as skipped, on machines without CUDA.
 
 - fp32 with TF32 off: logits, loss and every gradient within the CPU suite's tolerances (a little
   wider for the GPU's reduction orders: 2e-5 absolute for logits/loss, 1e-4 relative for gradients);
