@@ -197,3 +197,19 @@ def test_megatron_lm_formats_point_at_the_bridge_target(bridge, tmp_path, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and len(err) == 1 and "--to megatron-bridge" in err[0], err
     assert not (tmp_path / "out").exists()
+
+
+def test_mbridge_vision_layout_is_named(bridge, tmp_path, capsys):
+    """mbridge stores the tower as megatron-core blocks (vision_model.*): refused by name, not as a
+    pile of missing visual.* tensors."""
+    import dataclasses
+
+    def renamed(key: str) -> str:
+        return "vision_model." + key[len("visual."):] if key.startswith("visual.") else key
+
+    def edit(md):
+        md.state_dict_metadata = {renamed(k): v for k, v in md.state_dict_metadata.items()}
+        md.storage_data = {dataclasses.replace(i, fqn=renamed(i.fqn)): v for i, v in md.storage_data.items()}
+
+    line = _pmz_fails(capsys, tmp_path, _damaged(bridge, tmp_path, "v25_untied", edit))
+    assert "vision_model.* (mbridge's layout" in line and ".metadata" in line, line
