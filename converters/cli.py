@@ -24,6 +24,9 @@ from models.common.errors import CheckpointError
 from parallel.config import ParallelConfigError
 
 TARGETS = ["hf", "megatron", "megatron-dist", "megatron-bridge", "vllm"]
+# models/common/export/fp8.QUANTIZATIONS, spelled out here so that a bad --quantize never loads torch
+# (tests/test_convert_fp8.py checks the two agree)
+QUANTIZATIONS = ["fp8"]
 
 
 class _Terminated(BaseException):
@@ -58,8 +61,9 @@ def _cmd_convert(args: argparse.Namespace) -> int:
                   hf_config=args.hf_config,
                   arch=args.arch, vocab_size=args.vocab_size, dtype=args.dtype, overwrite=args.overwrite,
                   workers=args.workers, max_shard_size=args.max_shard_size,
-                  make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, progress=not args.quiet)
-    print(f"wrote {args.to} checkpoint to {dst}")
+                  make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, progress=not args.quiet,
+                  quantization=args.quantize)
+    print(f"wrote {args.to} checkpoint{f' ({args.quantize})' if args.quantize else ''} to {dst}")
     note = _derived_config_note(args)
     if note:
         print(f"pmz convert: note: {note}", file=sys.stderr)
@@ -217,7 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: a Megatron source's layout, else SequentialMLP; torch_dist stores both alike)")
     p.add_argument("--arch", choices=["llama", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"],
                    help="architecture of a Megatron source (default: from its args)")
-    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="output dtype (default: the source's)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="output dtype (default: the source's; "
+                                                                       "with --quantize: of the tensors kept)")
+    p.add_argument("--quantize", choices=QUANTIZATIONS,
+                   help="HF and vLLM targets: linear weights as block-wise FP8 (float8_e4m3fn, one fp32 "
+                        "<name>_scale_inv per 128x128 block, quantization_config in config.json); embeddings, "
+                        "norms, LM head, MoE router and vision merger kept (docs/formats.md, FP8 rollout weights)")
     p.add_argument("--max-shard-size", default="5GB", type=_size, metavar="SIZE",
                    help="largest HF safetensors file / vLLM part, e.g. 5GB, 500MB, 512MiB (default 5GB)")
     p.add_argument("--make-vocab-size-divisible-by", type=_positive_int, default=128, metavar="N",
@@ -269,11 +278,12 @@ def _silence_stdout() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "convert":  # a layout for an HF target is a bad argument (exit 2): the engine's own check
-        from converters.engine import check_hf_target_layout
+    if args.command == "convert":  # a layout for an HF target, --quantize for a Megatron one: bad arguments (exit 2)
+        from converters.engine import check_hf_target_layout, check_quantization_target
 
         try:
             check_hf_target_layout(args.to, **{k: getattr(args, k) for k in ("tp", "pp", "vpp", "ep")})
+            check_quantization_target(args.to, args.quantize)
         except ValueError as exc:
             print(f"pmz convert: error: {exc} (see pmz convert --help)", file=sys.stderr)
             return 2

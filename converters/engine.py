@@ -7,8 +7,12 @@ Guarantees:
     rank file present, shapes consistent, no tensor missing or unused -- and the target layout
     checked against the model;
   * a dense conversion without a dtype change takes the copy path (``converters/copy_path``: byte
-    ranges moved by system calls, no torch); the rest the torch path (``converters/torch_path``).
+    ranges moved by system calls, no torch); the rest the torch path (``converters/torch_path``),
+    ``--quantize`` included (the copy path moves bytes, it cannot quantize).
     ``PMZ_COPY_PATH=0`` forces the torch path (tests compare the two);
+  * a quantized source (``quantization_config``, FP8 tensors) is refused, never dequantized or
+    passed through (``converters/formats/quantized``); ``--quantize fp8`` writes HF and vLLM
+    targets by ``models/common/export/fp8.py``'s rule, the one ``save_pretrained`` follows;
   * output goes to a locked temp dir beside the destination and is renamed into place when complete
     (``converters/runtime/staging``): on any error, Ctrl-C or SIGTERM nothing is left at the
     destination, an existing one (``--overwrite``) is kept, and the exception propagates (CLI: one
@@ -26,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from converters.formats import detect_format  # noqa: F401 (part of this module's API)
 from converters.formats.locate import locate_source
+from converters.formats.quantized import check_unquantized_config
 from converters.runtime.staging import Staging, check_destination, remove_stale_temp_dirs  # noqa: F401
 from converters.torch_path import open_reader  # noqa: F401 (part of this module's API)
 from models.common.errors import CheckpointError
@@ -82,6 +87,15 @@ def check_options(*, tp: Any = None, pp: Any = None, vpp: Any = None, ep: Any = 
     return shard_bytes
 
 
+def check_quantization_target(to: str, quantization: Any) -> None:
+    """ValueError when ``--quantize`` is asked for a Megatron target (the CLI reports it as a bad
+    argument, exit 2, before anything is read). The name itself is checked by ``fp8.check_quantization``
+    (the CLI's ``--quantize`` choices)."""
+    if quantization is not None and to in MEGATRON_TARGETS:
+        raise ValueError(f"--quantize {quantization}: --to {to} holds training weights, which are not quantized "
+                         f"(FP8 is written for inference: --to hf or --to vllm)")
+
+
 def check_hf_target_layout(to: str, **layout: Any) -> None:
     """ValueError when a parallel layout is given for an HF target (the CLI reports it as a bad
     argument, exit 2, before anything is read)."""
@@ -97,7 +111,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
             hf_config: str | None = None, arch: str | None = None,
             vocab_size: int | None = None, dtype: str | torch.dtype | None = None, overwrite: bool = False,
             workers: int | None = None, max_shard_size: str | int = "5GB", make_vocab_size_divisible_by: int = 128,
-            progress: bool = False) -> Path:
+            progress: bool = False, quantization: str | None = None) -> Path:
     """Convert ``src`` (format detected) to ``to`` in ``dst``; returns the destination path.
 
     to: "hf", "megatron" (legacy torch, at tp/pp/vpp), "megatron-dist" (torch_dist; tp/pp/vpp
@@ -110,6 +124,10 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
     moe_grouped_gemm: legacy experts as megatron-core's grouped-GEMM ``GroupedMLP`` (``weight1``/``weight2``)
     instead of ``SequentialMLP`` (recorded as the ``moe_grouped_gemm`` arg; default: a Megatron source's
     GroupedMLP layout, else False; see ``converters/layout/experts``).
+    quantization: "fp8" writes an HF or vLLM target's linear weights as block-wise FP8 with
+    ``<name>_scale_inv`` and ``quantization_config`` in config.json (``models/common/export/fp8.py``;
+    ``dtype`` is then the kept tensors'); refused for Megatron targets, and for a vLLM ``tp`` whose
+    shard boundaries cut a 128x128 block (the numbers named), before anything is written.
     first_stage_layers / last_stage_layers: an uneven pipeline split of a Megatron target (Megatron's
     ``decoder_first/last_pipeline_num_layers``; with ``pp``, vpp 1); without them a source's uneven
     split is kept when ``pp`` is not given.
@@ -137,6 +155,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
     if to == "vllm" and vpp not in (None, 1):
         raise ValueError(f"vLLM has no virtual pipeline stages (got --vpp {vpp})")
     wanted_dtype = dtype_name(dtype)
+    if quantization is not None:  # loads torch: a quantized conversion takes the torch path anyway
+        from models.common.export import fp8
+
+        fp8.check_quantization(quantization)
+    check_quantization_target(to, quantization)
     dst_path = Path(dst).resolve()
     src_path = Path(src).resolve()
     if src_path == dst_path or dst_path in src_path.parents:
@@ -147,9 +170,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
     # config found beside it (tokenizer files come from there too) unless --hf-config is given
     location = locate_source(src, hf_config)
     src, hf_config = location.path, hf_config or location.hf_config_dir
+    check_unquantized_config(location, hf_config)  # before the copy path, whose readers would not say why
     # --ep > 1 is for MoE models, which the copy path leaves to the torch path anyway
     # Megatron-Bridge's layout (run_config.yaml, its names) is written by the torch path
-    if to not in ("vllm", "megatron-bridge") and ep in (None, 1) and not moe_grouped_gemm and _convert_by_copy(
+    by_copy = quantization is None and to not in ("vllm", "megatron-bridge")  # and FP8: the copy path moves bytes
+    if by_copy and ep in (None, 1) and not moe_grouped_gemm and _convert_by_copy(
             src, dst_path, to=to, overwrite=overwrite, hf_config=hf_config, arch=arch, vocab_size=vocab_size,
             dtype=wanted_dtype, shard_bytes=shard_bytes, workers=workers, progress=progress, tp=tp, pp=pp, vpp=vpp,
             divisible_by=make_vocab_size_divisible_by, first=first_stage_layers, last=last_stage_layers):
@@ -168,14 +193,28 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
         tp, pp = tp or 1, pp or 1
         check_layout(reader.cfg, tp, pp)
         with Staging(dst_path, overwrite) as tmp:
+        if quantization:
+            from converters.torch_path.hf_fp8 import check_fp8_target, write_quantization_config
+
+            check_fp8_target(reader, tp)
             write_vllm(reader, str(tmp), tp=tp, pp=pp, dtype=out_dtype, max_shard_bytes=shard_bytes,
-                       workers=workers, progress=progress)
+                       workers=workers, progress=progress, quantization=quantization)
             write_hf_config(reader, str(tmp), out_dtype, files_from)
         return dst_path
+            if quantization:
+                write_quantization_config(str(tmp), reader)
     if to == "hf":
         from converters.torch_path.hf import write_hf
 
         with Staging(dst_path, overwrite) as tmp:
+        if quantization:
+            from converters.torch_path.hf_fp8 import check_fp8_target, write_hf_fp8
+
+            check_fp8_target(reader)
+            with Staging(dst_path, overwrite) as tmp:
+                write_hf_fp8(reader, str(tmp), out_dtype, max_shard_bytes=shard_bytes, workers=workers,
+                             progress=progress, files_from=files_from)
+            return dst_path
             write_hf(reader, str(tmp), out_dtype, max_shard_bytes=shard_bytes, workers=workers, progress=progress,
                      files_from=files_from)
         return dst_path

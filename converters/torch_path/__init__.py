@@ -28,10 +28,13 @@ def open_reader(path: str | os.PathLike, *, arch: str | None = None, hf_config: 
     Megatron sources take ``arch``/``hf_config``/``vocab_size``.
 
     Where the checkpoint has no Megatron args, the HF config found beside it (verl's huggingface/,
-    Megatron-Bridge's hf/) describes the model unless ``hf_config`` is given."""
+    Megatron-Bridge's hf/) describes the model unless ``hf_config`` is given. A quantized source (a
+    ``quantization_config`` in that config, FP8 tensors) is refused (``converters/formats/quantized``)."""
     from converters.formats.locate import locate_source
+    from converters.formats.quantized import check_unquantized_config
 
     location = locate_source(path, hf_config)
+    check_unquantized_config(location, hf_config)
     path, hf_config = location.path, hf_config or location.hf_config_dir
     module, name = READERS[location.format].split(":")
     cls = getattr(importlib.import_module(module), name)

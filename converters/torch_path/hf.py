@@ -20,8 +20,10 @@ import torch
 from converters.formats import hf as hf_format
 from converters.formats.hf import FilePlan, HFCheckpoint, plan_shards, split_file_plan, tensor_offsets  # noqa: F401
 from converters.formats.hf_config import read_hf_config, write_config_dir
+from converters.formats.quantized import check_unquantized_tensors
 from converters.layout.model import Unit, unit_entries
 from converters.torch_path.reader import TORCH_DTYPES, CheckpointReader, ReaderInfo, reopen
+from models.common.hf_files import SafetensorsFiles
 from models.common.sources import CheckpointError, RenamedSource, SafetensorsSource
 from parallel.sharding import Piece
 
@@ -35,6 +37,8 @@ class HFReader(CheckpointReader):
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = str(path)
         self._remember_args(self.path)
+        stored = SafetensorsFiles(path).tensors  # FP8 tensors named before the weight map reads the names
+        check_unquantized_tensors(self.path, ((name, t.dtype) for name, t in stored.items()))
         ckpt = HFCheckpoint(path)
         self.hf_config, self.arch, self.cfg, self.wmap = ckpt.hf_config, ckpt.arch, ckpt.cfg, ckpt.wmap
         files = SafetensorsSource(path, ckpt.files)

@@ -7,7 +7,8 @@ rules at TP ``N`` (vLLM's vocabulary padding: ``models/common/vllm_format.py``) 
 ``model-rank-{t}-part-{k}.safetensors`` (``model-pp-{p}-tp-{t}-part-{k}.safetensors`` when pp > 1),
 starting a new part when the next tensor would pass ``max_shard_size`` (vLLM's own rule). Keys are
 exactly those vLLM's strict ``ShardedStateLoader`` expects, attention scales included. Memory: one
-unit plus the part being filled.
+unit plus the part being filled. ``--quantize fp8``: each shard is quantized as it is packed
+(``models/common/export/fp8.py``, as ``save_vllm_sharded_state(quantization="fp8")`` does).
 
 Reading inverts the same rules: ``VllmReader`` takes everything from the format's validating reader
 (``converters/formats/vllm_sharded.py``: files, headers, every rank's keys and shard shapes), and
@@ -22,10 +23,12 @@ from pathlib import Path
 
 import torch
 
+from converters.formats.quantized import check_unquantized_tensors
 from converters.formats.vllm_sharded import VllmShardedCheckpoint
 from converters.layout.model import EMBED, FINAL, Unit, unit_entries
 from converters.torch_path.reader import TORCH_DTYPES, CheckpointReader, ReaderInfo, reopen
 from models.common import vllm_format
+from models.common.errors import CheckpointError
 from models.common.weight_map import WeightEntry
 
 
@@ -36,6 +39,9 @@ class VllmReader(CheckpointReader):
         self.path = str(path)
         self._remember_args(self.path)
         ckpt = VllmShardedCheckpoint(path)
+        for (pp_rank, tp_rank), stage in ckpt.tensors.items():
+            check_unquantized_tensors(f"{self.path} (pp {pp_rank}, tp {tp_rank})",
+                                      ((key, t.dtype) for key, t in stage.items()))
         self.ckpt = ckpt
         self.hf_config, self.arch, self.cfg, self.wmap = ckpt.hf_config, ckpt.arch, ckpt.cfg, ckpt.wmap
         weights = [t for stage in ckpt.tensors.values() for key, t in stage.items() if ".attn._" not in key]
@@ -77,9 +83,24 @@ class VllmReader(CheckpointReader):
 
 
 def write_vllm_rank(reopen_args: tuple, directory: str, pp_rank: int, tp_rank: int, tp: int, pp: int,
-                    dtype: torch.dtype, max_shard_bytes: int) -> int:
-    """All files of one vLLM rank; returns the bytes written."""
+                    dtype: torch.dtype, max_shard_bytes: int, quantization: str | None = None) -> int:
+    """All files of one vLLM rank; returns the bytes written. ``quantization="fp8"``: each packed shard
+    is stored as ``fp8.quantize_named`` makes it (a quantized entry's shard as one FP8 tensor plus its
+    ``<key>_scale_inv``), and each attention layer gets ``fp8.vllm_attention_scales`` after its scales."""
     from safetensors.torch import save_file
+
+    if quantization:
+        from models.common.export import fp8
+
+        def stored(key: str, entry: WeightEntry, shard: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+            return fp8.quantize_named([(key, shard)], fp8.is_quantized(entry), dtype)
+
+        extra_scales = fp8.vllm_attention_scales(quantization)
+    else:
+        def stored(key: str, entry: WeightEntry, shard: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+            return [(key, shard.to(dtype))]
+
+        extra_scales = []
 
     reader = reopen(reopen_args)
     try:
@@ -90,13 +111,6 @@ def write_vllm_rank(reopen_args: tuple, directory: str, pp_rank: int, tp_rank: i
         first_params = {e.param for e in vmap.first_entries}  # the embedding and any vision tower
         units = ([EMBED] if any(t.entry is not None and t.entry.param in first_params for t in wanted) else []) \
             + list(layers) + ([FINAL] if pp_rank == pp - 1 else [])
-        values: dict[str, torch.Tensor] = {}
-        for unit in units:
-            hf = reader.read_unit(unit)
-            for t in wanted:
-                if t.entry is not None and t.key not in values and all(n in hf for n in t.entry.hf):
-                    values[t.key] = vllm_format.pack_shard(t.entry, hf, tp_rank, tp).to(dtype)
-            del hf
         written = 0
 
         def write(tensors: dict, part: int) -> None:
@@ -104,10 +118,32 @@ def write_vllm_rank(reopen_args: tuple, directory: str, pp_rank: int, tp_rank: i
                       metadata={"format": "pt"})
 
         parts = vllm_format.PartSplitter(max_shard_bytes, write)
-        for t in wanted:
-            tensor = values.pop(t.key) if t.entry is not None else torch.ones((), dtype=torch.float32)
-            parts.add(t.key, tensor.contiguous())
-            written += tensor.numel() * tensor.element_size()
+        last_scale = vllm_format.ATTENTION_SCALES[-1]
+        values: dict[str, list[tuple[str, torch.Tensor]]] = {}  # key -> what is stored for it, until added
+        done = 0  # wanted[:done] are in the parts: tensors go out in state-dict order as soon as they exist
+        for unit in units:
+            hf = reader.read_unit(unit)
+            for t in wanted[done:]:
+                if t.entry is not None and t.key not in values and all(n in hf for n in t.entry.hf):
+                    values[t.key] = stored(t.key, t.entry, vllm_format.pack_shard(t.entry, hf, tp_rank, tp))
+            del hf
+            while done < len(wanted) and (wanted[done].entry is None or wanted[done].key in values):
+                t = wanted[done]
+                if t.entry is not None:
+                    tensors = values.pop(t.key)
+                else:  # an attention scale scalar; after the layer's last one, the quantization's own
+                    tensors = [(t.key, torch.ones((), dtype=torch.float32))]
+                    if t.key.endswith(f".attn.{last_scale}"):
+                        prefix = t.key.removesuffix(last_scale)
+                        tensors += [(prefix + name, torch.full((), value, dtype=torch.float32))
+                                    for name, value in extra_scales]
+                for key, tensor in tensors:
+                    parts.add(key, tensor.contiguous())
+                    written += tensor.numel() * tensor.element_size()
+                done += 1
+        if done < len(wanted):
+            raise CheckpointError(f"vLLM rank {tp_rank} (stage {pp_rank}): {wanted[done].key} never produced by "
+                                  f"the reader")
         parts.close()
         return written
     finally:
@@ -115,10 +151,12 @@ def write_vllm_rank(reopen_args: tuple, directory: str, pp_rank: int, tp_rank: i
 
 
 def write_vllm(reader: CheckpointReader, directory: str, *, tp: int, pp: int, dtype: torch.dtype,
-               max_shard_bytes: int, workers: int, progress: bool) -> None:
-    """Every rank's files (tasks in worker processes); the caller writes config and tokenizer files."""
+               max_shard_bytes: int, workers: int, progress: bool, quantization: str | None = None) -> None:
+    """Every rank's files (tasks in worker processes); the caller writes config and tokenizer files
+    (and checks FP8 shards with ``fp8.vllm_block_check`` first)."""
     from converters.runtime.tasks import run_tasks
 
-    tasks = [(write_vllm_rank, (reader.reopen_args(), directory, p, t, tp, pp, dtype, max_shard_bytes))
+    tasks = [(write_vllm_rank, (reader.reopen_args(), directory, p, t, tp, pp, dtype, max_shard_bytes,
+                                quantization))
              for p in range(pp) for t in range(tp)]
     run_tasks(tasks, workers, "writing vLLM shards", progress)

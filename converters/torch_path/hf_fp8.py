@@ -1,0 +1,219 @@
+"""FP8 HF checkpoints on the torch path: ``pmz convert SRC DST --to hf --quantize fp8``.
+
+What is stored is ``models/common/export/fp8.py``'s rule, the one ``save_pretrained(quantization=
+"fp8")`` follows: per weight-map entry, ``fp8.is_quantized`` says whether its HF tensors become
+``float8_e4m3fn`` plus ``<name>_scale_inv`` (fp32, one per 128x128 block), ``fp8.quantize_named``
+makes them, ``fp8.stored_layout`` gives names, shapes and dtypes for planning, and
+``fp8.quantization_config`` goes into config.json. Everything else keeps the output dtype.
+
+Files are laid out as ``write_hf`` lays them out (``hf_plan``: HF tensors in unit order, split at
+``--max-shard-size`` counted on the unquantized bytes, so FP8 files come out smaller), each HF
+tensor replaced by what is stored for it; inside a file the widest dtypes come first, so every
+tensor starts aligned to its element size (what safetensors' own writer ensures). Headers are
+written up front and tasks fill byte ranges, as in ``write_hf``: the bytes depend only on the plan.
+
+Memory: a quantized tensor is read as row pieces (views into the source where the reader allows)
+and quantized in slabs of whole 128-row blocks (``SLAB_BYTES`` of fp32 at most, one block row at
+least), each slab's FP8 rows and scale rows written where the plan puts them. A block's scale
+depends only on its own elements, so the slabs give exactly the whole tensor's quantization.
+Kept tensors stream as in ``write_hf``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from converters.formats.hf import FilePlan, nbytes, split_file_plan
+from converters.layout.model import Unit, unit_entries
+from converters.torch_path.hf import SAFETENSORS_DTYPE, _Copier, hf_plan, release_mapped, tensor_bytes, write_hf_config
+from converters.torch_path.reader import CheckpointReader, reopen
+from models.common.errors import CheckpointError
+from models.common.export import fp8
+
+TAGS = {**SAFETENSORS_DTYPE, fp8.FP8_DTYPE: "F8_E4M3"}
+SLAB_BYTES = 64 << 20  # fp32 bytes of one quantization slab (whole 128-row blocks; at least one block row)
+
+
+@dataclass
+class StoredFile:
+    """One output file: ``plan`` (the HF tensors it stores and the units to read, as ``hf_plan`` made
+    them) and ``stored``: what the file holds, ``(name, shape, safetensors dtype tag)`` in file order."""
+
+    plan: FilePlan
+    stored: list[tuple[str, tuple[int, ...], str]]
+
+    def header(self) -> bytes:
+        """The 8-byte length prefix and JSON header (data starts 8-byte aligned), as
+        ``converters.formats.hf.header`` writes it, with each tensor's own dtype."""
+        head: dict = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for name, shape, tag in self.stored:
+            n = nbytes(shape, tag)
+            head[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [offset, offset + n]}
+            offset += n
+        raw = json.dumps(head, separators=(",", ":")).encode()
+        raw += b" " * ((-len(raw)) % 8)
+        return len(raw).to_bytes(8, "little") + raw
+
+    def offsets(self) -> dict[str, int]:
+        """Absolute file offset of each stored tensor."""
+        out, at = {}, len(self.header())
+        for name, shape, tag in self.stored:
+            out[name] = at
+            at += nbytes(shape, tag)
+        return out
+
+    def create(self, directory: str) -> None:
+        """The file with its header, sized to its final length (tasks write the tensor bytes)."""
+        head = self.header()
+        with open(Path(directory) / self.plan.name, "wb") as f:
+            f.write(head)
+            f.truncate(len(head) + sum(nbytes(shape, tag) for _, shape, tag in self.stored))
+
+
+def quantized_names(reader: CheckpointReader) -> set[str]:
+    """HF names of every tensor stored as FP8 (``fp8.is_quantized`` of its weight-map entry)."""
+    return {name for unit in reader.units() for entry in unit_entries(reader.wmap, unit) if fp8.is_quantized(entry)
+            for name in entry.hf}
+
+
+def check_fp8_target(reader: CheckpointReader, tp: int | None = None) -> None:
+    """QuantizationError (one line, the numbers named) before anything is written: a weight-map entry
+    with no FP8 role, or (``tp``: a vLLM target) a TP whose shard boundaries cut a 128x128 block."""
+    fp8.quantization_config(reader.wmap, reader.cfg.num_hidden_layers)  # every entry's role
+    quantized_names(reader)
+    if tp is not None:
+        from models.common import vllm_format
+        from models.common.weight_map import hf_shapes
+
+        vmap = vllm_format.vllm_weight_map(reader.wmap, reader.cfg)
+        fp8.vllm_block_check(vmap, reader.cfg, hf_shapes(reader.cfg, vmap), tp)
+
+
+def plan_fp8(reader: CheckpointReader, dtype: torch.dtype, max_shard_bytes: int) -> list[StoredFile]:
+    """The files of the FP8 checkpoint (see the module docstring)."""
+    quantized = quantized_names(reader)
+    files = []
+    for plan in hf_plan(reader, dtype, max_shard_bytes):
+        stored = [(n, s, TAGS[dt]) for name, shape in plan.tensors
+                  for n, s, dt in fp8.stored_layout(name, shape, name in quantized, dtype)]
+        stored.sort(key=lambda t: -nbytes((), t[2]))  # stable: widest first, every tensor aligned
+        files.append(StoredFile(plan, stored))
+    return files
+
+
+def write_quantization_config(directory: str, reader: CheckpointReader) -> None:
+    """Add ``fp8.quantization_config`` to the config.json already written in ``directory``."""
+    path = Path(directory) / "config.json"
+    data = json.loads(path.read_text())
+    data["quantization_config"] = fp8.quantization_config(reader.wmap, reader.cfg.num_hidden_layers)
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def write_hf_fp8(reader: CheckpointReader, directory: str, dtype: torch.dtype, *, max_shard_bytes: int,
+                 workers: int, progress: bool, files_from: str | None) -> None:
+    """The FP8 HF checkpoint of ``reader`` in ``directory``: shards, index, config.json with
+    ``quantization_config`` and the tokenizer files of ``files_from``; ``dtype``: the kept tensors'."""
+    from converters.runtime.tasks import run_tasks
+
+    files = plan_fp8(reader, dtype, max_shard_bytes)
+    quantized = quantized_names(reader)
+    tasks = []
+    for f in files:
+        f.create(directory)
+        parts = max(1, min(workers, len(f.plan.tensors)) * 2 // max(1, len(files)))
+        tasks += [(_write_range, (reader.reopen_args(), f, directory, dtype, lo, hi, quantized))
+                  for lo, hi in split_file_plan(f.plan, parts)]
+    run_tasks(tasks, workers, "writing FP8 HF shards", progress)
+    if len(files) > 1:
+        total = sum(nbytes(shape, tag) for f in files for _, shape, tag in f.stored)
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {name: f.plan.name for f in files for name, _, _ in f.stored}}
+        (Path(directory) / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True)
+                                                                      + "\n")
+    write_hf_config(reader, directory, dtype, files_from)
+    write_quantization_config(directory, reader)
+
+
+def _write_range(reopen_args: tuple, file: StoredFile, directory: str, dtype: torch.dtype, lo: int, hi: int,
+                 quantized: set[str]) -> int:
+    reader = reopen(reopen_args)
+    try:
+        return write_fp8_range(file, directory, dtype, lo, hi, reader.read_unit_pieces, quantized)
+    finally:
+        reader.close()
+
+
+def write_fp8_range(file: StoredFile, directory: str, dtype: torch.dtype, lo: int, hi: int,
+                    read_unit_pieces: Callable[[Unit], dict[str, list[torch.Tensor]]], quantized: set[str]) -> int:
+    """Write what is stored for HF tensors ``file.plan.tensors[lo:hi]``, unit by unit; returns the bytes."""
+    offsets = file.offsets()
+    wanted = {name: tuple(shape) for name, shape in file.plan.tensors[lo:hi]}
+    written = 0
+    with open(Path(directory) / file.plan.name, "r+b") as f:
+        copier = _Copier(f)
+        for unit in file.plan.units:
+            if not wanted:
+                break
+            pieces_of = read_unit_pieces(unit)
+            for name in [n for n in pieces_of if n in wanted]:
+                pieces = pieces_of.pop(name)
+                shape = wanted.pop(name)
+                got = (sum(p.shape[0] for p in pieces), *pieces[0].shape[1:])
+                if got != shape or any(p.shape[1:] != pieces[0].shape[1:] for p in pieces):
+                    raise CheckpointError(f"{name}: produced shape {got}, planned {shape}")
+                if name in quantized:
+                    written += _write_quantized(f, name, pieces, offsets[name], offsets[fp8.scale_name(name)])
+                else:
+                    f.seek(offsets[name])
+                    for piece in pieces:
+                        written += copier.write(piece, dtype)
+                del pieces
+            del pieces_of
+        copier.close()
+    if wanted:
+        raise CheckpointError(f"{file.plan.name}: tensor(s) {', '.join(sorted(wanted))} never produced by the reader")
+    return written
+
+
+def _write_quantized(f, name: str, pieces: list[torch.Tensor], at: int, scale_at: int) -> int:
+    """The FP8 rows and scale rows of one tensor, slab by slab (``row_slabs``), at their offsets."""
+    written = 0
+    for slab in row_slabs(pieces):
+        (_, q), (_, s) = fp8.quantize_named([(name, slab)], True, None)
+        for tensor, where in ((q, at), (s, scale_at)):
+            f.seek(where)
+            written += f.write(tensor_bytes(tensor))
+        at, scale_at = at + q.numel() * q.element_size(), scale_at + s.numel() * s.element_size()
+    for piece in pieces:
+        release_mapped(piece)
+    return written
+
+
+def row_slabs(pieces: list[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """The tensor whose row pieces are ``pieces`` (concatenated along dim 0) as slabs of whole 128-row
+    blocks (the last one what is left), each at most ``SLAB_BYTES`` of fp32 but at least one block
+    row; a tensor that is not a matrix comes whole."""
+    if pieces[0].dim() != 2:
+        yield torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        return
+    cols = pieces[0].shape[1]
+    rows = fp8.BLOCK * max(1, SLAB_BYTES // max(1, fp8.BLOCK * cols * 4))
+    held: list[torch.Tensor] = []
+    count = 0
+    for piece in pieces:
+        start = 0
+        while start < piece.shape[0]:
+            take = min(rows - count, piece.shape[0] - start)
+            held.append(piece[start:start + take])
+            count, start = count + take, start + take
+            if count == rows:
+                yield torch.cat(held) if len(held) > 1 else held[0]
+                held, count = [], 0
+    if held:
+        yield torch.cat(held) if len(held) > 1 else held[0]
