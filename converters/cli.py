@@ -104,6 +104,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     elif worst is not None:
         print(f"compared {len(report.rows)} tensors; largest difference: {worst[0]} (max abs {worst[1]:.3g}, "
               f"max rel {worst[2]:.3g})")
+    if report.fp8:
+        print(f"{len(report.fp8)} FP8 tensors compared dequantized: each element must be the nearest e4m3 value "
+              f"under its 128x128 block's scale_inv; the other tensors by --atol/--rtol")
     if report.logits_diff is not None:
         print(f"logits (transformers, fixed prompt): max abs diff {report.logits_diff:.3g}")
     if report.ok:

@@ -2,7 +2,9 @@
 
 What it lists it has validated: the source's reader checks every file, header and tensor entry as a
 conversion would before writing (a truncated rank file is an error naming it, exit 1), so a summary
-means the checkpoint converts; tensor *values* are not read (``pmz verify`` compares them)."""
+means the checkpoint converts; tensor *values* are not read (``pmz verify`` compares them). An HF
+directory in the block-wise FP8 format (``pmz convert --quantize fp8``) is described too, with a
+``quantization`` line (``converters/torch_path/hf_fp8_reader``); it is not a conversion source."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ def inspect_checkpoint(path: str | os.PathLike, *, vocab_size: int | None = None
     """Format, layout recognized, where the model description came from, architecture, parallel layout,
     parameter count, dtype, bytes on disk, and the non-model entries a conversion skips."""
     location = locate_source(path, hf_config)
-    reader = open_reader(path, vocab_size=vocab_size, hf_config=hf_config)
+    reader = open_reader(path, vocab_size=vocab_size, hf_config=hf_config, fp8=True)
     reader.validate()  # every rank file and tensor entry, as a conversion checks them before writing
     shapes = reader.hf_shapes()
     params = 0
@@ -43,6 +45,8 @@ def inspect_checkpoint(path: str | os.PathLike, *, vocab_size: int | None = None
         "files": reader.info.files,
         "parameters": params,
         "dtype": str(reader.info.dtype).replace("torch.", ""),
+        **({"quantization": reader.describe(), "dtype": "float8_e4m3fn, float32 scales, " + " and ".join(
+            reader.kept_dtypes) + " kept"} if hasattr(reader, "describe") else {}),
         "bytes": size,
         "checked": "every file's headers and metadata, every tensor's presence and shape (not the values: pmz verify)",
     }

@@ -216,9 +216,8 @@ def test_fp8_sources_are_refused(sources, tmp_path):
         for extra in ((), ("--quantize", "fp8")):
             _refused(1, "convert", source, out / "x", "--to", "hf", *extra,
                      names=(str(source / "config.json"), "quantization_config", "'fp8'"))
-    for command in (("inspect", hf8), ("verify", sources["aligned_qwen2"], hf8)):
-        res = pmz(*command)
-        assert res.returncode == 1 and "quantization_config" in res.stderr and len(res.stderr.splitlines()) == 1
+    res = pmz("inspect", vllm8)  # inspect and verify read FP8 back from HF directories only
+    assert res.returncode == 1 and len(res.stderr.splitlines()) == 1 and "only from an HF directory" in res.stderr
     plain = tmp_path / "plain-config"
     shutil.copytree(sources["aligned_qwen2"], plain)
     tensors = load_file(str(plain / "model.safetensors"))
@@ -227,3 +226,31 @@ def test_fp8_sources_are_refused(sources, tmp_path):
     save_file(tensors, str(plain / "model.safetensors"), metadata={"format": "pt"})
     for copy_path in (True, False):
         _refused(1, "convert", plain, out / "y", "--to", "hf", names=(key, "F8_E4M3"), copy_path=copy_path)
+
+
+def test_inspect_and_verify_read_fp8_back(sources, tmp_path):
+    """inspect describes an FP8 HF directory; verify against its source passes, and fails once one
+    element is moved to the next e4m3 value (no longer the nearest under its block's scale)."""
+    src, fp8_dir = sources["qwen2"], tmp_path / "fp8"
+    _ok("convert", src, fp8_dir, "--to", "hf", "--quantize", "fp8", "--max-shard-size", "60KB")
+    quantized = [n for n in _load(src) if QUANTIZED.search(n)]
+    res = pmz("inspect", fp8_dir)
+    assert res.returncode == 0, res.stderr
+    line = next(x for x in res.stdout.splitlines() if x.startswith("quantization"))
+    assert f"{len(quantized)} tensors as float8_e4m3fn" in line and "128x128" in line, line
+    res = pmz("verify", src, fp8_dir)
+    assert res.returncode == 0 and f"{len(quantized)} FP8 tensors compared dequantized" in res.stdout, res.stdout
+    res = pmz("verify", src, fp8_dir, "--logits")
+    assert res.returncode == 1 and "--logits" in res.stderr and len(res.stderr.splitlines()) == 1
+    bad = tmp_path / "bad"
+    shutil.copytree(fp8_dir, bad)
+    index = json.loads((bad / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors = load_file(str(bad / index[name]))
+    bits = tensors[name].view(torch.uint8).flatten()
+    magnitude = bits & 0x7F
+    i = int(torch.nonzero((magnitude > 0x40) & (magnitude < 0x70))[0])  # a normal value well inside the range
+    bits[i] += 1  # the next e4m3 magnitude, same sign
+    save_file(tensors, str(bad / index[name]), metadata={"format": "pt"})
+    res = pmz("verify", src, bad)
+    assert res.returncode == 1 and name in res.stderr and "1 element(s) not the nearest e4m3" in res.stderr, res.stderr

@@ -32,25 +32,39 @@ def config_dir(location, hf_config: str | None = None) -> str | None:
     return hf_config or location.hf_config_dir
 
 
-def check_unquantized_config(location, hf_config: str | None = None) -> None:
-    """CheckpointError naming the file when the config the model is read from has a ``quantization_config``."""
+def quantization_config_of(location, hf_config: str | None = None) -> tuple[Path | None, object]:
+    """``(config.json path, its quantization_config)`` of the config the model is read from; the
+    second item None when there is none (a missing or malformed config.json is the format reader's
+    error to report)."""
     directory = config_dir(location, hf_config)
     path = Path(directory) / "config.json" if directory else None
     if path is None or not path.is_file():
-        return  # a missing or malformed config.json is the format reader's error to report
+        return path, None
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
-        return
-    qconfig = data.get("quantization_config") if isinstance(data, dict) else None
-    if qconfig is None and isinstance(data, dict) and isinstance(data.get("text_config"), dict):
+        return path, None
+    if not isinstance(data, dict):
+        return path, None
+    qconfig = data.get("quantization_config")
+    if qconfig is None and isinstance(data.get("text_config"), dict):
         qconfig = data["text_config"].get("quantization_config")
+    return path, qconfig
+
+
+def describe(qconfig) -> str:
+    """``quant_method 'fp8', fmt 'e4m3', weight_block_size [128, 128]`` (what a message names)."""
+    if not isinstance(qconfig, dict):
+        return repr(qconfig)
+    return ", ".join(f"{k} {qconfig[k]!r}" for k in ("quant_method", "fmt", "weight_block_size") if k in qconfig)
+
+
+def check_unquantized_config(location, hf_config: str | None = None) -> None:
+    """CheckpointError naming the file when the config the model is read from has a ``quantization_config``."""
+    path, qconfig = quantization_config_of(location, hf_config)
     if qconfig is not None:
-        method = qconfig.get("quant_method") if isinstance(qconfig, dict) else qconfig
-        details = ", ".join(f"{k} {qconfig[k]!r}" for k in ("fmt", "weight_block_size") if k in qconfig) \
-            if isinstance(qconfig, dict) else ""
-        raise CheckpointError(f"{path}: a quantized checkpoint's config (quantization_config: quant_method "
-                              f"{method!r}{', ' + details if details else ''}): {REASON}")
+        raise CheckpointError(f"{path}: a quantized checkpoint's config (quantization_config: {describe(qconfig)}): "
+                              f"{REASON}")
 
 
 def check_unquantized_tensors(where: str, tags: Iterable[tuple[str, str]]) -> None:

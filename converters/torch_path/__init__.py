@@ -23,17 +23,29 @@ READERS = {
 
 
 def open_reader(path: str | os.PathLike, *, arch: str | None = None, hf_config: str | None = None,
-                vocab_size: int | None = None) -> Any:
+                vocab_size: int | None = None, fp8: bool = False) -> Any:
     """A reader (``converters.torch_path.reader.CheckpointReader``) for any supported checkpoint;
     Megatron sources take ``arch``/``hf_config``/``vocab_size``.
 
     Where the checkpoint has no Megatron args, the HF config found beside it (verl's huggingface/,
     Megatron-Bridge's hf/) describes the model unless ``hf_config`` is given. A quantized source (a
-    ``quantization_config`` in that config, FP8 tensors) is refused (``converters/formats/quantized``)."""
+    ``quantization_config`` in that config, FP8 tensors) is refused (``converters/formats/quantized``),
+    except, with ``fp8`` (``pmz inspect`` / ``pmz verify``), an HF directory in the block-wise FP8
+    format, read dequantized (``hf_fp8_reader.FP8HFReader``)."""
     from converters.formats.locate import locate_source
-    from converters.formats.quantized import check_unquantized_config
+    from converters.formats.quantized import check_unquantized_config, describe, quantization_config_of
+    from models.common.errors import CheckpointError
 
     location = locate_source(path, hf_config)
+    config_path, qconfig = quantization_config_of(location, hf_config)
+    if fp8 and qconfig is not None and location.format == "hf":
+        from converters.torch_path.hf_fp8_reader import FP8HFReader
+
+        return FP8HFReader(location.path)
+    if fp8 and qconfig is not None and location.format == "vllm":
+        raise CheckpointError(f"{config_path}: a quantized {location.layout} checkpoint (quantization_config: "
+                              f"{describe(qconfig)}): pmz reads FP8 back only from an HF directory (pmz convert "
+                              f"SRC DST --to hf --quantize fp8 writes one)")
     check_unquantized_config(location, hf_config)
     path, hf_config = location.path, hf_config or location.hf_config_dir
     module, name = READERS[location.format].split(":")
