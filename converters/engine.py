@@ -154,12 +154,12 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
     check_hf_target_layout(to, tp=tp, pp=pp, vpp=vpp, ep=ep)
     if to == "vllm" and vpp not in (None, 1):
         raise ValueError(f"vLLM has no virtual pipeline stages (got --vpp {vpp})")
-    wanted_dtype = dtype_name(dtype)
     if quantization is not None:  # loads torch: a quantized conversion takes the torch path anyway
         from models.common.export import fp8
 
         fp8.check_quantization(quantization)
     check_quantization_target(to, quantization)
+    wanted_dtype = dtype_name(dtype)
     dst_path = Path(dst).resolve()
     src_path = Path(src).resolve()
     if src_path == dst_path or dst_path in src_path.parents:
@@ -169,8 +169,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
     # verl actor folders, Megatron-Bridge iterations...: the folder holding the tensors, and the HF
     # config found beside it (tokenizer files come from there too) unless --hf-config is given
     location = locate_source(src, hf_config)
-    src, hf_config = location.path, hf_config or location.hf_config_dir
     check_unquantized_config(location, hf_config)  # before the copy path, whose readers would not say why
+    src, hf_config = location.path, hf_config or location.hf_config_dir
     # --ep > 1 is for MoE models, which the copy path leaves to the torch path anyway
     # Megatron-Bridge's layout (run_config.yaml, its names) is written by the torch path
     by_copy = quantization is None and to not in ("vllm", "megatron-bridge")  # and FP8: the copy path moves bytes
@@ -192,21 +192,20 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
 
         tp, pp = tp or 1, pp or 1
         check_layout(reader.cfg, tp, pp)
-        with Staging(dst_path, overwrite) as tmp:
         if quantization:
             from converters.torch_path.hf_fp8 import check_fp8_target, write_quantization_config
 
             check_fp8_target(reader, tp)
+        with Staging(dst_path, overwrite) as tmp:
             write_vllm(reader, str(tmp), tp=tp, pp=pp, dtype=out_dtype, max_shard_bytes=shard_bytes,
                        workers=workers, progress=progress, quantization=quantization)
             write_hf_config(reader, str(tmp), out_dtype, files_from)
-        return dst_path
             if quantization:
                 write_quantization_config(str(tmp), reader)
+        return dst_path
     if to == "hf":
         from converters.torch_path.hf import write_hf
 
-        with Staging(dst_path, overwrite) as tmp:
         if quantization:
             from converters.torch_path.hf_fp8 import check_fp8_target, write_hf_fp8
 
@@ -215,6 +214,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
                 write_hf_fp8(reader, str(tmp), out_dtype, max_shard_bytes=shard_bytes, workers=workers,
                              progress=progress, files_from=files_from)
             return dst_path
+        with Staging(dst_path, overwrite) as tmp:
             write_hf(reader, str(tmp), out_dtype, max_shard_bytes=shard_bytes, workers=workers, progress=progress,
                      files_from=files_from)
         return dst_path
