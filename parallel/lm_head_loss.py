@@ -39,7 +39,8 @@ import torch.nn.functional as F
 
 from parallel.collectives import all_gather_dim0, group_size, reduce_scatter_dim0
 
-LOGITS_CHUNK_BYTES = 64 << 20  # default chunk: its fp32 logits take at most this many bytes
+LOGITS_CHUNK_BYTES = 256 << 20  # default chunk: its fp32 logits take at most this many bytes (441 tokens at
+# vocab 151936; smaller chunks cost more passes over the weight gradient, docs/benchmarks.md)
 MIN_CHUNK_TOKENS, MAX_CHUNK_TOKENS = 16, 8192
 
 
@@ -125,18 +126,28 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_x = torch.zeros_like(x) if want_x else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
         if valid > 0 and (want_x or want_w):
+            fp32 = x.dtype == torch.float32
             for a in range(0, x.shape[0], chunk):
                 b = min(a + chunk, x.shape[0])
-                grad = _chunk_logits(x[a:b], w)
-                grad.sub_(lse[a:b, None]).exp_()  # this rank's columns of the softmax
+                if fp32:  # logits - lse in the matmul's output pass
+                    grad = torch.addmm(lse[a:b, None].neg(), x[a:b], w.t())
+                else:  # the model dtype's logits (the plain head's rounding), then fp32
+                    grad = _chunk_logits(x[a:b], w).sub_(lse[a:b, None])
+                grad.exp_()  # this rank's columns of the softmax
                 rows = torch.arange(b - a, device=grad.device)
                 grad[rows, safe_t[a:b]] -= in_slice[a:b].to(grad.dtype)
-                grad.mul_(g[a:b, None])
-                grad = grad.to(x.dtype)
-                if want_x:
-                    grad_x[a:b] = grad.matmul(w)
-                if want_w:
-                    grad_w[:valid].add_(grad.t().matmul(x[a:b]))
+                scale = g[a:b, None]
+                if fp32:  # d loss_t / d logits_t scaled by g_t through the small [c, H] operands
+                    if want_x:
+                        grad_x[a:b] = grad.matmul(w).mul_(scale)
+                    if want_w:
+                        grad_w[:valid].addmm_(grad.t(), x[a:b] * scale)  # in place: no weight-sized temporary
+                else:
+                    grad = grad.mul_(scale).to(x.dtype)
+                    if want_x:
+                        grad_x[a:b] = grad.matmul(w)
+                    if want_w:  # low-precision products, accumulated over chunks in fp32
+                        grad_w[:valid].add_(grad.t().matmul(x[a:b]))
                 del grad
         if want_x and tp > 1:
             if gather:

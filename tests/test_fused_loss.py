@@ -114,19 +114,18 @@ def test_bad_chunk_size_is_one_line_before_any_group(value):
     import torch.distributed as dist
     from transformers import Qwen2Config
 
-    from models.common.builder import build_model
-    from models.qwen2 import ARCHITECTURE
+    from models.qwen2 import build_parallel_model
     from parallel import ParallelConfig
 
     cfg = Qwen2Config(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1)
     assert not dist.is_initialized()
     with pytest.raises(ValueError) as err:  # tp=2 without a process group: the check comes first
-        build_model(ARCHITECTURE, cfg, ParallelConfig(tp=2), loss_chunk_tokens=value)
+        build_parallel_model(cfg, ParallelConfig(tp=2), loss_chunk_tokens=value)
     assert "\n" not in str(err.value) and f"loss_chunk_tokens={value!r}" in str(err.value)
     with pytest.raises(ValueError, match="loss_chunk_tokens"):
         check_chunk_tokens(value)
-    model = build_model(ARCHITECTURE, cfg)
+    model = build_parallel_model(cfg)
     with pytest.raises(ValueError, match="loss_chunk_tokens"):
         model.loss_chunk_tokens = value
     with pytest.raises(ValueError, match="loss_chunk_tokens"):

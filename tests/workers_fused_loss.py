@@ -71,11 +71,10 @@ def _zero(model, hf) -> None:
 def check_layout(path: str, pconfig: ParallelConfig, chunk: int = CHUNK) -> list[tuple]:
     """model(..., return_logits=False) (pp=1: padded and packed) and forward_backward (training and
     forward-only with entropy) next to transformers on the same weights."""
-    from models.common.builder import build_model
-    from models.qwen2 import ARCHITECTURE
+    from models.qwen2 import build_parallel_model
     from tests.cases import load_hf
 
-    model = build_model(ARCHITECTURE, path, pconfig, loss_chunk_tokens=chunk)
+    model = build_parallel_model(path, pconfig, loss_chunk_tokens=chunk)
     hf = load_hf(path)
     vocab = hf.config.vocab_size
     tag = pconfig.describe()
