@@ -1,8 +1,10 @@
 """Qwen2-MoE with expert parallelism against transformers' Qwen2MoeForCausalLM (gloo, CPU, fp32).
 
-One group of processes per world size runs every layout of that size; each rank compares with a
-transformers model built from the same directory: logits, loss including the load-balancing loss,
-router logits, a padded batch, and two SGD steps (gradients of every HF tensor, experts included).
+One group of processes per world size runs every layout of that size (EP, TP(+SP), recompute,
+micro-batches, PP/VPP, Ulysses); each rank compares with a transformers model built from the same
+directory: logits, loss including the load-balancing loss, router logits, a padded batch, and two
+SGD steps (gradients of every HF tensor, experts included). FSDP2 with ep > 1 and LoRA on experts
+or the router are refused by name.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import re
 import pytest
 
 from tests.distributed import run_distributed
-from tests.workers_moe import MOE_CASES, aux_refusals_under_cp, dispatch_suite, suite, write_moe_model
+from tests.workers_moe import MOE_CASES, dispatch_suite, fsdp_with_ep_refusal, suite, write_moe_model
 
 FP32_TOL = 1e-5
 GRAD_REL_TOL = 1e-4
@@ -24,7 +26,9 @@ LAYOUTS = {
         ("shared", {"tp": 2}), ("plain", {"tp": 2, "sequence_parallel": True}),
         ("shared", {"ep": 2, "recompute": "full"}),
         # forward_backward with the aux loss: micro-batches at pp=1, interleaved stages (a chunk without sparse layers)
-        ("shared", {"ep": 2}, {"microbatches": 2}), ("plain", {"pp": 2, "vpp": 2})],
+        ("shared", {"ep": 2}, {"microbatches": 2}), ("plain", {"pp": 2, "vpp": 2}),
+        # the sequence split over Ulysses ranks: aux-loss statistics and router logits over both ranks' tokens
+        ("shared", {"ulysses": 2})],
     4: [("shared", {"ep": 4}), ("shared", {"tp": 2, "ep": 2, "sequence_parallel": True}),
         ("plain", {"tp": 2, "ep": 2, "moe_dispatcher": "allgather"}), ("shared", {"pp": 2, "ep": 2}),
         ("shared", {"pp": 2, "ep": 2}, {"microbatches": 1, "schedule": "gpipe"}),
@@ -106,10 +110,14 @@ def _edited_copy(src, dst, edit):
 
 
 def test_bad_moe_checkpoints_and_layouts_are_refused_by_name(moe_dirs, tmp_path):
-    """Missing expert, wrong router shape, experts not divisible by ep: one clear error, before any
-    process group exists (single process here: a collective would fail differently)."""
+    """Missing expert, wrong router shape, experts not divisible by ep, LoRA targets selecting experts or
+    the router: one clear error, before any process group exists (single process here: a collective
+    would fail differently)."""
     from pathlib import Path
 
+    from peft import LoraConfig
+
+    from models.common.blocks.lora import LoraError
     from models.common.sources import CheckpointError
     from models.qwen2_moe import build_parallel_model
     from parallel import ParallelConfig, ParallelConfigError
@@ -127,11 +135,16 @@ def test_bad_moe_checkpoints_and_layouts_are_refused_by_name(moe_dirs, tmp_path)
         build_parallel_model(src, ParallelConfig(ep=3))
     with pytest.raises(ParallelConfigError, match=r"ep=2 does not divide dp\*cp = 1\*1"):
         build_parallel_model(src, ParallelConfig(ep=2))
+    for targets, words in ((["q_proj", "up_proj"], "'up_proj' selects model.layers.0.mlp.experts.0.up_proj"),
+                           ("all-linear", "'gate' selects model.layers.0.mlp.gate"),
+                           (r".*\.experts", "'experts' selects model.layers.0.mlp.experts")):
+        with pytest.raises(LoraError, match=re.escape(words) + ".*not supported"):
+            build_parallel_model(src, lora=LoraConfig(r=2, target_modules=targets))
 
 
-def test_aux_loss_with_context_parallel_is_refused_on_every_rank(moe_dirs):
-    per_rank = run_distributed(2, aux_refusals_under_cp, dict(moe_dirs)["plain"])
-    for messages in per_rank:
-        assert len(messages) == 2
-        for message in messages:
-            assert re.search(r"(output_router_logits|load-balancing loss) with cp/ulysses \(.*cp=2", message), message
+def test_fsdp_with_expert_parallel_is_refused_on_every_rank(moe_dirs):
+    """FSDP2 would shard each parameter over a replica mesh whose EP ranks hold different experts (measured
+    before the refusal: logits off by 0.66, gradients by 1e10): one line, on every rank, before any group."""
+    per_rank = run_distributed(2, fsdp_with_ep_refusal, dict(moe_dirs)["plain"])
+    for message in per_rank:
+        assert re.search(r"fsdp with ep=2 is not supported \(FSDP2 shards .* different experts", message), message

@@ -9,9 +9,10 @@ LoRA), fp32, on the existing harnesses (tests/workers*.py) run in one 2-rank glo
     one backward, already-sliced input, two ``forward_backward`` steps, log-probs;
   * PP2 (1F1B) and PP2 x VPP2 (interleaved 1F1B): two ``forward_backward`` steps, log-probs;
   * LoRA at TP2+SP on every linear module against peft (logits, LoRA gradients, saved adapter, merge);
-  * Qwen3-MoE at dp2 (TP1), EP2, TP2, TP2+SP, EP2 with recompute, EP2 with micro-batches and PP2 x VPP2
-    through ``forward_backward``: logits, loss with transformers' load-balancing loss, router logits,
-    padded batch, gradients over two steps, ``save_pretrained`` bitwise.
+  * Qwen3-MoE at dp2 (TP1), EP2, TP2, TP2+SP, EP2 with recompute, cp2 (ring), ulysses2 with recompute,
+    FSDP2, EP2 with micro-batches, cp2 (all-gather) x EP2 with micro-batches and PP2 x VPP2 through
+    ``forward_backward``: logits, loss with transformers' load-balancing loss, router logits, padded
+    batch, gradients over two steps, ``save_pretrained`` bitwise; LoRA on its attention at EP2 against peft.
 Bad Qwen3 input (config fields not computed, q/k norm tensors missing or mis-sized) is refused in one
 line before any process group.
 """
@@ -42,6 +43,11 @@ PLAN = [
     ("moe", "qwen3moe_norm", {"tp": 2, "sequence_parallel": True}),
     ("moe", "qwen3moe_step2", {"ep": 2, "recompute": "full"}),
     ("moe", "qwen3moe_norm", {"ep": 2}, {"microbatches": 2}), ("moe", "qwen3moe_step2", {"pp": 2, "vpp": 2}),
+    # the sequence split (aux loss over every rank's tokens), FSDP2, and LoRA on a MoE model's attention
+    ("moe", "qwen3moe_norm", {"cp": 2}), ("moe", "qwen3moe_step2", {"ulysses": 2, "recompute": "full"}),
+    ("moe", "qwen3moe_norm", {"fsdp": True}),
+    ("moe", "qwen3moe_step2", {"cp": 2, "ep": 2, "cp_comm": "allgather"}, {"microbatches": 2}),
+    ("lora", "qwen3moe_norm", "MOE_ADAPTER", dict(ep=2)),
 ]
 
 
@@ -54,13 +60,15 @@ def qwen3_dirs(tmp_path_factory):
     dirs = {name: str(write_hf_model(root, name, cfg, seed=i)) for i, (name, cfg) in enumerate(qwen3_configs().items())}
     adapter = root / "lora" / "adapter"
     make_adapter(dirs["qwen3_untied"], str(adapter), TARGETS)
-    return dirs, str(adapter)
+    moe_adapter = root / "lora" / "moe_adapter"  # attention only: LoRA on experts is refused
+    make_adapter(dirs["qwen3moe_norm"], str(moe_adapter), ["q_proj", "k_proj", "v_proj", "o_proj"])
+    return dirs, {"ADAPTER": str(adapter), "MOE_ADAPTER": str(moe_adapter)}
 
 
 @pytest.fixture(scope="module")
 def records(qwen3_dirs):
-    dirs, adapter = qwen3_dirs
-    plan = [tuple(adapter if a == "ADAPTER" else a for a in item) for item in PLAN]
+    dirs, adapters = qwen3_dirs
+    plan = [tuple(adapters.get(a, a) if isinstance(a, str) else a for a in item) for item in PLAN]
     return [r for rank in run_distributed(2, qwen3_suite, dirs, plan) for r in rank]
 
 

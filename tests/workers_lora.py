@@ -31,6 +31,8 @@ def lora_case(case: str, path: str, adapter: str, out_root: str, kwargs: dict) -
     from peft import LoraConfig, PeftModel
     from transformers import AutoModelForCausalLM
 
+    from tests.workers_moe import per_expert_names  # MoE models: the experts under their on-disk names
+
     config = LoraConfig.from_pretrained(adapter)
     model = build(case, path, ParallelConfig(**kwargs), lora=config)
     model.load_lora_adapter(adapter)
@@ -70,8 +72,9 @@ def lora_case(case: str, path: str, adapter: str, out_root: str, kwargs: dict) -
     # merged weights equal peft's merge_and_unload
     merged_dir = f"{out_root}/merged"
     model.save_pretrained(merged_dir, merge_lora=True)
-    merged = AutoModelForCausalLM.from_pretrained(merged_dir).state_dict()
-    ref_merged = PeftModel.from_pretrained(load_hf(path), adapter).merge_and_unload().state_dict()
+    merged = per_expert_names(AutoModelForCausalLM.from_pretrained(merged_dir).state_dict().items())
+    ref_merged = per_expert_names(PeftModel.from_pretrained(load_hf(path), adapter).merge_and_unload()
+                                  .state_dict().items())
     exported = {n: t for b in model.iter_export("hf", merge_lora=True) for n, t in b.tensors()}
     records += [(*tag, "merged_vs_peft", max((merged[k] - ref_merged[k]).abs().max().item() for k in exported)),
                 (*tag, "merged_export_vs_saved", max((exported[k] - merged[k]).abs().max().item() for k in exported))]

@@ -48,25 +48,29 @@ def write_moe_model(root, name: str, seed: int = 0) -> str:
     return str(path)
 
 
-def hf_grads(hf) -> dict[str, torch.Tensor]:
-    """transformers' gradients under the HF on-disk names (fused experts split per expert)."""
+def per_expert_names(named) -> dict[str, torch.Tensor]:
+    """``(name, tensor)`` pairs of a transformers model (fused experts ``mlp.experts.gate_up_proj [E, 2I, H]``,
+    ``down_proj [E, H, I]``) under the HF on-disk names (per expert); other names unchanged."""
     out = {}
-    for name, p in hf.named_parameters():
-        if p.grad is None:
-            continue
+    for name, t in named:
         if name.endswith("mlp.experts.gate_up_proj"):
             prefix = name[: -len("gate_up_proj")]
-            inter = p.shape[1] // 2
-            for e in range(p.shape[0]):
-                out[f"{prefix}{e}.gate_proj.weight"] = p.grad[e, :inter]
-                out[f"{prefix}{e}.up_proj.weight"] = p.grad[e, inter:]
+            inter = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{prefix}{e}.gate_proj.weight"] = t[e, :inter]
+                out[f"{prefix}{e}.up_proj.weight"] = t[e, inter:]
         elif name.endswith("mlp.experts.down_proj"):
             prefix = name[: -len("down_proj")]
-            for e in range(p.shape[0]):
-                out[f"{prefix}{e}.down_proj.weight"] = p.grad[e]
+            for e in range(t.shape[0]):
+                out[f"{prefix}{e}.down_proj.weight"] = t[e]
         else:
-            out[name] = p.grad
+            out[name] = t
     return out
+
+
+def hf_grads(hf) -> dict[str, torch.Tensor]:
+    """transformers' gradients under the HF on-disk names (fused experts split per expert)."""
+    return per_expert_names((name, p.grad) for name, p in hf.named_parameters() if p.grad is not None)
 
 
 def _grad_diff(model, hf) -> float:
@@ -244,19 +248,14 @@ def dispatch_suite(cases: list[tuple]) -> list[tuple]:
     return records
 
 
-def aux_refusals_under_cp(path: str) -> list[str]:
-    """The load-balancing loss with cp=2 (forward and forward_backward): the error messages, raised
-    before any collective (every rank must get one, none may hang)."""
+def fsdp_with_ep_refusal(path: str) -> str:
+    """FSDP2 with ep=2 (the replica mesh would hold different experts): the error message, raised by the
+    builder before any process group or collective (every rank must get one, none may hang)."""
     from models.qwen2_moe import build_parallel_model
+    from parallel import ParallelConfigError
 
-    model = build_parallel_model(path, ParallelConfig(cp=2))
-    ids, labels = _batch(model.config.vocab_size)
-    messages = []
-    for call in (lambda: model(ids, labels=labels, output_router_logits=True),
-                 lambda: model.forward_backward(ids, labels, aux_loss=True)):
-        try:
-            call()
-            messages.append("no error")
-        except ValueError as exc:
-            messages.append(str(exc))
-    return messages
+    try:
+        build_parallel_model(path, ParallelConfig(ep=2, fsdp=True))
+    except ParallelConfigError as exc:
+        return str(exc)
+    return "no error"

@@ -152,10 +152,14 @@ def _model_class(arch: Architecture) -> type:
 
 
 def _check_moe_layout(arch: Architecture, pconfig: ParallelConfig, lora: Any) -> None:
-    """What mixture-of-experts models do not support yet, refused before any group exists."""
-    if pconfig.fsdp:
-        raise ParallelConfigError(f"{arch.name} {pconfig.describe()}: fsdp is not supported with experts yet")
-    if pconfig.ulysses > 1:
-        raise ParallelConfigError(f"{arch.name} {pconfig.describe()}: ulysses is not supported with experts yet")
-    if lora is not None:
-        raise ParallelConfigError(f"{arch.name}: LoRA on mixture-of-experts models is not supported yet")
+    """What mixture-of-experts models do not support, refused before any group exists.
+
+    FSDP2 with ep > 1: FSDP2 shards every parameter of a layer over the replica mesh (the dp, cp and
+    ulysses ranks of a tp/pp slot) and all-gathers it back assuming each rank held the same tensor,
+    but the EP ranks of that mesh hold different experts (sharding experts over their own
+    expert-data-parallel mesh is not built). ep > 1 with ulysses > 1 is refused by ``ParallelConfig``;
+    LoRA on the experts and the router by ``blocks/lora.py`` (``lora`` is checked there)."""
+    if pconfig.fsdp and pconfig.ep > 1:
+        raise ParallelConfigError(f"{arch.name} {pconfig.describe()}: fsdp with ep={pconfig.ep} is not supported "
+                                  f"(FSDP2 shards each parameter over the dp*cp*ulysses replica ranks, which hold "
+                                  f"different experts under expert parallelism); use fsdp with ep=1 or ep without fsdp")

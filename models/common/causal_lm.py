@@ -141,7 +141,8 @@ class ParallelCausalLM(nn.Module):
 
         Mixture-of-experts models: ``output_router_logits`` (default: the HF config's) returns the
         load-balancing loss and router logits and adds ``router_aux_loss_coef * aux_loss`` to the loss,
-        as transformers does (not with cp/ulysses yet).
+        as transformers does; with cp/ulysses the loss is the whole batch's, and router-logit rows of
+        padding tokens are 0 (padding is not computed there; see ``split_sequence_forward``).
 
         ``multimodal``: what a multimodal model merges into the token embeddings (``embed_inputs``);
         Qwen2-VL's forward builds it from pixel values."""
@@ -155,11 +156,9 @@ class ParallelCausalLM(nn.Module):
         if self.groups.sequence_split or sequence_plan is not None:
             from models.common.training.sequence_split import split_sequence_forward
 
-            if want_aux:
-                raise ValueError(f"output_router_logits with cp/ulysses {self.groups.config.describe()} is not "
-                                 f"supported yet (the load-balancing loss needs statistics over the whole sequence)")
             return split_sequence_forward(self, input_ids, position_ids, attention_mask, labels, cu_seqlens,
-                                          gather_logits, return_logits, sequence_plan, targets, multimodal)
+                                          gather_logits, return_logits, sequence_plan, targets, multimodal,
+                                          router_logits=want_aux)
         if targets is not None:
             raise ValueError("targets= is for already-sliced inputs (with sequence_plan=); pass labels= instead")
         ids, pos, mask, labels, cu, seq_len = self._prepare(input_ids, position_ids, attention_mask, labels, cu_seqlens)

@@ -9,6 +9,9 @@ parameter. As in peft: ``delta = B A dropout(x) * lora_alpha / r`` (``/ sqrt(r)`
 nothing. A is drawn from a seed and the HF module name and then sliced, so every TP layout holds
 the same adapter.
 
+Mixture-of-experts models: the attention projections (and a shared expert's or dense layer's MLP)
+take LoRA as in dense models; a target that selects an expert or the router is refused by name.
+
 Which rows/columns of A and B a rank holds follows from the weight map: the rule of the adapted
 HF tensor (``Split(0)``/``KVHeads`` for column layers: B takes it, A is whole; ``Split(1)`` for
 row layers: A takes it, B is whole). Adapter files use peft's names
@@ -90,6 +93,11 @@ def lora_targets(cfg, weight_map, lora_config: Any, shapes: dict, layers=None) -
     leaves = set()
     found: list[LoraTarget] = []
     for entry in entries:
+        if entry.experts:  # expert 0's parts stand for every expert
+            for hf_name in entry.hf[:len(entry.rules)]:
+                hf_module = hf_name[: -len(".weight")]
+                _refuse_unadapted(hf_module.rsplit(".", 1)[1], hf_module, targets, True)
+            continue
         if not entry.param.endswith(".weight"):
             continue
         layer = entry.param[: -len(".weight")]
@@ -99,6 +107,8 @@ def lora_targets(cfg, weight_map, lora_config: Any, shapes: dict, layers=None) -
             column = isinstance(rule, KVHeads) or (isinstance(rule, Split) and rule.dim == 0)
             row = isinstance(rule, Split) and rule.dim == 1
             if not (column or row):
+                if len(shapes[hf_name]) == 2:  # a linear module held whole: MoE router, shared-expert gate
+                    _refuse_unadapted(leaf, hf_module, targets, False)
                 continue
             leaves.add(leaf)
             if not _selected(leaf, hf_module, targets):
@@ -114,6 +124,20 @@ def lora_targets(cfg, weight_map, lora_config: Any, shapes: dict, layers=None) -
     if not found:
         raise LoraError(f"LoRA target_modules={lora_config.target_modules!r} matches no module")
     return found
+
+
+def _refuse_unadapted(leaf: str, hf_module: str, targets, expert: bool) -> None:
+    """LoRA on a mixture-of-experts router or expert is not built: refuse a target that selects one
+    (peft adapts them: ``gate_proj``/``up_proj``/``down_proj`` reach transformers' fused experts
+    ``mlp.experts``, ``all-linear`` the router ``mlp.gate`` too), naming the module."""
+    names = [(leaf, hf_module)]
+    if expert:  # model.layers.{i}.mlp.experts.{e}.gate_proj -> the fused module model.layers.{i}.mlp.experts
+        names.append(("experts", hf_module.rsplit(".", 2)[0]))
+    for name, module in names:
+        if _selected(name, module, targets):
+            raise LoraError(f"LoRA target {name!r} selects {module}: LoRA on mixture-of-experts "
+                            f"{'experts' if expert else 'routers and gates'} is not supported (adapt the "
+                            f"attention projections q_proj/k_proj/v_proj/o_proj)")
 
 
 # LoraConfig fields whose non-default values would change the model in ways not built here.

@@ -18,7 +18,8 @@ The load-balancing loss is transformers' ``load_balancing_loss_func``: over all 
 ``E * sum_e (assignments to e / rows) * (router probability mass of e / rows)``, where rows and
 assignments count non-padding tokens of every sparse layer together. Each block keeps references to its
 router outputs of the current forward (``AuxStats``); the causal LM sums them over its
-layers and over the TP token shares.
+layers, the TP token shares and, when the sequence is split, the cp and Ulysses ranks' tokens
+(``router_sums``), so every rank computes the loss of the whole batch.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from torch import nn
 
 from models.common.blocks.mlp import ParallelMLP
 from models.common.config import ModelConfig
-from parallel.collectives import gather_for_replicas, reduce_from_group, scatter_to_sequence
+from parallel.collectives import gather_for_replicas, group_size, reduce_from_group, scatter_to_sequence
 from parallel.experts import dispatch, route
 from parallel.groups import ParallelGroups
 
@@ -147,11 +148,15 @@ def recording_routes(blocks: list[ParallelMoE], token_mask: torch.Tensor | None)
 
 def router_sums(blocks: list[ParallelMoE], groups: ParallelGroups) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The statistics of transformers' load-balancing loss over ``blocks`` (sparse layers that recorded
-    ``stats`` in this forward), summed over real tokens, those layers and the TP token shares.
+    ``stats`` in this forward), summed over real tokens, those layers and the ranks holding other
+    tokens of the same batch: the TP token shares, and the cp and Ulysses ranks of a split sequence.
 
     Returns ``(assignments [E], probability [E], rows [])``: top-k assignments per expert and the
     row count (plain numbers, no gradient), and the router probability mass per expert
-    (differentiable). Sums add up over layers, so pipeline stages can each contribute theirs.
+    (differentiable; summed with an all-reduce whose backward is the identity, so each rank's
+    router gets the gradient of its own tokens and ``finalize_grads``' sums over TP (router tagged
+    ``sequence_parallel``) and over the replica group (cp/ulysses ranks) complete it). Sums add
+    up over layers, so pipeline stages can each contribute theirs.
     """
     stats = [blk.stats for blk in blocks]
     if any(st is None for st in stats):
@@ -166,11 +171,12 @@ def router_sums(blocks: list[ParallelMoE], groups: ParallelGroups) -> tuple[torc
                 1, st.experts, weight.expand_as(st.experts).contiguous()).sum(0)
             rows = rows + st.mask.sum()
         probability = probability + (st.probs * weight).sum(0)
-    if groups.tp_size > 1:
-        packed = torch.cat([assignments, rows[None]])
-        torch.distributed.all_reduce(packed, group=groups.tp_group)
-        assignments, rows = packed[:-1], packed[-1]
-        probability = reduce_from_group(probability, groups.tp_group)  # bwd: each share's own gradient
+    for group in (groups.tp_group, groups.cp_group, groups.ulysses_group):  # ranks holding other tokens
+        if group_size(group) > 1:
+            packed = torch.cat([assignments, rows[None]])
+            torch.distributed.all_reduce(packed, group=group)
+            assignments, rows = packed[:-1], packed[-1]
+            probability = reduce_from_group(probability, group)  # bwd: each share's own gradient
     return assignments, probability, rows
 
 
@@ -182,8 +188,9 @@ def balance_loss(assignments: torch.Tensor, probability: torch.Tensor, rows: tor
 
 
 def load_balancing_loss(blocks: list[ParallelMoE], groups: ParallelGroups) -> torch.Tensor:
-    """transformers' aux loss over ``blocks`` (every sparse layer of the model on this rank), summed over
-    the TP token shares; call after a forward in which the blocks recorded ``stats``."""
+    """transformers' aux loss over ``blocks`` (every sparse layer of the model on this rank), over the
+    tokens of every TP share and cp/ulysses rank (``router_sums``); call after a forward in which the
+    blocks recorded ``stats``."""
     return balance_loss(*router_sums(blocks, groups))
 
 
@@ -207,13 +214,20 @@ def split_carry(carry: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return carry[:num_experts], carry[num_experts:2 * num_experts], carry[2 * num_experts]
 
 
-def full_router_logits(block: ParallelMoE, tokens: int, batch: int, seq_len: int) -> torch.Tensor:
-    """A block's router logits for the whole batch, ``[batch * seq_len, E]`` in transformers' (batch-major) order.
-
-    ``tokens``: rows of the layer input (``s_padded * batch``, s-major)."""
+def layer_router_logits(block: ParallelMoE, tokens: int) -> torch.Tensor:
+    """A block's router logits for every row of its layer input, ``[tokens, E]`` (gathered over the TP
+    token shares; ``tokens``: rows of the layer input, in the layers' order)."""
     logits = block.stats.logits
     groups = block.groups
     if groups.tp_size > 1:
         logits = gather_for_replicas(logits, groups.tp_group)
-    logits = logits[:tokens].view(-1, batch, logits.shape[-1])[:seq_len]
+    return logits[:tokens]
+
+
+def full_router_logits(block: ParallelMoE, tokens: int, batch: int, seq_len: int) -> torch.Tensor:
+    """A block's router logits for the whole batch, ``[batch * seq_len, E]`` in transformers' (batch-major) order.
+
+    ``tokens``: rows of the layer input (``s_padded * batch``, s-major)."""
+    logits = layer_router_logits(block, tokens)
+    logits = logits.view(-1, batch, logits.shape[-1])[:seq_len]
     return logits.transpose(0, 1).reshape(batch * seq_len, -1)

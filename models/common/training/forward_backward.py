@@ -10,7 +10,9 @@ exact number transformers computes for the concatenated batch: each micro-batch 
 
 With context/Ulysses parallelism every micro-batch is laid out over the cp/ulysses ranks
 (``SequencePlan``) after packing: each rank runs its tokens, the token losses of all ranks add up
-to the micro-batch's, and gradients are summed over those ranks like over DP.
+to the micro-batch's, and gradients are summed over those ranks like over DP. The load-balancing
+loss of a micro-batch is computed whole on each of its ranks (router statistics summed over them,
+``router_sums``); its gradient reaches each rank's router for that rank's tokens.
 
 The LM head runs fused with the loss in chunks of tokens (``lm.head_losses``,
 ``parallel/lm_head_loss.py``): the last stage's output is the final-norm hidden states and the
@@ -45,9 +47,6 @@ def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = 
     if return_entropy and not forward_only:
         raise ValueError("return_entropy=True needs forward_only=True (the entropy is a forward-only output)")
     aux = lm._wants_router_logits(aux_loss) and not forward_only
-    if aux and groups.sequence_split:
-        raise ValueError(f"the load-balancing loss with cp/ulysses {groups.config.describe()} is not supported yet "
-                         f"(it needs router statistics over whole sequences); pass aux_loss=False")
     pp, vpp, tp = groups.pp_size, groups.config.vpp, groups.tp_size
     schedule = resolve_schedule(schedule, vpp)
     if pp > 1:  # name and vpp; the planner below makes the count a multiple of what the schedule needs
@@ -94,8 +93,14 @@ def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = 
     global_count, global_mbs = max(float(count[0]), 1.0), float(count[1])
     # The load-balancing loss is transformers' per micro-batch (all its layers and real tokens), averaged
     # over the micro-batches of all DP ranks: exactly transformers' for one micro-batch and one replica.
-    token_masks = [(torch.arange(total, device=device) < sum(len(samples[i].ids) for i in group)).to(torch.float32)
-                   for group in plan.groups] if aux else [None] * len(mbs)
+    # Under cp/ulysses each rank records its real tokens (``router_sums`` adds the ranks' statistics up).
+    if not aux:
+        token_masks = [None] * len(mbs)
+    elif groups.sequence_split:
+        token_masks = [(shard.index >= 0).to(device=device, dtype=torch.float32) for shard in shards]
+    else:
+        token_masks = [(torch.arange(total, device=device) < sum(len(samples[i].ids) for i in group))
+                       .to(torch.float32) for group in plan.groups]
 
     aux_scale = lm.config.moe.router_aux_loss_coef / global_mbs if aux else 0.0
 
@@ -148,8 +153,13 @@ def forward_backward(lm, input_ids: torch.Tensor, labels: torch.Tensor | None = 
     if lm.is_last_stage:  # [loss, sum of this rank's micro-batch aux losses]
         aux_values = loss_fn.aux_values[-len(mbs):] if aux else []
         ce = torch.stack(outputs).sum().float()
-        totals = torch.stack([ce, torch.stack(aux_values).sum().float().to(ce.device) if aux_values
-                              else torch.zeros((), dtype=torch.float32, device=ce.device)])
+        aux_sum = torch.stack(aux_values).sum().float().to(ce.device) if aux_values else ce.new_zeros(())
+        if aux_values and groups.sequence_split:
+            # every cp/ulysses rank of a micro-batch holds its whole aux loss: count it once in the sum below
+            share = 1.0 / (groups.cp_size * groups.ulysses_size)
+            ce = ce - (1.0 - share) * aux_scale * aux_sum
+            aux_sum = aux_sum * share
+        totals = torch.stack([ce, aux_sum])
     else:
         totals = torch.zeros(2, dtype=torch.float32, device=device)
     totals = _from_last_stage(lm, totals.to(device))

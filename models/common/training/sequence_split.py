@@ -11,6 +11,11 @@ predicts the first token of the next chunk.
 
 A model that cannot see the whole batch up front (Qwen2-VL: image features exist only after the
 vision tower) slices after embedding with the same ``SequenceShard.take``.
+
+Mixture-of-experts models with the load-balancing loss: each sparse layer records its routing for
+this rank's real tokens (``shard.index >= 0``), and ``router_sums`` adds the statistics up over the
+cp and Ulysses ranks, so every rank computes the loss of the whole batch (its gradient reaches each
+rank's router for that rank's tokens; ``finalize_grads`` sums them over the replica group).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from models.common.blocks.decoder import CausalLMOutput
+from models.common.blocks.moe import layer_router_logits, load_balancing_loss, recording_routes
 from parallel.collectives import group_size
 from parallel.groups import ParallelGroups
 from parallel.sequence_layout import SequencePlan
@@ -120,11 +126,18 @@ def _global_rope_seq_len(lm, positions: torch.Tensor, groups: ParallelGroups) ->
 
 def split_sequence_forward(lm, input_ids, position_ids, attention_mask, labels, cu_seqlens, gather_logits: bool,
                            return_logits: bool, plan: SequencePlan | None, targets: torch.Tensor | None,
-                           multimodal=None):
+                           multimodal=None, router_logits: bool = False):
     """``ParallelCausalLM.forward`` when the sequence is split over cp/ulysses ranks (see module doc).
 
     ``multimodal`` (Qwen2-VL's vision features): merged into the embeddings of this rank's tokens
-    (``lm.embed_shard``), so padding is removed before embedding and the slicing comes after the merge."""
+    (``lm.embed_shard``), so padding is removed before embedding and the slicing comes after the merge.
+
+    ``router_logits`` (mixture-of-experts models): also return the load-balancing loss of the whole
+    batch (added to the loss times ``router_aux_loss_coef``, as transformers does) and the router
+    logits of each sparse layer, gathered like the logits into transformers' ``[batch * seq, E]``
+    order. Padding tokens are never computed here, so their rows are 0 where transformers has the
+    router's logits of the padding token (real tokens' rows equal transformers'); with
+    ``sequence_plan`` they stay local, ``[local tokens, E]`` (plan padding rows included)."""
     groups = lm.groups
     presliced = plan is not None
     if not presliced:
@@ -157,8 +170,17 @@ def split_sequence_forward(lm, input_ids, position_ids, attention_mask, labels, 
             count = sum_over_sequence_groups((tgt != IGNORE_INDEX).sum().to(torch.float64), groups).detach()
     if multimodal is not None and presliced:
         raise ValueError("multimodal inputs need the whole batch (not sequence_plan= slices)")
-    h = lm.embed_shard(ids, shard, batch if not presliced else None, multimodal)  # [n(/tp), 1, hidden]
-    h = lm.run_layers(h, lm.layer_ids(), pos[:, None] if pos.dim() == 2 else pos[None], seq=shard)
+    blocks = lm.moe_blocks() if router_logits else []
+    real = (shard.index >= 0).to(torch.float32) if blocks else None  # this rank's tokens in the layers' order
+    with recording_routes(blocks, real):
+        h = lm.embed_shard(ids, shard, batch if not presliced else None, multimodal)  # [n(/tp), 1, hidden]
+        h = lm.run_layers(h, lm.layer_ids(), pos[:, None] if pos.dim() == 2 else pos[None], seq=shard)
+        aux_loss = routers = None
+        if blocks:
+            aux_loss = load_balancing_loss(blocks, groups)
+            local = [layer_router_logits(blk, shard.index.numel()) for blk in blocks]
+            routers = tuple(rows if presliced else unflatten(gather_tokens(rows, shard), batch).flatten(0, 1)
+                            for rows in local)
     h = lm.model.norm(h)
     logits = lm.lm_head(h) if return_logits else None  # [n, 1, V_pad/tp]; without: the fused, chunked head
     loss = None
@@ -166,6 +188,8 @@ def split_sequence_forward(lm, input_ids, position_ids, attention_mask, labels, 
         per_token = lm.token_losses(logits, tgt[:, None]) if return_logits else lm.head_losses(h, tgt[:, None])
         local_sum = per_token.sum()
         loss = sum_over_sequence_groups(local_sum, groups) / count.clamp(min=1).to(local_sum.dtype)
+        if aux_loss is not None:
+            loss = loss + lm.config.moe.router_aux_loss_coef * aux_loss
     out_logits = None
     if return_logits:
         from parallel.collectives import gather_last_dim
@@ -176,4 +200,4 @@ def split_sequence_forward(lm, input_ids, position_ids, attention_mask, labels, 
         else:
             local = local[..., : lm.lm_head.valid_columns]
         out_logits = local[None] if presliced else unflatten(gather_tokens(local, shard), batch)
-    return CausalLMOutput(loss=loss, logits=out_logits)
+    return CausalLMOutput(loss=loss, logits=out_logits, aux_loss=aux_loss, router_logits=routers)
