@@ -11,7 +11,7 @@ import torch
 
 from parallel import ParallelConfig
 
-CHUNK = 5  # tokens per chunk: below every token count here and dividing none of them
+CHUNK = 5  # tokens per chunk: below every token count here (39, 42 under SP, 19 packed, 18 per micro-batch)
 
 
 def batch(vocab: int, seed: int = 0):
