@@ -154,6 +154,21 @@ MUTATIONS = (
                "        cols = weight.shape[1] // local\n"
                "        return weight[:, slot * cols:(slot + 1) * cols].t()\n"),),
              ("tests/test_convert_qwen3_megatron.py",)),
+    Mutation("fused-head-no-tp-grad-sum", "the fused LM head's hidden-state gradient not summed over the "
+             "vocabulary slices of TP (plain TP)",
+             (("parallel/lm_head_loss.py", "                dist.all_reduce(grad_x, group=group)\n",
+               "                pass\n"),),
+             ("tests/test_fused_loss.py",)),
+    Mutation("fp8-scale-not-amax", "FP8 block scale from the block's mean magnitude instead of its amax",
+             (("models/common/export/fp8.py", "scale_inv = blocks.abs().amax(dim=(-3, -1)) / FP8_MAX",
+               "scale_inv = blocks.abs().mean(dim=(-3, -1)) / FP8_MAX"),),
+             ("tests/test_fp8_export.py",)),
+    Mutation("moe-aux-no-sequence-sum", "the load-balancing statistics summed over TP only, not over the "
+             "cp/Ulysses ranks of a split sequence",
+             (("models/common/blocks/moe.py",
+               "    for group in (groups.tp_group, groups.cp_group, groups.ulysses_group):",
+               "    for group in (groups.tp_group,):"),),
+             ("tests/test_qwen3.py -k moe",)),
 )
 
 
