@@ -131,7 +131,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
     first_stage_layers / last_stage_layers: an uneven pipeline split of a Megatron target (Megatron's
     ``decoder_first/last_pipeline_num_layers``; with ``pp``, vpp 1); without them a source's uneven
     split is kept when ``pp`` is not given.
-    MoE models always take the torch path (the copy path plans dense models only).
+    MoE models take the copy path to HF targets (not from grouped-GEMM experts) and the torch path to
+    Megatron ones.
     Missing parent directories of ``dst`` are created. Raises CheckpointError/ValueError with
     nothing left at ``dst`` (nor any directory created for it).
     """
@@ -171,7 +172,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
     location = locate_source(src, hf_config)
     check_unquantized_config(location, hf_config)  # before the copy path, whose readers would not say why
     src, hf_config = location.path, hf_config or location.hf_config_dir
-    # --ep > 1 is for MoE models, which the copy path leaves to the torch path anyway
+    # --ep and --moe-grouped-gemm lay out a Megatron target's experts: the torch path writes MoE targets
     # Megatron-Bridge's layout (run_config.yaml, its names) is written by the torch path
     by_copy = quantization is None and to not in ("vllm", "megatron-bridge")  # and FP8: the copy path moves bytes
     if by_copy and ep in (None, 1) and not moe_grouped_gemm and _convert_by_copy(
@@ -296,8 +297,11 @@ def _convert_by_copy(src, dst_path: Path, *, to: str, overwrite: bool, hf_config
     if pp is None:
         pp, vpp = layout.get("pp", 1), vpp or layout.get("vpp", 1)
         first, last = layout.get("first"), layout.get("last")
-    target = plan_copy_target(source, fmt=to, tp=tp or layout.get("tp", 1), pp=pp, vpp=vpp or 1,
-                              divisible_by=divisible_by, first=first, last=last)
+    try:
+        target = plan_copy_target(source, fmt=to, tp=tp or layout.get("tp", 1), pp=pp, vpp=vpp or 1,
+                                  divisible_by=divisible_by, first=first, last=last)
+    except Unsupported:  # a mixture-of-experts target
+        return False
     with Staging(dst_path, overwrite) as tmp:
         write_megatron_by_copy(source, target, str(tmp), workers=workers, progress=progress,
                                hf_config_dir=hf_config)

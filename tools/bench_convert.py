@@ -22,15 +22,25 @@ What it measures
     Targets (issue 8): ratio >= 0.8 and peak RSS <= 64 MiB plus the copy path's 32 MiB buffer, the
     same at 1 GB and 8 GB.
 
+    ``--model qwen3-moe`` (issue 22): a synthetic Qwen3-MoE-shaped HF checkpoint instead (default
+    Qwen3-30B-A3B's shape: hidden 2048, 32/4 heads of 128, 128 experts of ffn 768, top-8, vocab
+    151936, q/k norms, no shared expert, bf16; ~1.25 GB per layer, the layer count that brings
+    the HF checkpoint nearest ``--sizes``, default 8 GB: 5 layers, 7.48 GB), written to Megatron
+    legacy EP2 x TP2 (``mp_rank_TT_EEE``, SequentialMLP experts; 8.92 GB: every EP rank holds the
+    embedding, attention and output layer) by pmz; direction ``legacy->hf`` (and ``dist->hf`` from
+    a torch_dist EP2 x TP2 save, when asked for). Same timing and rounds; target (issue 22): ratio
+    of medians >= 0.8, peak RSS <= 96 MiB.
+
 How to run
     . .venv/bin/activate
     python tools/bench_convert.py                           # 1 and 8 GB, all directions (~15 min, 2 cores)
     python tools/bench_convert.py --sizes 1 --directions legacy->hf,dist->hf --reps 3
+    python tools/bench_convert.py --model qwen3-moe --reps 5    # 8 GB legacy EP2 x TP2 -> HF (~5 min)
 
     Temp data (up to ~5x the checkpoint) goes under ``--workdir`` (default /tmp) and is deleted at
     the end (``--keep`` keeps it). The last line is machine-readable:
-    ``<direction>@<size>GB=<ratio of medians>x,min<ratio of mins>x/<peak RSS>MiB ... targets_met=yes|no``
-    (the speed target must hold for both ratios).
+    ``[qwen3-moe:]<direction>@<size>GB=<ratio of medians>x,min<ratio of mins>x/<peak RSS>MiB ...
+    targets_met=yes|no`` (the speed target must hold for both ratios; qwen3-moe: for the median).
 """
 
 from __future__ import annotations
@@ -58,16 +68,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the temp data")
     p.add_argument("--reps", type=int, default=5,
                    help="timed rounds per direction (each times cp and pmz back to back, alternating which is first)")
-    p.add_argument("--sizes", default="1,8", help="comma-separated approximate checkpoint sizes in GB (layers scaled)")
-    p.add_argument("--directions", default=",".join(DIRECTIONS), help="comma-separated conversions to time")
-    p.add_argument("--arch", choices=("llama", "qwen2"), default="llama", help="architecture of the synthetic model")
+    p.add_argument("--sizes", default=None, help="comma-separated approximate checkpoint sizes in GB (layers scaled; "
+                   "default 1,8, qwen3-moe: 8)")
+    p.add_argument("--directions", default=None, help="comma-separated conversions to time (default: all of the "
+                   "model's; qwen3-moe: legacy->hf)")
+    p.add_argument("--model", choices=("dense", "qwen3-moe"), default="dense",
+                   help="dense: Llama/Qwen2 (--arch); qwen3-moe: Qwen3-MoE-shaped, legacy EP2 x TP2")
+    p.add_argument("--arch", choices=("llama", "qwen2"), default="llama", help="architecture of the dense model")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="dtype of the synthetic checkpoint")
     p.add_argument("--hidden", type=int, default=2048, help="hidden size")
-    p.add_argument("--heads", type=int, default=16, help="attention heads")
+    p.add_argument("--heads", type=int, default=None, help="attention heads (default 16, qwen3-moe: 32)")
     p.add_argument("--kv-heads", type=int, default=4, help="KV heads")
-    p.add_argument("--ffn", type=int, default=5632, help="MLP width")
+    p.add_argument("--head-dim", type=int, default=128, help="qwen3-moe: head_dim (q/k norm width)")
+    p.add_argument("--ffn", type=int, default=5632, help="MLP width (dense)")
+    p.add_argument("--experts", type=int, default=128, help="qwen3-moe: experts per layer (a multiple of EP=2)")
+    p.add_argument("--moe-ffn", type=int, default=768, help="qwen3-moe: expert width (a multiple of TP=2)")
     p.add_argument("--_layers", type=int, default=12, help=argparse.SUPPRESS)
-    p.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 32000, qwen3-moe: 151936)")
     p.add_argument("--compare", metavar="CHECKOUT", default=None,
                    help="also time pmz from another checkout of this repository (e.g. a git worktree of an "
                         "earlier commit) in the same rounds: a before/after that shares the machine's load")
@@ -77,7 +94,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "whole model in memory)")
     p.add_argument("--_setup", nargs=2, metavar=("HF_DIR", "MCORE_DIR"), help=argparse.SUPPRESS)
     p.add_argument("--_naive", nargs=2, metavar=("LEGACY_DIR", "HF_DIR"), help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    p.add_argument("--_setup_moe", nargs=3, metavar=("HF_DIR", "LEGACY_DIR", "DIST_DIR"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    moe = args.model == "qwen3-moe"
+    args.sizes = args.sizes or ("8" if moe else "1,8")
+    args.directions = args.directions or ("legacy->hf" if moe else ",".join(DIRECTIONS))
+    args.heads = args.heads or (32 if moe else 16)
+    args.vocab = args.vocab or (151936 if moe else 32000)
+    return args
 
 
 # --------------------------------------------------------------------------------------------- child modes
@@ -151,6 +175,73 @@ def child_setup(args: argparse.Namespace) -> None:
     print(json.dumps({"hf_bytes": total, "setup_convert_s": time.perf_counter() - t0}))
 
 
+def child_setup_moe(args: argparse.Namespace) -> None:
+    """Synthetic Qwen3-MoE HF checkpoint (one layer per file) -> Megatron legacy EP=2 TP=2
+    (SequentialMLP experts) and, when a path is given, torch_dist EP=2 TP=2, by pmz (the parent
+    deletes the HF dir)."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen3MoeConfig
+
+    from converters import convert
+
+    hf_dir, legacy_dir, dist_dir = (Path(p) if p != "-" else None for p in args._setup_moe)
+    hf_dir.mkdir(parents=True)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    h, nh, kv, hd, L, V = args.hidden, args.heads, args.kv_heads, args.head_dim, args._layers, args.vocab
+    E, F = args.experts, args.moe_ffn
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.empty(shape, dtype=torch.float32).uniform_(-0.05, 0.05, generator=gen).to(dtype)
+
+    def norm(n):
+        return (1.0 + torch.empty(n, dtype=torch.float32).uniform_(-0.1, 0.1, generator=gen)).to(dtype)
+
+    groups = [lambda: {"model.embed_tokens.weight": rand(V, h)}]
+    for i in range(L):
+        def layer(i=i):
+            pre = f"model.layers.{i}."
+            t = {pre + "self_attn.q_proj.weight": rand(nh * hd, h), pre + "self_attn.k_proj.weight": rand(kv * hd, h),
+                 pre + "self_attn.v_proj.weight": rand(kv * hd, h), pre + "self_attn.o_proj.weight": rand(h, nh * hd),
+                 pre + "self_attn.q_norm.weight": norm(hd), pre + "self_attn.k_norm.weight": norm(hd),
+                 pre + "mlp.gate.weight": rand(E, h),
+                 pre + "input_layernorm.weight": norm(h), pre + "post_attention_layernorm.weight": norm(h)}
+            for e in range(E):
+                x = f"{pre}mlp.experts.{e}."
+                t.update({x + "gate_proj.weight": rand(F, h), x + "up_proj.weight": rand(F, h),
+                          x + "down_proj.weight": rand(h, F)})
+            return t
+        groups.append(layer)
+    groups.append(lambda: {"model.norm.weight": norm(h), "lm_head.weight": rand(V, h)})
+    n = len(groups)
+    weight_map, total = {}, 0
+    for k, make in enumerate(groups):
+        tensors = make()
+        name = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+        save_file(tensors, str(hf_dir / name), metadata={"format": "pt"})
+        for key, t in tensors.items():
+            weight_map[key] = name
+            total += t.numel() * t.element_size()
+        del tensors
+    (hf_dir / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    config = Qwen3MoeConfig(vocab_size=V, hidden_size=h, intermediate_size=3 * F, num_hidden_layers=L,
+                            num_attention_heads=nh, num_key_value_heads=kv, head_dim=hd, num_experts=E,
+                            num_experts_per_tok=min(8, E), moe_intermediate_size=F, norm_topk_prob=True,
+                            decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=4096,
+                            tie_word_embeddings=False)
+    config.dtype = dtype
+    config.save_pretrained(str(hf_dir))
+    t0 = time.perf_counter()
+    if legacy_dir is not None:
+        convert(str(hf_dir), str(legacy_dir), to="megatron", tp=2, ep=2)
+    if dist_dir is not None:
+        convert(str(hf_dir), str(dist_dir), to="megatron-dist", tp=2, ep=2)
+    print(json.dumps({"hf_bytes": total, "setup_convert_s": time.perf_counter() - t0}))
+
+
 def child_naive(args: argparse.Namespace) -> None:
     """The peer: a load-all-and-merge converter, as the simple tools do it (every rank file loaded
     whole, TP shards concatenated, the whole HF state dict built in memory, then saved)."""
@@ -213,8 +304,15 @@ def mib(nbytes: float) -> float:
 
 
 def layers_for(args: argparse.Namespace, size_gb: float) -> int:
-    """Smallest even layer count whose checkpoint reaches ``size_gb`` (even: PP=2 splits it evenly)."""
+    """Smallest even layer count whose checkpoint reaches ``size_gb`` (even: PP=2 splits it evenly);
+    qwen3-moe: the layer count nearest to it (no PP; a layer is ~1.25 GB at the default shape)."""
     item = 2 if args.dtype == "bf16" else 4
+    if args.model == "qwen3-moe":
+        h, q, kv = args.hidden, args.heads * args.head_dim, args.kv_heads * args.head_dim
+        per_layer = item * (2 * q * h + 2 * kv * h + 2 * args.head_dim + args.experts * h
+                            + 3 * args.experts * args.moe_ffn * h + 2 * h)
+        fixed = item * (2 * args.vocab * h + h)
+        return max(1, round((size_gb * 1e9 - fixed) / per_layer))
     h, kv_rows = args.hidden, args.kv_heads * (args.hidden // args.heads)
     per_layer = item * (2 * h * h + 2 * kv_rows * h + 3 * args.ffn * h + 2 * h)
     fixed = item * (2 * args.vocab * h + h)
@@ -230,6 +328,10 @@ DIRECTIONS = {  # name: (source dir key, pmz convert arguments)
     "legacy->legacy": ("legacy", ["--to", "megatron", "--tp", "1", "--pp", "2"]),
     "dist->legacy": ("dist", ["--to", "megatron", "--tp", "4", "--pp", "1"]),
 }
+MOE_DIRECTIONS = {  # --model qwen3-moe: sources are EP2 x TP2 (Megatron targets of MoE take the torch path)
+    "legacy->hf": ("legacy", ["--to", "hf"]),
+    "dist->hf": ("dist", ["--to", "hf"]),
+}
 
 
 def main(argv=None) -> int:
@@ -240,12 +342,17 @@ def main(argv=None) -> int:
     if args._naive:
         child_naive(args)
         return 0
+    if args._setup_moe:
+        child_setup_moe(args)
+        return 0
 
     t_script = time.perf_counter()
+    moe = args.model == "qwen3-moe"
+    table = MOE_DIRECTIONS if moe else DIRECTIONS
     directions = [d.strip() for d in args.directions.split(",") if d.strip()]
-    unknown = [d for d in directions if d not in DIRECTIONS]
+    unknown = [d for d in directions if d not in table]
     if unknown:
-        print(f"unknown direction(s) {unknown}; choose from {', '.join(DIRECTIONS)}", file=sys.stderr)
+        print(f"unknown direction(s) {unknown}; choose from {', '.join(table)}", file=sys.stderr)
         return 2
     base = Path(args.workdir) if args.workdir else Path(tempfile.gettempdir())
     base.mkdir(parents=True, exist_ok=True)
@@ -267,18 +374,32 @@ def main(argv=None) -> int:
         print(f"workdir {work}; {os.cpu_count()} CPUs; python {sys.version.split()[0]}", flush=True)
         for size_gb in [float(x) for x in args.sizes.split(",")]:
             layers = layers_for(args, size_gb)
-            shape = ["--arch", args.arch, "--dtype", args.dtype, "--hidden", str(args.hidden), "--heads",
-                     str(args.heads), "--kv-heads", str(args.kv_heads), "--ffn", str(args.ffn), "--_layers",
-                     str(layers), "--vocab", str(args.vocab)]
+            shape = ["--model", args.model, "--arch", args.arch, "--dtype", args.dtype, "--hidden", str(args.hidden),
+                     "--heads", str(args.heads), "--kv-heads", str(args.kv_heads), "--ffn", str(args.ffn),
+                     "--head-dim", str(args.head_dim), "--experts", str(args.experts), "--moe-ffn",
+                     str(args.moe_ffn), "--_layers", str(layers), "--vocab", str(args.vocab)]
             srcs = {"hf": work / "hf", "legacy": work / "legacy", "dist": work / "dist"}
-            print(f"\n== ~{size_gb:g} GB: synthetic {args.arch} {args.dtype} hidden={args.hidden} layers={layers} "
-                  f"-> HF, Megatron legacy TP=2 PP=2, torch_dist TP=2 PP=2 (set-up, not timed) ...", flush=True)
             t0 = time.perf_counter()
-            run_child(me + shape + ["--_setup", str(srcs["hf"]), str(srcs["legacy"])])
-            subprocess.run(pmz + [str(srcs["hf"]), str(srcs["dist"]), "--to", "megatron-dist", "--tp", "2", "--pp",
-                                  "2", "--quiet"], check=True, cwd=str(ROOT))
-            print(f"  set-up {time.perf_counter() - t0:.0f} s; HF {dir_bytes(srcs['hf']):,} B, legacy "
-                  f"{dir_bytes(srcs['legacy']):,} B, dist {dir_bytes(srcs['dist']):,} B", flush=True)
+            if moe:
+                wanted = {MOE_DIRECTIONS[d][0] for d in directions}  # only the sources timed: the page cache
+                print(f"\n== ~{size_gb:g} GB: synthetic Qwen3-MoE {args.dtype} hidden={args.hidden} "
+                      f"heads={args.heads}/{args.kv_heads}x{args.head_dim} experts={args.experts}x{args.moe_ffn} "
+                      f"vocab={args.vocab} layers={layers} -> HF -> "
+                      + ", ".join(n for k, n in (("legacy", "Megatron legacy EP=2 TP=2"),
+                                                 ("dist", "torch_dist EP=2 TP=2")) if k in wanted)
+                      + " (set-up, not timed) ...", flush=True)
+                run_child(me + shape + ["--_setup_moe", str(srcs["hf"])]
+                          + [str(srcs[k]) if k in wanted else "-" for k in ("legacy", "dist")])
+                remove(srcs["hf"])  # no direction reads it: the disk holds source + output + cp's copy
+                srcs = {k: v for k, v in srcs.items() if k in wanted}
+            else:
+                print(f"\n== ~{size_gb:g} GB: synthetic {args.arch} {args.dtype} hidden={args.hidden} layers={layers} "
+                      f"-> HF, Megatron legacy TP=2 PP=2, torch_dist TP=2 PP=2 (set-up, not timed) ...", flush=True)
+                run_child(me + shape + ["--_setup", str(srcs["hf"]), str(srcs["legacy"])])
+                subprocess.run(pmz + [str(srcs["hf"]), str(srcs["dist"]), "--to", "megatron-dist", "--tp", "2",
+                                      "--pp", "2", "--quiet"], check=True, cwd=str(ROOT))
+            print(f"  set-up {time.perf_counter() - t0:.0f} s; "
+                  + ", ".join(f"{k} {dir_bytes(v):,} B" for k, v in srcs.items()), flush=True)
 
             def timed(cmd: list[str], dst: Path, env: dict | None = None, cwd: Path = ROOT) -> dict:
                 os.sync()
@@ -287,7 +408,7 @@ def main(argv=None) -> int:
                 return r
 
             for name in directions:
-                key, extra = DIRECTIONS[name]
+                key, extra = table[name]
                 src = srcs[key]
                 nbytes = dir_bytes(src)
                 out = work / "out"
@@ -324,7 +445,7 @@ def main(argv=None) -> int:
                     print(f"  {'':<15} --compare pmz min {min(o_s):5.2f} s med {statistics.median(o_s):5.2f} s  "
                           f"ratio med {t_cp / statistics.median(o_s):4.2f}x min {min(cp_s) / min(o_s):4.2f}x  "
                           f"runs: {', '.join(format(x, '.2f') for x in o_s)}", flush=True)
-            if args.peers and size_gb <= 2:
+            if args.peers and size_gb <= 2 and not moe:
                 out = work / "out"
                 naive = me + ["--_naive", str(srcs["legacy"]), str(out)]
                 timed(naive, out)
@@ -338,11 +459,12 @@ def main(argv=None) -> int:
             for p in srcs.values():
                 remove(p)
         print(f"\nscript wall time {time.perf_counter() - t_script:.0f} s")
-        summary = " ".join(f"{name}@{size:g}GB={ratio:.2f}x,min{ratio_min:.2f}x/{rss:.0f}MiB"
-                           for (size, name), (ratio, ratio_min, rss) in results.items())
+        summary = " ".join(f"{'qwen3-moe:' if moe else ''}{name}@{size:g}GB={ratio:.2f}x,min{ratio_min:.2f}x/"
+                           f"{rss:.0f}MiB" for (size, name), (ratio, ratio_min, rss) in results.items())
         # a noisy round only adds time: both ratios must reach the target (the median alone can be
         # flattered by slow cp rounds, the min alone by one lucky pmz round)
-        met = all(min(r, rm) >= COPY_TARGET and m <= RSS_LIMIT_MIB for r, rm, m in results.values())
+        # (qwen3-moe: issue 22 sets its target by the median)
+        met = all((r if moe else min(r, rm)) >= COPY_TARGET and m <= RSS_LIMIT_MIB for r, rm, m in results.values())
         print(f"{summary} targets_met={'yes' if met else 'no'}")
         return 0
     finally:

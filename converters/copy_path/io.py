@@ -110,6 +110,7 @@ class BlockWriter:
         block = 1 << max(12, max(1, buffer_bytes).bit_length() - 1)  # a power of two, at least a page
         self.block = block
         self.buf = _buffer(block + 2 * max_width)  # room for a row that crosses the block's end
+        self.views = RowViews(self.buf)
         self.base = 0  # destination offset of buf[0]
         self.fill = 0  # bytes in buf
         self.limit = block  # buf[:limit] ends on a block boundary of the destination
@@ -162,7 +163,7 @@ class BlockWriter:
         r = 0
         while r < op.rows:
             k = min(op.rows - r, max(1, (self.limit - self.fill) // width))
-            read_rows(op.parts, fd_of, r, self.buf[self.fill:self.fill + k * width], width)
+            read_rows(op.parts, fd_of, r, self.buf[self.fill:self.fill + k * width], width, self.views, self.fill)
             self.fill += k * width
             r += k
             while self.fill >= self.limit:
@@ -245,25 +246,84 @@ def row_views(block: memoryview, k: int, width: int, col: int, nbytes: int) -> l
     return list(map(block.__getitem__, map(slice, range(col, end, width), range(col + nbytes, end + nbytes, width))))
 
 
-def read_rows(parts: tuple, fd_of, r: int, block: memoryview, width: int) -> None:
+def row_spans(block: memoryview, k: int, width: int, col: int, nbytes: int, gap: int) -> list:
+    """``row_views``, with ``gap`` bytes of ``_DISCARD`` between consecutive rows (``gap`` > 0)."""
+    rows = row_views(block, k, width, col, nbytes)
+    if gap:
+        spans = [_DISCARD[:gap]] * (2 * k - 1)
+        spans[::2] = rows
+        rows = spans
+    return rows
+
+
+class RowViews:
+    """The per-row buffers ``read_rows`` reads into, over one buffer, made once and kept: a 2 MiB
+    block of rows is thousands of memoryviews (building them per block took a third of the time
+    of filling an expert's ``down_proj`` under TP2: 768-byte rows), and the rows of every block
+    lie on the same grid of the buffer, up to its phase (where the first row starts, modulo the
+    row width: a block starts with what crossed the previous block's end). So the buffers of
+    every row of the whole buffer are made once per (phase, row width, columns, gap) and a block
+    takes a slice of that list. At most ``BUDGET`` memoryviews are kept (~6 MiB; the oldest grids
+    go first); a grid finer than that is made per block, as before."""
+
+    BUDGET = 1 << 15
+
+    def __init__(self, buf: memoryview) -> None:
+        self.buf = buf
+        self.cache: dict[tuple, list] = {}
+        self.kept = 0  # memoryviews in the cache
+
+    def __call__(self, start: int, k: int, width: int, col: int, nbytes: int, gap: int) -> list[tuple[list, int]]:
+        """``row_spans`` of ``buf[start:start + k * width]``, cut into ``preadv`` calls of at most
+        IOV_MAX buffers: ``[(buffers, their bytes), ...]``."""
+        phase, first = start % width, start // width
+        key = (phase, width, col, nbytes, gap)
+        spans = self.cache.get(key)
+        if spans is None:
+            rows = (len(self.buf) - phase) // width
+            if rows * (2 if gap else 1) > self.BUDGET:  # too fine to keep: this block's rows only
+                spans, first = row_spans(self.buf[start:start + k * width], k, width, col, nbytes, gap), 0
+            else:
+                while self.cache and self.kept + rows * (2 if gap else 1) > self.BUDGET:
+                    self.kept -= len(self.cache.pop(next(iter(self.cache))))
+                spans = self.cache[key] = row_spans(self.buf[phase:phase + rows * width], rows, width, col, nbytes,
+                                                    gap)
+                self.kept += len(spans)
+        if not gap:
+            return [(spans[i:min(first + k, i + _IOV_MAX)], (min(first + k, i + _IOV_MAX) - i) * nbytes)
+                    for i in range(first, first + k, _IOV_MAX)]
+        # rows at the even positions of spans, gaps between them; calls start on a row
+        end, step = 2 * (first + k) - 1, max(2, _IOV_MAX - _IOV_MAX % 2)
+        out = []
+        for i in range(2 * first, end, step):
+            j = min(end, i + step)
+            n_rows = (j - i + 1) // 2
+            out.append((spans[i:j], n_rows * nbytes + (j - i - n_rows) * gap))
+        return out
+
+
+def read_rows(parts: tuple, fd_of, r: int, block: memoryview, width: int, views: RowViews | None = None,
+              start: int = 0) -> None:
     """Rows ``r .. r + k`` of an interleaved band into ``block`` (``k`` rows of ``width`` bytes, row
     after row): each part's rows are read straight into their columns of the block (``preadv`` with
-    one buffer per row), without a copy in this process."""
+    one buffer per row), without a copy in this process. ``views``: the block is
+    ``views.buf[start:]`` and its row buffers come from there (made once per shape)."""
     k = len(block) // width
     col = 0
     for path, offset, rb, stride in parts:
         fd = fd_of(path)
-        start = offset + r * stride
+        at = offset + r * stride
         if rb == width == stride:  # whole rows, one after the other: one read
-            preadv_exact(fd, [block], start, path)
+            preadv_exact(fd, [block], at, path)
         elif stride - rb <= _GAP_READ:  # one read of the whole span; the gaps between rows land in _DISCARD
-            rows = row_views(block, k, width, col, rb)
-            if stride > rb:
-                spans = [_DISCARD[:stride - rb]] * (2 * k - 1)
-                spans[::2] = rows
-                rows = spans
-            preadv_exact(fd, rows, start, path)
+            if views is None:
+                preadv_exact(fd, row_spans(block, k, width, col, rb, stride - rb), at, path)
+            else:
+                for bufs, n in views(start, k, width, col, rb, stride - rb):
+                    if os.preadv(fd, bufs, at) != n:  # short (or failed): again, continuing where it stops
+                        preadv_exact(fd, bufs, at, path)
+                    at += n
         else:  # rows far apart: one read per row
             for i, row in enumerate(row_views(block, k, width, col, rb)):
-                preadv_exact(fd, [row], start + i * stride, path)
+                preadv_exact(fd, [row], at + i * stride, path)
         col += rb

@@ -22,6 +22,7 @@ from typing import Any
 from converters.copy_path.io import (
     DEFAULT_BUFFER,
     WRITE_BYTES,
+    RowViews,
     SourceFiles,
     _buffer,
     fill_file,
@@ -32,7 +33,7 @@ from converters.copy_path.io import (
     write_lock,
 )
 from converters.copy_path.megatron_ops import full_rows_ops, full_segments, row_nbytes, shard_ops
-from converters.copy_path.ops import Interleave, Op, Zeros
+from converters.copy_path.ops import Interleave, Op, Unsupported, Zeros
 from converters.copy_path.sources import RawSource
 from converters.formats import pickles as pw
 from converters.formats.hf_config import write_config_dir
@@ -83,8 +84,12 @@ class CopyTarget:
 
 def plan_copy_target(source: RawSource, *, fmt: str, tp: int, pp: int, vpp: int, divisible_by: int,
                      first: int | None = None, last: int | None = None) -> CopyTarget:
-    """Validate the target layout for the model (ParallelConfigError names the numbers)."""
+    """Validate the target layout for the model (ParallelConfigError names the numbers);
+    ``Unsupported`` for a mixture-of-experts model: its Megatron targets (expert parallel rank
+    files, stacked experts, the expert args) are the torch path's."""
     cfg = source.cfg
+    if cfg.moe is not None:
+        raise Unsupported("Megatron targets of mixture-of-experts models (the torch path writes them)")
     require_megatron_layout(cfg, source.path)
     check_target_stages(cfg.num_hidden_layers, pp, vpp, first, last)
     ParallelConfig(tp=tp, pp=pp, vpp=vpp, num_layers_in_first_pipeline_stage=first,
@@ -183,6 +188,10 @@ def scatter_bands(ops: list[Op], width: int, outputs: list[tuple[str, int]], buf
                 raise CheckpointError(f"{path}: cannot open for writing ({exc.strerror or exc})") from exc
         step = max(1, buffer_bytes // width)
         buf = _buffer(step * width)
+        reads = RowViews(buf)
+        # (rows, rank) -> the rank's band of each row, made once while they stay few (see RowViews)
+        band_views: dict[tuple[int, int], list] = {}
+        keep_bands = tp * step <= RowViews.BUDGET
         per_write = max(1, WRITE_BYTES // band)  # rows per write (why: copy_path.io.WRITE_BYTES)
         locks = [write_lock(path) for path, _ in outputs]
         for op in ops:
@@ -197,9 +206,15 @@ def scatter_bands(ops: list[Op], width: int, outputs: list[tuple[str, int]], buf
                 check_stop()
                 k = min(step, rows - r)
                 block = buf[: k * width]
-                read_rows(parts, fd_of, r, block, width)
+                read_rows(parts, fd_of, r, block, width, reads)
                 for t, (fd, (path, dst)) in enumerate(zip(outs, outputs)):
-                    views = row_views(block, k, width, t * band, band)
+                    views = band_views.get((k, t))
+                    if views is None:
+                        views = row_views(block, k, width, t * band, band)
+                        if keep_bands:
+                            if len(band_views) >= tp:  # (the last rows of an op: another row count)
+                                band_views.clear()
+                            band_views[(k, t)] = views
                     try:
                         with locks[t]:
                             for i in range(0, k, per_write):

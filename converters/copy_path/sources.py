@@ -5,8 +5,19 @@ the checks the torch path makes (the same code) and adds none of its own.
 The planner reads only metadata the readers already checked (safetensors headers, the pickles of
 ``torch.save`` archives, torch_dist ``.metadata``) and builds for every HF tensor the list of
 ``Copy`` / ``Interleave`` operations that produce its bytes (``converters/copy_path/ops``), before
-anything is written. Sources the copy path does not cover (dtype changes, strided storages, expert
-parallelism, mixture-of-experts models) raise ``Unsupported`` and the engine takes the torch path.
+anything is written. Sources the copy path does not cover (dtype changes, strided storages,
+grouped-GEMM ``GroupedMLP`` experts, whose blocks are transposed) raise ``Unsupported`` and the
+engine takes the torch path.
+
+Mixture-of-experts models (Qwen2-MoE, Qwen3-MoE) are planned like dense ones: every expert is a
+plain weight-map entry of its own (``WeightEntry.expert``), so its TP shards are byte ranges (fc1
+``[gate_r; up_r]``: row ranges; fc2: rows interleaved over TP) like a dense MLP's. Legacy files
+with EP: each expert from the file of its EP rank, everything else from EP rank 0 (every EP rank
+holds a copy), as the legacy reader lists them (``LegacyCheckpoint.expected_keys``); SequentialMLP
+and Transformer Engine's grouped layout (``linear_fc1.weight{i}``, the same tensors renamed) alike.
+torch_dist: experts at ``[layer, expert]`` of the stacked tensors, or ``[expert]`` of per-layer
+ones (``DistCheckpoint.layer_keys``). Tensors Megatron does not store (the gate of a Qwen2-MoE
+shared expert of width 0) are zeros, as the torch path's readers give them (``absent_tensors``).
 """
 
 from __future__ import annotations
@@ -18,18 +29,20 @@ from converters.copy_path.ops import (
     Copy,
     PlannedTensor,
     Unsupported,
+    Zeros,
     legacy_blocks,
     megatron_entry_ops,
 )
 from converters.formats import open_checkpoint
-from converters.formats.hf import HFCheckpoint
+from converters.formats.hf import HFCheckpoint, nbytes
 from converters.formats.megatron_args import args_layout
-from converters.formats.megatron_dist import DistCheckpoint
+from converters.formats.megatron_dist import DistCheckpoint, DistTensor
 from converters.formats.megatron_legacy import LegacyCheckpoint
 from converters.formats.tensors import TAG_TO_TORCH_NAME, RawTensor
+from converters.layout.experts import GROUPED_GEMM
 from converters.layout.megatron import megatron_full_shape
-from converters.layout.model import EMBED, FINAL, Unit
-from converters.layout.stages import dist_key, unit_megatron_keys
+from converters.layout.model import EMBED, FINAL, Unit, all_units, unit_entries
+from converters.layout.stages import absent_tensors
 from models.common.errors import CheckpointError
 from models.common.weight_map import WeightEntry, hf_shapes
 
@@ -48,17 +61,22 @@ class RawSource:
     layout: dict | None = None  # Megatron sources with args: megatron_args.args_layout (tp, pp, vpp, ...)
 
     def _set_model(self, checkpoint: Any) -> None:
-        """The model of a format reader's checkpoint; ``Unsupported`` for mixture-of-experts models."""
+        """The model of a format reader's checkpoint."""
         self.hf_config, self.arch, self.cfg, self.wmap = (checkpoint.hf_config, checkpoint.arch, checkpoint.cfg,
                                                           checkpoint.wmap)
-        if self.cfg.moe is not None:
-            raise Unsupported("mixture of experts (the torch path converts it)")
 
     def units(self) -> list[tuple[Unit, list[WeightEntry]]]:
-        out: list[tuple[Unit, list[WeightEntry]]] = [(EMBED, list(self.wmap.first_entries))]
-        out += [(i, [e.format(i) for e in self.wmap.layer_entries]) for i in range(self.cfg.num_hidden_layers)]
-        out.append((FINAL, list(self.wmap.last_entries)))
-        return out
+        """(unit, its weight-map entries with global names) in order: the torch path's units, so both
+        paths lay out the same HF files (MoE layers: experts expanded to every expert's names)."""
+        return [(unit, unit_entries(self.wmap, unit)) for unit in all_units(self.cfg)]
+
+    def _plan_absent(self, tag: str) -> None:
+        """Zeros for the HF tensors a Megatron checkpoint does not store (``absent_tensors``: the
+        gate of a Qwen2-MoE shared expert of width 0), in the checkpoint's dtype as the torch path's
+        readers make them."""
+        for unit in all_units(self.cfg):
+            for name, shape in absent_tensors(self.wmap, unit).items():
+                self.planned[name] = PlannedTensor(tuple(shape), tag, [Zeros(nbytes(shape, tag))])
 
     def dtype(self) -> str:
         """The one dtype tag of every tensor; ``Unsupported`` for several, or one torch cannot name."""
@@ -105,21 +123,25 @@ class LegacyRawSource(RawSource):
         self.path = ckpt.path
         self.layout, self.iteration = args_layout(ckpt.args), ckpt.iteration
         self._set_model(ckpt)
-        if ckpt.ep > 1:
-            raise Unsupported("expert parallel")
+        if self.cfg.moe is not None and ckpt.expert_layout == GROUPED_GEMM:
+            # each expert a transposed block of weight1/weight2: not byte ranges (before validating:
+            # the torch path validates it all again)
+            raise Unsupported("grouped-GEMM experts (GroupedMLP weight1/weight2 hold each expert transposed)")
         ckpt.validate()
         shapes = hf_shapes(self.cfg, self.wmap)
         self.planned = {}
         for p in range(ckpt.pp):
             for v in range(ckpt.vpp):
-                for unit, local in ckpt.layout.stage_units(p, v):
-                    for entry, key in unit_megatron_keys(self.wmap, unit, local):
-                        shards = ckpt.shards[(p, v, 0)][key]
-                        if not all(isinstance(s, RawTensor) for s in shards):
-                            raise Unsupported(f"{ckpt.rank_file(0, p)}: {key} is not a contiguous tensor")
-                        full = megatron_full_shape(entry, shapes, self.cfg, ckpt.padded_vocab)
-                        blocks = legacy_blocks(entry, shards, key)
-                        self.planned.update(megatron_entry_ops(entry, blocks, full, self.cfg, str(ckpt.it_dir)))
+                # experts from the file of their EP rank; the rest from EP rank 0 (each EP rank holds a copy)
+                for _unit, entry, key, ep_rank in ckpt.expected_keys(p, v):
+                    e = ep_rank or 0
+                    shards = ckpt.shards[(p, v, e)][key]
+                    if not all(isinstance(s, RawTensor) for s in shards):
+                        raise Unsupported(f"{ckpt.rank_file(0, p, e)}: {key} is not a contiguous tensor")
+                    full = megatron_full_shape(entry, shapes, self.cfg, ckpt.padded_vocab)
+                    blocks = legacy_blocks(entry, shards, key)
+                    self.planned.update(megatron_entry_ops(entry, blocks, full, self.cfg, str(ckpt.it_dir)))
+        self._plan_absent(ckpt.dtype)
         self.check_shapes()
 
 
@@ -136,30 +158,50 @@ class DistRawSource(RawSource):
         ckpt.validate()
         shapes = hf_shapes(self.cfg, self.wmap)
         self.planned = {}
-        for unit, _ in self.units():
-            layer = None if unit in (EMBED, FINAL) else int(unit)
-            templates = (self.wmap.first_entries if unit == EMBED else self.wmap.last_entries if unit == FINAL
-                         else self.wmap.layer_entries)
-            for tmpl in templates:
-                entry = tmpl if layer is None else tmpl.format(layer)
+        by_lead: dict[str, dict[tuple[int, ...], list]] = {}
+        for unit in all_units(self.cfg):
+            if unit in (EMBED, FINAL):
+                entries = [(e, e.megatron, None) for e in (self.wmap.first_entries if unit == EMBED
+                                                            else self.wmap.last_entries)]
+            else:  # the torch path's keys: stacked or per layer, experts at [layer, expert] or [expert]
+                entries = ckpt.layer_keys(int(unit))
+            for entry, key, index in entries:
                 full = megatron_full_shape(entry, shapes, self.cfg, ckpt.padded_vocab)
-                key, index = dist_key(tmpl.megatron, layer, ckpt.tensors)
+                lead = () if index is None else (index,) if isinstance(index, int) else tuple(index)
+                if key not in by_lead:
+                    by_lead[key] = _chunks_by_lead(ckpt.tensors[key], len(lead))
                 blocks = []
-                for chunk in ckpt.tensors[key].chunks:
-                    offs = chunk.offsets
-                    if index is not None and not offs[0] <= index < offs[0] + chunk.sizes[0]:
-                        continue
+                for chunk in by_lead[key].get(lead, ()):
                     t = ckpt.chunk(key, chunk)
                     if not isinstance(t, RawTensor):
                         raise Unsupported(f"{ckpt.it_dir / chunk.file}: chunk of {key} is not a contiguous tensor")
-                    if index is not None:
-                        t, offs = t.index(index - offs[0]), offs[1:]
+                    offs = chunk.offsets
+                    for d, i in enumerate(lead):  # drop the leading dims: this layer's (and expert's) slice
+                        t = t.index(i - offs[d])
+                    offs = offs[len(lead):]
                     if len(offs) > 2 and any(offs[2:]):
                         raise Unsupported(f"{key}: chunked beyond dim 1")
                     col = offs[1] * _trailing(full[2:]) if len(offs) > 1 else 0
                     blocks.append(Block(offs[0] if offs else 0, col, t))
                 self.planned.update(megatron_entry_ops(entry, blocks, full, self.cfg, str(ckpt.it_dir)))
+        self._plan_absent(ckpt.dtype)
         self.check_shapes()
+
+
+def _chunks_by_lead(tensor: DistTensor, n: int) -> dict[tuple[int, ...], list]:
+    """The chunks of a torch_dist tensor by the index along its first ``n`` dims (layer, expert)
+    they hold, each chunk under every such index it spans: one pass per tensor instead of a scan
+    of all its chunks for every layer and expert."""
+    from itertools import product
+
+    out: dict[tuple[int, ...], list] = {}
+    for chunk in tensor.chunks:
+        if any(s == 0 for s in chunk.sizes):
+            continue
+        spans = [range(chunk.offsets[d], chunk.offsets[d] + chunk.sizes[d]) for d in range(n)]
+        for lead in product(*spans):
+            out.setdefault(lead, []).append(chunk)
+    return out
 
 
 def _trailing(dims: tuple[int, ...]) -> int:
