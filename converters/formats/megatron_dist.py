@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from converters.formats.chunk_tiling import check_tiling
 from converters.formats.hf_config import read_hf_config
 from converters.formats.megatron_args import args_layout, check_args, hf_config_from_args, resolve_iteration_dir
 from converters.formats.megatron_bridge import COMMON_STATE, check_bridge_vision
@@ -159,21 +160,8 @@ def parse_metadata(md: Any, md_path: Path) -> tuple[dict[str, DistTensor], dict[
 
 
 def _check_tiling(key: str, t: DistTensor, where: str) -> None:
-    """The chunks of ``t`` cover its global shape exactly once."""
-    def volume(sizes):
-        n = 1
-        for d in sizes:
-            n *= d
-        return n
-
-    chunks = [c for c in t.chunks if volume(c.sizes)]
-    for i, a in enumerate(chunks):
-        for b in chunks[i + 1:]:
-            if all(max(x, y) < min(x + s, y + r) for x, s, y, r in zip(a.offsets, a.sizes, b.offsets, b.sizes)):
-                raise CheckpointError(f"{where}: chunks {a.offsets} and {b.offsets} of {key} overlap")
-    covered = sum(volume(c.sizes) for c in chunks)
-    if covered != volume(t.size):
-        raise CheckpointError(f"{where}: chunks of {key} cover {covered} of {volume(t.size)} elements")
+    """The chunks of ``t`` cover its global shape exactly once (``converters/formats/chunk_tiling``)."""
+    check_tiling(key, t.size, t.chunks, lambda message: CheckpointError(f"{where}: {message}"))
 
 
 def is_model_key(key: str) -> bool:
