@@ -6,9 +6,11 @@ Guarantees:
     for both paths: files, headers and metadata, config sizes against the tensors present, every
     rank file present, shapes consistent, no tensor missing or unused -- and the target layout
     checked against the model;
-  * a dense conversion without a dtype change takes the copy path (``converters/copy_path``: byte
-    ranges moved by system calls, no torch); the rest the torch path (``converters/torch_path``),
-    ``--quantize`` included (the copy path moves bytes, it cannot quantize).
+  * a conversion without a dtype change to HF or Megatron takes the copy path (``converters/copy_path``:
+    byte ranges moved by system calls, no torch), MoE models to HF targets included (not from
+    grouped-GEMM experts, whose blocks are transposed); the rest the torch path
+    (``converters/torch_path``): MoE Megatron targets, vLLM and Megatron-Bridge targets, and
+    ``--quantize`` (the copy path moves bytes, it cannot quantize).
     ``PMZ_COPY_PATH=0`` forces the torch path (tests compare the two);
   * a quantized source (``quantization_config``, FP8 tensors) is refused, never dequantized or
     passed through (``converters/formats/quantized``); ``--quantize fp8`` writes HF and vLLM

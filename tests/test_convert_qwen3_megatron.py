@@ -136,7 +136,8 @@ def test_megatron_core_gives_transformers_logits(oracle, name):
 
 
 def _paths(kind: str) -> tuple[str, ...]:
-    """PMZ_COPY_PATH values to run: Qwen3 on both paths, MoE on the torch path (the copy path leaves it)."""
+    """PMZ_COPY_PATH values to run: Qwen3 on both paths, MoE on the torch path here (the copy path's MoE
+    reading, real megatron-core sources included, is tests/test_copy_path_moe.py's)."""
     return ("1", "0") if kind == "dense" else ("0",)
 
 
