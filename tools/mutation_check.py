@@ -49,7 +49,10 @@ MUTATIONS = (
                "        return torch.cat(list(tensors)[::-1], dim=0)\n    if layout == VOCAB_PADDED:"),
               ("converters/layout/megatron.py", "return [t.contiguous() for t in full.split(rows, dim=0)]",
                "return [t.contiguous() for t in full.split(rows, dim=0)][::-1]")),
-             ("tests/test_convert_megatron.py",)),
+             # the torch path's tables: dense conversions take the copy path by default, so the
+             # megatron-core oracle tests of both paths and the path-against-path ones must run
+             ("tests/test_convert_megatron.py", "tests/test_convert_roundtrip.py",
+              "tests/test_convert_qwen3_megatron.py")),
     Mutation("row-bias-split", "row-parallel o_proj bias split over TP in the weight map",
              (("models/common/weight_map.py", '(layer + "self_attn.o_proj.bias",), (rep,)',
                '(layer + "self_attn.o_proj.bias",), (col,)'),),
