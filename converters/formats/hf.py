@@ -20,7 +20,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Union
+from typing import Any, Iterable, Sequence, Union
 
 from converters.formats.hf_config import check_block_count, check_config_against_tensors, read_hf_config
 from converters.formats.tensors import ITEMSIZE
@@ -110,11 +110,12 @@ def plan_shards(units_and_shapes: list[tuple[Unit, list[tuple[str, tuple[int, ..
     return files
 
 
-def header(plan: FilePlan, tag: str) -> bytes:
-    """The file's 8-byte length prefix and JSON header (data starts 8-byte aligned)."""
+def stored_header(stored: Iterable[tuple[str, Sequence[int], str]]) -> bytes:
+    """The 8-byte length prefix and JSON header (data starts 8-byte aligned) of a file holding
+    ``(name, shape, dtype tag)`` tensors in that order, each with its own dtype."""
     head: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
-    for name, shape in plan.tensors:
+    for name, shape, tag in stored:
         n = nbytes(shape, tag)
         head[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
@@ -123,13 +124,23 @@ def header(plan: FilePlan, tag: str) -> bytes:
     return len(raw).to_bytes(8, "little") + raw
 
 
-def tensor_offsets(plan: FilePlan, tag: str) -> dict[str, int]:
-    """Absolute file offset of each planned tensor."""
-    offsets, off = {}, len(header(plan, tag))
-    for name, shape in plan.tensors:
+def stored_offsets(stored: Sequence[tuple[str, Sequence[int], str]]) -> dict[str, int]:
+    """Absolute file offset of each ``(name, shape, dtype tag)`` tensor of ``stored_header``'s file."""
+    offsets, off = {}, len(stored_header(stored))
+    for name, shape, tag in stored:
         offsets[name] = off
         off += nbytes(shape, tag)
     return offsets
+
+
+def header(plan: FilePlan, tag: str) -> bytes:
+    """The planned file's header, every tensor in dtype ``tag``."""
+    return stored_header([(name, shape, tag) for name, shape in plan.tensors])
+
+
+def tensor_offsets(plan: FilePlan, tag: str) -> dict[str, int]:
+    """Absolute file offset of each planned tensor, every tensor in dtype ``tag``."""
+    return stored_offsets([(name, shape, tag) for name, shape in plan.tensors])
 
 
 def split_file_plan(plan: FilePlan, parts: int) -> list[tuple[int, int]]:

@@ -171,9 +171,15 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def write_shard_range(plan: FilePlan, directory: str, dtype: torch.dtype, lo: int, hi: int,
-                      read_unit_pieces: Callable[[Unit], dict[str, list[torch.Tensor]]]) -> int:
-    """Write tensors ``plan.tensors[lo:hi]`` at their planned offsets, streaming row pieces unit by unit."""
-    offsets = tensor_offsets(plan, SAFETENSORS_DTYPE[dtype])
+                      read_unit_pieces: Callable[[Unit], dict[str, list[torch.Tensor]]], *,
+                      offsets: dict[str, int] | None = None,
+                      write_tensor: Callable[..., int | None] | None = None) -> int:
+    """Write tensors ``plan.tensors[lo:hi]`` at their planned offsets, streaming row pieces unit by unit.
+
+    ``offsets``: file offset of each stored tensor (default: every tensor of ``plan`` in ``dtype``);
+    ``write_tensor(f, name, pieces, offsets)``: writes a tensor its own way and returns its bytes, or
+    None to have it copied as it is (the FP8 writer quantizes with it, ``torch_path/hf_fp8``)."""
+    offsets = offsets if offsets is not None else tensor_offsets(plan, SAFETENSORS_DTYPE[dtype])
     todo = plan.tensors[lo:hi]
     wanted = {name: tuple(shape) for name, shape in todo}
     written = 0
@@ -189,9 +195,13 @@ def write_shard_range(plan: FilePlan, directory: str, dtype: torch.dtype, lo: in
                 got = (sum(p.shape[0] for p in pieces), *pieces[0].shape[1:])
                 if got != shape or any(p.shape[1:] != pieces[0].shape[1:] for p in pieces):
                     raise CheckpointError(f"{name}: produced shape {got}, planned {shape}")
-                f.seek(offsets[name])
-                for piece in pieces:
-                    written += copier.write(piece, dtype)
+                own = write_tensor(f, name, pieces, offsets) if write_tensor is not None else None
+                if own is not None:
+                    written += own
+                else:
+                    f.seek(offsets[name])
+                    for piece in pieces:
+                        written += copier.write(piece, dtype)
                 del pieces  # drop views into the source before the next unit is read
             del pieces_of
         copier.close()

@@ -28,11 +28,17 @@ from typing import Callable, Iterator
 
 import torch
 
-from converters.formats.hf import FilePlan, nbytes, split_file_plan
+from converters.formats.hf import FilePlan, nbytes, split_file_plan, stored_header, stored_offsets
 from converters.layout.model import Unit, unit_entries
-from converters.torch_path.hf import SAFETENSORS_DTYPE, _Copier, hf_plan, release_mapped, tensor_bytes, write_hf_config
+from converters.torch_path.hf import (
+    SAFETENSORS_DTYPE,
+    hf_plan,
+    release_mapped,
+    tensor_bytes,
+    write_hf_config,
+    write_shard_range,
+)
 from converters.torch_path.reader import CheckpointReader, reopen
-from models.common.errors import CheckpointError
 from models.common.export import fp8
 
 TAGS = {**SAFETENSORS_DTYPE, fp8.FP8_DTYPE: "F8_E4M3"}
@@ -48,25 +54,12 @@ class StoredFile:
     stored: list[tuple[str, tuple[int, ...], str]]
 
     def header(self) -> bytes:
-        """The 8-byte length prefix and JSON header (data starts 8-byte aligned), as
-        ``converters.formats.hf.header`` writes it, with each tensor's own dtype."""
-        head: dict = {"__metadata__": {"format": "pt"}}
-        offset = 0
-        for name, shape, tag in self.stored:
-            n = nbytes(shape, tag)
-            head[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [offset, offset + n]}
-            offset += n
-        raw = json.dumps(head, separators=(",", ":")).encode()
-        raw += b" " * ((-len(raw)) % 8)
-        return len(raw).to_bytes(8, "little") + raw
+        """The file's safetensors header, each tensor with its own dtype (``formats.hf.stored_header``)."""
+        return stored_header(self.stored)
 
     def offsets(self) -> dict[str, int]:
         """Absolute file offset of each stored tensor."""
-        out, at = {}, len(self.header())
-        for name, shape, tag in self.stored:
-            out[name] = at
-            at += nbytes(shape, tag)
-        return out
+        return stored_offsets(self.stored)
 
     def create(self, directory: str) -> None:
         """The file with its header, sized to its final length (tasks write the tensor bytes)."""
@@ -151,34 +144,16 @@ def _write_range(reopen_args: tuple, file: StoredFile, directory: str, dtype: to
 
 def write_fp8_range(file: StoredFile, directory: str, dtype: torch.dtype, lo: int, hi: int,
                     read_unit_pieces: Callable[[Unit], dict[str, list[torch.Tensor]]], quantized: set[str]) -> int:
-    """Write what is stored for HF tensors ``file.plan.tensors[lo:hi]``, unit by unit; returns the bytes."""
-    offsets = file.offsets()
-    wanted = {name: tuple(shape) for name, shape in file.plan.tensors[lo:hi]}
-    written = 0
-    with open(Path(directory) / file.plan.name, "r+b") as f:
-        copier = _Copier(f)
-        for unit in file.plan.units:
-            if not wanted:
-                break
-            pieces_of = read_unit_pieces(unit)
-            for name in [n for n in pieces_of if n in wanted]:
-                pieces = pieces_of.pop(name)
-                shape = wanted.pop(name)
-                got = (sum(p.shape[0] for p in pieces), *pieces[0].shape[1:])
-                if got != shape or any(p.shape[1:] != pieces[0].shape[1:] for p in pieces):
-                    raise CheckpointError(f"{name}: produced shape {got}, planned {shape}")
-                if name in quantized:
-                    written += _write_quantized(f, name, pieces, offsets[name], offsets[fp8.scale_name(name)])
-                else:
-                    f.seek(offsets[name])
-                    for piece in pieces:
-                        written += copier.write(piece, dtype)
-                del pieces
-            del pieces_of
-        copier.close()
-    if wanted:
-        raise CheckpointError(f"{file.plan.name}: tensor(s) {', '.join(sorted(wanted))} never produced by the reader")
-    return written
+    """Write what is stored for HF tensors ``file.plan.tensors[lo:hi]``, unit by unit; returns the bytes
+    (``torch_path.hf.write_shard_range``, quantized tensors written by ``_write_quantized``)."""
+
+    def quantize(f, name: str, pieces: list[torch.Tensor], offsets: dict[str, int]) -> int | None:
+        if name not in quantized:
+            return None
+        return _write_quantized(f, name, pieces, offsets[name], offsets[fp8.scale_name(name)])
+
+    return write_shard_range(file.plan, directory, dtype, lo, hi, read_unit_pieces, offsets=file.offsets(),
+                             write_tensor=quantize)
 
 
 def _write_quantized(f, name: str, pieces: list[torch.Tensor], at: int, scale_at: int) -> int:
