@@ -387,3 +387,28 @@ def load_logits(ckpt_dir: str, spec: Qwen3Spec, layout: Layout, fmt: str) -> tor
         for i, chunk in enumerate(chunks):
             _load_chunk(chunk, state[_chunk_key(i, len(chunks))], ckpt_dir)
     return forward_logits(chunks, spec)
+
+
+def te_grouped_copy(src, dst) -> dict:
+    """A copy of the SequentialMLP legacy checkpoint ``src`` at ``dst`` under Transformer Engine's
+    ``TEGroupedMLP`` names (``mlp.experts.linear_fc{1,2}.weight{i}``, each a SequentialMLP shard, and
+    the args megatron-core records for it): Transformer Engine is not installed here, so the layout is
+    made by renaming. Returns the last rank file's renamed model state (for the caller's checks)."""
+    import shutil
+    from pathlib import Path
+
+    shutil.copytree(src, dst)
+    renamed: dict = {}
+    for f in Path(dst).glob("*/mp_rank_*/model_optim_rng.pt"):
+        data = torch.load(f, weights_only=False)
+        renamed = {}
+        for k, v in data["model"].items():
+            if ".local_experts." in k:
+                head, rest = k.split(".local_experts.")
+                i, module, leaf = rest.split(".", 2)
+                k = f"{head}.{module}.{leaf}{i}" if leaf == "weight" else f"{head}.{module}.{leaf}"
+            renamed[k] = v
+        data["model"] = renamed
+        data["args"].moe_grouped_gemm, data["args"].transformer_impl = True, "transformer_engine"
+        torch.save(data, f)
+    return renamed

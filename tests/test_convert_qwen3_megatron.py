@@ -36,6 +36,7 @@ from tests.megatron_qwen3_oracle import (  # noqa: E402
     prompt_ids,
     read_hf,
     save_from_hf,
+    te_grouped_copy,
     weight1_columns_logits,
 )
 
@@ -250,19 +251,7 @@ def test_transformer_engine_grouped_experts_are_read(oracle, tmp_path):
     per local expert, each SequentialMLP's shard) -- built here from megatron-core's SequentialMLP EP2
     save by renaming its expert keys, as Transformer Engine is not installed."""
     src = tmp_path / "te"
-    shutil.copytree(os.path.join(oracle["root"], "m_ep2"), src)
-    for f in src.glob("*/mp_rank_*/model_optim_rng.pt"):
-        data = torch.load(f, weights_only=False)
-        renamed = {}
-        for k, v in data["model"].items():
-            if ".local_experts." in k:
-                head, rest = k.split(".local_experts.")
-                i, module, leaf = rest.split(".", 2)
-                k = f"{head}.{module}.{leaf}{i}" if leaf == "weight" else f"{head}.{module}.{leaf}"
-            renamed[k] = v
-        data["model"] = renamed
-        data["args"].moe_grouped_gemm, data["args"].transformer_impl = True, "transformer_engine"
-        torch.save(data, f)
+    renamed = te_grouped_copy(os.path.join(oracle["root"], "m_ep2"), src)
     assert "decoder.layers.0.mlp.experts.linear_fc1.weight1" in renamed
     assert pmz(["convert", str(src), str(tmp_path / "hf"), "--to", "hf", "--quiet"]) == 0
     _assert_same_hf(os.path.join(oracle["root"], "hf_moe"), str(tmp_path / "hf"))

@@ -29,6 +29,7 @@ import torch
 from converters.cli import main as pmz
 from converters.engine import convert
 from tests.cases import snapshot
+from tests.megatron_qwen3_oracle import te_grouped_copy
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,22 +67,9 @@ def write_qwen3_moe(path: Path, seed: int = 5) -> str:
 
 
 def te_grouped(src: Path, dst: Path) -> None:
-    """Transformer Engine's ``TEGroupedMLP`` names (``mlp.experts.linear_fc{1,2}.weight{i}``, each a
-    SequentialMLP shard) made from a SequentialMLP legacy checkpoint by renaming, as
-    tests/test_convert_qwen3_megatron.py does (Transformer Engine is not installed)."""
-    shutil.copytree(src, dst)
-    for f in dst.glob("*/mp_rank_*/model_optim_rng.pt"):
-        data = torch.load(f, weights_only=False)
-        renamed = {}
-        for k, v in data["model"].items():
-            if ".local_experts." in k:
-                head, rest = k.split(".local_experts.")
-                i, module, leaf = rest.split(".", 2)
-                k = f"{head}.{module}.{leaf}{i}" if leaf == "weight" else f"{head}.{module}.{leaf}"
-            renamed[k] = v
-        data["model"] = renamed
-        data["args"].moe_grouped_gemm, data["args"].transformer_impl = True, "transformer_engine"
-        torch.save(data, f)
+    """Transformer Engine's ``TEGroupedMLP`` names made from a SequentialMLP legacy checkpoint
+    (``tests/megatron_qwen3_oracle.te_grouped_copy``: Transformer Engine is not installed)."""
+    te_grouped_copy(src, dst)
 
 
 @pytest.fixture(scope="module")
