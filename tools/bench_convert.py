@@ -113,11 +113,30 @@ def _status_kb(field: str) -> int:
     return 0
 
 
+def write_sharded(hf_dir: Path, groups: list) -> int:
+    """An HF safetensors checkpoint of one file per group (each group a callable making its tensors, one
+    group in memory at a time) with its index, as transformers shards a model; returns the tensor bytes."""
+    from safetensors.torch import save_file
+
+    n = len(groups)
+    weight_map, total = {}, 0
+    for k, make in enumerate(groups):
+        tensors = make()
+        name = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+        save_file(tensors, str(hf_dir / name), metadata={"format": "pt"})
+        for key, t in tensors.items():
+            weight_map[key] = name
+            total += t.numel() * t.element_size()
+        del tensors
+    (hf_dir / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return total
+
+
 def child_setup(args: argparse.Namespace) -> None:
     """Synthetic HF checkpoint (layer by layer) -> Megatron legacy TP=2 PP=2 (the parent deletes the HF dir)."""
     sys.path.insert(0, str(ROOT))
     import torch
-    from safetensors.torch import save_file
 
     from converters import convert
 
@@ -149,18 +168,7 @@ def child_setup(args: argparse.Namespace) -> None:
         groups.append(layer)
     groups.append(lambda: {"model.norm.weight": torch.ones(h, dtype=dtype), "lm_head.weight": rand(V, h)})
 
-    n = len(groups)
-    weight_map, total = {}, 0
-    for k, make in enumerate(groups):
-        tensors = make()
-        name = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
-        save_file(tensors, str(hf_dir / name), metadata={"format": "pt"})
-        for key, t in tensors.items():
-            weight_map[key] = name
-            total += t.numel() * t.element_size()
-        del tensors
-    (hf_dir / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    total = write_sharded(hf_dir, groups)
     common = dict(vocab_size=V, hidden_size=h, intermediate_size=ffn, num_hidden_layers=L, num_attention_heads=nh,
                   num_key_value_heads=kv, max_position_embeddings=4096, tie_word_embeddings=False)
     if args.arch == "qwen2":
@@ -181,7 +189,6 @@ def child_setup_moe(args: argparse.Namespace) -> None:
     deletes the HF dir)."""
     sys.path.insert(0, str(ROOT))
     import torch
-    from safetensors.torch import save_file
     from transformers import Qwen3MoeConfig
 
     from converters import convert
@@ -215,18 +222,7 @@ def child_setup_moe(args: argparse.Namespace) -> None:
             return t
         groups.append(layer)
     groups.append(lambda: {"model.norm.weight": norm(h), "lm_head.weight": rand(V, h)})
-    n = len(groups)
-    weight_map, total = {}, 0
-    for k, make in enumerate(groups):
-        tensors = make()
-        name = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
-        save_file(tensors, str(hf_dir / name), metadata={"format": "pt"})
-        for key, t in tensors.items():
-            weight_map[key] = name
-            total += t.numel() * t.element_size()
-        del tensors
-    (hf_dir / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    total = write_sharded(hf_dir, groups)
     config = Qwen3MoeConfig(vocab_size=V, hidden_size=h, intermediate_size=3 * F, num_hidden_layers=L,
                             num_attention_heads=nh, num_key_value_heads=kv, head_dim=hd, num_experts=E,
                             num_experts_per_tok=min(8, E), moe_intermediate_size=F, norm_topk_prob=True,
