@@ -142,3 +142,19 @@ def load_hf(path: str, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def convert_to_hf_in_fresh_python(src, out, cwd) -> str:
+    """``pmz convert SRC OUT --to hf`` in a new interpreter; asserts exit 0 and returns whether the
+    run imported torch ("TORCH 0" / "NO-TORCH 0"), so tests can hold the copy path to being torch-free."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom converters.cli import main\n"
+            f"rc = main(['convert', {str(src)!r}, {str(out)!r}, '--to', 'hf', '--quiet'])\n"
+            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', rc)\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=str(cwd),
+                         timeout=300)
+    assert res.returncode == 0, res.stderr
+    return res.stdout.strip().splitlines()[-1]

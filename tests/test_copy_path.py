@@ -8,15 +8,12 @@ HF must not import torch at all.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from converters.engine import convert
-from tests.cases import copy_path_configs, write_hf_model
+from tests.cases import convert_to_hf_in_fresh_python, copy_path_configs, write_hf_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,14 +77,7 @@ def test_dtype_change_takes_the_torch_path(sources, tmp_path, monkeypatch):
 
 def test_cli_conversion_to_hf_never_imports_torch(sources, tmp_path):
     src = sources[("qwen2", "megatron", 2, 2, 1)]
-    code = ("import sys\nfrom converters.cli import main\n"
-            f"rc = main(['convert', {str(src)!r}, {str(tmp_path / 'out')!r}, '--to', 'hf', '--quiet'])\n"
-            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', rc)\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=str(tmp_path),
-                         timeout=300)
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.strip().splitlines()[-1] == "NO-TORCH 0", res.stdout + res.stderr
+    assert convert_to_hf_in_fresh_python(src, tmp_path / "out", tmp_path) == "NO-TORCH 0"
     assert (tmp_path / "out" / "model.safetensors").is_file()
 
 

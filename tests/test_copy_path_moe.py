@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,7 +26,7 @@ import torch
 
 from converters.cli import main as pmz
 from converters.engine import convert
-from tests.cases import snapshot
+from tests.cases import convert_to_hf_in_fresh_python, snapshot
 from tests.megatron_qwen3_oracle import te_grouped_copy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -184,14 +182,7 @@ def test_megatron_targets_of_moe_models_take_the_torch_path(models, tmp_path, mo
 
 def test_cli_moe_conversion_to_hf_never_imports_torch(models, tmp_path):
     src = models["sources"]["qwen3-tp2ep2"][1]
-    code = ("import sys\nfrom converters.cli import main\n"
-            f"rc = main(['convert', {str(src)!r}, {str(tmp_path / 'out')!r}, '--to', 'hf', '--quiet'])\n"
-            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', rc)\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=str(tmp_path),
-                         timeout=300)
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.strip().splitlines()[-1] == "NO-TORCH 0", res.stdout + res.stderr
+    assert convert_to_hf_in_fresh_python(src, tmp_path / "out", tmp_path) == "NO-TORCH 0"
     assert_same_tensors(Path(models["hf"]["qwen3"]), tmp_path / "out")
 
 
