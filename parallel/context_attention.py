@@ -22,15 +22,17 @@ matrix and never another rank's keys.
   the sequence at once while the layer runs (not saved for backward: gathered again there).
 
 Kernels (``kernel=``; by default chosen from the tensors):
-  * CUDA fp16/bf16 (``varlen_kernels.flash_kernel``): torch's flash varlen kernels, **all blocks of
-    one step in one call** (``context_varlen.py``), the forward returning the log-sum-exp and the
-    backward running from the final output and log-sum-exp; no Python loop per sequence.
+  * CUDA fp16/bf16 (``varlen_kernels.flash_kernel(need_lse=True)``): a flash varlen kernel - FA3/FA4
+    where installed on Hopper/Blackwell, else torch's own - **all blocks of one step in one call**
+    (``context_varlen.py``), the forward returning the log-sum-exp and the backward running from the
+    final output and log-sum-exp; no Python loop per sequence.
   * everywhere else, block by block (``attend_segments``): on CPU
     ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (what SDPA itself runs);
     on CUDA in fp32/fp64 an exact matmul/softmax form that materializes each block's score matrix
     transiently (flash kernels take half precision only).
   * ``kernel="reference"`` runs the one-call-per-step path with the exact varlen reference kernel,
-    on any device: how CPU tests check that path; ``"torch"`` forces torch's flash kernels,
+    on any device: how CPU tests check that path; ``"torch"`` forces torch's flash kernels
+    (``"fa3"``/``"fa4"`` FlashAttention-3/4 through torch's dispatcher),
     ``"segments"`` the block-by-block path.
 """
 
@@ -249,7 +251,7 @@ class _AllGatherAttention(torch.autograd.Function):
         return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None
 
 
-CP_KERNELS = ("segments", "torch", "reference")
+CP_KERNELS = ("segments", "torch", "reference", "fa3", "fa4")
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SequencePlan, group: Any,
@@ -260,7 +262,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ``q [L, hq, d]``, ``k/v [L, hkv, d]`` (GQA: hq a multiple of hkv), ``L = plan.local_len``;
     returns ``[L, hq, d]`` (zeros at padding). Collective over ``group`` (the CP group, size
     ``plan.cp``): every member calls it with the same plan and kernel. ``kernel``: one of
-    ``CP_KERNELS`` (module docstring); None picks torch's flash kernels where they take the tensors,
+    ``CP_KERNELS`` (module docstring); None picks a flash kernel where one takes the tensors,
     else ``"segments"``.
     """
     if group_size(group) != plan.cp:

@@ -14,29 +14,79 @@ mask when ``q_len == k_len``). Every query row must see at least one key (caller
 that see none: flash leaves their lse undefined for us).
 
 Kernels (``kernel=``):
-  * ``"torch"``: torch's own flash kernels, ``aten._flash_attention_forward/_backward`` (CUDA, fp16 /
-    bf16, head size a multiple of 8 up to 256, sm80 or newer). Dropout is 0, so backward never reads
-    the philox seed/offset it is given (torch's ``varlen_attn`` passes the same placeholders). Older
-    torch builds return the log-sum-exp padded ``[b, hq, max_q]`` instead of packed ``[hq, Tq]``:
-    ``varlen_forward`` always returns it packed and ``varlen_backward`` hands the kernel the layout
-    its forward produces (probed once per device).
-  * ``"flash_attn"``: the ``flash_attn`` package's ``flash_attn_varlen_func``, only in
-    ``varlen_attention`` and only where installed (an optional extra, never required). Its backward
-    from a *given* output and log-sum-exp is private API that changes between releases, so the
-    context-parallel blocks use ``"torch"``.
+  * ``"torch"``: torch's own flash kernels (FlashAttention-2 based), ``aten._flash_attention_forward
+    /_backward`` (CUDA, fp16 / bf16, head size a multiple of 8 up to 256, sm80 or newer). Dropout is
+    0, so backward never reads the philox seed/offset it is given (torch's ``varlen_attn`` passes the
+    same placeholders). Older torch builds return the log-sum-exp padded ``[b, hq, max_q]`` instead
+    of packed ``[hq, Tq]``: ``varlen_forward`` always returns it packed and ``varlen_backward`` hands
+    the kernel the layout its forward produces (probed once per device).
+  * ``"fa3"`` / ``"fa4"``: the same aten calls with FlashAttention-3 (Hopper, the
+    ``flash_attn_interface`` package) or FlashAttention-4 (sm90/sm100, ``flash_attn.cute``, the
+    ``flash-attn-4`` wheel) activated in torch's dispatcher through
+    ``torch.nn.attention.activate_flash_attention_impl`` (torch's own shims, ``torch/nn/attention/
+    _fa3.py``/``_fa4.py``: forward with log-sum-exp and backward from a given one, varlen, GQA). The
+    activation is **process-wide**: while one is active, every flash call of the process runs it
+    (SDPA's flash backend included); a call through ``"torch"`` restores torch's own kernel first.
+    Their varlen log-sum-exp is packed ``[hq, Tq]`` (read in torch's shims and the packages'
+    interfaces, not yet run here).
+  * ``"cudnn"``: cuDNN's fused attention through SDPA (``sdpa_kernel(SDPBackend.CUDNN_ATTENTION)``,
+    ``enable_gqa``), only in ``varlen_attention`` and only for **equal-length** sequences with equal
+    query and key lengths (then the flat tokens are a dense ``[n, L]`` batch; no log-sum-exp is
+    returned, so not for context parallelism). cuDNN also has a ragged form
+    (``aten._cudnn_attention_forward`` with ``cum_seq_q/cum_seq_k``), but torch 2.13's own
+    ``varlen_attn`` keeps it switched off (``_should_use_cudnn`` returns False) and refuses GQA on it,
+    so it is not used here.
+  * ``"flash_attn"``: the ``flash_attn`` (FlashAttention-2) package's ``flash_attn_varlen_func``, only
+    in ``varlen_attention`` and only where installed (an optional extra, never required). Its
+    backward from a *given* output and log-sum-exp is private API that changes between releases, so
+    the context-parallel blocks use the kernels above.
   * ``"reference"``: exact per-sequence matmul/softmax in fp32 (fp64 for fp64), the same semantics
     on any device; what CPU tests run in place of a flash kernel, and the check of the flash ones.
+
+Which kernel runs (``flash_kernel`` -> ``choose_kernel``): per device (compute capability), per what
+the call needs (a log-sum-exp: context-parallel ring steps; equal lengths: cuDNN) and what is
+installed, the first of ``PREFERENCE[major]`` that takes the call. The order is **chosen by
+reading, not measured by this project**, except one point: on an H200 (torch 2.11) the backward of
+torch's FA2-based varlen kernel took 31.1 ms per step where SDPA's cuDNN kernels took 16.6 ms
+(docs/benchmarks.md, from one profile of transformers' SDPA), so on Hopper cuDNN comes first where it
+applies. FA3/FA4 are ahead of torch's FA2 by their authors' published figures. ``PMZ_ATTENTION_KERNEL``
+(or ``flash_kernel(override=)``) overrides the choice, for tests and benchmarks: a kernel that is not
+usable there is an error; one that cannot take a particular call (``cudnn`` on unequal lengths or
+where a log-sum-exp is needed, ``flash_attn`` for the latter) leaves that call to the automatic
+choice. ``kernel=`` at a call forces exactly that kernel (an error where it cannot take the call).
+The CPU (and fp32/fp64) paths never consult it: they stay the exact SDPA / reference paths.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 
 import torch
 
-FLASH_ATTN_INSTALLED = importlib.util.find_spec("flash_attn") is not None
-KERNELS = ("torch", "flash_attn", "reference")
+KERNEL_ENV = "PMZ_ATTENTION_KERNEL"
+KERNELS = ("torch", "fa3", "fa4", "cudnn", "flash_attn", "reference")
+LSE_KERNELS = ("torch", "fa3", "fa4", "reference")  # forward with lse, backward from a given lse
+_FLASH_IMPL = {"torch": None, "fa3": "FA3", "fa4": "FA4"}  # torch.nn.attention impl names
+# Preference per compute-capability major (chosen by reading; see the module docstring).
+PREFERENCE = {
+    9: ("cudnn", "fa3", "fa4", "flash_attn", "torch"),  # Hopper
+    10: ("fa4", "cudnn", "flash_attn", "torch"),  # datacenter Blackwell
+}
+DEFAULT_PREFERENCE = ("flash_attn", "torch")  # Ampere/Ada and anything else
+
+
+def _spec(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package missing or broken
+        return False
+
+
+# The FA2 package's compiled extension: the ``flash-attn-4`` wheel also installs a ``flash_attn``
+# package (``flash_attn.cute``) without ``flash_attn_varlen_func``.
+FLASH_ATTN_INSTALLED = _spec("flash_attn_2_cuda")
 
 
 # ---------------------------------------------------------------------- which kernel applies
@@ -45,16 +95,81 @@ def _torch_flash_on(device: torch.device) -> bool:
     return torch.backends.cuda.is_flash_attention_available() and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
-def flash_kernel(q: torch.Tensor, *, need_lse: bool = False) -> str | None:
-    """The flash kernel for tensors like ``q`` (``"flash_attn"`` where installed, else ``"torch"``), or
-    None where none takes them: CPU, fp32/fp64, a head size flash does not take, a GPU before sm80.
-    ``need_lse``: the caller needs ``varlen_forward``/``varlen_backward`` (context parallel): ``"torch"``."""
+def _flash_impls() -> tuple[str, ...]:
+    """The FlashAttention implementations this torch can activate (``"FA3"``, ``"FA4"``)."""
+    from torch.nn import attention
+
+    lister = getattr(attention, "list_flash_attention_impls", None)
+    return tuple(lister()) if lister is not None else ()
+
+
+@functools.lru_cache(maxsize=None)
+def installed_kernels(device: torch.device) -> frozenset[str]:
+    """The GPU kernels usable on ``device`` with this torch and these packages (probes nothing on
+    the GPU; importability of the FA3/FA4 packages is checked without importing them)."""
+    cap = torch.cuda.get_device_capability(device)
+    found = set()
+    if _torch_flash_on(device):
+        found.add("torch")
+    if torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled() and cap >= (8, 0):
+        found.add("cudnn")
+    impls = _flash_impls()
+    if "FA3" in impls and cap[0] == 9 and _spec("flash_attn_interface"):
+        found.add("fa3")
+    if "FA4" in impls and cap[0] in (9, 10) and _spec("flash_attn.cute.interface"):
+        found.add("fa4")
+    if FLASH_ATTN_INSTALLED and cap >= (8, 0):
+        found.add("flash_attn")
+    return frozenset(found)
+
+
+def _takes(kernel: str, need_lse: bool, equal_lengths: bool) -> bool:
+    if need_lse and kernel not in LSE_KERNELS:
+        return False
+    return kernel != "cudnn" or equal_lengths
+
+
+def choose_kernel(capability: tuple[int, int], installed, *, need_lse: bool = False, equal_lengths: bool = False,
+                  override: str | None = None) -> str | None:
+    """The kernel for a call on a device of ``capability`` where ``installed`` kernels are usable
+    (pure: CPU tests inject both). ``need_lse``: the caller needs ``varlen_forward``/``varlen_backward``
+    (context parallel); ``equal_lengths``: every sequence has the same length, queries as keys.
+    ``override`` (or ``PMZ_ATTENTION_KERNEL``, read by ``flash_kernel``): see the module docstring."""
+    if override:
+        if override not in KERNELS:
+            raise ValueError(f"attention kernel {override!r} ({KERNEL_ENV}): one of {', '.join(KERNELS)}")
+        if override == "reference":
+            return override
+        if override not in installed:
+            raise RuntimeError(f"attention kernel {override!r} was asked for ({KERNEL_ENV} or kernel=) but is not "
+                               f"usable here (sm{capability[0]}{capability[1]}; usable: "
+                               f"{', '.join(sorted(installed)) or 'none'})")
+        if _takes(override, need_lse, equal_lengths):
+            return override
+    for kernel in PREFERENCE.get(capability[0], DEFAULT_PREFERENCE):
+        if kernel in installed and _takes(kernel, need_lse, equal_lengths):
+            return kernel
+    return None
+
+
+def flash_kernel(q: torch.Tensor, *, need_lse: bool = False, equal_lengths: bool = False,
+                 override: str | None = None) -> str | None:
+    """The fast kernel for tensors like ``q`` (``choose_kernel`` with this device's capability and
+    kernels, ``override`` else ``PMZ_ATTENTION_KERNEL``), or None where none takes them: CPU,
+    fp32/fp64, a head size flash does not take, a GPU before sm80 - the exact paths run there."""
     d = q.shape[-1]
     if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256):
         return None
-    if FLASH_ATTN_INSTALLED and not need_lse:
-        return "flash_attn"
-    return "torch" if _torch_flash_on(q.device) else None
+    return choose_kernel(torch.cuda.get_device_capability(q.device), installed_kernels(q.device),
+                         need_lse=need_lse, equal_lengths=equal_lengths,
+                         override=override or os.environ.get(KERNEL_ENV) or None)
+
+
+def equal_lengths(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int, max_q: int, max_k: int) -> bool:
+    """Whether every sequence has the same length, queries as keys, from host values only (no
+    device read): ``n`` sequences, none empty, ``total == n * max`` for both."""
+    n = cu_q.numel() - 1
+    return n > 0 and cu_k.numel() - 1 == n and max_q == max_k and total_q == total_k == n * max_q
 
 
 def _check_kernel(kernel: str, allowed: tuple[str, ...]) -> None:
@@ -71,10 +186,10 @@ def acc_dtype(x: torch.Tensor) -> torch.dtype:
 def varlen_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float,
                    kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of every sequence and its log-sum-exp: ``out [Tq, hq, d]`` (q's dtype), ``lse [hq, Tq]``."""
-    _check_kernel(kernel, ("torch", "reference"))
+    _check_kernel(kernel, LSE_KERNELS)
     if kernel == "reference":
         return _reference_forward(q, k, v, cu_q, cu_k, causal, scale)
-    return _torch_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
+    return _torch_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, kernel)
 
 
 def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float,
@@ -82,10 +197,10 @@ def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int,
     """Gradients given the output ``out`` and log-sum-exp ``lse [hq, Tq]`` of each query row, which
     may be *final* values merged over more keys than these (context parallel): then the result is
     these keys' share of the gradients. ``dq [Tq, hq, d]``, ``dk/dv [Tk, hkv, d]`` in q's dtype."""
-    _check_kernel(kernel, ("torch", "reference"))
+    _check_kernel(kernel, LSE_KERNELS)
     if kernel == "reference":
         return _reference_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
-    return _torch_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale)
+    return _torch_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, kernel)
 
 
 class _VarlenAttention(torch.autograd.Function):
@@ -114,10 +229,68 @@ def varlen_attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, 
 
         return flash_attn_varlen_func(q, k, v, cu_q, cu_k, _kernel_max_q(max_q), max_k, dropout_p=0.0,
                                       softmax_scale=scale, causal=causal)
+    if kernel == "cudnn":
+        if not equal_lengths(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k):
+            raise ValueError("attention kernel 'cudnn' takes equal-length sequences only (queries as keys)")
+        return dense_sdpa(q, k, v, cu_q.numel() - 1, causal, scale, cudnn_backends())
     return _VarlenAttention.apply(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, kernel)
 
 
-# ---------------------------------------------------------------------- torch's flash kernels (CUDA)
+# ---------------------------------------------------------------------- cuDNN through SDPA (CUDA)
+def cudnn_backends() -> list:
+    from torch.nn.attention import SDPBackend
+
+    return [SDPBackend.CUDNN_ATTENTION]
+
+
+def dense_sdpa(q, k, v, n: int, causal: bool, scale: float, backends) -> torch.Tensor:
+    """Flat tokens of ``n`` equal-length sequences as one dense SDPA call restricted to ``backends``
+    (``sdpa_kernel``; None: SDPA's own choice): ``[n * L, h, d] -> [n, h, L, d]`` views, GQA through
+    ``enable_gqa``, top-left causal (the same as flash's bottom-right for equal lengths). Differentiable
+    through SDPA's own backward. Returns ``[n * L, hq, d]``."""
+    import contextlib
+
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    total, hq, d = q.shape
+    qd, kd, vd = (x.view(n, x.shape[0] // n, x.shape[1], d).transpose(1, 2) for x in (q, k, v))
+    with sdpa_kernel(backends) if backends else contextlib.nullcontext():
+        out = F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, scale=scale,
+                                             enable_gqa=hq != k.shape[1])
+    return out.transpose(1, 2).reshape(total, hq, d)
+
+
+def dense_attention(q, k, v, causal: bool, scale: float, backends) -> torch.Tensor:
+    """A padded batch with no padding, ``[s, b, h, d]``, through SDPA restricted to ``backends``
+    without gathering tokens: ``[b, h, s, d]`` views in, ``[s, b, hq * d]`` out."""
+    import contextlib
+
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    s, b, hq, d = q.shape
+    qt, kt, vt = (x.permute(1, 2, 0, 3) for x in (q, k, v))
+    with sdpa_kernel(backends) if backends else contextlib.nullcontext():
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale,
+                                             enable_gqa=hq != k.shape[2])
+    return out.permute(2, 0, 1, 3).reshape(s, b, hq * d)
+
+
+# ---------------------------------------------------------------------- flash kernels via aten (CUDA)
+def use_flash_impl(kernel: str) -> None:
+    """Make ``aten._flash_attention_*`` run ``kernel``'s implementation: activate FA3/FA4 in torch's
+    dispatcher, or restore torch's own for ``"torch"`` (process-wide; a no-op when already so)."""
+    want = _FLASH_IMPL[kernel]
+    from torch.nn import attention
+
+    current = getattr(attention, "current_flash_attention_impl", lambda: None)()
+    if current == want:
+        return
+    if want is None:
+        attention.restore_flash_attention_impl()
+    else:
+        attention.activate_flash_attention_impl(want)
 def _kernel_max_q(max_q: int) -> int:
     """flash's varlen forward treats ``max_q == 1`` as decoding (GQA heads folded into the query
     axis, which assumes exactly one query per sequence, and causal dropped). An upper bound is all
@@ -147,15 +320,22 @@ def lse_padded_from_packed(lse: torch.Tensor, cu: torch.Tensor, max_q: int) -> t
     return padded
 
 
+def _padded_lse(device: torch.device, kernel: str) -> bool:
+    """Whether ``kernel``'s flash forward returns the varlen log-sum-exp padded: never FA3/FA4 (packed
+    ``[hq, Tq]`` in their interfaces); torch's own, probed once per device."""
+    return kernel == "torch" and _torch_padded_lse(device)
+
+
 @functools.lru_cache(maxsize=None)
-def _padded_lse(device: torch.device) -> bool:
-    """Whether this torch's flash forward returns the varlen log-sum-exp padded (one tiny call)."""
+def _torch_padded_lse(device: torch.device) -> bool:
+    """Whether torch's own flash forward returns the varlen log-sum-exp padded (one tiny call)."""
     q = torch.zeros(3, 1, 8, dtype=torch.float16, device=device)
     cu = torch.tensor([0, 1, 3], dtype=torch.int32, device=device)
     return torch.ops.aten._flash_attention_forward(q, q, q, cu, cu, 2, 2, 0.0, False, False)[1].dim() == 3
 
 
-def _torch_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+def _torch_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, kernel="torch"):
+    use_flash_impl(kernel)
     out, lse = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, _kernel_max_q(max_q), int(max_k), 0.0,
                                                        causal, False, scale=scale)[:2]
     if lse.dim() == 3:
@@ -163,10 +343,11 @@ def _torch_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     return out, lse
 
 
-def _torch_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+def _torch_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, kernel="torch"):
+    use_flash_impl(kernel)
     max_q = _kernel_max_q(max_q)
     lse = lse.to(torch.float32).contiguous()
-    if _padded_lse(q.device):
+    if _padded_lse(q.device, kernel):
         lse = lse_padded_from_packed(lse, cu_q, max_q)
     seed = torch.zeros(2, dtype=torch.uint64, device=q.device)  # dropout 0: never read
     offset = torch.empty(0, device=q.device)

@@ -2,8 +2,10 @@
 for it, so everything around the kernel call is checked here - the kernel interface's semantics (GQA,
 bottom-right causal, unequal and empty sequences, backward from a merged log-sum-exp), the unpadding
 of padded batches, the log-sum-exp layouts, and context parallelism with all blocks of a ring step in
-one call (in one process and over gloo, ring and all-gather). References are independent: SDPA per
-sequence in fp64 (tests/varlen_cases.py). The flash kernels themselves are checked in tests/test_gpu.py."""
+one call (in one process and over gloo, ring and all-gather), and the kernel dispatch (the choice per
+device capability and call, injected; the override; the dense layout cuDNN gets, run with SDPA's math
+backend). References are independent: SDPA per sequence in fp64 (tests/varlen_cases.py). The GPU
+kernels themselves are checked in tests/test_gpu.py."""
 
 from __future__ import annotations
 
@@ -16,6 +18,11 @@ from models.common.blocks.attention import causal_attention, padded_layout
 from parallel.context_varlen import step_calls
 from parallel.sequence_layout import plan_sequences
 from parallel.varlen_kernels import (
+    KERNEL_ENV,
+    choose_kernel,
+    dense_sdpa,
+    equal_lengths,
+    flash_kernel,
     lse_packed_from_padded,
     lse_padded_from_packed,
     varlen_attention,
@@ -218,3 +225,127 @@ def test_unknown_kernel_is_refused_with_its_name():
     plan = plan_sequences([4], cp=1)
     with pytest.raises(ValueError, match="'flash_attn'.*segments, torch, reference"):
         context_parallel_attention(q[:, 0], q[:, 0], q[:, 0], plan, None, kernel="flash_attn")
+
+
+# ---------------------------------------------------------------------- the kernel dispatch (CPU)
+HOPPER, BLACKWELL, AMPERE = (9, 0), (10, 0), (8, 0)
+
+
+@pytest.mark.parametrize("cap,installed,need_lse,equal,want", [
+    (HOPPER, {"torch", "cudnn"}, False, True, "cudnn"),  # the measured case: cuDNN over torch's FA2
+    (HOPPER, {"torch", "cudnn"}, False, False, "torch"),  # unequal lengths: no ragged cuDNN
+    (HOPPER, {"torch", "cudnn"}, True, True, "torch"),  # a log-sum-exp (CP): flash only
+    (HOPPER, {"torch", "cudnn", "fa3", "fa4"}, False, False, "fa3"),
+    (HOPPER, {"torch", "cudnn", "fa3", "fa4"}, True, True, "fa3"),
+    (HOPPER, {"torch", "cudnn", "fa4"}, True, False, "fa4"),
+    (HOPPER, {"torch", "flash_attn"}, False, False, "flash_attn"),
+    (HOPPER, {"torch", "flash_attn"}, True, False, "torch"),
+    (BLACKWELL, {"torch", "cudnn", "fa4"}, False, True, "fa4"),
+    (BLACKWELL, {"torch", "cudnn"}, False, True, "cudnn"),
+    (AMPERE, {"torch", "cudnn"}, False, True, "torch"),  # Ampere: torch's FA2, cuDNN not preferred
+    (AMPERE, {"torch", "cudnn", "flash_attn"}, False, False, "flash_attn"),
+    ((12, 0), {"torch", "cudnn"}, True, False, "torch"),
+    (AMPERE, set(), False, False, None),
+])
+def test_kernel_choice_per_device_and_call(cap, installed, need_lse, equal, want):
+    assert choose_kernel(cap, frozenset(installed), need_lse=need_lse, equal_lengths=equal) == want
+
+
+def test_kernel_override_forces_applies_or_is_refused():
+    usable = frozenset({"torch", "cudnn", "fa3"})
+    assert choose_kernel(HOPPER, usable, equal_lengths=True, override="torch") == "torch"
+    assert choose_kernel(HOPPER, usable, need_lse=True, override="fa3") == "fa3"
+    # cudnn cannot take unequal lengths or a call that needs a log-sum-exp: the automatic choice runs
+    assert choose_kernel(HOPPER, usable, equal_lengths=False, override="cudnn") == "fa3"
+    assert choose_kernel(HOPPER, usable, need_lse=True, equal_lengths=True, override="cudnn") == "fa3"
+    assert choose_kernel(HOPPER, usable, override="reference") == "reference"
+    with pytest.raises(RuntimeError, match="'fa4'.*usable: cudnn, fa3, torch"):
+        choose_kernel(HOPPER, usable, override="fa4")
+    with pytest.raises(ValueError, match="'fa5'"):
+        choose_kernel(HOPPER, usable, override="fa5")
+
+
+def test_cpu_and_full_precision_never_consult_the_override(monkeypatch):
+    """The exact paths stay exact: on CPU (any dtype) and for fp32 no kernel is chosen, whatever
+    PMZ_ATTENTION_KERNEL says."""
+    monkeypatch.setenv(KERNEL_ENV, "cudnn")
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert flash_kernel(torch.zeros(4, 2, 64, dtype=dtype), need_lse=True, equal_lengths=True) is None
+
+
+def test_equal_lengths_from_host_values():
+    cu = torch.tensor([0, 4, 8, 12], dtype=torch.int32)
+    assert equal_lengths(cu, cu, 12, 12, 4, 4)
+    assert not equal_lengths(torch.tensor([0, 3, 8, 12]), cu, 12, 12, 5, 4)
+    assert not equal_lengths(cu, cu, 12, 12, 4, 5)
+    assert not equal_lengths(cu[:1], cu[:1], 0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2)])
+def test_dense_sdpa_of_equal_length_sequences_matches_reference(hq, hkv):
+    """The cuDNN kernel's layout (flat equal-length tokens as a dense ``[n, h, L, d]`` SDPA batch,
+    GQA by ``enable_gqa``), here with SDPA's math backend on CPU: forward and backward against the
+    per-sequence reference. Only the backend differs on a GPU (tests/test_gpu.py)."""
+    from torch.nn.attention import SDPBackend
+
+    lengths = [6, 6, 6]
+    q, k, v, dout, cu, _ = packed_inputs(lengths, hq, hkv, 8, torch.float64, seed=7)
+    ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref, _ = sequence_reference(*ref_in, cu, cu, causal=True)
+    ref.backward(dout)
+    mine = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = dense_sdpa(*mine, 3, True, 8 ** -0.5, [SDPBackend.MATH])
+    out.backward(dout)
+    assert max_rel(out, ref) <= 1e-12
+    for got, want in zip(mine, ref_in):
+        assert max_rel(got.grad, want.grad) <= 1e-12
+    with pytest.raises(ValueError, match="'cudnn' takes equal-length"):
+        varlen_attention(q, k, v, torch.tensor([0, 5, 18]), torch.tensor([0, 5, 18]), 13, 13, True, 1.0, "cudnn")
+
+
+@pytest.mark.parametrize("form", ["padded", "padded_masked_full", "packed_equal", "packed_unequal", "padded_holes"])
+def test_causal_attention_routes_each_batch_form_to_the_chosen_kernel(monkeypatch, form):
+    """The automatic choice inside ``causal_attention`` on CPU: a stand-in dispatch answers 'cudnn'
+    for equal lengths and 'reference' otherwise, cuDNN is replaced by SDPA's math backend; each batch
+    form reaches the kernel its lengths call for and matches the reference, forward and backward."""
+    from torch.nn.attention import SDPBackend
+
+    import models.common.blocks.attention as attention
+
+    calls = []
+
+    def fake_choice(q, *, need_lse=False, equal_lengths=False, override=None):
+        calls.append("cudnn" if equal_lengths else "reference")
+        return calls[-1]
+
+    monkeypatch.setattr(attention, "flash_kernel", fake_choice)
+    monkeypatch.setattr(attention, "cudnn_backends", lambda: [SDPBackend.MATH])
+    import parallel.varlen_kernels as vk
+
+    monkeypatch.setattr(vk, "cudnn_backends", lambda: [SDPBackend.MATH])
+    gen = torch.Generator().manual_seed(9)
+    s, b = 6, 3
+    if form.startswith("padded"):
+        q, k, v = (torch.randn(s, b, h, 8, generator=gen, dtype=torch.float64) for h in (4, 2, 2))
+        mask = None if form == "padded" else torch.ones(b, s, dtype=torch.long)
+        if form == "padded_holes":
+            mask[1, 2] = 0
+        ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
+        ref = masked_reference(*ref_in, mask)
+        mine = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = causal_attention(*mine, attention_mask=mask)
+    else:
+        lengths = [4, 4, 4] if form == "packed_equal" else [5, 4, 3]
+        q, k, v, _, cu, _ = packed_inputs(lengths, 4, 2, 8, torch.float64, seed=9)
+        ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
+        ref = sequence_reference(*ref_in, cu, cu, causal=True)[0].reshape(sum(lengths), 1, -1)
+        mine = [x[:, None].clone().requires_grad_() for x in (q, k, v)]
+        out = causal_attention(*mine, cu_seqlens=cu.long())
+    want = "reference" if form in ("packed_unequal", "padded_holes") else "cudnn"
+    assert calls[-1] == want, calls
+    dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    out.backward(dout)
+    ref.backward(dout.reshape(ref.shape))
+    assert max_rel(out.reshape(ref.shape), ref) <= 1e-12
+    for got, ref_leaf in zip(mine, ref_in):
+        assert max_rel(got.grad.reshape(ref_leaf.shape), ref_leaf.grad) <= 1e-12

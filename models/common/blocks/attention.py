@@ -8,10 +8,13 @@ multiple of hkv). Output ``[s, b, hq * d]``. Two batch forms:
   * packed (remove-padding): ``b == 1`` and ``cu_seqlens [n + 1]`` marking sequence boundaries in
     the flat token axis; tokens attend only within their own sequence.
 
-Kernels. Where a flash kernel takes the tensors (CUDA, fp16/bf16: ``varlen_kernels.flash_kernel``;
-the ``flash_attn`` package's when installed, else torch's own) both forms run one varlen call: a
+Kernels. Where a fast kernel takes the tensors (CUDA, fp16/bf16: ``varlen_kernels.flash_kernel``
+chooses per device and call, ``PMZ_ATTENTION_KERNEL`` overrides) both forms run one varlen call: a
 padded batch is unpadded first (each row's real tokens, in order, are one sequence; no ``s x s``
-mask), and its padding rows come back as zeros. Everywhere else (CPU, fp32/fp64) SDPA as before:
+mask), and its padding rows come back as zeros. Where every sequence has the same length (a padded
+batch without padding, or packed sequences of one length) the choice may be cuDNN's attention
+through SDPA on the dense ``[n, h, L, d]`` batch instead (a padded batch without a mask goes to it
+without any gather). Everywhere else (CPU, fp32/fp64) SDPA as before:
 a causal + key-padding mask for padded batches (a padding query also sees itself, so no row is all
 -inf), one SDPA call per sequence for packed ones. ``kernel=`` forces a varlen kernel (``"reference"``
 runs the varlen path on CPU for tests).
@@ -33,7 +36,7 @@ from parallel.groups import ParallelGroups
 from parallel.layers import QKVParallelLinear, RMSNorm, RowParallelLinear
 from parallel.sequence_shard import SequenceShard
 from parallel.ulysses import heads_to_seq, qkv_to_heads
-from parallel.varlen_kernels import flash_kernel, varlen_attention
+from parallel.varlen_kernels import cudnn_backends, dense_attention, flash_kernel, varlen_attention
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
@@ -48,18 +51,21 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, atten
     """Causal attention for a padded or packed batch; see the module docstring for layouts and kernels.
     ``max_seqlen`` is a hint the varlen path does not need (it reads the lengths once per tensor)."""
     s, b, hq, d = q.shape
+    auto = kernel is None
     kernel = kernel or flash_kernel(q)
     if cu_seqlens is not None:
         if q.shape[1] != 1:
             raise ValueError(f"packed attention expects batch 1 (flat tokens), got q of shape {tuple(q.shape)}")
         if kernel is not None and s:
             lay = _layouts.get(cu_seqlens, ("packed", s, q.device), lambda: packed_layout(cu_seqlens, s, q.device))
+            if auto:
+                kernel = flash_kernel(q, equal_lengths=_equal(lay))
             out = varlen_attention(q[:, 0], k[:, 0], v[:, 0], lay.cu, lay.cu, lay.max_len, lay.max_len, True,
                                    d ** -0.5, kernel)
             return out.reshape(s, b, hq * d)
         return _packed_sdpa(q[:, 0], k[:, 0], v[:, 0], cu_seqlens).reshape(s, b, hq * d)
     if kernel is not None:
-        return _unpadded_attention(q, k, v, attention_mask, kernel)
+        return _unpadded_attention(q, k, v, attention_mask, kernel, auto)
     qt, kt, vt = (x.permute(1, 2, 0, 3) for x in (q, k, v))  # [b, h, s, d]
     mask = None
     if attention_mask is not None:
@@ -151,12 +157,23 @@ class _LastLayouts:
 _layouts = _LastLayouts()
 
 
-def _unpadded_attention(q, k, v, attention_mask, kernel: str) -> torch.Tensor:
+def _equal(lay: VarlenLayout) -> bool:
+    """Every sequence of the layout has the same length (host values only)."""
+    n = lay.cu.numel() - 1
+    return n > 0 and lay.tokens == n * lay.max_len
+
+
+def _unpadded_attention(q, k, v, attention_mask, kernel: str, auto: bool = False) -> torch.Tensor:
     """A padded batch through one varlen call: gather the real tokens, attend, scatter back (padding
-    rows 0)."""
+    rows 0). ``auto``: the kernel is re-chosen knowing whether the lengths are equal; without a mask
+    cuDNN takes the batch as it is (no gather)."""
     s, b, hq, d = q.shape
+    if attention_mask is None and s and "cudnn" in (kernel, auto and flash_kernel(q, equal_lengths=True)):
+        return dense_attention(q, k, v, True, d ** -0.5, cudnn_backends())
     lay = _layouts.get(attention_mask, ("padded", s, b, q.device),
                        lambda: padded_layout(attention_mask, s, b, q.device))
+    if auto:
+        kernel = flash_kernel(q, equal_lengths=_equal(lay)) or kernel
     out = q.new_zeros(s * b, hq, d)
     if lay.tokens:
         qu, ku, vu = (x.reshape(s * b, x.shape[2], d).index_select(0, lay.index) for x in (q, k, v))
