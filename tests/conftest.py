@@ -11,22 +11,35 @@ torch.set_num_threads(1)
 SPEAK_AFTER_S = 20.0  # a shared fixture that takes longer than this says so when it ends
 
 
+def terminal_line(config, line: str) -> None:
+    """``line`` on the terminal whatever pytest captures (``-q`` included), as live logging writes."""
+    plugins = config.pluginmanager
+    reporter, capture = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
+    if reporter is None:
+        return
+    if capture is None:
+        reporter.write_line(line)
+        return
+    with capture.global_and_fixture_disabled():
+        reporter.write_line(line)
+
+
+def pytest_configure(config):
+    """The vLLM harness's progress lines (an engine start takes minutes) go to the terminal too."""
+    from tests import vllm_harness
+
+    vllm_harness.say_on_terminal = lambda line: terminal_line(config, line)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_fixture_setup(fixturedef, request):
     """Shared (module/session) fixtures train models and run vLLM engines for minutes: say which one
     starts and how long it took, so a long stretch of the run is never silent."""
-    plugins = request.config.pluginmanager
-    reporter, capture = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
     shared = fixturedef.scope in ("module", "session") and fixturedef.argname != "tmp_path_factory"
 
     def say(line: str) -> None:
-        if reporter is None or not shared:
-            return
-        if capture is None:
-            reporter.write_line(line)
-            return
-        with capture.global_and_fixture_disabled():  # past the output capture, as live logging writes
-            reporter.write_line(line)
+        if shared:
+            terminal_line(request.config, line)
 
     say(f"[{time.strftime('%H:%M:%S')}] {request.node.nodeid.split('::')[0]}: preparing "
         f"'{fixturedef.argname}' (shared by its tests) ...")

@@ -27,6 +27,7 @@ Steps (each starts one engine; results go to OUT_FILE as JSON / safetensors):
             directory; both states are saved per rank, and with ``pixels`` (pp 1) the vision tower of
             the second model encodes them (vLLM's own ``visual`` forward at TP N)
 The project is imported from the repository root (PYTHONPATH); vLLM pins its own transformers.
+As each job starts, one ``JOB_LINE`` on stderr names it (the harness shows it on the terminal).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "120")
 
 
 FINISHED_LINE = "pmz-vllm-client: finished"
+JOB_LINE = "pmz-vllm-client: job"  # on stderr as each job starts, for the harness's progress lines
 
 
 @contextlib.contextmanager
@@ -270,7 +272,9 @@ def main(jobs: list) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read by vLLM when it builds the engine
     elif len(kinds) > 1:
         raise SystemExit("push jobs need an in-process engine: run them apart from the other steps")
-    for step, args, out in jobs:
+    for number, (step, args, out) in enumerate(jobs, 1):
+        layout = " ".join(f"{k}={args[k]}" for k in ("tp", "pp", "load_format") if k in args)
+        print(f"{JOB_LINE} {number}/{len(jobs)} {step} {layout}".rstrip(), file=sys.stderr, flush=True)
         _write_json(out, STEPS[step](args, out))
     sys.stdout.flush()
     print(FINISHED_LINE, flush=True)

@@ -18,7 +18,10 @@ import json
 import os
 import signal
 import subprocess
+import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,6 +31,67 @@ VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 FINISHED_LINE = "pmz-vllm-client: finished"  # tests/vllm_client.py prints it last
 SHM = Path("/dev/shm")
 SURVIVOR_GRACE_S = 30.0  # how long the client's helper processes may take to end after it exits
+JOB_LINE = "pmz-vllm-client: job"  # tests/vllm_client.py prints it on stderr as each job starts
+ALIVE_EVERY_S = 60.0  # with no other progress line for this long, say the client is still at work
+# Writes a line to the terminal past pytest's output capture (tests/conftest.py sets it); plain
+# stderr outside pytest.
+say_on_terminal: Callable[[str], None] | None = None
+
+
+def _say(line: str) -> None:
+    line = f"[{time.strftime('%H:%M:%S')}]   {line}"
+    if say_on_terminal is not None:
+        say_on_terminal(line)
+    else:
+        print(line, file=sys.stderr, flush=True)
+
+
+def _wait_speaking(client: subprocess.Popen, steps: str, timeout: float) -> tuple[str, str]:
+    """``client.communicate(timeout)``, saying on the terminal what the client is at: a line as it
+    starts, one as each job (engine) starts, one every ``ALIVE_EVERY_S`` without any, one at the end
+    (a vLLM engine takes minutes to start on 2 cores; a silent stretch that long looks hung)."""
+    out: list[str] = []
+    err: list[str] = []
+    jobs: list[str] = []  # the client's job lines, as they arrive
+
+    def drain(stream, into: list[str], watch: bool) -> None:
+        for line in stream:
+            into.append(line)
+            if watch and line.startswith(JOB_LINE):
+                jobs.append(line[len(JOB_LINE):].strip())
+
+    readers = [threading.Thread(target=drain, args=(client.stdout, out, False), daemon=True),
+               threading.Thread(target=drain, args=(client.stderr, err, True), daemon=True)]
+    for reader in readers:
+        reader.start()
+    start = last_said = time.monotonic()
+    _say(f"vLLM client ({steps}) starting in .venv-vllm: importing vLLM, then its jobs one after another "
+         "(an engine takes minutes to start on 2 cores) ...")
+    said_jobs = 0
+    while True:
+        try:
+            client.wait(timeout=1.0)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        now = time.monotonic()
+        if now - start > timeout:
+            _say(f"vLLM client ({steps}): no result after {now - start:.0f} s, killing it")
+            client.kill()
+            client.wait()
+            break
+        if len(jobs) > said_jobs:
+            said_jobs = len(jobs)
+            _say(f"vLLM client: job {jobs[-1]} starting ({now - start:.0f} s in)")
+            last_said = now
+        elif now - last_said >= ALIVE_EVERY_S:
+            at = f"at job {jobs[-1]}" if jobs else "importing vLLM"
+            _say(f"vLLM client: still {at} ({now - start:.0f} s in)")
+            last_said = now
+    for reader in readers:
+        reader.join(timeout=30)
+    _say(f"vLLM client ({steps}) ended in {time.monotonic() - start:.0f} s (exit {client.returncode})")
+    return "".join(out), "".join(err)
 
 
 def _vllm_segments() -> set[str]:
@@ -79,13 +143,11 @@ def run_clients(jobs: list[tuple[str, dict, Path]]) -> list[dict]:
     client = subprocess.Popen([str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_client.py"), payload], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(ROOT),
                               start_new_session=True)
-    try:
-        out, err = client.communicate(timeout=900 * len(jobs))
-    except subprocess.TimeoutExpired:
-        client.kill()
-        out, err = client.communicate()
-    proc = subprocess.CompletedProcess(client.args, client.returncode, out, err)
     steps = ", ".join(step for step, _, _ in jobs)
+    kinds = [step for step, _, _ in jobs]
+    short = ", ".join(f"{k} x{kinds.count(k)}" if kinds.count(k) > 1 else k for k in dict.fromkeys(kinds))
+    out, err = _wait_speaking(client, short, timeout=900 * len(jobs))
+    proc = subprocess.CompletedProcess(client.args, client.returncode, out, err)
     # the session id is the client's pid; helpers that end on their own once the client is gone
     # (multiprocessing's resource tracker waits for its pipe to close) get a grace period
     deadline = time.monotonic() + SURVIVOR_GRACE_S
