@@ -1,5 +1,6 @@
 """tools/train.py as an entry point: bad input ends every rank with exit 1 and one line from rank 0,
-before any process group exists; ``--help`` prints once under torchrun; ``--init-from HF_DIR`` /
+before any process group exists (under a real torchrun, whose own report then names that line);
+``--help`` prints once under torchrun and says its whole description; ``--init-from HF_DIR`` /
 ``--save DIR`` round trip: the saved checkpoint, loaded by transformers, gives the held-out loss the
 training job printed for its own model (transformers is the reference)."""
 
@@ -99,6 +100,48 @@ def test_help_prints_once_under_torchrun():
     assert [r.returncode for r in ranks] == [0, 0]
     assert "--init-from" in ranks[0].stdout and "--save" in ranks[0].stdout
     assert ranks[1].stdout == "" and ranks[1].stderr == ""
+
+
+def test_help_says_the_whole_first_sentence_and_the_examples():
+    """``--help`` used to stop mid-sentence ("... on synthetic data with any")."""
+    proc = subprocess.run([sys.executable, str(TRAIN), "--help"], capture_output=True, text=True, cwd=str(ROOT),
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    flat = " ".join(proc.stdout.split())
+    first = " ".join(_train_module().__doc__.split("\n\n")[0].split())
+    assert first.endswith("(torchrun-ready).") and first in flat, proc.stdout[:1500]
+    assert "torchrun --standalone --nproc-per-node 4 tools/train.py --tp 2 --pp 2 --steps 20" in proc.stdout
+
+
+def test_real_torchrun_bad_argument_is_one_line_and_torchruns_summary_names_it():
+    """Under a real torchrun: the one line, no traceback of train.py's own, and torchrun's report
+    (which it prints after any non-zero exit) gives that line as each rank's reason, not a link."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(TRAIN), "--tp", "3"], capture_output=True, text=True, cwd=str(ROOT), timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("train.py: error: ")]
+    assert len(ours) == 1 and "num_attention_heads=4 is not divisible by tp=3" in ours[0], proc.stderr[-3000:]
+    assert 'train.py", line' not in proc.stderr, proc.stderr[-3000:]  # no traceback from the ranks
+    assert proc.stdout.strip() == "", proc.stdout[-2000:]
+    root_cause = proc.stderr.split("Root Cause")[-1]
+    assert f"traceback : {ours[0]}" in root_cause, proc.stderr[-3000:]
+    assert "To enable traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_checkpoint_that_cannot_load_is_one_line_after_the_group_exists(tmp_path):
+    """A valid config.json without weights passes the checks before the process group; loading
+    then fails on every rank: one line, exit 1, not a traceback per rank."""
+    from transformers import Qwen2Config
+
+    Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2).save_pretrained(str(tmp_path / "src"))
+    proc = subprocess.run([sys.executable, str(TRAIN), "--init-from", str(tmp_path / "src"), "--steps", "1"],
+                          capture_output=True, text=True, cwd=str(ROOT), timeout=600)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.strip().splitlines() if "Warning" not in line and "warnings.warn" not in line]
+    assert len(lines) == 1 and lines[0].startswith("train.py: error: ") and "no model.safetensors" in lines[0], \
+        proc.stderr[-3000:]
 
 
 def _transformers_eval_loss(directory: Path, train_mod, samples: int, seq: int, seed: int) -> float:

@@ -24,13 +24,19 @@ a bad value ends every rank with exit code 1 and one line from rank 0 (under tor
 ``--help`` also prints once). Under torchrun the world size comes from torchrun (``--dp`` is
 derived); option names are never abbreviated, so none of them can be taken for one of torchrun's
 own (torchrun prefix-matches, e.g. a ``--log`` after the script name fails as ambiguous with its
-``--log-dir`` / ``--logs-specs``).
+``--log-dir`` / ``--logs-specs``). torchrun itself always follows a rank's non-zero exit with its
+own report (a traceback of its launcher and a per-rank summary): each rank hands torchrun the
+reason, so the summary's ``traceback :`` fields repeat the one line instead of a link; launched as
+``python tools/train.py`` (it spawns its own ranks) the line is all there is. A checkpoint that
+fails to load (``--init-from``) ends the same way, one line and exit 1; any other exception after
+the process group exists is a bug: its traceback is printed and recorded for torchrun's summary.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import sys
 import time
@@ -41,6 +47,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' own 
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -264,8 +271,21 @@ def train(args: argparse.Namespace) -> None:
             print(f"saved to {args.save} (HF layout)", flush=True)
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults, except the empty ones of switches and optional paths."""
+def train_or_error(args: argparse.Namespace) -> str | None:
+    """``train``; a checkpoint that cannot be loaded (the same verdict on every rank) is returned as
+    its one line, for ``fail`` (exit 1) rather than a traceback per rank."""
+    from models.common.errors import CheckpointError
+
+    try:
+        train(args)
+    except CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except the empty ones of switches and optional paths; the description (the
+    module docstring's opening sentence and its examples) keeps its lines."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         if action.default is None or action.default is False:
@@ -286,13 +306,37 @@ class _Parser(argparse.ArgumentParser):
 
 def fail(message: str) -> None:
     """One line from rank 0 (every rank reaches the same verdict), exit 1 on every rank."""
+    line = f"train.py: error: {message}"
     if os.environ.get("RANK", "0") == "0":
-        print(f"train.py: error: {message}", file=sys.stderr, flush=True)
+        print(line, file=sys.stderr, flush=True)
+    tell_torchrun(line)
     raise SystemExit(1)
 
 
+def tell_torchrun(line: str) -> None:
+    """Under torchrun (which names a file per rank in ``TORCHELASTIC_ERROR_FILE``): the reason for its
+    failure summary, in the format its error handler writes, so the summary's ``traceback :`` field
+    shows this line rather than a link to its docs. torchrun prints its own report after any
+    non-zero exit whatever a rank does; this only makes the report say why."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    report = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(report, f)
+    except OSError:
+        pass  # the summary then shows torchrun's link: nothing the user needs is lost
+
+
+def help_description() -> str:
+    """``--help``'s description: the docstring's whole first sentence and its example commands."""
+    paragraphs = __doc__.split("\n\n")
+    return f"{paragraphs[0].strip()}\n\nexamples:\n{paragraphs[1].rstrip()}"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = _Parser(description=__doc__.splitlines()[0], allow_abbrev=False, formatter_class=_HelpFormatter)
+    p = _Parser(description=help_description(), allow_abbrev=False, formatter_class=_HelpFormatter)
     layout = p.add_argument_group("parallel layout (world size = tp * ulysses * cp * pp * dp)")
     layout.add_argument("--tp", type=int, default=1, help="tensor-parallel size (sequence parallelism on when > 1)")
     layout.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (stages)")
@@ -347,11 +391,15 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend)
         try:
-            train(args)
+            error = record(train_or_error)(args)  # a bug's traceback goes to torchrun's summary too
+            if error:
+                fail(error)
         finally:
             dist.destroy_process_group()
         return
-    run_distributed(world, train, args)
+    errors = [e for e in run_distributed(world, train_or_error, args) if e]
+    if errors:
+        fail(errors[0])
 
 
 if __name__ == "__main__":
