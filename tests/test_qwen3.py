@@ -97,7 +97,7 @@ def test_qwen3_matches_transformers(records, kind):
     for _, case, layout, metric, value in selected:
         sense, bound = _bound(kind, metric)
         if (sense == "max" and not value <= bound) or (sense == "min" and not value >= bound):
-            bad.append(f"{case} {layout} {metric}={value:.3g} ({sense} {bound})")
+            bad.append(f"{case} {layout} {metric}={value:.6g} ({sense} {bound})")
     assert not bad, "\n".join(bad)
 
 

@@ -22,6 +22,9 @@ GRAD_REL_TOL = 1e-4  # relative to the largest |grad| of the tensor
 BF16_LOGITS_REL_TOL = 0.02  # max |Δlogit| / max |logit|, ours-bf16 vs transformers-bf16 (measured 1.24%)
 BF16_LOSS_TOL = 1.5e-3  # measured 4.7e-4
 BF16_VS_FP32_RATIO = 1.5  # our bf16 error / transformers' bf16 error vs fp32 (measured 1.27)
+# after two SGD steps (lr 0.5): our fp32 error against transformers run in fp64 through the same steps, in
+# units of transformers' own fp32 error (tests/workers.py fp32_error_ratio); measured <= 0.6 on these cases
+AFTER_STEPS_FP32_RATIO = 4.0
 
 
 def _limit(metric: str):
@@ -40,6 +43,8 @@ def _limit(metric: str):
         return "max", BF16_LOSS_TOL
     if metric == "bf16_vs_fp32_ratio":
         return "max", BF16_VS_FP32_RATIO
+    if metric in ("logits_after_steps", "loss_after_steps"):
+        return "max", AFTER_STEPS_FP32_RATIO
     return "max", FP32_TOL
 
 
@@ -58,7 +63,7 @@ def _check(records, metric_pattern: str):
     for case, world, sp, metric, value in selected:
         kind, bound = _limit(metric)
         if (kind == "max" and not value <= bound) or (kind == "min" and not value >= bound):
-            bad.append(f"{case} tp={world} sp={sp} {metric}={value:.3g} ({kind} {bound})")
+            bad.append(f"{case} tp={world} sp={sp} {metric}={value:.6g} ({kind} {bound})")
     assert not bad, "\n".join(bad)
 
 
