@@ -27,6 +27,14 @@ Hidden states: under sequence parallelism ``hidden`` is this rank's sequence sha
 all-gathered here (again in backward, as Megatron's column layers do, so only the shard is saved)
 and its gradient reduce-scattered. Plain TP: ``hidden`` is replicated and its gradient, partial
 over vocabulary slices, is all-reduced (``copy_to_group``'s backward).
+
+Backward in bf16/fp16 on CUDA: each chunk's weight gradient is accumulated by the GEMM itself,
+``addmm(grad_w, grad.T, x, out_dtype=float32, beta=1, out=grad_w)`` (cuBLAS reads and writes the
+fp32 accumulator in its epilogue), instead of a ``[V, H]`` low-precision product plus a separate
+fp32 add per chunk. Where that op is missing (CPU; CUDA torch before it takes an fp32 ``self``), a
+one-time probe (``gemm_accumulates_fp32``) falls back to the product-then-add path, which is also
+the CPU reference. Chunk size: ``default_chunk_tokens`` (CPU: a 256 MiB logits budget; CUDA: enough
+rows for full-rate GEMMs, capped by a fraction of free memory, ``chunk_tokens_for``).
 """
 
 from __future__ import annotations
@@ -39,9 +47,12 @@ import torch.nn.functional as F
 
 from parallel.collectives import all_gather_dim0, group_size, reduce_scatter_dim0
 
-LOGITS_CHUNK_BYTES = 256 << 20  # default chunk: its fp32 logits take at most this many bytes (441 tokens at
-# vocab 151936; smaller chunks cost more passes over the weight gradient, docs/benchmarks.md)
+LOGITS_CHUNK_BYTES = 256 << 20  # default chunk on CPU: its fp32 logits take at most this many bytes (441
+# tokens at vocab 151936; smaller chunks cost more passes over the weight gradient, docs/benchmarks.md)
 MIN_CHUNK_TOKENS, MAX_CHUNK_TOKENS = 16, 8192
+CUDA_CHUNK_TOKENS = 4096  # default chunk on CUDA: rows enough for every head GEMM to run at full rate
+CUDA_FREE_FRACTION = 0.25  # ... unless one chunk's buffers would take more than this share of free memory
+CUDA_ROW_MULTIPLE = 128  # CUDA chunks are a multiple of this many tokens (GEMM tile alignment) when >= it
 
 
 def check_chunk_tokens(value: Any) -> int | None:
@@ -52,10 +63,69 @@ def check_chunk_tokens(value: Any) -> int | None:
                      f"LM-head loss) or None for the default")
 
 
-def default_chunk_tokens(local_vocab: int) -> int:
-    """Tokens per chunk such that one chunk's fp32 logits over ``local_vocab`` columns fit
-    ``LOGITS_CHUNK_BYTES`` (between ``MIN_CHUNK_TOKENS`` and ``MAX_CHUNK_TOKENS``)."""
-    return max(MIN_CHUNK_TOKENS, min(MAX_CHUNK_TOKENS, LOGITS_CHUNK_BYTES // (4 * max(local_vocab, 1))))
+def chunk_bytes_per_token(local_vocab: int, dtype: torch.dtype) -> int:
+    """Bytes one token of a chunk takes at the chunk's peak: its logits in fp32 plus a second fp32
+    buffer (entropy's probabilities) plus a copy in the model dtype (the head's output before the
+    fp32 cast, or the softmax gradient cast back for the backward GEMMs)."""
+    return max(local_vocab, 1) * (8 + torch.empty((), dtype=dtype).element_size())
+
+
+def chunk_tokens_for(free_bytes: int | None, local_vocab: int, dtype: torch.dtype, device_type: str) -> int:
+    """The default tokens per chunk, a pure function of the device's free memory (``free_bytes``,
+    ignored off CUDA), this rank's vocabulary columns, the model dtype and the device kind.
+
+    CPU (and anything but CUDA): one chunk's fp32 logits fit ``LOGITS_CHUNK_BYTES``, between
+    ``MIN_CHUNK_TOKENS`` and ``MAX_CHUNK_TOKENS``. CUDA: ``CUDA_CHUNK_TOKENS`` (so the head's GEMMs
+    have enough rows to run at full rate and the weight gradient is passed over few times), capped
+    so that one chunk's buffers (``chunk_bytes_per_token``) take at most ``CUDA_FREE_FRACTION`` of
+    ``free_bytes``, never below ``MIN_CHUNK_TOKENS``, rounded down to a multiple of ``CUDA_ROW_MULTIPLE``."""
+    columns = max(local_vocab, 1)
+    if device_type != "cuda" or free_bytes is None:
+        return max(MIN_CHUNK_TOKENS, min(MAX_CHUNK_TOKENS, LOGITS_CHUNK_BYTES // (4 * columns)))
+    cap = int(max(free_bytes, 0) * CUDA_FREE_FRACTION) // chunk_bytes_per_token(columns, dtype)
+    tokens = max(MIN_CHUNK_TOKENS, min(CUDA_CHUNK_TOKENS, cap))
+    return tokens - tokens % CUDA_ROW_MULTIPLE if tokens >= CUDA_ROW_MULTIPLE else tokens
+
+
+def free_device_bytes(device: torch.device) -> int | None:
+    """Memory a chunk could use on ``device``: the driver's free bytes plus what PyTorch's caching
+    allocator holds but does not use; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def default_chunk_tokens(local_vocab: int, dtype: torch.dtype = torch.float32,
+                         device: torch.device | str | None = None) -> int:
+    """Tokens per chunk for ``local_vocab`` columns on ``device`` (default CPU): ``chunk_tokens_for``
+    with the device's free memory queried now."""
+    device = torch.device(device if device is not None else "cpu")
+    return chunk_tokens_for(free_device_bytes(device), local_vocab, dtype, device.type)
+
+
+_IN_GEMM: dict[tuple[str, int | None, torch.dtype], bool] = {}
+
+
+def gemm_accumulates_fp32(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.addmm(acc, a.T, b, out_dtype=torch.float32, out=acc)`` adds the low-precision
+    product into the fp32 ``acc`` in one GEMM on ``device`` (CUDA with bf16/fp16 only: CPU keeps the
+    reference path). Probed once per device and dtype on a small case, checked against the exact
+    answer; any error (the op missing, an older torch wanting ``acc`` in the input dtype) means no."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    key = (device.type, device.index, dtype)
+    if key not in _IN_GEMM:
+        try:
+            a = torch.arange(6, dtype=torch.float32, device=device).reshape(3, 2)  # used transposed, as grad.T
+            b = torch.arange(12, dtype=torch.float32, device=device).reshape(3, 4) - 5
+            acc = torch.full((2, 4), 0.5, dtype=torch.float32, device=device)
+            want = acc + a.t() @ b  # small integers: exact in any precision
+            torch.addmm(acc, a.to(dtype).t(), b.to(dtype), out_dtype=torch.float32, out=acc)
+            _IN_GEMM[key] = acc.dtype == torch.float32 and bool(torch.equal(acc, want))
+        except (RuntimeError, NotImplementedError, TypeError):
+            _IN_GEMM[key] = False
+    return _IN_GEMM[key]
 
 
 def _chunk_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -123,10 +193,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         w = weight[:valid]
         g = grad_loss.float().masked_fill(ignored, 0.0)
         want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_x = torch.zeros_like(x) if want_x else None
+        grad_x = torch.zeros(x.shape, dtype=x.dtype, device=x.device) if want_x else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
         if valid > 0 and (want_x or want_w):
             fp32 = x.dtype == torch.float32
+            in_gemm = want_w and not fp32 and gemm_accumulates_fp32(x.device, x.dtype)
+            acc = grad_w[:valid] if want_w else None  # rows [0, valid): contiguous
             for a in range(0, x.shape[0], chunk):
                 b = min(a + chunk, x.shape[0])
                 if fp32:  # logits - lse in the matmul's output pass
@@ -139,15 +211,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 scale = g[a:b, None]
                 if fp32:  # d loss_t / d logits_t scaled by g_t through the small [c, H] operands
                     if want_x:
-                        grad_x[a:b] = grad.matmul(w).mul_(scale)
+                        torch.mm(grad, w, out=grad_x[a:b]).mul_(scale)  # straight into grad_x's rows
                     if want_w:
-                        grad_w[:valid].addmm_(grad.t(), x[a:b] * scale)  # in place: no weight-sized temporary
+                        acc.addmm_(grad.t(), x[a:b] * scale)  # in place: no weight-sized temporary
                 else:
                     grad = grad.mul_(scale).to(x.dtype)
                     if want_x:
-                        grad_x[a:b] = grad.matmul(w)
-                    if want_w:  # low-precision products, accumulated over chunks in fp32
-                        grad_w[:valid].add_(grad.t().matmul(x[a:b]))
+                        torch.mm(grad, w, out=grad_x[a:b])
+                    if in_gemm:  # low-precision operands, fp32 accumulation inside the GEMM (beta=1)
+                        torch.addmm(acc, grad.t(), x[a:b], out_dtype=torch.float32, out=acc)
+                    elif want_w:  # low-precision products, accumulated over chunks in fp32
+                        acc.add_(grad.t().matmul(x[a:b]))
                 del grad
         if want_x and tp > 1:
             if gather:
@@ -172,9 +246,10 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     weight: ``[V_local, H]`` this rank's vocabulary slice of the head, ``valid_columns`` of its rows
     real vocabulary starting at global id ``vocab_start`` (the rest padding).
     target: ``[N]`` global token ids or ``ignore_index``.
-    chunk_tokens: tokens per chunk (None: ``default_chunk_tokens(valid_columns)``).
+    chunk_tokens: tokens per chunk (None: ``default_chunk_tokens`` for ``valid_columns`` on
+    ``hidden``'s device and dtype).
     """
-    chunk = check_chunk_tokens(chunk_tokens) or default_chunk_tokens(valid_columns)
+    chunk = check_chunk_tokens(chunk_tokens) or default_chunk_tokens(valid_columns, hidden.dtype, hidden.device)
     rows = hidden.shape[0] * (group_size(group) if sequence_parallel else 1)
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or target.shape != (rows,):
         raise ValueError(f"expected hidden [N, H], weight [V, H] and target [N{'*tp' if sequence_parallel else ''}], "
@@ -183,4 +258,5 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
                                      ignore_index, chunk, entropy)
 
 
-__all__ = ["LOGITS_CHUNK_BYTES", "check_chunk_tokens", "default_chunk_tokens", "linear_cross_entropy"]
+__all__ = ["LOGITS_CHUNK_BYTES", "check_chunk_tokens", "chunk_bytes_per_token", "chunk_tokens_for",
+           "default_chunk_tokens", "gemm_accumulates_fp32", "linear_cross_entropy"]

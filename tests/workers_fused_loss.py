@@ -50,6 +50,17 @@ def grad_error(model, hf) -> float:
                for k, g in ours.items())
 
 
+def grads_of(model) -> dict[str, torch.Tensor]:
+    """A copy of every parameter's gradient (this rank's shards)."""
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def grads_error(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    """Worst relative difference between two gradient snapshots of the same model (same keys)."""
+    assert ours.keys() == ref.keys() and ours
+    return max(((g - ref[k]).abs().max() / ref[k].abs().max().clamp(min=1e-12)).item() for k, g in ours.items())
+
+
 def reference_outputs(hf, ids, mask, labels):
     """Plain-torch log-probs and entropies from transformers' full logits, laid out like forward_backward's."""
     with torch.no_grad():
@@ -69,8 +80,11 @@ def _zero(model, hf) -> None:
 
 
 def check_layout(path: str, pconfig: ParallelConfig, chunk: int = CHUNK) -> list[tuple]:
-    """model(..., return_logits=False) (pp=1: padded and packed) and forward_backward (training and
-    forward-only with entropy) next to transformers on the same weights."""
+    """model(...) (pp=1: the default training call on a padded batch, explicit
+    ``return_logits=False`` on a packed one) and forward_backward (training and forward-only with
+    entropy) next to transformers on the same weights; the default's rule (pp=1): a model in
+    training mode with labels returns no logits and the loss and gradients of the logits path
+    (``return_logits=True``); ``gather_logits=True`` and eval mode return logits."""
     from models.qwen2 import build_parallel_model
     from tests.cases import load_hf
 
@@ -81,13 +95,33 @@ def check_layout(path: str, pconfig: ParallelConfig, chunk: int = CHUNK) -> list
     records = []
     ids, mask, labels = batch(vocab)
     if pconfig.pp == 1:
+        assert model.training  # what build_parallel_model leaves it in
         _zero(model, hf)
-        loss = model(ids, attention_mask=mask, labels=labels, return_logits=False).loss
+        out = model(ids, attention_mask=mask, labels=labels)  # the default training call: the fused head
+        loss = out.loss
         loss.backward()
         model.finalize_grads()
         ref = hf(ids, attention_mask=mask, labels=labels).loss
         ref.backward()
-        records += [(tag, "forward_loss", abs(loss.item() - ref.item())), (tag, "forward_grads", grad_error(model, hf))]
+        records += [(tag, "forward_loss", abs(loss.item() - ref.item())), (tag, "forward_grads", grad_error(model, hf)),
+                    (tag, "default_no_logits", float(out.logits is None))]
+        fused = grads_of(model)
+        _zero(model, hf)
+        full = model(ids, attention_mask=mask, labels=labels, return_logits=True)  # logits asked for
+        full.loss.backward()
+        model.finalize_grads()
+        records += [(tag, "logits_path_loss", abs(full.loss.item() - loss.item())),
+                    (tag, "logits_path_grads", grads_error(fused, grads_of(model)))]
+        with torch.no_grad():
+            gathered = model(ids, attention_mask=mask, labels=labels, gather_logits=True)
+            model.eval()
+            evaluated = model(ids, attention_mask=mask, labels=labels)
+            model.train()
+        records += [(tag, "logits_on_request", float(full.logits is not None and gathered.logits is not None
+                                                     and tuple(gathered.logits.shape) == (*ids.shape, vocab))),
+                    (tag, "gathered_loss", abs(gathered.loss.item() - loss.item())),
+                    (tag, "eval_logits", float(evaluated.logits is not None)),
+                    (tag, "eval_loss", abs(evaluated.loss.item() - loss.item()))]
         # packed: transformers on the same sequences as padded rows gives the same token mean
         flat, cu, flat_labels, rows, row_mask, row_labels = packed(vocab)
         _zero(model, hf)

@@ -5,10 +5,12 @@ What it measures
     over and above the weights and gradients, for a Qwen2-shaped model with a real vocabulary
     (default: hidden 512, 2 layers, vocab 151936, 4 x 1024 = 4096 tokens, fp32, CPU, one process):
       * transformers: ``Qwen2ForCausalLM`` (sdpa), ``model(ids, labels=ids).loss``;
-      * ours-full:    ``model(ids, labels=ids)`` (logits returned: the loss comes from full
-                      ``[tokens, vocab]`` fp32 logits, the path before the fused head);
+      * ours-full:    ``model(ids, labels=ids, return_logits=True)`` (logits asked for: the loss
+                      comes from full ``[tokens, vocab]`` fp32 logits, the path before the fused head);
       * ours-chunked: ``model(ids, labels=ids, return_logits=False)`` (the fused head,
                       ``parallel/lm_head_loss.py``, default chunk from its byte budget);
+      * ours-plain:   ``model(ids, labels=ids)``, nothing else, on the model in training mode (the
+                      default call: a training step takes the fused head and returns no logits);
       * ours-step:    ``model.forward_backward(ids, ids)`` (the training step API, fused head).
     Each variant runs in a process of its own (child processes of this script), so one variant's
     freed memory cannot hide another's. In the child: build the model (random weights), run one
@@ -44,7 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-VARIANTS = ("transformers", "ours-full", "ours-chunked", "ours-step")
+VARIANTS = ("transformers", "ours-full", "ours-chunked", "ours-plain", "ours-step")
 PAIRED = "paired-speed"
 
 
@@ -99,6 +101,10 @@ def child(args) -> dict:
         def step():
             if args.variant == "ours-step":
                 return model.forward_backward(ids, ids)
+            if args.variant == "ours-plain":  # the plain training call: no return_logits
+                out = model(ids, labels=ids)
+                assert out.logits is None, "a training-mode call with labels built full logits"
+                return out.loss
             return model(ids, labels=ids, return_logits=args.variant == "ours-full").loss
     model.train()
     params = sum(p.numel() * p.element_size() for p in model.parameters())

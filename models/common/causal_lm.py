@@ -30,9 +30,22 @@ from parallel.pipeline_layout import stage_layer_ranges
 from parallel.sequence_layout import SequencePlan
 from parallel.sequence_shard import SequenceShard, plan_for
 
-__all__ = ["CausalLMOutput", "ParallelCausalLM"]
+__all__ = ["CausalLMOutput", "ParallelCausalLM", "builds_logits"]
 
 IGNORE_INDEX = -100
+
+
+def builds_logits(return_logits: bool | None, *, gather_logits: bool, has_labels: bool, training: bool) -> bool:
+    """Whether a forward builds full logits (else the loss goes through the fused, chunked head).
+
+    ``return_logits`` decides when given (``False`` also overrides ``gather_logits``). Otherwise
+    (``None``, the default) logits are built unless the call is a training step: the model in
+    training mode with labels (or targets) and no request for logits (``gather_logits=True`` is
+    one); such a step gets the loss from the fused head and ``logits=None``, as Liger-Kernel's
+    models do. Eval mode, or no labels: logits, as transformers returns them."""
+    if return_logits is not None:
+        return bool(return_logits)
+    return gather_logits or not (training and has_labels)
 
 
 class ParallelCausalLM(nn.Module):
@@ -122,17 +135,19 @@ class ParallelCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 gather_logits: bool = False, cu_seqlens: torch.Tensor | None = None,
-                max_seqlen: int | None = None, return_logits: bool = True,
+                max_seqlen: int | None = None, return_logits: bool | None = None,
                 sequence_plan: SequencePlan | None = None, targets: torch.Tensor | None = None,
                 output_router_logits: bool | None = None, multimodal=None) -> CausalLMOutput:
         """Padded batch ``input_ids [b, s]`` (optional ``attention_mask [b, s]``, 1 = token), or a packed
         batch ``input_ids [T]``/``[1, T]`` with ``cu_seqlens [n + 1]``. ``labels`` like ``input_ids``;
         shifted inside, ``-100`` ignored (transformers semantics).
 
-        ``return_logits=False`` (what a training step wants) computes the loss with the LM head fused
-        into it in chunks of ``loss_chunk_tokens`` tokens (``head_losses``): no full ``[tokens, vocab/tp]``
-        logits exist in forward or backward. When logits are returned (the default; ``gather_logits``
-        gathers them over TP) the loss is computed from those logits, as before.
+        A training step (the model in training mode, the default after ``build_parallel_model``, with
+        ``labels``) computes the loss with the LM head fused into it in chunks of ``loss_chunk_tokens``
+        tokens (``head_losses``): no full ``[tokens, vocab/tp]`` logits exist in forward or backward and
+        ``out.logits`` is None. Logits are built (and the loss computed from them) in eval mode, without
+        labels, or on request: ``return_logits=True``, or ``gather_logits=True`` (which gathers them over
+        TP); ``return_logits=False`` forces the fused head. The rule: ``builds_logits``.
 
         With context/Ulysses parallelism every rank of the group passes the same full batch (the
         model takes its own tokens; logits come back whole), or, with ``sequence_plan``, only its own
@@ -147,6 +162,8 @@ class ParallelCausalLM(nn.Module):
         ``multimodal``: what a multimodal model merges into the token embeddings (``embed_inputs``);
         Qwen2-VL's forward builds it from pixel values."""
         want_aux = self._wants_router_logits(output_router_logits)
+        return_logits = builds_logits(return_logits, gather_logits=gather_logits, training=self.training,
+                                      has_labels=labels is not None or targets is not None)
         if self.groups.pp_size > 1:
             raise RuntimeError("with pipeline parallelism use model.forward_backward(...) (stages run in a schedule)")
         if self.groups.config.fsdp:

@@ -64,7 +64,7 @@ class ParallelVisionLanguageModel(ParallelCausalLM):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 gather_logits: bool = False, cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
-                return_logits: bool = True, *, pixel_values: torch.Tensor | None = None,
+                return_logits: bool | None = None, *, pixel_values: torch.Tensor | None = None,
                 image_grid_thw: torch.Tensor | None = None, pixel_values_videos: torch.Tensor | None = None,
                 video_grid_thw: torch.Tensor | None = None, mm_token_type_ids: torch.Tensor | None = None,
                 second_per_grid_ts: torch.Tensor | None = None, **kwargs: Any) -> CausalLMOutput:
