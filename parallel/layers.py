@@ -26,6 +26,7 @@ from parallel.collectives import (
     reduce_scatter_dim0,
     reduce_scatter_to_sequence,
 )
+from parallel.fused_ops import rms_norm
 from parallel.sharding import KVHeads, Vocab
 
 
@@ -258,7 +259,8 @@ class ParallelLMHead(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32 and cast back, as transformers does (``w * (x / rms(x)).to(dtype)``).
+    """RMSNorm computed in fp32 and cast back, as transformers does (``w * (x / rms(x)).to(dtype)``);
+    ``parallel.fused_ops.rms_norm`` runs it (Liger's kernel on CUDA where installed, else this torch code).
 
     Under SP the input is a sequence shard, so the weight gradient is a partial sum: the weight is
     tagged ``sequence_parallel`` and ``finalize_grads`` sums it over the TP group.
@@ -272,11 +274,11 @@ class RMSNorm(nn.Module):
         if sequence_parallel:
             self.weight.sequence_parallel = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """``norm(x)``; with ``residual``: ``(norm(residual + x), residual + x)``, the decoder's residual
+        add fused with the next pre-norm (one kernel on CUDA, see ``parallel.fused_ops``)."""
+        out, new_residual = rms_norm(x, self.weight, self.eps, residual)
+        return out if residual is None else (out, new_residual)
 
 
 __all__ = [

@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.common.blocks.rope import apply_rotary
 from models.common.config import ModelConfig
 from parallel.context_attention import context_parallel_attention
+from parallel.fused_ops import apply_rotary
 from parallel.groups import ParallelGroups
 from parallel.layers import QKVParallelLinear, RMSNorm, RowParallelLinear
 from parallel.sequence_shard import SequenceShard
@@ -215,7 +215,7 @@ class ParallelAttention(nn.Module):
         q, k, v = (t.view(s, b, -1, self.head_dim) for t in (q, k, v))  # [s, b, heads, d]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary(q, k, cos, sin)  # one fused kernel per tensor on CUDA (parallel.fused_ops)
         if seq is None:
             out = causal_attention(q, k, v, attention_mask=attention_mask, cu_seqlens=cu_seqlens,
                                    max_seqlen=max_seqlen)

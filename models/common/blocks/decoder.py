@@ -60,8 +60,10 @@ class DecoderLayer(nn.Module):
             self.mlp = ParallelMLP(cfg, groups, dtype, device)
 
     def forward(self, x, cos, sin, attention_mask=None, cu_seqlens=None, max_seqlen=None, seq=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention_mask, cu_seqlens, max_seqlen, seq)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, attention_mask, cu_seqlens, max_seqlen, seq)
+        # x + attn and the post-attention norm of it in one pass (a fused kernel on CUDA, parallel.fused_ops)
+        h, x = self.post_attention_layernorm(attn, residual=x)
+        return x + self.mlp(h)
 
 
 class ParallelDecoder(nn.Module):

@@ -16,6 +16,7 @@ import math
 import torch
 
 from models.common.config import RopeConfig
+from parallel.fused_ops import rotary_reference, rotate_half
 
 
 def _default_inv_freq(theta: float | torch.Tensor, dim: int, device=None) -> torch.Tensor:
@@ -92,11 +93,11 @@ def mrope_angles(position_ids: torch.Tensor, freq: torch.Tensor, sections: tuple
     return torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+_rotate_half = rotate_half
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [s, b, heads, head_dim]`` by the angles in ``cos/sin [s, b, 1, head_dim]``."""
-    return x * cos + _rotate_half(x) * sin
+    """Rotate ``x [s, b, heads, head_dim]`` by the angles in ``cos/sin [s, b, 1, head_dim]`` (the torch
+    reference; the attention block calls ``parallel.fused_ops.apply_rotary`` on q and k, which runs a
+    fused kernel on CUDA and this code elsewhere)."""
+    return rotary_reference(x, cos, sin)
