@@ -51,6 +51,10 @@ def builds_logits(return_logits: bool | None, *, gather_logits: bool, has_labels
 class ParallelCausalLM(nn.Module):
     """A tensor/sequence-parallel causal LM; build it with ``models.<arch>.build_parallel_model``."""
 
+    # the decoder stack (embedding, layers, final norm); models with other layers (the Gated DeltaNet
+    # hybrids, ``models/common/hybrid_lm.py``) set theirs
+    decoder_class = ParallelDecoder
+
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups, weight_map: WeightMap, *,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
         super().__init__()
@@ -62,7 +66,7 @@ class ParallelCausalLM(nn.Module):
         self.chunk_layers = [list(r) for r in stage_layer_ranges(cfg.num_hidden_layers, groups.config)[groups.pp_rank]]
         self.is_first_stage = groups.pp_rank == 0
         self.is_last_stage = groups.pp_rank == groups.pp_size - 1
-        self.model = ParallelDecoder(cfg, groups, [i for c in self.chunk_layers for i in c], self.padded_vocab_size,
+        self.model = self.decoder_class(cfg, groups, [i for c in self.chunk_layers for i in c], self.padded_vocab_size,
                                      dtype, device, has_embedding=self.is_first_stage, has_norm=self.is_last_stage)
         self.lm_head = None
         if self.is_last_stage:
