@@ -1,31 +1,31 @@
-"""Training throughput on one GPU: ours (eager and ``compile=True``) against transformers (sdpa, and
-flash_attention_2 where the flash-attn package is installed) and megatron-core's GPTModel (local
-spec) on the same GPU, in the same run.
+"""Throughput on one GPU: ours (eager and ``compile=True``) against transformers (its fastest
+attention here: flash_attention_2 where flash-attn is installed, else sdpa) and megatron-core's
+GPTModel (local spec, plain install) on the same GPU, in the same run.
 
-    .venv/bin/python tools/bench_gpu.py                     # Qwen2-1.5B shape, bf16, 4096 tokens/step
-    .venv/bin/python tools/bench_gpu.py --smoke             # tiny shape on CPU: checks the script runs
+    .venv/bin/python tools/bench_gpu.py                        # every set-up at 4x1024 and 8x2048
+    .venv/bin/python tools/bench_gpu.py --setup qwen3-moe --shape 4x1024 --profile
+    .venv/bin/python tools/bench_gpu.py --smoke                # tiny shapes on CPU: checks the script runs
 
-Every variant runs in a process of its own (peak memory is that variant's alone): the same random
-Qwen2-1.5B-shaped weights (hidden 1536, 28 layers, 12 heads / 2 KV heads, MLP 8960, vocab 151936),
-bf16, AdamW, one step = forward + backward + optimizer step on 4096 tokens: 4 sequences of 1024,
-packed (``cu_seqlens``) for ours and for transformers' flash_attention_2, a ``[4, 1024]`` batch for
-sdpa and megatron-core (the same attention work). ``--warmup`` steps (compilation included) are not
-timed; then the median of ``--steps``.
+Set-ups (tools/bench_gpu_models.py): ``qwen2-1.5b``, ``qwen3-8b-cut`` (8 of 36 layers),
+``qwen3-moe`` (Qwen3-30B-A3B-shaped, 4 of 48 layers; transformers with grouped_mm experts) - one
+training step = forward + backward + AdamW step, bf16 - and ``rl-logprob`` (Qwen2-1.5B shape,
+forward-only per-token log-probs). Shapes ``SEQSxLEN``: sequences of equal length per step, packed
+(``cu_seqlens``) for ours and for transformers' flash_attention_2, a ``[SEQS, LEN]`` batch for sdpa
+and megatron-core (the same attention work). Every variant runs in a process of its own (peak
+memory is that variant's alone) with the same random weights; ``--warmup`` steps (compilation
+included) are not timed, then the median of ``--steps``.
 
-MFU = model FLOPs per second / the GPU's peak dense bf16 FLOP/s (``--peak-tflops``, default from the
-device name: H100/H200 989). Model FLOPs per token: 6 x the parameters of every matrix multiply
-(attention and MLP projections, the LM head; embeddings are lookups) plus attention's own
-3 x 4 x layers x heads x head_dim x the mean causal context ((1024 + 1) / 2 here).
-
-Prints one line per variant and the ratios against transformers (sdpa); figures go to
-docs/benchmarks.md. Never claim a figure this script did not print on the named GPU.
+MFU = model FLOPs per second / the GPU's peak dense bf16 FLOP/s (``--peak-tflops``; default from the
+device name: H100/H200 989). Model FLOPs: ``bench_gpu_models.model_flops_per_token``. ``--profile``
+prints the top CUDA kernels of one step of ours and transformers (torch.profiler; CPU ops in
+``--smoke``). The attention kernel ours chose (``PMZ_ATTENTION_KERNEL`` overrides it) is printed per
+line. Figures go to docs/benchmarks.md; never claim a figure this script did not print on the named GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -35,152 +35,87 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-SHAPE_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                  num_key_value_heads=2, vocab_size=151936)
-SHAPE_SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, vocab_size=512)
-VARIANTS = ("ours", "ours-compiled", "hf-sdpa", "hf-flash2", "megatron")
+from tools.bench_gpu_models import FORWARD_ONLY, SETUPS, build, model_flops_per_token, shape_of  # noqa: E402
+
+VARIANTS = ("ours", "ours-compiled", "hf", "megatron")
+SHAPES = ("4x1024", "8x2048")
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+PROFILE_ROWS = 15
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--smoke", action="store_true", help="tiny shape on CPU (fp32): the script's own check")
-    p.add_argument("--seqs", type=int, default=4, help="sequences per step")
-    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (fp32): the script's own check")
+    p.add_argument("--setup", default=",".join(SETUPS), help=f"comma list of {', '.join(SETUPS)}")
+    p.add_argument("--shape", default=",".join(SHAPES), help="comma list of SEQSxLEN (default: 4x1024,8x2048)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--peak-tflops", type=float, default=None)
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--profile", action="store_true", help="top CUDA kernels of one step, ours and transformers")
+    p.add_argument("--timeout", type=int, default=900, help="seconds per variant process")
     p.add_argument("--variant", help=argparse.SUPPRESS)  # internal: run one variant in this process
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.smoke and args.shape == ",".join(SHAPES):
+        args.shape = "2x16"
+    if args.smoke:
+        args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
+    return args
 
 
-def model_flops_per_token(shape: dict, seq_len: int) -> float:
-    h, f, L = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
-    heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
-    d = h // heads
-    linear = L * (h * (heads + 2 * kv) * d + heads * d * h + 3 * h * f) + h * shape["vocab_size"]
-    attention = 3 * 4 * L * heads * d * (seq_len + 1) / 2
-    return 6 * linear + attention
+def parse_shape(text: str) -> tuple[int, int]:
+    seqs, length = text.lower().split("x")
+    return int(seqs), int(length)
 
 
-def _batch(shape: dict, args, device):
+def _profile(step, device) -> list[str]:
+    """The top ``PROFILE_ROWS`` kernels of one step (CUDA kernels on a GPU, CPU ops on CPU)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    rows = []
+    total = 0.0
+    for ev in prof.key_averages():
+        t = getattr(ev, key, 0.0) or 0.0
+        if cuda and ev.device_type.name != "CUDA":
+            continue
+        total += t
+        rows.append((t, ev.count, ev.key))
+    rows.sort(reverse=True)
+    out = [f"one step: {total / 1e3:.1f} ms of {'CUDA kernels' if cuda else 'CPU ops (self)'}"]
+    out += [f"{t / 1e3:9.2f} ms {100 * t / max(total, 1e-9):5.1f}% x{n:<4d} {name[:110]}"
+            for t, n, name in rows[:PROFILE_ROWS]]
+    return out
+
+
+def run_variant(variant: str, setup: str, seqs: int, seq_len: int, args) -> dict:
     import torch
 
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, shape["vocab_size"], (args.seqs, args.seq_len), generator=gen).to(device)
-    cu = torch.arange(args.seqs + 1, dtype=torch.int32, device=device) * args.seq_len
-    return ids, cu
-
-
-def _hf_config(shape: dict, args):
-    from transformers import Qwen2Config
-
-    return Qwen2Config(**shape, max_position_embeddings=args.seq_len, tie_word_embeddings=False)
-
-
-def _step_fn(variant: str, shape: dict, args, device, dtype):
-    """(model, one training step) for ``variant``."""
-    import torch
-
-    ids, cu = _batch(shape, args, device)
-    if variant.startswith("ours"):
-        from models.qwen2 import build_parallel_model
-
-        model = build_parallel_model(_hf_config(shape, args), dtype=dtype, device=device,
-                                     compile=variant == "ours-compiled")
-        flat = ids.reshape(-1)
-
-        def run():
-            return model(flat, cu_seqlens=cu, labels=flat, return_logits=False).loss
-    elif variant.startswith("hf"):
-        from transformers import AutoModelForCausalLM
-
-        impl = "flash_attention_2" if variant == "hf-flash2" else "sdpa"
-        model = AutoModelForCausalLM.from_config(_hf_config(shape, args), attn_implementation=impl,
-                                                 dtype=dtype).to(device)
-        if impl == "flash_attention_2":  # packed: one row, positions restart per sequence
-            flat = ids.reshape(1, -1)
-            pos = torch.arange(args.seq_len, device=device).repeat(args.seqs)[None]
-
-            def run():
-                return model(input_ids=flat, position_ids=pos, labels=flat).loss
-        else:
-            def run():
-                return model(input_ids=ids, labels=ids).loss
-    elif variant == "megatron":
-        model, run = _megatron(shape, args, device, dtype, ids)
-    else:
-        raise SystemExit(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    device = torch.device("cpu" if args.smoke else "cuda")
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    shape = shape_of(setup, args.smoke)
+    forward_only = setup in FORWARD_ONLY
+    torch.manual_seed(0)
+    model, run, info = build(variant, setup, shape, seqs, seq_len, device, dtype)
+    opt = None if forward_only else torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
 
     def step() -> float:
+        if forward_only:
+            with torch.no_grad():
+                out = run()
+            return float(out.float().mean())
         opt.zero_grad(set_to_none=True)
         loss = run()
         loss.backward()
         opt.step()
         return float(loss.detach())
 
-    return model, step
-
-
-def _megatron(shape: dict, args, device, dtype, ids):
-    """megatron-core GPTModel, local (non-TE) spec, one rank; labels are the next tokens."""
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    if device.type == "cpu":  # --smoke: megatron-core's CUDA-only calls replaced, as the test oracle does
-        from tests.megatron_oracle import apply_cpu_shims
-
-        apply_cpu_shims()
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29533")
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    if device.type == "cuda":
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-        model_parallel_cuda_manual_seed(0)
-    cfg = TransformerConfig(num_layers=shape["num_hidden_layers"], hidden_size=shape["hidden_size"],
-                            ffn_hidden_size=shape["intermediate_size"],
-                            num_attention_heads=shape["num_attention_heads"],
-                            num_query_groups=shape["num_key_value_heads"], normalization="RMSNorm",
-                            gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
-                            add_qkv_bias=True, bf16=dtype == torch.bfloat16, params_dtype=dtype,
-                            use_cpu_initialization=device.type != "cuda", hidden_dropout=0.0, attention_dropout=0.0,
-                            bias_dropout_fusion=False, gradient_accumulation_fusion=False,
-                            masked_softmax_fusion=device.type == "cuda", apply_rope_fusion=False)
-    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=shape["vocab_size"],
-                     max_sequence_length=args.seq_len, position_embedding_type="rope",
-                     share_embeddings_and_output_weights=False).to(device)
-    pos = torch.arange(args.seq_len, device=device)[None].expand_as(ids)
-    labels = torch.roll(ids, -1, dims=1)
-
-    def run():
-        return model(ids, pos, None, labels=labels).float().mean()
-
-    return model, run
-
-
-def run_variant(variant: str, args) -> dict:
-    import torch
-
-    device = torch.device("cpu" if args.smoke else "cuda")
-    dtype = torch.float32 if args.smoke else torch.bfloat16
-    shape = SHAPE_SMOKE if args.smoke else SHAPE_1_5B
-    if variant == "hf-flash2":
-        import importlib.util
-
-        if importlib.util.find_spec("flash_attn") is None:
-            return {"variant": variant, "skipped": "flash-attn is not installed"}
-    torch.manual_seed(0)
-    model, step = _step_fn(variant, shape, args, device, dtype)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
     for _ in range(args.warmup):
@@ -192,55 +127,95 @@ def run_variant(variant: str, args) -> dict:
     times = []
     for _ in range(args.steps):
         t = time.perf_counter()
-        loss = step()
+        value = step()
         sync()
         times.append(time.perf_counter() - t)
-    tokens = args.seqs * args.seq_len
     med = statistics.median(times)
-    out = {"variant": variant, "tokens_per_s": tokens / med, "step_s": med, "warmup_s": warm, "loss": loss,
-           "params": sum(p.numel() for p in model.parameters())}
+    out = {"variant": variant, "tokens_per_s": seqs * seq_len / med, "step_s": med, "warmup_s": warm,
+           "value": value, "params": sum(p.numel() for p in model.parameters()), **info}
     if device.type == "cuda":
         out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         out["device"] = torch.cuda.get_device_name()
+    if args.profile and variant in ("ours", "hf"):
+        out["profile"] = _profile(step, device)
     return out
+
+
+def _child(variant: str, setup: str, shape: str, args) -> tuple[dict | None, str]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--variant", variant, "--setup", setup, "--shape", shape,
+           "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    cmd += (["--smoke"] if args.smoke else []) + (["--profile"] if args.profile else [])
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {args.timeout} s"
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        return None, f"exit {proc.returncode}: {tail[0][:200]}"
+    return json.loads(lines[-1][len("RESULT "):]), ""
+
+
+def run_setup(setup: str, shape: str, args) -> dict:
+    seqs, seq_len = parse_shape(shape)
+    model_shape = shape_of(setup, args.smoke)
+    forward_only = setup in FORWARD_ONLY
+    flops = model_flops_per_token(model_shape, seq_len, forward_only)
+    note = f" ({model_shape['note']})" if model_shape.get("note") else ""
+    print(f"== {setup}{note}, {shape} tokens/step, {'forward only' if forward_only else 'training step'}",
+          flush=True)
+    results = {}
+    for variant in args.variants.split(","):
+        if args.smoke and variant == "ours-compiled" and setup != args.setup.split(",")[0]:
+            print(f"  {variant:14s} not run in --smoke past the first set-up (CPU compile takes minutes)")
+            continue
+        if variant == "megatron" and (forward_only or model_shape["family"] == "qwen3_moe"):
+            print(f"  {variant:14s} not run: {'no log-prob step of its own' if forward_only else 'MoE needs TE'}")
+            continue
+        res, error = _child(variant, setup, shape, args)
+        if res is None:
+            print(f"  {variant:14s} FAILED ({error})", flush=True)
+            continue
+        results[variant] = res
+        device = res.get("device", "cpu (smoke)")
+        peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in device), None)
+        res["mfu"] = 100 * res["tokens_per_s"] * flops / (peak * 1e12) if peak else None
+        mfu = f"{res['mfu']:5.1f}%" if res["mfu"] is not None else "  n/a"
+        mem = f"{res['peak_gib']:6.1f} GiB" if "peak_gib" in res else "     n/a"
+        extra = ", ".join(f"{k}={res[k]}" for k in ("attention_kernel", "experts_implementation", "fusions")
+                          if k in res)
+        print(f"  {variant:14s} {res['tokens_per_s']:10.0f} tokens/s  MFU {mfu}  peak {mem}  "
+              f"value {res['value']:.4f}  ({device}; {extra})", flush=True)
+        for line in res.get("profile", []):
+            print(f"      {line}")
+    for base in ("hf", "megatron"):
+        if base in results:
+            for variant, res in results.items():
+                if variant != base:
+                    ratio = res["tokens_per_s"] / results[base]["tokens_per_s"]
+                    mem = (f", peak memory {res['peak_gib'] / results[base]['peak_gib']:.2f}x"
+                           if "peak_gib" in res and "peak_gib" in results[base] else "")
+                    print(f"  {variant} / {base}: {ratio:.2f}x tokens/s{mem}")
+    return results
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.variant:
-        print("RESULT " + json.dumps(run_variant(args.variant, args)), flush=True)
+        seqs, seq_len = parse_shape(args.shape)
+        print("RESULT " + json.dumps(run_variant(args.variant, args.setup, seqs, seq_len, args)), flush=True)
         return 0
-    shape = SHAPE_SMOKE if args.smoke else SHAPE_1_5B
-    flops = model_flops_per_token(shape, args.seq_len)
-    results = {}
-    for variant in args.variants.split(","):
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--variant", variant, "--seqs", str(args.seqs),
-               "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup)]
-        cmd += ["--smoke"] if args.smoke else []
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode or not lines:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-            print(f"  {variant:14s} FAILED (exit {proc.returncode}): {tail[0]}", flush=True)
-            continue
-        res = json.loads(lines[-1][len("RESULT "):])
-        results[variant] = res
-        if "skipped" in res:
-            print(f"  {variant:14s} skipped: {res['skipped']}", flush=True)
-            continue
-        device = res.get("device", "cpu (smoke)")
-        peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in device), None)
-        mfu = f"{100 * res['tokens_per_s'] * flops / (peak * 1e12):5.1f}%" if peak else "  n/a"
-        mem = f"{res['peak_gib']:6.1f} GiB" if "peak_gib" in res else "     n/a"
-        res["mfu"] = mfu
-        print(f"  {variant:14s} {res['tokens_per_s']:10.0f} tokens/s  MFU {mfu}  peak {mem}  "
-              f"loss {res['loss']:.4f}  ({device})", flush=True)
-    base = results.get("hf-sdpa")
-    if base and "tokens_per_s" in base:
-        for variant, res in results.items():
-            if variant != "hf-sdpa" and "tokens_per_s" in res:
-                print(f"{variant} / transformers (sdpa): {res['tokens_per_s'] / base['tokens_per_s']:.2f}x")
-    return 0
+    unknown = [s for s in args.setup.split(",") if s not in SETUPS]
+    if unknown:
+        raise SystemExit(f"unknown set-up(s) {unknown}; choose from {', '.join(SETUPS)}")
+    failed = 0
+    for setup in args.setup.split(","):
+        for shape in args.shape.split(","):
+            results = run_setup(setup, shape, args)
+            failed += sum(1 for v in args.variants.split(",") if v not in results and not (
+                v == "megatron" and (setup in FORWARD_ONLY or SETUPS[setup]["family"] == "qwen3_moe"))
+                and not (args.smoke and v == "ours-compiled"))
+    return 1 if failed and args.smoke else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# One lent-GPU session in ONE device call of at most ~9 minutes (docs/benchmarks.md, "GPU session").
+#
+#   run(command="bash tools/gpu_session.sh", carry=["wheels"], timeout_s=560)
+#
+# 1. installs the wheels carried in the gitignored wheels/ folder, if any (no network there:
+#    pip install --no-index --no-deps --target .gpu-site; e.g. transformers 5.24, megatron-core 0.19.2;
+#    fetch them here with `pip download --no-deps -d wheels transformers==5.24.0 megatron-core==0.19.2`);
+# 2. runs the CUDA tests (tests/test_gpu*.py);
+# 3. runs tools/bench_gpu.py in phases, most wanted first, each only while time is left.
+# Logs go to $OUT (the device machine's return folder), else out/gpu_session/.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out/gpu_session}
+mkdir -p "$OUT"
+BUDGET=${GPU_SESSION_SECONDS:-520}   # leave the call's last ~40 s for copying $OUT back
+START=$(date +%s)
+PY=${PYTHON:-python3}
+left() { echo $((BUDGET - ($(date +%s) - START))); }
+log() { echo "[$(($(date +%s) - START))s] $*" | tee -a "$OUT/session.log"; }
+
+if compgen -G "wheels/*.whl" > /dev/null; then
+  log "installing $(ls wheels/*.whl | wc -l) carried wheels into .gpu-site"
+  $PY -m pip install --no-index --no-deps --target .gpu-site wheels/*.whl > "$OUT/pip.log" 2>&1 \
+    || log "pip install failed (see pip.log)"
+  export PYTHONPATH="$PWD/.gpu-site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
+$PY - > "$OUT/env.txt" 2>&1 <<'EOF'
+import importlib, importlib.util, torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version())
+if torch.cuda.is_available():
+    print(torch.cuda.get_device_name(), torch.cuda.get_device_capability())
+for name in ("transformers", "megatron.core", "flash_attn_2_cuda", "flash_attn_interface", "flash_attn.cute"):
+    try:
+        found = importlib.util.find_spec(name) is not None
+    except ImportError:
+        found = False
+    version = getattr(importlib.import_module(name), "__version__", "") if found and "." not in name else ""
+    print(name, "installed" if found else "absent", version)
+from parallel.varlen_kernels import flash_kernel, installed_kernels
+q = torch.zeros(1, 1, 128, device="cuda", dtype=torch.bfloat16)
+print("usable attention kernels:", sorted(installed_kernels(q.device)))
+print("chosen: equal lengths", flash_kernel(q, equal_lengths=True), "| unequal", flash_kernel(q),
+      "| with lse", flash_kernel(q, need_lse=True))
+EOF
+log "env: $(tr '\n' ';' < "$OUT/env.txt")"
+
+log "tests/test_gpu*.py"
+timeout 240 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_models.py > "$OUT/pytest.log" 2>&1
+log "pytest exit $? : $(tail -1 "$OUT/pytest.log")"
+
+# (label, arguments) - most wanted first; each runs only with >= 75 s left and is cut at the budget.
+PHASES=(
+  "qwen2 4x1024 + profile|--setup qwen2-1.5b --shape 4x1024 --variants ours,hf,megatron --profile"
+  "qwen3-moe 4x1024|--setup qwen3-moe --shape 4x1024 --variants ours,hf"
+  "rl-logprob 4x1024|--setup rl-logprob --shape 4x1024 --variants ours,hf"
+  "ours with torch's FA2 (PMZ_ATTENTION_KERNEL=torch)|--setup qwen2-1.5b --shape 4x1024 --variants ours|torch"
+  "qwen3-8b-cut 4x1024|--setup qwen3-8b-cut --shape 4x1024 --variants ours,hf,megatron"
+  "qwen2 8x2048|--setup qwen2-1.5b --shape 8x2048 --variants ours,hf,megatron"
+  "qwen2 4x1024 compiled|--setup qwen2-1.5b --shape 4x1024 --variants ours-compiled"
+  "qwen3-moe 8x2048|--setup qwen3-moe --shape 8x2048 --variants ours,hf"
+)
+for phase in "${PHASES[@]}"; do
+  IFS='|' read -r label argv kernel <<< "$phase"
+  remaining=$(left)
+  if [ "$remaining" -lt 75 ]; then log "skipped (time): $label"; continue; fi
+  log "bench: $label"
+  # shellcheck disable=SC2086
+  PMZ_ATTENTION_KERNEL=${kernel:-} timeout "$remaining" $PY tools/bench_gpu.py $argv --steps 5 --warmup 2 \
+    --timeout "$remaining" >> "$OUT/bench.log" 2>&1
+  log "  exit $?"
+done
+log "done"
