@@ -17,6 +17,10 @@ Rule kinds
   Fused(parts)              a tensor stacking ``parts`` equal blocks along dim 0 (Qwen2-VL's
                             vision ``attn.qkv`` = ``[q | k | v]`` in one HF tensor): each block
                             split like ``Split(0)``, rank r holding ``[q_r | k_r | v_r]``
+  Blocks(sizes)             a tensor stacking blocks of unequal row counts along dim 0 (Gated
+                            DeltaNet's ``in_proj_qkv`` and ``conv1d``: ``[q | k | v]`` with q, k of
+                            Hk*dk rows and v of Hv*dv): each block split like ``Split(0)``, rank r
+                            holding ``[q_r | k_r | v_r]`` (its rows are ``Piece.spans``)
 Packed tensors (``[q | k | v]``, ``[gate | up]``) are a concatenation along dim 0 of their parts'
 shards, each part with its own rule: see ``Packed``.
 """
@@ -45,11 +49,19 @@ class Piece:
     start: int = 0
     stop: int = 0
     chunks: int = 1  # > 1: ``dim`` is ``chunks`` equal blocks, ``[start, stop)`` taken from each, concatenated
+    # non-empty: the ``[start, stop)`` ranges of ``dim`` this piece holds, concatenated in order (unequal
+    # blocks, ``Blocks``); ``start``/``stop`` are then 0 and the shard's row count
+    spans: tuple[tuple[int, int], ...] = ()
 
     def ranges(self, length: int) -> list[tuple[int, int, int]]:
         """``(start, stop, offset)`` per contiguous range of the full tensor's ``dim`` (of ``length``)
         this piece holds, ``offset`` being where the range begins in the rank's shard: one range, or
-        one per block when ``chunks > 1``. ``stop`` may run past ``length`` (padding rows)."""
+        one per block when ``chunks > 1`` or ``spans`` are given. ``stop`` may run past ``length`` (padding rows)."""
+        if self.spans:
+            offsets = [0]
+            for a, b in self.spans:
+                offsets.append(offsets[-1] + b - a)
+            return [(a, b, off) for (a, b), off in zip(self.spans, offsets)]
         if self.chunks == 1:
             return [(self.start, self.stop, 0)]
         per, width = length // self.chunks, self.stop - self.start
@@ -206,6 +218,29 @@ class Fused(Rule):
         return merged.reshape(-1, *shards[0].shape[1:])
 
 
+@dataclass(frozen=True)
+class Blocks(Rule):
+    sizes: tuple[int, ...]
+
+    def piece(self, full_shape, rank, size):
+        if full_shape[0] != sum(self.sizes):
+            raise ShardingError(f"tensor of {full_shape[0]} rows does not stack blocks of {list(self.sizes)} rows "
+                                f"(sum {sum(self.sizes)})")
+        spans, start = [], 0
+        for rows in self.sizes:
+            a, b = _even_chunk(rows, rank, size, f"each block of {list(self.sizes)} rows of {tuple(full_shape)}")
+            spans.append((start + a, start + b))
+            start += rows
+        return Piece(0, 0, sum(b - a for a, b in spans), spans=tuple(spans))
+
+    def merge(self, shards):
+        import torch
+
+        n = len(shards)
+        parts = [s.split([rows // n for rows in self.sizes], dim=0) for s in shards]  # [rank][block]
+        return torch.cat([parts[r][j] for j in range(len(self.sizes)) for r in range(n)], dim=0)
+
+
 def read_piece(
     read: Callable[[tuple[slice, ...]], torch.Tensor],
     full_shape: tuple[int, ...],
@@ -221,6 +256,14 @@ def read_piece(
     if piece.dim is None:
         part = _own(read(tuple(slice(None) for _ in full_shape)))
         return part.to(dtype) if dtype is not None else part
+    if piece.spans:  # unequal blocks (Blocks): each range, concatenated
+        parts = []
+        for a, b in piece.spans:
+            index = [slice(None)] * len(full_shape)
+            index[piece.dim] = slice(a, b)
+            parts.append(_own(read(tuple(index))))
+        part = torch.cat(parts, dim=piece.dim)
+        return part.to(dtype) if dtype is not None and part.dtype != dtype else part
     if piece.chunks > 1:  # one range per block, concatenated (Fused)
         per = full_shape[piece.dim] // piece.chunks
         parts = []

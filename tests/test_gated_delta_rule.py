@@ -1,0 +1,132 @@
+"""The gated delta rule kernel (parallel/gated_delta_rule.py) and the ``Blocks`` sharding rule:
+
+  * chunked form == recurrent form (the definition), outputs, final states and gradients, fp64 to
+    ~1e-12 and fp32 to ~1e-6, with GQA-style value heads, lengths not a multiple of the chunk;
+  * packed batches (``cu_seqlens``, an empty sequence and a one-token one among them): each sequence
+    equal to itself run alone, initial states applied per sequence, final states per sequence;
+  * the causal depthwise conv restarts its window at every sequence (against F.conv1d per sequence);
+  * transformers' own torch chunked kernel agrees (fp32, unpacked);
+  * ``Blocks`` splits unequal q/k/v blocks per rank, merges back, and reads the same rows lazily.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from parallel.gated_delta_rule import causal_conv1d, gated_delta_rule, positions_in_sequence
+from parallel.sharding import Blocks, Packed, Split, read_piece
+
+LENGTHS = [70, 1, 0, 130, 64, 3]
+
+
+def _inputs(b, t, dtype, hk=2, hv=4, dk=16, dv=24, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+
+    q, k, v = rnd(b, t, hk, dk), rnd(b, t, hk, dk), rnd(b, t, hv, dv)
+    g = -torch.rand(b, t, hv, generator=gen, dtype=torch.float64).to(dtype) * 0.5
+    beta = torch.rand(b, t, hv, generator=gen, dtype=torch.float64).to(dtype)
+    return q, k, v, g, beta
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
+def test_chunked_equals_recurrent(dtype, tol):
+    q, k, v, g, beta = _inputs(2, 150, dtype)
+    init = torch.randn(2, 4, 16, 24, dtype=dtype)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta, init)]
+    results = {}
+    for form in ("chunked", "recurrent"):
+        xs = [x.detach().clone().requires_grad_() for x in leaves]
+        o, s = gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True, use_qk_l2norm=True, form=form)
+        ((o * torch.linspace(-1, 1, o.numel(), dtype=dtype).view_as(o)).sum() + s.square().sum()).backward()
+        results[form] = (o, s, [x.grad for x in xs])
+    (oc, sc, gc), (orr, sr, gr) = results["chunked"], results["recurrent"]
+    assert (oc - orr).abs().max().item() < tol
+    assert (sc - sr).abs().max().item() < tol
+    for a, b in zip(gc, gr):
+        assert ((a - b).abs().max() / b.abs().max()).item() < 10 * tol
+
+
+@pytest.mark.parametrize("form", ["chunked", "recurrent"])
+def test_packed_equals_each_sequence_alone(form):
+    cu = torch.tensor([0] + LENGTHS).cumsum(0)
+    total = int(cu[-1])
+    q, k, v, g, beta = _inputs(1, total, torch.float64, seed=1)
+    init = torch.randn(len(LENGTHS), 4, 16, 24, dtype=torch.float64)
+    o, s = gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, initial_state=init, output_final_state=True,
+                            use_qk_l2norm=True, form=form, chunk_size=16)
+    for j, (a, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        if e == a:
+            assert torch.equal(s[j], init[j]), "an empty sequence keeps its initial state"
+            continue
+        alone, state = gated_delta_rule(q[:, a:e], k[:, a:e], v[:, a:e], g[:, a:e], beta[:, a:e],
+                                        initial_state=init[j:j + 1], output_final_state=True, use_qk_l2norm=True,
+                                        form="recurrent")
+        assert (alone - o[:, a:e]).abs().max().item() < 1e-12
+        assert (state - s[j:j + 1]).abs().max().item() < 1e-12
+
+
+def test_padded_rows_are_independent_sequences():
+    q, k, v, g, beta = _inputs(3, 40, torch.float64, seed=2)
+    o = gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True, chunk_size=16)
+    for r in range(3):
+        alone = gated_delta_rule(q[r:r + 1], k[r:r + 1], v[r:r + 1], g[r:r + 1], beta[r:r + 1], use_qk_l2norm=True,
+                                 form="recurrent")
+        assert (alone - o[r:r + 1]).abs().max().item() < 1e-12
+
+
+def test_transformers_chunked_kernel_agrees():
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    q, k, v, g, beta = _inputs(2, 100, torch.float32, seed=3)
+    ours = gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True)
+    theirs, _ = torch_chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    assert (ours - theirs).abs().max().item() < 2e-6
+
+
+def test_conv_window_restarts_per_sequence():
+    cu = torch.tensor([0] + LENGTHS).cumsum(0)
+    total = int(cu[-1])
+    x, w = torch.randn(1, total, 10, dtype=torch.float64), torch.randn(10, 4, dtype=torch.float64)
+    got = causal_conv1d(x, w, positions_in_sequence(cu, total))
+    for a, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        if e > a:
+            ref = F.conv1d(x[:, a:e].transpose(1, 2), w[:, None], padding=3, groups=10)[:, :, : e - a].transpose(1, 2)
+            assert (got[:, a:e] - ref).abs().max().item() < 1e-12
+    ref = F.conv1d(x.transpose(1, 2), w[:, None], padding=3, groups=10)[:, :, :total].transpose(1, 2)
+    assert (causal_conv1d(x, w) - ref).abs().max().item() < 1e-12  # no positions: one sequence per row
+
+
+def test_bad_kernel_input_refused():
+    q, k, v, g, beta = _inputs(2, 10, torch.float32)
+    with pytest.raises(ValueError, match="batch 1"):
+        gated_delta_rule(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 10]))
+    with pytest.raises(ValueError, match=r"cu_seqlens must rise from 0 to the token count 10"):
+        gated_delta_rule(q[:1], k[:1], v[:1], g[:1], beta[:1], cu_seqlens=torch.tensor([0, 4, 9]))
+    with pytest.raises(ValueError, match="multiple of key heads"):
+        gated_delta_rule(q, k, v[:, :, :3], g[:, :, :3], beta[:, :, :3])
+
+
+def test_blocks_rule_split_merge_and_lazy_read():
+    sizes = (8, 8, 12)  # q, k of Hk*dk rows, v of Hv*dv rows
+    full = torch.arange(28 * 3, dtype=torch.float32).reshape(28, 3)
+    rule = Blocks(sizes)
+    shards = rule.split_all(full, 2)
+    assert shards[1][:, 0].tolist() == [12, 15, 18, 21, 36, 39, 42, 45, 66, 69, 72, 75, 78, 81]
+    assert torch.equal(rule.merge(shards), full)
+    assert rule.shard_shape((28, 3), 2) == (14, 3)
+    piece = rule.piece((28, 3), 1, 4)
+    assert piece.ranges(28) == [(2, 4, 0), (10, 12, 2), (19, 22, 4)]
+    assert torch.equal(read_piece(lambda idx: full[idx], (28, 3), piece), rule.split(full, 1, 4))
+    packed = Packed((("qkv", rule), ("z", Split(0))))  # in_proj_qkvz = [q_r | k_r | v_r | z_r]
+    z = torch.randn(12, 3)
+    merged = packed.merge([packed.pack([full, z], r, 2) for r in range(2)], [(28, 3), (12, 3)])
+    assert torch.equal(merged[0], full) and torch.equal(merged[1], z)
+    with pytest.raises(ValueError, match=r"does not stack blocks of \[8, 8, 12\] rows"):
+        rule.piece((27, 3), 0, 2)
+    with pytest.raises(ValueError, match="not divisible by 8"):
+        rule.piece((28, 3), 0, 8)
