@@ -53,7 +53,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _cmd_convert(args: argparse.Namespace) -> int:
     from converters.engine import convert
+    from converters.layout.stages import checkpoint_layout
 
+    written: dict = {}
     dst = convert(args.src, args.dst, to=args.to, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep,
                   moe_grouped_gemm=args.moe_grouped_gemm,
                   first_stage_layers=args.decoder_first_pipeline_num_layers,
@@ -62,8 +64,12 @@ def _cmd_convert(args: argparse.Namespace) -> int:
                   arch=args.arch, vocab_size=args.vocab_size, dtype=args.dtype, overwrite=args.overwrite,
                   workers=args.workers, max_shard_size=args.max_shard_size,
                   make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, progress=not args.quiet,
-                  quantization=args.quantize)
-    print(f"wrote {args.to} checkpoint{f' ({args.quantize})' if args.quantize else ''} to {dst}")
+                  quantization=args.quantize, written=written)
+    layout = checkpoint_layout(args.to, **written)
+    if args.to == "hf":
+        files = len(list(dst.glob("*.safetensors")))
+        layout += f", {files} file{'s' if files != 1 else ''}"
+    print(f"wrote {args.to} checkpoint ({f'{args.quantize}, ' if args.quantize else ''}{layout}) to {dst}")
     note = _derived_config_note(args)
     if note:
         print(f"pmz convert: note: {note}", file=sys.stderr)
@@ -134,8 +140,8 @@ def _non_negative_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not value >= 0:  # also rejects nan
-        raise argparse.ArgumentTypeError(f"must be a non-negative number, got {text}")
+    if not (value >= 0 and value != float("inf")):  # also rejects nan: a bound that is not finite bounds nothing
+        raise argparse.ArgumentTypeError(f"must be a finite non-negative number, got {text}")
     return value
 
 

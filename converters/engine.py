@@ -113,8 +113,10 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
             hf_config: str | None = None, arch: str | None = None,
             vocab_size: int | None = None, dtype: str | torch.dtype | None = None, overwrite: bool = False,
             workers: int | None = None, max_shard_size: str | int = "5GB", make_vocab_size_divisible_by: int = 128,
-            progress: bool = False, quantization: str | None = None) -> Path:
+            progress: bool = False, quantization: str | None = None, written: dict | None = None) -> Path:
     """Convert ``src`` (format detected) to ``to`` in ``dst``; returns the destination path.
+    ``written``: a dict filled with the layout written (``tp``, ``pp``, ``vpp``, ``ep``, ``first``,
+    ``last`` where the format has them: ``converters.layout.stages.checkpoint_layout`` takes them).
 
     to: "hf", "megatron" (legacy torch, at tp/pp/vpp), "megatron-dist" (torch_dist; tp/pp/vpp
     are recorded in its args), "megatron-bridge" (Megatron-Bridge's save layout of a vision-language
@@ -180,11 +182,15 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
     if by_copy and ep in (None, 1) and not moe_grouped_gemm and _convert_by_copy(
             src, dst_path, to=to, overwrite=overwrite, hf_config=hf_config, arch=arch, vocab_size=vocab_size,
             dtype=wanted_dtype, shard_bytes=shard_bytes, workers=workers, progress=progress, tp=tp, pp=pp, vpp=vpp,
-            divisible_by=make_vocab_size_divisible_by, first=first_stage_layers, last=last_stage_layers):
+            divisible_by=make_vocab_size_divisible_by, first=first_stage_layers, last=last_stage_layers,
+            written=written):
         return dst_path
     out_dtype = parse_dtype(wanted_dtype)
     reader = open_reader(src, arch=arch, hf_config=hf_config, vocab_size=vocab_size)
     reader.validate()
+    if out_dtype is None and getattr(reader.info, "mixed", None):  # never narrow a value silently
+        raise CheckpointError(f"{src}: tensors in several dtypes, {reader.info.mixed} (or --dtype bf16/fp16 to "
+                              f"round them on purpose); pmz does not narrow values without being asked")
     out_dtype = out_dtype or reader.info.dtype
     # config.json plus tokenizer files: from --hf-config, else from an HF source's own directory
     files_from = hf_config or (str(src_path) if reader.info.format == "hf" else None)
@@ -195,6 +201,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
 
         tp, pp = tp or 1, pp or 1
         check_layout(reader.cfg, tp, pp)
+        _record(written, tp=tp, pp=pp)
         if quantization:
             from converters.torch_path.hf_fp8 import check_fp8_target, write_quantization_config
 
@@ -232,6 +239,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
 
         target = plan_bridge_target(reader, tp=tp or layout["tp"], pp=pp, vpp=vpp or 1, dtype=out_dtype,
                                     first=first, last=last)
+        _record(written, tp=target.tp, pp=target.pp, vpp=target.vpp, ep=1, first=first, last=last)
         with Staging(dst_path, overwrite) as tmp:
             write_bridge(reader, target, str(tmp), workers=workers, progress=progress)
         return dst_path
@@ -239,10 +247,16 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
                                   divisible_by=make_vocab_size_divisible_by, first=first, last=last,
                                   fmt="torch" if to == "megatron" else "torch_dist", ep=ep or layout["ep"],
                                   grouped_gemm=layout["grouped_gemm"] if moe_grouped_gemm is None else moe_grouped_gemm)
+    _record(written, tp=target.tp, pp=target.pp, vpp=target.vpp, ep=target.ep, first=first, last=last)
     with Staging(dst_path, overwrite) as tmp:
         write_megatron(reader, target, str(tmp), fmt=to, workers=workers, progress=progress,
                        hf_config_dir=hf_config)
     return dst_path
+
+
+def _record(written: dict | None, **layout: Any) -> None:
+    if written is not None:
+        written.update(layout)
 
 
 def source_layout(reader: Any) -> dict[str, Any]:
@@ -271,7 +285,7 @@ def source_layout(reader: Any) -> dict[str, Any]:
 def _convert_by_copy(src, dst_path: Path, *, to: str, overwrite: bool, hf_config, arch, vocab_size,
                      dtype: str | None, shard_bytes: int, workers: int, progress: bool, tp: int | None = None,
                      pp: int | None = None, vpp: int | None = None, divisible_by: int = 128,
-                     first: int | None = None, last: int | None = None) -> bool:
+                     first: int | None = None, last: int | None = None, written: dict | None = None) -> bool:
     """The copy path (no torch, byte ranges moved by system calls: ``converters/copy_path/hf.py`` for
     HF targets, ``converters/copy_path/megatron.py`` for Megatron ones) when the source allows it and
     no dtype change is asked for; False when the torch path must do the conversion."""
@@ -304,6 +318,7 @@ def _convert_by_copy(src, dst_path: Path, *, to: str, overwrite: bool, hf_config
                                   divisible_by=divisible_by, first=first, last=last)
     except Unsupported:  # a mixture-of-experts target
         return False
+    _record(written, tp=target.tp, pp=target.pp, vpp=target.vpp, ep=1, first=first, last=last)
     with Staging(dst_path, overwrite) as tmp:
         write_megatron_by_copy(source, target, str(tmp), workers=workers, progress=progress,
                                hf_config_dir=hf_config)

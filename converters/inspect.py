@@ -37,14 +37,15 @@ def inspect_checkpoint(path: str | os.PathLike, *, vocab_size: int | None = None
         "layout": _layout(reader, location, path),
         "model_description": _config_source(reader, location, hf_config),
         "architecture": reader.arch.name,
-        "model": f"{cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, ffn {cfg.intermediate_size}, "
+        "model": f"{cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {_ffn(cfg)}, "
                  f"heads {cfg.num_attention_heads} (kv {cfg.num_key_value_heads}, head_dim {cfg.head_dim}), "
                  f"vocab {cfg.vocab_size}, {'tied' if cfg.tie_word_embeddings else 'untied'} embeddings",
         **_experts(cfg),
         "parallel_layout": ", ".join(f"{k}={v}" for k, v in layout.items()),
         "files": reader.info.files,
         "parameters": params,
-        "dtype": str(reader.info.dtype).replace("torch.", ""),
+        "dtype": (f"mixed: {reader.info.mixed.split(': pass --dtype')[0]} (a conversion needs --dtype)"
+                  if getattr(reader.info, "mixed", None) else str(reader.info.dtype).replace("torch.", "")),
         **({"quantization": reader.describe(), "dtype": "float8_e4m3fn, float32 scales, " + " and ".join(
             reader.kept_dtypes) + " kept"} if hasattr(reader, "describe") else {}),
         "bytes": size,
@@ -98,6 +99,18 @@ def _layout(reader: Any, location: SourceLocation, path: str | os.PathLike) -> s
     if name == "Megatron torch_dist" and getattr(reader, "args", None) is None:
         name = "torch_dist without Megatron args (dist_checkpointing.save alone?)"
     return name + (f" (tensors in {location.path})" if Path(location.path) != Path(path) else "")
+
+
+def _ffn(cfg) -> str:
+    """The MLP width of the dense layers; a model whose every layer is an MoE layer has none (its
+    ``intermediate_size`` sizes nothing): the experts' width then."""
+    moe = cfg.moe
+    if moe is None:
+        return f"ffn {cfg.intermediate_size}"
+    dense = cfg.num_hidden_layers - len(cfg.sparse_layers())
+    if dense == 0:
+        return f"expert ffn {moe.moe_intermediate_size} (every layer MoE)"
+    return f"ffn {cfg.intermediate_size} on {dense} dense layer{'s' if dense != 1 else ''}"
 
 
 def _experts(cfg) -> dict[str, str]:

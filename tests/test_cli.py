@@ -144,7 +144,7 @@ def test_pmz_console_script_converts(ckpts, tmp_path):
     proc = subprocess.run([exe, "convert", str(ckpts["llama"]["megatron"]), str(out), "--to", "hf", "--quiet",
                            "--workers", "2"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == f"wrote hf checkpoint to {out}\n"  # --quiet silences progress only
+    assert proc.stdout == f"wrote hf checkpoint (HF safetensors, 1 file) to {out}\n"  # --quiet: no progress only
     assert proc.stderr == ""
     original = load_file(str(Path(ckpts["llama"]["hf"]) / "model.safetensors"))
     got = load_file(str(out / "model.safetensors"))

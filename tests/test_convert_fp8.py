@@ -101,7 +101,10 @@ def check_fp8_dir(out: Path, source_dir: Path, kept_dtype: torch.dtype | None = 
 def _ok(*args) -> None:
     res = pmz(*args, "--quiet")
     assert res.returncode == 0, res.stderr
-    assert res.stdout.strip() == f"wrote {args[args.index('--to') + 1]} checkpoint (fp8) to {Path(args[2]).resolve()}"
+    to = args[args.index('--to') + 1]
+    layout = "HF safetensors" if to == "hf" else "vLLM sharded_state"
+    assert res.stdout.startswith(f"wrote {to} checkpoint (fp8, {layout}"), res.stdout
+    assert res.stdout.strip().endswith(f") to {Path(args[2]).resolve()}"), res.stdout
 
 
 def test_hf_source_to_hf_fp8(sources, tmp_path, one_block_row_slabs):

@@ -59,11 +59,11 @@ from converters.layout.stages import (
     extra_state_modules,
     stacked_key,
     unit_megatron_keys,
+    validate_target_layout,
 )
 from converters.runtime.tasks import check_stop, run_tasks
 from models.common.errors import CheckpointError
 from models.common.weight_map import WeightEntry, hf_shapes
-from parallel.config import ParallelConfig
 
 # -------------------------------------------------------------------------------------- targets
 
@@ -92,8 +92,7 @@ def plan_copy_target(source: RawSource, *, fmt: str, tp: int, pp: int, vpp: int,
         raise Unsupported("Megatron targets of mixture-of-experts models (the torch path writes them)")
     require_megatron_layout(cfg, source.path)
     check_target_stages(cfg.num_hidden_layers, pp, vpp, first, last)
-    ParallelConfig(tp=tp, pp=pp, vpp=vpp, num_layers_in_first_pipeline_stage=first,
-                   num_layers_in_last_pipeline_stage=last).validate(cfg)
+    validate_target_layout(cfg, fmt, tp=tp, pp=pp, vpp=vpp, first=first, last=last)
     tag = source.dtype()
     padded = megatron_padded_vocab(cfg.vocab_size, tp, divisible_by)
     args = target_arg_fields(source.hf_config, cfg, tp=tp, pp=pp, vpp=vpp, padded_vocab=padded,

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence, Union
 
 from converters.formats.hf_config import check_block_count, check_config_against_tensors, read_hf_config
+from converters.formats.quantized import check_unquantized_tensors
 from converters.formats.tensors import ITEMSIZE
 from converters.layout.model import architecture_for, conversion_weight_map
 from models.common.hf_files import SafetensorsFiles, StoredTensor, canonical_names, check_tensors
@@ -42,6 +43,9 @@ class HFCheckpoint:
         self.path = str(path)
         self.hf_config = read_hf_config(path)
         self.files = SafetensorsFiles(path)
+        # FP8 tensors named before the weight map reads the names (else: "unexpected *_scale_inv")
+        check_unquantized_tensors(self.path, ((name, t.dtype) for name, t in self.files.tensors.items()),
+                                  lambda name: Path(path) / self.files.file_of(name))
         arch = architecture_for(self.hf_config.model_type, self.path)
         cfg = arch.model_config(self.hf_config)
         # other key layouts of the same model (Qwen2-VL's in-memory names) under the weight map's names

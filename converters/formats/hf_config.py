@@ -68,7 +68,7 @@ def write_config_dir(config: HFConfig, directory: str | Path, dtype: str | None 
     copy_companion_files(source, directory)
     recorded = config.data.get("dtype") or config.data.get("torch_dtype") or "float32"  # transformers' default
     if dtype is None or dtype == recorded:
-        shutil.copy2(Path(source) / "config.json", Path(directory) / "config.json")
+        shutil.copyfile(Path(source) / "config.json", Path(directory) / "config.json")  # mode from the umask
     else:
         config.save(directory, dtype)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 from models.common.errors import CheckpointError
 
@@ -67,10 +67,15 @@ def check_unquantized_config(location, hf_config: str | None = None) -> None:
                               f"{REASON}")
 
 
-def check_unquantized_tensors(where: str, tags: Iterable[tuple[str, str]]) -> None:
-    """CheckpointError naming the first ``(name, dtype tag)`` stored as float8 (and how many are)."""
+def check_unquantized_tensors(where: str, tags: Iterable[tuple[str, str]],
+                              file_of: Callable[[str], object] | None = None) -> None:
+    """CheckpointError naming the first ``(name, dtype tag)`` stored as float8 (and how many are), and
+    the file holding it (``file_of(name)``; else ``where``). The format readers call it before they
+    compare names with the weight map, so a quantized checkpoint is called one, not a list of
+    unexpected ``*_scale_inv`` tensors."""
     quantized = [(name, tag) for name, tag in tags if tag in QUANTIZED_TAGS]
     if quantized:
         name, tag = sorted(quantized)[0]
         more = f" and {len(quantized) - 1} more" if len(quantized) > 1 else ""
-        raise CheckpointError(f"{where}: {name} is stored as {tag}{more}: an FP8-quantized checkpoint; {REASON}")
+        place = file_of(name) if file_of is not None else where
+        raise CheckpointError(f"{place}: {name} is stored as {tag}{more}: an FP8-quantized checkpoint; {REASON}")

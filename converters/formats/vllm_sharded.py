@@ -23,6 +23,7 @@ import re
 from pathlib import Path
 
 from converters.formats.hf_config import read_hf_config
+from converters.formats.quantized import check_unquantized_tensors
 from converters.layout.model import architecture_for, conversion_weight_map
 from models.common import vllm_format
 from models.common.errors import CheckpointError
@@ -80,6 +81,21 @@ class VllmShardedCheckpoint:
         self.tensors: dict[tuple[int, int], dict[str, StoredTensor]] = {}
         for (pp_rank, tp_rank), parts in sorted(files.items()):
             self.tensors[(pp_rank, tp_rank)] = self._check_rank(parts, self.stages[pp_rank], shapes, tp_rank)
+        self._check_rank_dtypes()
+
+    def _check_rank_dtypes(self) -> None:
+        """Every TP rank of a stage holds each key in the same dtype: merging a BF16 shard with an F32
+        one would narrow the F32 values (pmz never narrows silently); two checkpoints mixed, refused
+        naming both files and dtypes."""
+        for (pp_rank, tp_rank), stage in sorted(self.tensors.items()):
+            if tp_rank == 0:
+                continue
+            first = self.tensors[(pp_rank, 0)]
+            for key, t in stage.items():
+                if t.dtype != first[key].dtype:
+                    raise CheckpointError(f"{t.path}: {key} is {t.dtype}, but {first[key].dtype} in "
+                                          f"{first[key].path}: the rank files of one checkpoint share their "
+                                          f"dtypes (files of two checkpoints mixed?); pmz does not narrow values")
 
     def _grid(self, directory: Path, files: dict[tuple[int, int], dict[int, Path]]) -> tuple[int, int]:
         names = [p.name for parts in files.values() for p in parts.values()]
@@ -90,7 +106,15 @@ class VllmShardedCheckpoint:
             raise CheckpointError(f"{directory}: {stray[0]} is not a vLLM sharded_state file name "
                                   f"(model-rank-T-part-K.safetensors or model-pp-P-tp-T-part-K.safetensors)")
         pp = max(p for p, _ in files) + 1
-        tp = max(max(t for _, t in files) + 1, self._tp_from_vocab(files))
+        named_tp, vocab_tp = max(t for _, t in files) + 1, self._tp_from_vocab(files)
+        if named_tp > vocab_tp > 0:  # a rank file beyond the TP rank 0's vocabulary shard implies
+            rank, stage = min((t, p) for p, t in files if t >= vocab_tp)
+            path = files[(stage, rank)][min(files[(stage, rank)])]
+            padded = vllm_format.padded_vocab(self.cfg.vocab_size)
+            raise CheckpointError(f"{path}: tensor rank {rank}, but rank 0's vocabulary shard implies tp={vocab_tp} "
+                                  f"(the padded vocabulary of {padded} rows split evenly): a stray rank file, from "
+                                  f"another checkpoint?")
+        tp = max(named_tp, vocab_tp)
         pp_named = any(STAGE_FILE.match(n) for n in names)
         if pp_named and pp == 1:
             raise CheckpointError(f"{directory}: model-pp-* files for a single pipeline stage")
@@ -109,14 +133,15 @@ class VllmShardedCheckpoint:
 
     def _tp_from_vocab(self, files: dict[tuple[int, int], dict[int, Path]]) -> int:
         """The TP size rank 0's vocabulary shard implies (vLLM pads the vocabulary to a multiple of 64
-        and splits it evenly), so missing trailing rank files read as missing, not as a smaller TP."""
+        and splits it evenly), so missing trailing rank files read as missing, not as a smaller TP,
+        and a stray one beyond it is named; 0 when it implies none."""
         padded = vllm_format.padded_vocab(self.cfg.vocab_size)
         for part in sorted(files.get((0, 0), {}).values()):
             for key, stored in read_safetensors_header(part).items():
                 if key.endswith(("embed_tokens.weight", "lm_head.weight")) and stored.shape and stored.shape[0]:
                     rows = stored.shape[0]
-                    return padded // rows if padded % rows == 0 else 1
-        return 1
+                    return padded // rows if padded % rows == 0 else 0
+        return 0  # unknown (rank 0 holds no vocabulary shard, or one of a size no TP gives): the names decide
 
     def _check_rank(self, parts: dict[int, Path], wanted: list, shapes: dict, tp_rank: int) -> dict[str, StoredTensor]:
         found: dict[str, StoredTensor] = {}
@@ -127,6 +152,8 @@ class VllmShardedCheckpoint:
                 if key in found:
                     raise CheckpointError(f"{path}: tensor {key} is also in {where[key].name}")
                 found[key], where[key] = stored, path
+        # FP8 tensors named before the keys are compared (else: "unexpected tensor ..._scale_inv")
+        check_unquantized_tensors(self.path, ((key, t.dtype) for key, t in found.items()), where.__getitem__)
         first = parts[0]
         expected = {t.key: t for t in wanted}
         for key in found:

@@ -32,6 +32,43 @@ DIST_METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version"
 
 FIRST_FLAG, LAST_FLAG = "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"
 
+# what each --to writes, in a user's words (messages and the closing ``wrote ...`` line)
+TARGET_NAMES = {"hf": "HF safetensors", "megatron": "Megatron legacy torch",
+                "megatron-dist": "megatron-core torch_dist", "megatron-bridge": "Megatron-Bridge torch_dist",
+                "vllm": "vLLM sharded_state"}
+
+
+def checkpoint_layout(fmt: str, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int | None = None,
+                      first: int | None = None, last: int | None = None) -> str:
+    """A checkpoint's layout in a user's words, e.g. ``Megatron legacy torch, tp=2 pp=2 vpp=1 ep=1``
+    (vLLM: tp/pp; HF: none; ``ep`` None: not shown). Not ``ParallelConfig.describe()``, which
+    describes a training run (its ``sp=``, ``cp=`` mean nothing for files on disk)."""
+    name = TARGET_NAMES.get(fmt, fmt)
+    if fmt == "hf":
+        return name
+    parts = [f"tp={tp}", f"pp={pp}"]
+    if fmt != "vllm":
+        parts += [f"vpp={vpp}"] + ([f"ep={ep}"] if ep is not None else [])
+    parts += [f"{side} stage {n} layers" for side, n in (("first", first), ("last", last)) if n is not None]
+    return f"{name}, {' '.join(parts)}"
+
+
+def validate_target_layout(cfg: Any, fmt: str, *, tp: int, pp: int, vpp: int, first: int | None = None,
+                           last: int | None = None) -> None:
+    """The layout checks of ``ParallelConfig.validate`` for a ``--to fmt`` target, their reasons
+    under the checkpoint layout (``checkpoint_layout``) instead of a training run's description."""
+    import re
+
+    pconfig = ParallelConfig(tp=tp, pp=pp, vpp=vpp, num_layers_in_first_pipeline_stage=first,
+                             num_layers_in_last_pipeline_stage=last)
+    try:
+        pconfig.validate(cfg)
+    except ParallelConfigError as exc:
+        reason = re.sub(r"^invalid parallel layout \(?" + re.escape(pconfig.describe()) + r"\)?:\s*", "", str(exc))
+        reason = re.sub(r"\s*\bsp=(on|off)\b", "", reason)
+        raise ParallelConfigError(f"target layout {checkpoint_layout(fmt, tp, pp, vpp, None, first, last)}: "
+                                  f"{reason}") from None
+
 
 def check_target_stages(num_layers: int, pp: int, vpp: int, first: int | None, last: int | None) -> None:
     """A target pipeline split that exists, else ParallelConfigError in pmz's own terms: why, the

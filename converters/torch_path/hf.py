@@ -20,10 +20,8 @@ import torch
 from converters.formats import hf as hf_format
 from converters.formats.hf import FilePlan, HFCheckpoint, plan_shards, split_file_plan, tensor_offsets  # noqa: F401
 from converters.formats.hf_config import read_hf_config, write_config_dir
-from converters.formats.quantized import check_unquantized_tensors
 from converters.layout.model import Unit, unit_entries
-from converters.torch_path.reader import TORCH_DTYPES, CheckpointReader, ReaderInfo, reopen
-from models.common.hf_files import SafetensorsFiles
+from converters.torch_path.reader import TORCH_DTYPES, CheckpointReader, ReaderInfo, mixed_dtypes, reopen
 from models.common.sources import CheckpointError, RenamedSource, SafetensorsSource
 from parallel.sharding import Piece
 
@@ -37,14 +35,13 @@ class HFReader(CheckpointReader):
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = str(path)
         self._remember_args(self.path)
-        stored = SafetensorsFiles(path).tensors  # FP8 tensors named before the weight map reads the names
-        check_unquantized_tensors(self.path, ((name, t.dtype) for name, t in stored.items()))
-        ckpt = HFCheckpoint(path)
+        ckpt = HFCheckpoint(path)  # refuses FP8 tensors first (converters/formats/quantized.py)
         self.hf_config, self.arch, self.cfg, self.wmap = ckpt.hf_config, ckpt.arch, ckpt.cfg, ckpt.wmap
         files = SafetensorsSource(path, ckpt.files)
         some = next(iter(sorted(files.names())), None)
         dtype = TORCH_DTYPES.get(files.dtype_name(some), torch.float32) if some else torch.float32
-        self.info = ReaderInfo("hf", self.arch.name, {"tp": 1, "pp": 1}, len(files.files), dtype)
+        self.info = ReaderInfo("hf", self.arch.name, {"tp": 1, "pp": 1}, len(files.files), dtype,
+                               mixed_dtypes((n, t.dtype, t.path) for n, t in ckpt.tensors.items()))
         # other key layouts of the same model (Qwen2-VL's in-memory names) read under the weight map's
         self.source = RenamedSource(files, self.arch.canonical_name, self.path) if self.arch.hf_key_aliases else files
 

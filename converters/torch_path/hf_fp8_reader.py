@@ -10,19 +10,26 @@ it and ``pmz verify SRC out/hf-fp8`` to say whether it is SRC quantized. This re
   tensor with an fp32 ``<name>_scale_inv`` of ``fp8.scale_shape`` beside it and every scale with
   its weight; the weights themselves under the model's names and shapes, checked as
   ``converters.formats.hf.HFCheckpoint`` checks an unquantized directory (same shared checks);
+* garbage refused, naming the file and the tensor (``pmz inspect``/``verify`` exit 1): a block
+  ``scale_inv`` that is not a positive finite number (NaN, inf, 0, negative: the writer stores 1
+  for an all-zero block, so no quantizer output holds one; the scales are 1/16384 of the weight
+  bytes and are read by the constructor) and, when ``read_unit`` reads an F8 weight, any e4m3 NaN
+  encoding (``0x7f``/``0xff``; e4m3fn has no infinities, and ``fp8.quantize`` clamps to +-448);
 * ``read_unit``: every tensor as fp32 ``fp8.dequantize(fp8, scale_inv)`` for FP8 tensors, as
   stored for the rest; ``scales`` then holds, per FP8 tensor of that unit, each element's block
   ``scale_inv`` (the tensor's shape). ``rounding_bound`` turns them and the unquantized weights into
-  the largest error round-to-nearest e4m3 allows each element: half of e4m3's spacing at
-  ``|w| / scale_inv`` (3 mantissa bits; subnormal spacing below 2^-6), times ``scale_inv``, plus fp32
-  rounding. ``pmz verify`` holds an FP8 tensor against its unquantized counterpart by it, element
+  the largest error round-to-nearest e4m3 allows each element: the distance to the nearest e4m3
+  point of ``w / scale_inv`` (torch's own round-to-nearest-even cast), times ``scale_inv``, plus fp32
+  rounding (16 ulps). ``pmz verify`` holds an FP8 tensor against its unquantized counterpart by it, element
   by element: it passes exactly when every element is the nearest e4m3 value under its block's scale.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -37,19 +44,47 @@ from models.common.weight_map import hf_shapes
 from parallel.sharding import Piece
 
 FORMAT = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [fp8.BLOCK, fp8.BLOCK]}
-MANTISSA_BITS = 3  # e4m3: spacing 2^(e-3) in the binade [2^e, 2^(e+1))
-MIN_NORMAL_EXPONENT = -6  # below 2^-6 the spacing stays 2^-9 (subnormals)
-FP32_SLACK = 1e-5  # relative: fp32 rounding of w / scale_inv and of fp8 * scale_inv
+FP32_SLACK = 2.0 ** -20  # relative, 16 fp32 ulps: w / scale_inv (or w * (448 / amax)) and fp8 * scale_inv
+# computed in fp32 move a value by an ulp or two: enough to pick the other neighbour of a near-tie
 
 
 def rounding_bound(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Per element, the largest ``|fp8 * scale_inv - weight|`` round-to-nearest e4m3 gives under the
-    block scale ``scale`` (expanded to ``weight``'s shape), with fp32 slack; float64."""
-    s = scale.double()
-    m = (weight.double().abs() / s).clamp(min=2.0 ** MIN_NORMAL_EXPONENT)
-    exponent = torch.floor(torch.log2(m)).clamp(min=MIN_NORMAL_EXPONENT)
-    half_step = torch.exp2(exponent - MANTISSA_BITS - 1)
-    return half_step * s * (1 + FP32_SLACK) + weight.double().abs() * FP32_SLACK
+    """Per element, the largest ``|fp8 * scale_inv - weight|`` a nearest-e4m3 quantization under the
+    block scale ``scale`` (expanded to ``weight``'s shape) gives: the distance of the nearest e4m3
+    point ``q = e4m3(clamp(weight / scale, +-448))`` (round to nearest, ties to even: torch's cast),
+    plus fp32 slack, float64. So a dequantized element passes ``|d - w| <= bound`` exactly when it is
+    a nearest e4m3 point of ``w`` (up to the slack: the other point of a near-tie), never a farther
+    one -- also just above a power of two, where the neighbour below is one (smaller) step away.
+    NaN where ``scale`` is not a positive finite number, so that no comparison with it passes."""
+    w, s = weight.double(), scale.double()
+    q = (w / s).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(torch.float32).to(fp8.FP8_DTYPE).double()
+    bound = (q * s - w).abs() + (w.abs() + (q * s).abs()) * FP32_SLACK
+    return torch.where((s > 0) & torch.isfinite(s), bound, torch.full_like(bound, math.nan))
+
+
+def check_scales(scale: torch.Tensor, name: str, file: Callable[[], str]) -> None:
+    """CheckpointError naming ``file()`` and the scale tensor unless every block ``scale_inv`` is a
+    positive finite number (NaN, +-inf, 0 and negatives dequantize to garbage or to zeros)."""
+    if bool(((scale > 0) & (scale < math.inf)).all()):  # NaN compares False
+        return
+    bad = ~(torch.isfinite(scale) & (scale > 0))
+    if bool(bad.any()):
+        first = tuple(int(i) for i in torch.nonzero(bad)[0])
+        count = int(bad.sum())
+        raise CheckpointError(f"{file()}: {name} block {first} is {float(scale[first])!r}"
+                              f"{f' ({count} blocks are not positive finite numbers)' if count > 1 else ''}: "
+                              f"an FP8 block scale must be a positive finite number (quantizers store 1 for an "
+                              f"all-zero block); the weights it scales are garbage")
+
+
+def check_no_nan_encodings(weight: torch.Tensor, name: str, file: Callable[[], str]) -> None:
+    """CheckpointError naming ``file()`` and ``name`` when the F8_E4M3 ``weight`` holds NaN encodings
+    (``0x7f``/``0xff``: e4m3fn's only non-finite values; a quantizer clamps to +-448)."""
+    nan = (weight.view(torch.uint8) & 0x7F) == 0x7F
+    if bool(nan.any()):
+        first = tuple(int(i) for i in torch.nonzero(nan)[0])
+        raise CheckpointError(f"{file()}: {name} holds {int(nan.sum())} e4m3 NaN encoding(s) (0x7f/0xff), the first "
+                              f"at {first}: not weights a quantizer writes")
 
 
 class FP8HFReader(CheckpointReader):
@@ -98,11 +133,23 @@ class FP8HFReader(CheckpointReader):
         self.stored_as = stored_as
         self.quantized = {name for name, s in stored_as.items() if weights[s].dtype == "F8_E4M3"}
         kept = sorted({weights[s].dtype for name, s in stored_as.items() if name not in self.quantized})
+        if not self.quantized:  # a plain checkpoint under an FP8 config: loaders would expect FP8 weights
+            raise CheckpointError(f"{config_path}: quantization_config says block-wise FP8, but no tensor is stored "
+                                  f"as F8_E4M3: the files hold {' and '.join(kept) or 'no weights'} (an unquantized "
+                                  f"checkpoint under a quantized config; without quantization_config pmz reads it "
+                                  f"as one, as convert does)")
         self.kept_dtypes = [str(TORCH_DTYPES.get(k, k)).removeprefix("torch.") for k in kept]
         dtype = TORCH_DTYPES.get(kept[0], torch.float32) if len(kept) == 1 else torch.float32
         self.info = ReaderInfo("hf", arch.name, {"tp": 1, "pp": 1}, len(files.files), dtype)
+        self.files = files
         self.source = SafetensorsSource(path, files)
         self.scales: dict[str, torch.Tensor] = {}
+        for name in sorted(self.quantized):
+            scale = fp8.scale_name(stored_as[name])
+            check_scales(self.source.read(scale, Piece(None)), scale, lambda s=scale: self._file(s))
+
+    def _file(self, stored: str) -> str:
+        return str(Path(self.path) / self.files.file_of(stored))
 
     def validate(self) -> None:
         """Nothing left to check: the constructor checked files, names, shapes, dtypes and scales."""
@@ -115,7 +162,10 @@ class FP8HFReader(CheckpointReader):
                 stored = self.stored_as[name]
                 tensor = self.source.read(stored, Piece(None))
                 if name in self.quantized:
-                    scale = self.source.read(fp8.scale_name(stored), Piece(None))
+                    check_no_nan_encodings(tensor, stored, lambda s=stored: self._file(s))
+                    scale_name = fp8.scale_name(stored)
+                    scale = self.source.read(scale_name, Piece(None))
+                    check_scales(scale, scale_name, lambda s=scale_name: self._file(s))
                     tensor = fp8.dequantize(tensor, scale, torch.float32)
                     self.scales[name] = fp8.dequantize(torch.ones(tensor.shape, dtype=fp8.FP8_DTYPE), scale)
                 out[name] = tensor

@@ -28,12 +28,11 @@ from converters.formats.hf_config import write_config_dir
 from converters.formats.megatron_args import HF_CONFIG_DIR, iteration_folder
 from converters.formats.megatron_bridge import RUN_CONFIG, TRAIN_STATE, run_config_text
 from converters.layout.model import BRIDGE_TARGET
-from converters.layout.stages import MegatronLayout, check_target_stages
+from converters.layout.stages import MegatronLayout, check_target_stages, validate_target_layout
 from converters.torch_path.megatron_dist import write_dist
 from converters.torch_path.megatron_target import MegatronTarget
 from converters.torch_path.reader import CheckpointReader
 from models.common.errors import CheckpointError
-from parallel.config import ParallelConfig
 
 
 def plan_bridge_target(reader: CheckpointReader, *, tp: int, pp: int, vpp: int, dtype: torch.dtype,
@@ -46,8 +45,7 @@ def plan_bridge_target(reader: CheckpointReader, *, tp: int, pp: int, vpp: int, 
                               f"Qwen2.5-VL); a {cfg.architecture} torch_dist checkpoint is --to megatron-dist (the "
                               f"tensors megatron-core and Megatron-Bridge load)")
     check_target_stages(cfg.num_hidden_layers, pp, vpp, first, last)
-    ParallelConfig(tp=tp, pp=pp, vpp=vpp, num_layers_in_first_pipeline_stage=first,
-                   num_layers_in_last_pipeline_stage=last).validate(cfg)
+    validate_target_layout(cfg, "megatron-bridge", tp=tp, pp=pp, vpp=vpp, first=first, last=last)
     layout = MegatronLayout(cfg.num_hidden_layers, pp, vpp, first, last, "target")
     iteration = reader.info.layout.get("iteration")
     iteration = iteration if isinstance(iteration, int) and not isinstance(iteration, bool) else 0

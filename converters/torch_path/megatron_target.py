@@ -14,9 +14,13 @@ from converters.formats.megatron_args import args_for_target
 from converters.formats.megatron_moe import check_ep_target
 from converters.layout.megatron import hf_to_megatron, megatron_padded_vocab
 from converters.layout.model import Unit, require_megatron_layout
-from converters.layout.stages import MegatronLayout, check_target_stages, unit_megatron_keys_ep
+from converters.layout.stages import (
+    MegatronLayout,
+    check_target_stages,
+    unit_megatron_keys_ep,
+    validate_target_layout,
+)
 from converters.torch_path.reader import CheckpointReader
-from parallel.config import ParallelConfig
 
 
 @dataclass
@@ -40,9 +44,8 @@ def plan_megatron_target(reader: CheckpointReader, *, tp: int, pp: int, vpp: int
     cfg = reader.cfg
     require_megatron_layout(cfg, reader.path)
     check_target_stages(cfg.num_hidden_layers, pp, vpp, first, last)
-    pconfig = ParallelConfig(tp=tp, pp=pp, vpp=vpp, num_layers_in_first_pipeline_stage=first,
-                             num_layers_in_last_pipeline_stage=last)
-    pconfig.validate(cfg)
+    validate_target_layout(cfg, "megatron" if fmt == "torch" else "megatron-dist", tp=tp, pp=pp, vpp=vpp,
+                           first=first, last=last)
     check_ep_target(cfg, tp, ep, grouped_gemm)
     padded = megatron_padded_vocab(cfg.vocab_size, tp, divisible_by)
     args = args_for_target(reader.hf_config, cfg, tp=tp, pp=pp, vpp=vpp, padded_vocab=padded, dtype=dtype, fmt=fmt,

@@ -34,6 +34,28 @@ class ReaderInfo:
     layout: dict[str, Any] = field(default_factory=dict)
     files: int = 0
     dtype: Any = None  # torch.dtype of the stored floating-point tensors (set by every reader)
+    # HF and vLLM sources whose weights come in several dtypes: which (``mixed_dtypes``); a conversion
+    # without --dtype refuses them rather than narrow some values to ``dtype`` (docs/formats.md)
+    mixed: str | None = None
+
+
+FLOAT_TAGS = ("F64", "F32", "BF16", "F16")  # widest first; BF16 and F16 hold each other's values only in F32
+
+
+def mixed_dtypes(tensors: Any) -> str | None:
+    """None when every ``(name, dtype tag, file)`` shares one dtype; else one example per dtype,
+    e.g. ``model.norm.weight is F32 (in model-00002-of-00002.safetensors), model.embed_tokens.weight
+    BF16 (in model-00001-of-00002.safetensors)``, and the --dtype that keeps every value."""
+    first: dict[str, tuple[str, str]] = {}
+    for name, tag, file in sorted(tensors):
+        first.setdefault(tag, (name, str(file)))
+    if len(first) < 2:
+        return None
+    tags = sorted(first, key=lambda t: FLOAT_TAGS.index(t) if t in FLOAT_TAGS else len(FLOAT_TAGS))
+    listed = ", ".join(f"{first[t][0]}{' is' if i == 0 else ''} {t} (in {first[t][1]})" for i, t in enumerate(tags))
+    if tags[0] not in FLOAT_TAGS[1:]:
+        return f"{listed}: no --dtype keeps every value"
+    return f"{listed}: pass --dtype fp32 to keep every value"
 
 
 class CheckpointReader:

@@ -23,10 +23,9 @@ from pathlib import Path
 
 import torch
 
-from converters.formats.quantized import check_unquantized_tensors
 from converters.formats.vllm_sharded import VllmShardedCheckpoint
 from converters.layout.model import EMBED, FINAL, Unit, unit_entries
-from converters.torch_path.reader import TORCH_DTYPES, CheckpointReader, ReaderInfo, reopen
+from converters.torch_path.reader import TORCH_DTYPES, CheckpointReader, ReaderInfo, mixed_dtypes, reopen
 from models.common import vllm_format
 from models.common.errors import CheckpointError
 from models.common.weight_map import WeightEntry
@@ -38,16 +37,14 @@ class VllmReader(CheckpointReader):
     def __init__(self, path: str) -> None:
         self.path = str(path)
         self._remember_args(self.path)
-        ckpt = VllmShardedCheckpoint(path)
-        for (pp_rank, tp_rank), stage in ckpt.tensors.items():
-            check_unquantized_tensors(f"{self.path} (pp {pp_rank}, tp {tp_rank})",
-                                      ((key, t.dtype) for key, t in stage.items()))
+        ckpt = VllmShardedCheckpoint(path)  # refuses FP8 tensors (converters/formats/quantized.py)
         self.ckpt = ckpt
         self.hf_config, self.arch, self.cfg, self.wmap = ckpt.hf_config, ckpt.arch, ckpt.cfg, ckpt.wmap
-        weights = [t for stage in ckpt.tensors.values() for key, t in stage.items() if ".attn._" not in key]
-        dtype = TORCH_DTYPES.get(weights[0].dtype, torch.float32) if weights else torch.float32
+        weights = [(key, t) for stage in ckpt.tensors.values() for key, t in stage.items() if ".attn._" not in key]
+        dtype = TORCH_DTYPES.get(weights[0][1].dtype, torch.float32) if weights else torch.float32
         files = len({t.path for stage in ckpt.tensors.values() for t in stage.values()})
-        self.info = ReaderInfo("vllm", self.arch.name, {"tp": ckpt.tp, "pp": ckpt.pp}, files, dtype)
+        self.info = ReaderInfo("vllm", self.arch.name, {"tp": ckpt.tp, "pp": ckpt.pp}, files, dtype,
+                               mixed_dtypes((key, t.dtype, t.path) for key, t in weights))
         self._open: dict[str, object] = {}
 
     def validate(self) -> None:
@@ -87,7 +84,7 @@ def write_vllm_rank(reopen_args: tuple, directory: str, pp_rank: int, tp_rank: i
     """All files of one vLLM rank; returns the bytes written. ``quantization="fp8"``: each packed shard
     is stored as ``fp8.quantize_named`` makes it (a quantized entry's shard as one FP8 tensor plus its
     ``<key>_scale_inv``), and each attention layer gets ``fp8.vllm_attention_scales`` after its scales."""
-    from safetensors.torch import save_file
+    from models.common.hf_files import save_safetensors
 
     if quantization:
         from models.common.export import fp8
@@ -114,8 +111,8 @@ def write_vllm_rank(reopen_args: tuple, directory: str, pp_rank: int, tp_rank: i
         written = 0
 
         def write(tensors: dict, part: int) -> None:
-            save_file(tensors, str(Path(directory) / vllm_format.vllm_file_name(tp_rank, part, pp_rank, pp)),
-                      metadata={"format": "pt"})
+            save_safetensors(tensors, Path(directory) / vllm_format.vllm_file_name(tp_rank, part, pp_rank, pp),
+                             metadata={"format": "pt"})
 
         parts = vllm_format.PartSplitter(max_shard_bytes, write)
         last_scale = vllm_format.ATTENTION_SCALES[-1]

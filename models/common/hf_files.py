@@ -24,7 +24,32 @@ def copy_companion_files(source: str | os.PathLike, directory: str | os.PathLike
     for item in sorted(Path(source).iterdir()):
         if (item.is_file() and item.suffix in COMPANION_SUFFIXES and item.name not in NOT_COMPANIONS
                 and not item.name.endswith(".safetensors.index.json")):
-            shutil.copy2(item, Path(directory) / item.name)
+            shutil.copyfile(item, Path(directory) / item.name)  # the bytes; the mode from the umask
+
+
+def process_umask() -> int:
+    """This process's umask: Linux's ``/proc/self/status`` (read-only, safe beside other threads),
+    else ``os.umask`` set and put back."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def save_safetensors(tensors: Mapping[str, Any], path: str | os.PathLike, metadata: dict | None = None) -> None:
+    """``safetensors.torch.save_file`` with the mode every other output file gets, ``0666 & ~umask``:
+    safetensors 0.8 writes through a private temp file and leaves 0600, which an inference engine
+    running as another user cannot read."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~process_umask())
 
 
 def read_config_json(directory: str | os.PathLike) -> dict:

@@ -99,8 +99,7 @@ class _StagedDirectory:
         def prepare() -> None:
             for stale in self.target.parent.glob(f".{self.target.name}.pmz-tmp-*"):
                 shutil.rmtree(stale)
-            self.tmp.mkdir()
-            self.tmp.chmod(0o755)
+            self.tmp.mkdir()  # 0777 & ~umask, like every directory the process creates
 
         if self.rank == 0:
             self.failure.run(prepare)
@@ -171,7 +170,7 @@ def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, max_s
     """
     import json
 
-    from safetensors.torch import save_file
+    from models.common.hf_files import save_safetensors
 
     staged = _StagedDirectory(directory, "save_pretrained")
     staged.check((_check_saveable, model, merge_lora, quantization))
@@ -197,7 +196,7 @@ def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, max_s
                 for key, t in fp8.quantize_named([(name, full)], name in quantized, dtype):
                     tensors[key] = t.to(device="cpu").contiguous()
         if writer:
-            staged.run(save_file, tensors, str(staged.tmp / file_name), metadata={"format": "pt"})
+            staged.run(save_safetensors, tensors, staged.tmp / file_name, metadata={"format": "pt"})
         del tensors
 
     def stored(plan):  # (name, shape, dtype) of what the plan's file holds
@@ -247,7 +246,7 @@ def save_vllm_sharded_state(model, directory, *, tp: int, pp: int = 1, dtype: to
     vLLM's FP8 attention registers (``fp8.vllm_attention_scales``); a ``tp`` whose shard boundaries cut a
     128 block is refused before anything is written, naming the numbers.
     """
-    from safetensors.torch import save_file
+    from models.common.hf_files import save_safetensors
 
     staged = _StagedDirectory(directory, "save_vllm_sharded_state")
 
@@ -277,7 +276,7 @@ def save_vllm_sharded_state(model, directory, *, tp: int, pp: int = 1, dtype: to
 
         def writer_for(p: int, r: int = r):
             def write(tensors: dict, part: int) -> None:
-                staged.run(save_file, tensors, str(staged.tmp / vllm_format.vllm_file_name(r, part, p, pp)),
+                staged.run(save_safetensors, tensors, staged.tmp / vllm_format.vllm_file_name(r, part, p, pp),
                            metadata={"format": "pt"})
             return write
 
