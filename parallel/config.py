@@ -182,6 +182,14 @@ class ParallelConfig:
                     f"ulysses={self.ulysses} and {local_kv} KV heads per TP rank (num_key_value_heads={kv_heads}, "
                     f"tp={tp}): one must divide the other (KV heads are split, or repeated "
                     f"ulysses/kv_heads times)")
+        if "linear_attention" in (getattr(model_config, "layer_types", None) or ()):  # Gated DeltaNet layers
+            linear_k = _attr(model_config, "linear_num_key_heads")
+            if linear_k is not None and linear_k % tp:
+                problems.append(f"linear_num_key_heads={linear_k} is not divisible by tp={tp} (linear-attention "
+                                f"heads are split by key-head group; replicating them is not implemented)")
+            if self.sequence_split > 1:
+                problems.append(f"cp={self.cp} ulysses={self.ulysses}: linear-attention layers do not run under "
+                                f"context or Ulysses parallelism yet")
         if self.sequence_parallel and tp == 1:
             problems.append("sequence_parallel=True needs tp > 1 (it shards activations over the TP group)")
         if layers is not None:

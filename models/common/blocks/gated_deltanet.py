@@ -1,0 +1,89 @@
+"""The Gated DeltaNet block (``linear_attention`` layers of Qwen3.5), tensor- and sequence-parallel.
+
+``x [s(/tp), b, H]`` -> projections (column-parallel: ``in_proj_qkvz`` = ``[q | k | v | z]``,
+``in_proj_ba`` = ``[b | a]``, this rank's heads) -> causal depthwise conv (kernel K, no bias) over
+``[q | k | v]`` and SiLU -> l2-normalised q/k, ``beta = sigmoid(b)``, ``g = -exp(A_log) * softplus(a +
+dt_bias)`` -> the gated delta rule (``parallel/gated_delta_rule.py``, chunked, fp32 state) -> gated
+RMSNorm over each value head with ``z`` -> ``out_proj`` (row-parallel: all-reduce, or reduce-scatter
+to the sequence shard under SP).
+
+TP: rank r holds key heads ``[r Hk/tp, (r+1) Hk/tp)`` and the value heads that read them (value head
+j reads key head ``j // (Hv/Hk)``, so contiguous value heads ``[r Hv/tp, ...)``), their conv channels
+and ``A_log``/``dt_bias`` entries; nothing crosses ranks between the projections and ``out_proj``.
+The gated norm's weight ``[dv]`` is whole on every rank; each rank normalises only its own heads,
+so its gradient is summed over TP by ``finalize_grads``.
+
+Batches: a padded ``[s, b]`` batch runs row by row; as in transformers, padding positions
+(``attention_mask`` 0) enter as zero projections (left or right padding is then exact against each
+sequence alone: they leave the state at zero or come after the real tokens). A packed batch
+(``cu_seqlens``) restarts the state and the conv window at every sequence. Sequence splits over
+cp/ulysses are not implemented (refused by ``ParallelConfig.validate``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.common.blocks.norms import GatedRMSNorm
+from models.common.hybrid_config import HybridModelConfig
+from parallel.gated_delta_rule import causal_conv1d, gated_delta_rule, positions_in_sequence
+from parallel.groups import ParallelGroups
+from parallel.layers import MergedColumnParallelLinear, RowParallelLinear
+
+
+class DepthwiseConv(nn.Module):
+    """Holds the conv weight ``[C/tp, 1, K]`` under transformers' ``conv1d.weight`` name."""
+
+    def __init__(self, channels: int, kernel: int, dtype, device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel, dtype=dtype, device=device))
+
+
+class ParallelGatedDeltaNet(nn.Module):
+    def __init__(self, cfg: HybridModelConfig, groups: ParallelGroups, dtype, device) -> None:
+        super().__init__()
+        tp, sp = groups.tp_size, groups.sequence_parallel
+        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        if hk % tp:
+            raise ValueError(f"linear_num_key_heads={hk} is not divisible by tp={tp}")
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.hk, self.hv = hk // tp, hv // tp  # this rank's heads
+        kd, vd = cfg.linear_key_dim, cfg.linear_value_dim
+        self.in_proj_qkvz = MergedColumnParallelLinear(cfg.hidden_size, [kd, kd, vd, vd], bias=False,
+                                                       tp_group=groups.tp_group, sequence_parallel=sp, dtype=dtype,
+                                                       device=device)
+        self.in_proj_ba = MergedColumnParallelLinear(cfg.hidden_size, [hv, hv], bias=False, tp_group=groups.tp_group,
+                                                     sequence_parallel=sp, dtype=dtype, device=device)
+        self.conv1d = DepthwiseConv(cfg.linear_conv_dim // tp, cfg.linear_conv_kernel_dim, dtype, device)
+        self.A_log = nn.Parameter(torch.empty(self.hv, dtype=dtype, device=device))
+        self.dt_bias = nn.Parameter(torch.empty(self.hv, dtype=dtype, device=device))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps, partial_grad=tp > 1, dtype=dtype, device=device)
+        self.out_proj = RowParallelLinear(vd, cfg.hidden_size, bias=False, tp_group=groups.tp_group,
+                                          sequence_parallel=sp, dtype=dtype, device=device)
+
+    def forward(self, x, cos=None, sin=None, attention_mask=None, cu_seqlens=None, max_seqlen=None, seq=None):
+        if seq is not None:
+            raise NotImplementedError("Gated DeltaNet layers do not run under cp/ulysses yet")
+        kd, vd = self.hk * self.dk, self.hv * self.dv
+        qkv, z = self.in_proj_qkvz(x).transpose(0, 1).split([2 * kd + vd, vd], dim=-1)  # [b, s, ...]
+        b_proj, a = self.in_proj_ba(x).transpose(0, 1).split([self.hv, self.hv], dim=-1)
+        batch, s = qkv.shape[:2]
+        positions = None
+        if cu_seqlens is not None:
+            positions = positions_in_sequence(cu_seqlens.to(qkv.device), s)
+        elif attention_mask is not None:  # padding enters as zero input, as in transformers
+            keep = attention_mask[:, :s, None].to(qkv.dtype)
+            qkv, z, b_proj, a = qkv * keep, z * keep, b_proj * keep, a * keep
+        weight = self.conv1d.weight[:, 0]  # [C, K]
+        qkv = F.silu(causal_conv1d(qkv, weight, positions)).to(x.dtype)
+        q, k, v = qkv.split([kd, kd, vd], dim=-1)
+        q = q.reshape(batch, s, self.hk, self.dk)
+        k = k.reshape(batch, s, self.hk, self.dk)
+        v = v.reshape(batch, s, self.hv, self.dv)
+        beta = b_proj.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        out = gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu_seqlens, use_qk_l2norm=True)  # [b, s, hv, dv]
+        out = self.norm(out, z.reshape(batch, s, self.hv, self.dv))
+        return self.out_proj(out.reshape(batch, s, vd).transpose(0, 1))  # [s(/tp), b, H]

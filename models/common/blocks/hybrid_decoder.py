@@ -1,0 +1,55 @@
+"""The decoder of the Gated DeltaNet hybrids (Qwen3.5): pre-norm layers whose token mixer is chosen per
+layer from ``layer_types`` (``linear_attn``: Gated DeltaNet, ``self_attn``: gated full attention),
+the dense MLP, zero-centred RMSNorms; the stack with embedding and final norm mirrors
+``blocks/decoder.ParallelDecoder`` (same attribute names, so ``ParallelCausalLM`` drives it unchanged).
+
+Activations are ``[seq, batch, hidden]`` (``[seq/tp, batch, hidden]`` between blocks under SP).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from models.common.blocks.gated_attention import ParallelGatedAttention
+from models.common.blocks.gated_deltanet import ParallelGatedDeltaNet
+from models.common.blocks.mlp import ParallelMLP
+from models.common.blocks.norms import ZeroCenteredRMSNorm
+from models.common.hybrid_config import LINEAR_ATTENTION, HybridModelConfig
+from parallel.groups import ParallelGroups
+from parallel.layers import VocabParallelEmbedding
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(self, cfg: HybridModelConfig, groups: ParallelGroups, dtype, device, layer: int) -> None:
+        super().__init__()
+        sp = groups.sequence_parallel
+        self.linear = cfg.attention_type(layer) == LINEAR_ATTENTION
+        self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, partial_grad=sp, dtype=dtype,
+                                                   device=device)
+        if self.linear:
+            self.linear_attn = ParallelGatedDeltaNet(cfg, groups, dtype, device)
+        else:
+            self.self_attn = ParallelGatedAttention(cfg, groups, dtype, device)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, partial_grad=sp,
+                                                            dtype=dtype, device=device)
+        self.mlp = ParallelMLP(cfg, groups, dtype, device)
+
+    def forward(self, x, cos, sin, attention_mask=None, cu_seqlens=None, max_seqlen=None, seq=None):
+        mixer = self.linear_attn if self.linear else self.self_attn
+        x = x + mixer(self.input_layernorm(x), cos, sin, attention_mask, cu_seqlens, max_seqlen, seq)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class HybridDecoder(nn.Module):
+    """Embedding (first pipeline stage), this rank's layers keyed by global index, final norm (last stage)."""
+
+    def __init__(self, cfg: HybridModelConfig, groups: ParallelGroups, layer_ids: list[int], padded_vocab: int, dtype,
+                 device, *, has_embedding: bool = True, has_norm: bool = True):
+        super().__init__()
+        sp = groups.sequence_parallel
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, padded_vocab, cfg.hidden_size,
+                                                   tp_group=groups.tp_group, sequence_parallel=sp, dtype=dtype,
+                                                   device=device) if has_embedding else None
+        self.layers = nn.ModuleDict({str(i): HybridDecoderLayer(cfg, groups, dtype, device, i) for i in layer_ids})
+        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, partial_grad=sp, dtype=dtype,
+                                        device=device) if has_norm else None

@@ -1,0 +1,10 @@
+"""Qwen3.5 (dense, text) weight map: the hybrid decoder's table under ``model.`` (``Qwen3_5ForCausalLM``)."""
+
+from __future__ import annotations
+
+from models.common.hybrid_config import HybridModelConfig
+from models.common.hybrid_weights import HybridWeightMap, hybrid_decoder_weight_map
+
+
+def weight_map(cfg: HybridModelConfig, padded_vocab_size: int) -> HybridWeightMap:
+    return hybrid_decoder_weight_map(cfg, padded_vocab_size, hf_prefix="model.", hf_lm_head="lm_head.weight")

@@ -1,0 +1,90 @@
+"""Qwen3.5 (dense, text: ``Qwen3_5ForCausalLM``) against transformers, fp32 (tests/workers_qwen3_5.py):
+Gated DeltaNet and gated full-attention layers mixed by ``layer_types``, at TP1 (this process) and
+TP2 without and with SP (one 2-rank gloo group): padded batch (right and left padding) and packed
+batch against each sequence run alone in transformers — logits, loss, gradients of every HF tensor.
+Logits are bounded in units of transformers' own fp32 error against transformers in fp64 (both
+are different, equally valid summation orders; absolute differences reach ~1.5e-5 on logits of
+size ~3), and absolutely at 5e-5. Layouts and configs this first cut does not compute are refused
+in one line before any process group.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from parallel import ParallelConfig
+from tests.distributed import run_distributed
+from tests.workers_qwen3_5 import case, configs, suite, write_model
+
+BOUNDS = {
+    "padded_logits": 5e-5, "packed_logits": 5e-5,
+    "padded_logits_ratio": 4.0, "packed_logits_ratio": 4.0,  # x transformers' own fp32 error (measured <= 1.4)
+    "padded_loss": 1e-5, "packed_loss": 1e-5,
+    "padded_grads": 1e-4, "packed_grads": 1e-4,  # relative to each tensor's largest gradient
+}
+PLAN = [("mixed", False), ("mixed", True), ("tied_kv1", False), ("tied_kv1", True)]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen3_5")
+    return {name: write_model(root, name, cfg, seed=i) for i, (name, cfg) in enumerate(configs().items())}
+
+
+@pytest.fixture(scope="module")
+def records(dirs):
+    single = [r for name in dirs for r in case(name, dirs[name], 1, False)]
+    distributed = [r for rank in run_distributed(2, suite, dirs, PLAN) for r in rank]
+    return single + distributed
+
+
+def test_qwen3_5_matches_transformers(records):
+    layouts = {(r[0], r[1]) for r in records}
+    assert len(layouts) == len(PLAN) + 2, sorted(layouts)  # every case at tp1, tp2 and tp2+sp
+    bad = [f"{name} {layout} {metric}={value:.3g} (max {BOUNDS[metric]})"
+           for name, layout, metric, value in records if metric in BOUNDS and not value <= BOUNDS[metric]]
+    assert not bad, "\n".join(bad)
+    assert all(v > 1.0 for _, _, m, v in records if m == "packed_loss_value")  # a real loss was compared
+
+
+def test_bad_configs_and_layouts_refused_in_one_line():
+    from models.common.config import UnsupportedConfigError
+    from models.qwen3_5.config import model_config
+    from parallel.config import ParallelConfigError
+
+    hf = configs()["mixed"]
+    cfg = model_config(hf)
+    assert cfg.rotary_dim == 4 and cfg.linear_layers() == frozenset({0, 1, 3})
+    with pytest.raises(ParallelConfigError, match=r"linear_num_key_heads=2 is not divisible by tp=4"):
+        ParallelConfig(tp=4).validate(cfg)
+    for kwargs in (dict(cp=2), dict(ulysses=2)):
+        with pytest.raises(ParallelConfigError, match=r"linear-attention layers do not run under context"):
+            ParallelConfig(**kwargs).validate(cfg, world_size=2)
+    bad = configs()["mixed"]
+    bad.layer_types = ["linear_attention", "sliding_attention", "full_attention", "linear_attention"]
+    with pytest.raises(UnsupportedConfigError, match=r"layer_types has 'sliding_attention' \(layers \[1\]\)"):
+        model_config(bad)
+    bad = configs()["mixed"]
+    bad.linear_num_value_heads = 3
+    with pytest.raises(UnsupportedConfigError, match=r"linear_num_value_heads=3 is not a multiple of "
+                                                     r"linear_num_key_heads=2"):
+        model_config(bad)
+
+
+def test_bad_checkpoint_refused_before_any_group(dirs, tmp_path):
+    """A conv kernel that does not match the config: CheckpointError naming tensor and shapes."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from models.common.sources import CheckpointError
+    from models.qwen3_5 import build_parallel_model
+
+    src = tmp_path / "bad"
+    shutil.copytree(dirs["mixed"], src)
+    tensors = load_file(str(src / "model.safetensors"))
+    name = "model.layers.1.linear_attn.conv1d.weight"
+    tensors[name] = tensors[name][..., :3].clone()
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"{name} \(160, 1, 3\) \(expected \(160, 1, 4\)\)"):
+        build_parallel_model(str(src))
