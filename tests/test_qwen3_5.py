@@ -4,7 +4,8 @@ TP2 without and with SP (one 2-rank gloo group): padded batch (right and left pa
 batch against each sequence run alone in transformers — logits, loss, gradients of every HF tensor.
 Logits are bounded in units of transformers' own fp32 error against transformers in fp64 (both
 are different, equally valid summation orders; absolute differences reach ~1.5e-5 on logits of
-size ~3), and absolutely at 5e-5. Layouts and configs this first cut does not compute are refused
+size ~3), and absolutely at 5e-5. ``forward_backward`` (micro-batches, fused head) and ``save_pretrained``
+at TP1. Layouts and configs this first cut does not compute are refused
 in one line before any process group.
 """
 
@@ -88,3 +89,30 @@ def test_bad_checkpoint_refused_before_any_group(dirs, tmp_path):
     save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=rf"{name} \(160, 1, 3\) \(expected \(160, 1, 4\)\)"):
         build_parallel_model(str(src))
+
+
+def test_forward_backward_and_save_pretrained(dirs, tmp_path):
+    """``forward_backward`` (2 micro-batches, the fused head) equals transformers' loss and gradients on a
+    padded batch; ``save_pretrained`` writes a checkpoint transformers loads bitwise."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from models.qwen3_5 import build_parallel_model
+
+    path = dirs["mixed"]
+    model, hf = build_parallel_model(path), AutoModelForCausalLM.from_pretrained(path).eval()
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 101, (3, 40), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, 30:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    loss = model.forward_backward(ids, labels, attention_mask=mask, num_microbatches=2)
+    ref = hf(input_ids=ids, attention_mask=mask, labels=labels)
+    ref.loss.backward()
+    assert abs(float(loss) - ref.loss.item()) < 1e-5
+    ours = dict(model.iter_hf_weights({n: p.grad for n, p in model.named_parameters()}))
+    worst = max(((ours[n] - p.grad).abs().max() / p.grad.abs().max()).item() for n, p in hf.named_parameters())
+    assert worst < 1e-4
+    model.save_pretrained(str(tmp_path / "saved"))
+    saved = AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"))
+    assert all(torch.equal(a, b) for a, b in zip(hf.state_dict().values(), saved.state_dict().values()))
