@@ -78,6 +78,7 @@ class ParallelMoE(nn.Module):
         self.groups = groups
         self.num_experts = moe.num_experts
         self.dispatch = dispatch(groups.config.moe_dispatcher)
+        self.experts_kernel: str | None = None  # "grouped" / "loop"; None: parallel.experts.choose_kernel decides
         self.gate = _Weight(moe.num_experts, cfg.hidden_size, dtype, device)
         self.experts = LocalExperts(moe.num_experts // groups.ep_size, cfg.hidden_size, moe.moe_intermediate_size,
                                     dtype, device)
@@ -113,7 +114,7 @@ class ParallelMoE(nn.Module):
         logits = F.linear(share, self.gate.weight)
         weights, experts, probs = route(logits, self.moe.top_k, self.moe.norm_topk_prob)
         routed = self.dispatch(share, experts, weights, self.experts.w13_weight, self.experts.w2_weight,
-                               self.num_experts, self.groups.ep_group)
+                               self.num_experts, self.groups.ep_group, kernel=self.experts_kernel)
         if share is not tokens:
             routed = gather_for_replicas(routed, self.groups.tp_group)[: tokens.shape[0]]
         if self.token_mask is not None:
