@@ -20,7 +20,9 @@ GRAD_REL_TOL = 1e-4  # relative to the largest |grad| of the tensor
 # bf16 bounds: measured worst case x margin (docs/numerics.md). RMSNorm without its fp32 upcast gives
 # 1.65% / 3.8e-3 / 1.36 on these cases: the loss bound catches it (the old 5% / 0.02 / 2 did not).
 BF16_LOGITS_REL_TOL = 0.02  # max |Δlogit| / max |logit|, ours-bf16 vs transformers-bf16 (measured 1.24%)
-BF16_LOSS_TOL = 1.5e-3  # measured 4.7e-4
+# measured 4.7e-4 (2026-11-22) and 1.72e-3 at TP2 on an AMD EPYC CPU (2026-11-26: bf16 GEMM roundings differ by
+# CPU, and TP's all-reduce reorders them); the RMSNorm-in-bf16 mutation gives 3.8e-3 / 4.5e-3 at TP1 (caught)
+BF16_LOSS_TOL = 3e-3
 BF16_VS_FP32_RATIO = 1.5  # our bf16 error / transformers' bf16 error vs fp32 (measured 1.27)
 # after two SGD steps (lr 0.5): our fp32 error against transformers run in fp64 through the same steps, in
 # units of transformers' own fp32 error (tests/workers.py fp32_error_ratio); measured <= 0.6 on these cases

