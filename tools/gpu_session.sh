@@ -6,7 +6,7 @@
 # 1. installs the wheels carried in the gitignored wheels/ folder, if any (no network there:
 #    pip install --no-index --no-deps --target .gpu-site; e.g. transformers 5.24, megatron-core 0.19.2;
 #    fetch them here with `pip download --no-deps -d wheels transformers==5.24.0 megatron-core==0.19.2`);
-# 2. runs the CUDA tests (tests/test_gpu*.py);
+# 2. runs every CUDA test file (tests/test_gpu*.py), at most GPU_TEST_SECONDS (300 s);
 # 3. runs tools/bench_gpu.py in phases, most wanted first, each only while time is left.
 # Logs go to $OUT (the device machine's return folder), else out/gpu_session/.
 set -u
@@ -33,23 +33,37 @@ import importlib, importlib.util, torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version())
 if torch.cuda.is_available():
     print(torch.cuda.get_device_name(), torch.cuda.get_device_capability())
-for name in ("transformers", "megatron.core", "flash_attn_2_cuda", "flash_attn_interface", "flash_attn.cute"):
+for name in ("transformers", "megatron.core", "triton", "liger_kernel", "flash_attn_2_cuda", "flash_attn_interface",
+             "flash_attn.cute"):
     try:
         found = importlib.util.find_spec(name) is not None
     except ImportError:
         found = False
-    version = getattr(importlib.import_module(name), "__version__", "") if found and "." not in name else ""
+    try:
+        version = getattr(importlib.import_module(name), "__version__", "") if found and "." not in name else ""
+    except Exception as e:  # installed but does not import here: say why, go on
+        version = f"(import fails: {type(e).__name__}: {e})"
     print(name, "installed" if found else "absent", version)
 from parallel.varlen_kernels import flash_kernel, installed_kernels
 q = torch.zeros(1, 1, 128, device="cuda", dtype=torch.bfloat16)
 print("usable attention kernels:", sorted(installed_kernels(q.device)))
 print("chosen: equal lengths", flash_kernel(q, equal_lengths=True), "| unequal", flash_kernel(q),
       "| with lse", flash_kernel(q, need_lse=True))
+from parallel import fused_ops
+x = torch.zeros(2, 64, device="cuda", dtype=torch.bfloat16)
+print("fused ops: rms_norm", fused_ops.rms_norm_backend(x, x[0]), "| swiglu", fused_ops.swiglu_backend(x))
 EOF
 log "env: $(tr '\n' ';' < "$OUT/env.txt")"
 
-log "tests/test_gpu*.py"
-timeout 240 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_models.py > "$OUT/pytest.log" 2>&1
+# Every tests/test_gpu*.py (test_gpu.py, test_gpu_fused_ops.py, test_gpu_head.py, test_gpu_moe.py,
+# test_gpu_models.py, ...), the kernel files first, the slower model comparisons last. One pytest process
+# (one CUDA start); -rfEs lists failures, errors and skips (e.g. liger-kernel missing) in the summary,
+# --durations shows where the time went; the log is written as it runs, so a timeout keeps what ran.
+mapfile -t GPU_TESTS < <(ls tests/test_gpu*.py | grep -v '^tests/test_gpu_models.py$')
+[ -f tests/test_gpu_models.py ] && GPU_TESTS+=(tests/test_gpu_models.py)
+log "tests: ${GPU_TESTS[*]}"
+timeout "${GPU_TEST_SECONDS:-300}" $PY -m pytest -q -rfEs --durations=15 -p no:cacheprovider "${GPU_TESTS[@]}" \
+  > "$OUT/pytest.log" 2>&1
 log "pytest exit $? : $(tail -1 "$OUT/pytest.log")"
 
 # (label, arguments) - most wanted first; each runs only with >= 75 s left and is cut at the budget.
