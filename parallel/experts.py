@@ -134,6 +134,13 @@ class _GroupedExperts(torch.autograd.Function):
         grad_h13 = torch.cat([torch.ops.aten.silu_backward(grad_act * up, gate), grad_act * silu], dim=-1)
         grad_x = _grouped_mm(grad_h13, w13, offs) if ctx.needs_input_grad[0] else None  # [T, H]
         grad_w13 = _grouped_mm(grad_h13.t(), x, offs)  # [E, 2I, H]
+        if x.is_cuda:
+            # An expert with no row is a K = 0 group of the 2D x 2D GEMM: its output block is never
+            # written on some CUDA kernels (torch allocates it uninitialized; garbage on B200/sm100,
+            # pytorch/pytorch#172439). Zero it on the device (a select, so NaN garbage goes too; no sync).
+            idle = (torch.diff(offs, prepend=offs.new_zeros(1)) == 0)[:, None, None]
+            grad_w2 = grad_w2.masked_fill_(idle, 0.0)
+            grad_w13 = grad_w13.masked_fill_(idle, 0.0)
         return grad_x, None, grad_w13, grad_w2
 
 
