@@ -75,6 +75,10 @@ PREFERENCE = {
     10: ("fa4", "cudnn", "flash_attn", "torch"),  # datacenter Blackwell
 }
 DEFAULT_PREFERENCE = ("flash_attn", "torch")  # Ampere/Ada and anything else
+# cuDNN's attention only above 9.15.0: torch itself prefers it on sm90/sm100 only there
+# (check_prefer_cudnn_attention in aten/src/ATen/native/transformers/cuda/sdp_utils.cpp: older cuDNN
+# has a wrong-results bug for sequence lengths not a multiple of 128, pytorch/pytorch#169849).
+CUDNN_MIN_VERSION = 91500
 
 
 def _spec(name: str) -> bool:
@@ -111,7 +115,8 @@ def installed_kernels(device: torch.device) -> frozenset[str]:
     found = set()
     if _torch_flash_on(device):
         found.add("torch")
-    if torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled() and cap >= (8, 0):
+    if (torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled() and cap >= (8, 0)
+            and (torch.backends.cudnn.version() or 0) > CUDNN_MIN_VERSION):
         found.add("cudnn")
     impls = _flash_impls()
     if "FA3" in impls and cap[0] == 9 and _spec("flash_attn_interface"):
@@ -238,9 +243,28 @@ def varlen_attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, 
 
 # ---------------------------------------------------------------------- cuDNN through SDPA (CUDA)
 def cudnn_backends() -> list:
+    """cuDNN's attention first, then SDPA's flash and memory-efficient kernels, in that priority order
+    (``_sdpa_context``): shapes cuDNN refuses at run time (a key length of 1, a head size above its
+    limit for this cuDNN, deterministic mode, ...) fall back to another fused kernel instead of SDPA's
+    "No available kernel" error; math is never enabled."""
     from torch.nn.attention import SDPBackend
 
-    return [SDPBackend.CUDNN_ATTENTION]
+    return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+
+
+def _sdpa_context(backends):
+    """``sdpa_kernel(backends, set_priority=True)`` (the list is a priority order), plain
+    ``sdpa_kernel(backends)`` on a torch without ``set_priority``; no restriction for None."""
+    import contextlib
+
+    from torch.nn.attention import sdpa_kernel
+
+    if not backends:
+        return contextlib.nullcontext()
+    try:
+        return sdpa_kernel(backends, set_priority=True)
+    except TypeError:
+        return sdpa_kernel(backends)
 
 
 def dense_sdpa(q, k, v, n: int, causal: bool, scale: float, backends) -> torch.Tensor:
@@ -248,14 +272,11 @@ def dense_sdpa(q, k, v, n: int, causal: bool, scale: float, backends) -> torch.T
     (``sdpa_kernel``; None: SDPA's own choice): ``[n * L, h, d] -> [n, h, L, d]`` views, GQA through
     ``enable_gqa``, top-left causal (the same as flash's bottom-right for equal lengths). Differentiable
     through SDPA's own backward. Returns ``[n * L, hq, d]``."""
-    import contextlib
-
     import torch.nn.functional as F
-    from torch.nn.attention import sdpa_kernel
 
     total, hq, d = q.shape
     qd, kd, vd = (x.view(n, x.shape[0] // n, x.shape[1], d).transpose(1, 2) for x in (q, k, v))
-    with sdpa_kernel(backends) if backends else contextlib.nullcontext():
+    with _sdpa_context(backends):
         out = F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, scale=scale,
                                              enable_gqa=hq != k.shape[1])
     return out.transpose(1, 2).reshape(total, hq, d)
@@ -264,14 +285,11 @@ def dense_sdpa(q, k, v, n: int, causal: bool, scale: float, backends) -> torch.T
 def dense_attention(q, k, v, causal: bool, scale: float, backends) -> torch.Tensor:
     """A padded batch with no padding, ``[s, b, h, d]``, through SDPA restricted to ``backends``
     without gathering tokens: ``[b, h, s, d]`` views in, ``[s, b, hq * d]`` out."""
-    import contextlib
-
     import torch.nn.functional as F
-    from torch.nn.attention import sdpa_kernel
 
     s, b, hq, d = q.shape
     qt, kt, vt = (x.permute(1, 2, 0, 3) for x in (q, k, v))
-    with sdpa_kernel(backends) if backends else contextlib.nullcontext():
+    with _sdpa_context(backends):
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale,
                                              enable_gqa=hq != k.shape[2])
     return out.permute(2, 0, 1, 3).reshape(s, b, hq * d)
@@ -284,13 +302,20 @@ def use_flash_impl(kernel: str) -> None:
     want = _FLASH_IMPL[kernel]
     from torch.nn import attention
 
-    current = getattr(attention, "current_flash_attention_impl", lambda: None)()
+    current_of = getattr(attention, "current_flash_attention_impl", None)  # not in every torch release
+    current = current_of() if current_of is not None else _ACTIVE_IMPL[0]
     if current == want:
         return
     if want is None:
         attention.restore_flash_attention_impl()
     else:
         attention.activate_flash_attention_impl(want)
+    _ACTIVE_IMPL[0] = want
+
+
+_ACTIVE_IMPL: list[str | None] = [None]  # what use_flash_impl last set, where torch cannot say
+
+
 def _kernel_max_q(max_q: int) -> int:
     """flash's varlen forward treats ``max_q == 1`` as decoding (GQA heads folded into the query
     axis, which assumes exactly one query per sequence, and causal dropped). An upper bound is all
