@@ -110,3 +110,24 @@ def test_lora_with_tied_embeddings_split_over_stages():
     single = run_distributed(1, tied_pipeline_lora, cfg)
     assert staged[0] == staged[1]
     assert abs(staged[0] - single[0]) <= 1e-5
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_saved_adapter_files_take_the_umask(hf_dirs, tmp_path, umask):
+    """adapter_model.safetensors gets ``0666 & ~umask`` like adapter_config.json (safetensors' save_file
+    alone leaves 0600: a vLLM server running as another user could not read the adapter)."""
+    import os
+    import stat
+
+    from peft import LoraConfig
+
+    from models.qwen2 import build_parallel_model
+
+    model = build_parallel_model(hf_dirs["qwen2_untied"], lora=LoraConfig(r=4, target_modules=["q_proj"]))
+    old = os.umask(umask)
+    try:
+        model.save_lora_adapter(tmp_path / "adapter")
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "adapter").iterdir()}
+    assert modes == {"adapter_config.json": 0o666 & ~umask, "adapter_model.safetensors": 0o666 & ~umask}, modes

@@ -96,7 +96,7 @@ def save_lora_adapter(model, directory) -> None:
     directories are created."""
     import copy
 
-    from safetensors.torch import save_file
+    from models.common.hf_files import save_safetensors
 
     target = Path(directory)
     staged = _StagedDirectory(target, "save_lora_adapter")
@@ -115,7 +115,7 @@ def save_lora_adapter(model, directory) -> None:
         if getattr(config, "base_model_name_or_path", None) is None and getattr(model, "hf_config", None) is not None:
             config.base_model_name_or_path = getattr(model.hf_config, "_name_or_path", None) or None
         config.save_pretrained(str(tmp))
-        save_file({k: v.contiguous() for k, v in sorted(state.items())}, str(tmp / ADAPTER_FILE),
-                  metadata={"format": "pt"})
+        save_safetensors({k: v.contiguous() for k, v in sorted(state.items())}, tmp / ADAPTER_FILE,
+                         metadata={"format": "pt"})  # the umask's mode (save_file leaves 0600)
 
     staged.commit(finish)
