@@ -187,9 +187,9 @@ class ParallelConfig:
             if linear_k is not None and linear_k % tp:
                 problems.append(f"linear_num_key_heads={linear_k} is not divisible by tp={tp} (linear-attention "
                                 f"heads are split by key-head group; replicating them is not implemented)")
-            if self.sequence_split > 1:
-                problems.append(f"cp={self.cp} ulysses={self.ulysses}: linear-attention layers do not run under "
-                                f"context or Ulysses parallelism yet")
+            if linear_k is not None and not linear_k % tp and (linear_k // tp) % self.ulysses:
+                problems.append(f"ulysses={self.ulysses} needs the linear-attention key heads per TP rank "
+                                f"(linear_num_key_heads={linear_k} / tp={tp} = {linear_k // tp}) to be divisible by it")
         if self.sequence_parallel and tp == 1:
             problems.append("sequence_parallel=True needs tp > 1 (it shards activations over the TP group)")
         if layers is not None:

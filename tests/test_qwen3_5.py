@@ -58,9 +58,10 @@ def test_bad_configs_and_layouts_refused_in_one_line():
     assert cfg.rotary_dim == 4 and cfg.linear_layers() == frozenset({0, 1, 3})
     with pytest.raises(ParallelConfigError, match=r"linear_num_key_heads=2 is not divisible by tp=4"):
         ParallelConfig(tp=4).validate(cfg)
-    for kwargs in (dict(cp=2), dict(ulysses=2)):
-        with pytest.raises(ParallelConfigError, match=r"linear-attention layers do not run under context"):
-            ParallelConfig(**kwargs).validate(cfg, world_size=2)
+    for kwargs in (dict(cp=2), dict(ulysses=2)):  # run exactly (tests/test_qwen3_5_context.py)
+        ParallelConfig(**kwargs).validate(cfg, world_size=2)
+    with pytest.raises(ParallelConfigError, match=r"ulysses=4 needs the linear-attention key heads"):
+        ParallelConfig(ulysses=4).validate(cfg, world_size=4)
     bad = configs()["mixed"]
     bad.layer_types = ["linear_attention", "sliding_attention", "full_attention", "linear_attention"]
     with pytest.raises(UnsupportedConfigError, match=r"layer_types has 'sliding_attention' \(layers \[1\]\)"):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from models.common.blocks.attention import causal_attention
+from models.common.blocks.attention import ParallelAttention, causal_attention
 from models.common.blocks.norms import ZeroCenteredRMSNorm
 from models.common.hybrid_config import HybridModelConfig
 from parallel.fused_ops import apply_rotary
@@ -40,8 +40,6 @@ class ParallelGatedAttention(nn.Module):
                                           device=device)
 
     def forward(self, x, cos, sin, attention_mask=None, cu_seqlens=None, max_seqlen=None, seq=None):
-        if seq is not None:
-            raise NotImplementedError("the gated attention block does not run under cp/ulysses yet")
         qkv = self.qkv_proj(x)  # [s, b, (2 hq + 2 hkv) * d]
         s, b, _ = qkv.shape
         q_size, kv_size, _ = self.qkv_proj.local_sizes()
@@ -55,7 +53,11 @@ class ParallelGatedAttention(nn.Module):
         k = self.k_norm(k.reshape(s, b, -1, d))
         v = v.reshape(s, b, -1, d)
         q, k = apply_rotary(q, k, cos, sin)  # the first cos.shape[-1] channels rotate
-        out = causal_attention(q, k, v, attention_mask=attention_mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        if seq is None:
+            out = causal_attention(q, k, v, attention_mask=attention_mask, cu_seqlens=cu_seqlens,
+                                   max_seqlen=max_seqlen)
+        else:  # cp/ulysses: the dense block's split attention (Ulysses all-to-all, ring or all-gather)
+            out = ParallelAttention._split_sequence_attention(q, k, v, seq)
         if gate is not None:
             out = out * gate.sigmoid()
         return self.o_proj(out)

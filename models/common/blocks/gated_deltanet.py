@@ -16,8 +16,16 @@ so its gradient is summed over TP by ``finalize_grads``.
 Batches: a padded ``[s, b]`` batch runs row by row; as in transformers, padding positions
 (``attention_mask`` 0) enter as zero projections (left or right padding is then exact against each
 sequence alone: they leave the state at zero or come after the real tokens). A packed batch
-(``cu_seqlens``) restarts the state and the conv window at every sequence. Sequence splits over
-cp/ulysses are not implemented (refused by ``ParallelConfig.validate``).
+(``cu_seqlens``) restarts the state and the conv window at every sequence.
+
+Sequence split (``seq``, cp/ulysses): the projections run on this rank's tokens; one Ulysses
+all-to-all per layer trades tokens for key-head groups, each group travelling with its q/k/v
+pre-conv channels, and its value heads' ``g``/``beta`` (computed before it, ``A_log``/``dt_bias``
+whole on every rank), so rank ``i`` gets key heads ``[i hk/u, ...)`` and the value heads reading them,
+and takes the matching conv channels of the weight. The conv and the delta rule then run over this
+CP rank's tokens (``parallel/context_gdn.py``: halos and chunk states across CP ranks, exact for any
+CP layout; with cp = 1 the same code sees whole sequences), the output comes back by the inverse
+all-to-all, and the gated norm and ``out_proj`` run on this rank's tokens.
 """
 
 from __future__ import annotations
@@ -28,9 +36,12 @@ from torch import nn
 
 from models.common.blocks.norms import GatedRMSNorm
 from models.common.hybrid_config import HybridModelConfig
+from parallel.collectives import group_rank, group_size
+from parallel.context_gdn import context_conv, context_delta_rule
 from parallel.gated_delta_rule import causal_conv1d, gated_delta_rule, positions_in_sequence
 from parallel.groups import ParallelGroups
 from parallel.layers import MergedColumnParallelLinear, RowParallelLinear
+from parallel.ulysses import heads_to_seq, seq_to_heads
 
 
 class DepthwiseConv(nn.Module):
@@ -65,7 +76,7 @@ class ParallelGatedDeltaNet(nn.Module):
 
     def forward(self, x, cos=None, sin=None, attention_mask=None, cu_seqlens=None, max_seqlen=None, seq=None):
         if seq is not None:
-            raise NotImplementedError("Gated DeltaNet layers do not run under cp/ulysses yet")
+            return self._split_forward(x, seq)
         kd, vd = self.hk * self.dk, self.hv * self.dv
         qkv, z = self.in_proj_qkvz(x).transpose(0, 1).split([2 * kd + vd, vd], dim=-1)  # [b, s, ...]
         b_proj, a = self.in_proj_ba(x).transpose(0, 1).split([self.hv, self.hv], dim=-1)
@@ -87,3 +98,40 @@ class ParallelGatedDeltaNet(nn.Module):
         out = gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu_seqlens, use_qk_l2norm=True)  # [b, s, hv, dv]
         out = self.norm(out, z.reshape(batch, s, self.hv, self.dv))
         return self.out_proj(out.reshape(batch, s, vd).transpose(0, 1))  # [s(/tp), b, H]
+
+    def _split_forward(self, x, seq):
+        """``x [n(/tp), 1, H]``: this (cp, ulysses) rank's tokens of a sequence-split batch (module doc)."""
+        kd, vd = self.hk * self.dk, self.hv * self.dv
+        qkv, z = self.in_proj_qkvz(x).split([2 * kd + vd, vd], dim=-1)  # [n, 1, ...]
+        b_proj, a = self.in_proj_ba(x).split([self.hv, self.hv], dim=-1)
+        n = qkv.shape[0]
+        u, rank = group_size(seq.ulysses_group), group_rank(seq.ulysses_group)
+        if self.hk % u:
+            raise ValueError(f"{self.hk} linear-attention key heads per TP rank cannot be split over ulysses={u}")
+        rep = self.hv // self.hk  # value heads per key head
+        beta = b_proj.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        q, k, v = qkv.split([kd, kd, vd], dim=-1)
+        per_group = [q.reshape(n, 1, self.hk, self.dk), k.reshape(n, 1, self.hk, self.dk),
+                     v.reshape(n, 1, self.hk, rep * self.dv), beta.reshape(n, 1, self.hk, rep)]
+        packed = seq_to_heads(torch.cat(per_group, dim=-1), seq.ulysses_group)  # [L, 1, hk/u, ...]
+        g = seq_to_heads(g.reshape(n, 1, self.hk, rep), seq.ulysses_group)  # fp32, as without the split
+        hk, hv = self.hk // u, self.hv // u
+        q, k, v, beta = packed[:, 0].split([self.dk, self.dk, rep * self.dv, rep], dim=-1)
+        length = packed.shape[0]
+        weight = self.conv1d.weight[:, 0]  # [C, K]: this rank's key-head groups' q, k and v channels
+        kernel = weight.shape[-1]
+        wq, wk, wv = weight.split([kd, kd, vd])
+        weight = torch.cat([wq[rank * hk * self.dk:(rank + 1) * hk * self.dk],
+                            wk[rank * hk * self.dk:(rank + 1) * hk * self.dk],
+                            wv[rank * hv * self.dv:(rank + 1) * hv * self.dv]])
+        pre = torch.cat([q.reshape(length, -1), k.reshape(length, -1), v.reshape(length, -1)], dim=-1)
+        plan, cp_rank = seq.plan, group_rank(seq.cp_group)
+        qkv = F.silu(context_conv(pre, weight, plan, cp_rank, seq.cp_group)).to(x.dtype)
+        q, k, v = qkv.split([hk * self.dk, hk * self.dk, hv * self.dv], dim=-1)
+        out = context_delta_rule(q.reshape(1, length, hk, self.dk), k.reshape(1, length, hk, self.dk),
+                                 v.reshape(1, length, hv, self.dv), g.reshape(1, length, hv),
+                                 beta.reshape(1, length, hv), plan, cp_rank, seq.cp_group, kernel)
+        out = heads_to_seq(out[0, :, None], seq.ulysses_group)  # [n, 1, self.hv, dv]
+        out = self.norm(out.transpose(0, 1), z.transpose(0, 1).reshape(1, n, self.hv, self.dv))
+        return self.out_proj(out.reshape(1, n, vd).transpose(0, 1))  # [n(/tp), 1, H]
