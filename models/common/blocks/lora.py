@@ -29,7 +29,7 @@ import torch
 from parallel.config import ParallelConfigError
 from parallel.fsdp import unshard
 from parallel.lora import ColumnLoRA, RowLoRA
-from parallel.sharding import KVHeads, Replicated, Rule, Split
+from parallel.sharding import Blocks, KVHeads, Replicated, Rule, Split
 
 PEFT_PREFIX = "base_model.model."
 
@@ -50,6 +50,7 @@ class LoraTarget:
     b_rule: Rule
     a_shape: tuple[int, int]  # full [r, in]
     b_shape: tuple[int, int]  # full [out, r]
+    packed: tuple[tuple[str, int], ...] = ()  # (HF leaf, full rows) of every projection packed in the layer
 
     @property
     def a_param(self) -> str:
@@ -101,10 +102,13 @@ def lora_targets(cfg, weight_map, lora_config: Any, shapes: dict, layers=None) -
         if not entry.param.endswith(".weight"):
             continue
         layer = entry.param[: -len(".weight")]
+        packed = tuple((hf_name[: -len(".weight")].rsplit(".", 1)[1], shapes[hf_name][0])
+                       for hf_name in entry.hf[:len(entry.rules)])
         for hf_name, rule in zip(entry.hf, entry.rules):
             hf_module = hf_name[: -len(".weight")]
             leaf = hf_module.rsplit(".", 1)[1]
-            column = isinstance(rule, KVHeads) or (isinstance(rule, Split) and rule.dim == 0)
+            # Blocks: row blocks each split over TP (Gated DeltaNet's in_proj_qkv), B takes the same rows
+            column = isinstance(rule, (KVHeads, Blocks)) or (isinstance(rule, Split) and rule.dim == 0)
             row = isinstance(rule, Split) and rule.dim == 1
             if not (column or row):
                 if len(shapes[hf_name]) == 2:  # a linear module held whole: MoE router, shared-expert gate
@@ -115,7 +119,7 @@ def lora_targets(cfg, weight_map, lora_config: Any, shapes: dict, layers=None) -
                 continue
             out_f, in_f = shapes[hf_name]
             found.append(LoraTarget(layer, hf_module, leaf, column, Replicated() if column else Split(1),
-                                    rule if column else Replicated(), (r, in_f), (out_f, r)))
+                                    rule if column else Replicated(), (r, in_f), (out_f, r), packed))
     if isinstance(targets, set):
         unknown = sorted(targets - leaves)
         if unknown:
@@ -229,8 +233,9 @@ def _packed_parts(layer, target: LoraTarget) -> list[tuple[str, int]]:
     if hasattr(layer, "local_sizes"):  # packed q/k/v
         q, k, v = layer.local_sizes()
         return [("q_proj", q), ("k_proj", k), ("v_proj", v)] if prefix.endswith("self_attn") else []
-    if hasattr(layer, "local_out_sizes"):  # packed gate/up
-        return list(zip(("gate_proj", "up_proj"), layer.local_out_sizes))
+    if len(target.packed) > 1:  # packed projections (gate/up, Gated DeltaNet's qkv/z and b/a), each split evenly
+        full = sum(rows for _, rows in target.packed)
+        return [(leaf, rows * layer.weight.shape[0] // full) for leaf, rows in target.packed]
     return [(target.leaf, layer.weight.shape[0])]
 
 
