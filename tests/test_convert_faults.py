@@ -123,6 +123,12 @@ def wait_for(condition, timeout: float = 60.0, what: str = "condition") -> None:
         time.sleep(0.02)
 
 
+def _foreground_signals() -> None:
+    """In the child before exec: SIGINT and SIGQUIT back to their defaults (see ``HeldRun``)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
 class HeldRun:
     """A ``pmz convert`` child whose worker tasks wait (after announcing their thread id) for
     ``release()``."""
@@ -136,9 +142,13 @@ class HeldRun:
         self.go = tmp / "go"
         self.workers = workers
         env = _env(self.hook, PMZ_TEST_MARKS=str(self.marks), PMZ_TEST_GO=str(self.go))
+        # As a terminal's foreground job gets it: SIGINT and SIGQUIT at their defaults. A suite started in the
+        # background of a non-interactive shell (`cmd &`) inherits them ignored, and pmz rightly keeps an
+        # ignored SIGINT ignored (as `nohup` and shells expect), so the Ctrl-C tests would wait 240 s each.
         self.proc = subprocess.Popen([sys.executable, "-m", "converters.cli", *map(str, argv), "--workers",
                                       str(workers), "--quiet"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, start_new_session=True)
+                                     stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                     preexec_fn=_foreground_signals)
 
     def worker_pids(self) -> list[int]:  # thread ids (copy path) or process ids (torch path)
         return [int(p.name.split("-")[1]) for p in self.marks.glob("worker-*")]
