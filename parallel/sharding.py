@@ -21,6 +21,11 @@ Rule kinds
                             DeltaNet's ``in_proj_qkv`` and ``conv1d``: ``[q | k | v]`` with q, k of
                             Hk*dk rows and v of Hv*dv): each block split like ``Split(0)``, rank r
                             holding ``[q_r | k_r | v_r]`` (its rows are ``Piece.spans``)
+  Groups(sizes, groups)     a tensor of ``groups`` equal row groups, each stacking components of
+                            ``sizes`` rows (Qwen3-Next's interleaved ``in_proj_qkvz``: per key-head
+                            group ``[q_g | k_g | v_g | z_g]``): rank r holds a contiguous run of
+                            groups, de-interleaved component by component (``[q_r | k_r | v_r | z_r]``,
+                            each in group order; its rows are ``Piece.spans``)
 Packed tensors (``[q | k | v]``, ``[gate | up]``) are a concatenation along dim 0 of their parts'
 shards, each part with its own rule: see ``Packed``.
 """
@@ -239,6 +244,35 @@ class Blocks(Rule):
         n = len(shards)
         parts = [s.split([rows // n for rows in self.sizes], dim=0) for s in shards]  # [rank][block]
         return torch.cat([parts[r][j] for j in range(len(self.sizes)) for r in range(n)], dim=0)
+
+
+@dataclass(frozen=True)
+class Groups(Rule):
+    sizes: tuple[int, ...]
+    groups: int
+
+    def piece(self, full_shape, rank, size):
+        width = sum(self.sizes)
+        if full_shape[0] != self.groups * width:
+            raise ShardingError(f"tensor of {full_shape[0]} rows is not {self.groups} groups of {list(self.sizes)} "
+                                f"rows (expected {self.groups * width})")
+        first, stop = _even_chunk(self.groups, rank, size, f"{self.groups} groups of {tuple(full_shape)}")
+        spans, offset = [], 0
+        for rows in self.sizes:  # component-major: all of this rank's q rows, then k, ...
+            spans += [(g * width + offset, g * width + offset + rows) for g in range(first, stop)]
+            offset += rows
+        return Piece(0, 0, (stop - first) * width, spans=tuple(spans))
+
+    def merge(self, shards):
+        import torch
+
+        per = self.groups // len(shards)
+        out = []
+        for shard in shards:  # [q_r | k_r | ...] -> [per, width, ...] group-major
+            parts = shard.split([per * rows for rows in self.sizes], dim=0)
+            out.append(torch.cat([p.reshape(per, rows, *shard.shape[1:]) for p, rows in zip(parts, self.sizes)],
+                                 dim=1))
+        return torch.cat(out, dim=0).reshape(-1, *shards[0].shape[1:])
 
 
 def read_piece(

@@ -1,4 +1,4 @@
-"""HybridModelConfig: ModelConfig plus what the Gated DeltaNet hybrids (Qwen3.5, later Qwen3-Next) add:
+"""HybridModelConfig: ModelConfig plus what the Gated DeltaNet hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) add:
 linear-attention layers chosen per layer by ``layer_types``, a gated full-attention block with
 partial rotary, and zero-centred RMSNorms. Plain data (no torch), like ``models/common/config.py``.
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from models.common.config import ModelConfig, UnsupportedConfigError, rope_from_hf
+from models.common.config import ModelConfig, MoeConfig, UnsupportedConfigError, rope_from_hf
 
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
@@ -62,9 +62,11 @@ class HybridModelConfig(ModelConfig):
         return frozenset(i for i in range(self.num_hidden_layers) if self.attention_type(i) == LINEAR_ATTENTION)
 
 
-def hybrid_config_from_hf(hf_config: Any, *, architecture: str) -> HybridModelConfig:
-    """Read a Qwen3.5-style text config (``Qwen3_5TextConfig``); refuse, in one line naming the
-    numbers, what these blocks do not compute."""
+def hybrid_config_from_hf(hf_config: Any, *, architecture: str, moe: MoeConfig | None = None) -> HybridModelConfig:
+    """Read a Qwen3.5-style text config (``Qwen3_5TextConfig``, ``Qwen3_5MoeTextConfig``,
+    ``Qwen3NextConfig``); refuse, in one line naming the numbers, what these blocks do not compute.
+    ``moe``: the sparse MLP (its layers from ``moe.is_sparse``); Qwen3.5-MoE has no dense MLP and no
+    ``intermediate_size`` (0 here)."""
     def get(name, default=None):
         return getattr(hf_config, name, default)
 
@@ -111,7 +113,7 @@ def hybrid_config_from_hf(hf_config: Any, *, architecture: str) -> HybridModelCo
     return HybridModelConfig(
         vocab_size=hf_config.vocab_size,
         hidden_size=hf_config.hidden_size,
-        intermediate_size=hf_config.intermediate_size,
+        intermediate_size=int(get("intermediate_size") or 0),
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
@@ -136,4 +138,5 @@ def hybrid_config_from_hf(hf_config: Any, *, architecture: str) -> HybridModelCo
         partial_rotary_factor=partial,
         attn_output_gate=True,
         zero_centered_norm=True,
+        moe=moe,
     )

@@ -1,6 +1,8 @@
-"""The decoder of the Gated DeltaNet hybrids (Qwen3.5): pre-norm layers whose token mixer is chosen per
-layer from ``layer_types`` (``linear_attn``: Gated DeltaNet, ``self_attn``: gated full attention),
-the dense MLP, zero-centred RMSNorms; the stack with embedding and final norm mirrors
+"""The decoder of the Gated DeltaNet hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): pre-norm layers whose
+token mixer is chosen per layer from ``layer_types`` (``linear_attn``: Gated DeltaNet, ``self_attn``:
+gated full attention), the dense MLP or, on the sparse layers of a mixture-of-experts config
+(``cfg.moe.is_sparse``), ``ParallelMoE`` (routed experts with EP, sigmoid-gated shared expert),
+zero-centred RMSNorms; the stack with embedding and final norm mirrors
 ``blocks/decoder.ParallelDecoder`` (same attribute names, so ``ParallelCausalLM`` drives it unchanged).
 
 Activations are ``[seq, batch, hidden]`` (``[seq/tp, batch, hidden]`` between blocks under SP).
@@ -13,6 +15,7 @@ from torch import nn
 from models.common.blocks.gated_attention import ParallelGatedAttention
 from models.common.blocks.gated_deltanet import ParallelGatedDeltaNet
 from models.common.blocks.mlp import ParallelMLP
+from models.common.blocks.moe import ParallelMoE
 from models.common.blocks.norms import ZeroCenteredRMSNorm
 from models.common.hybrid_config import LINEAR_ATTENTION, HybridModelConfig
 from parallel.groups import ParallelGroups
@@ -32,7 +35,8 @@ class HybridDecoderLayer(nn.Module):
             self.self_attn = ParallelGatedAttention(cfg, groups, dtype, device)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, partial_grad=sp,
                                                             dtype=dtype, device=device)
-        self.mlp = ParallelMLP(cfg, groups, dtype, device)
+        sparse = cfg.moe is not None and cfg.moe.is_sparse(layer)
+        self.mlp = ParallelMoE(cfg, groups, dtype, device) if sparse else ParallelMLP(cfg, groups, dtype, device)
 
     def forward(self, x, cos, sin, attention_mask=None, cu_seqlens=None, max_seqlen=None, seq=None):
         mixer = self.linear_attn if self.linear else self.self_attn

@@ -1,0 +1,155 @@
+"""Qwen3.5-MoE (``Qwen3_5MoeForCausalLM``) and Qwen3-Next (``Qwen3NextForCausalLM``) rank bodies: our model
+against transformers loaded from the same directory in the same process, fp32. Records are
+``(case, layout, metric, value)``; tests/test_qwen3_next.py holds the bounds.
+
+  * padded batch (a full row, a right-padded and a left-padded row) with ``output_router_logits``: logits
+    on real tokens, the loss with ``router_aux_loss_coef`` times the load-balancing loss, the aux loss
+    itself (padding excluded, as transformers does), gradients of every HF tensor (per-expert names);
+  * packed batch (``cu_seqlens``; lengths 5, 1, 20, 3, 37) against each sequence run alone in
+    transformers: logits, the token-mean loss and its gradients (no aux loss: transformers' is per call);
+  * ``save_pretrained`` against the source checkpoint, bitwise (Qwen3-Next's interleaved projections
+    written back interleaved).
+
+Every rank gets the same batch, so under EP (carved from the data-parallel ranks) one transformers model
+is the reference.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from parallel import ParallelConfig
+from tests.workers import _max_diff, _rel_diff, hf_named_grads, saved_tensors_diff
+from tests.workers_moe import hf_grads
+
+PACKED_LENGTHS = (5, 1, 20, 3, 37)
+PADDED_LENGTH = 40
+FOLDERS = {"qwen3_5_moe_text": "qwen3_5_moe", "qwen3_next": "qwen3_next"}
+
+
+def configs() -> dict:
+    from transformers import Qwen3_5MoeTextConfig, Qwen3NextConfig
+
+    lin, full = "linear_attention", "full_attention"
+    common = dict(vocab_size=101, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, layer_types=[lin, lin, full, lin], max_position_embeddings=128,
+                  moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts_per_tok=2,
+                  router_aux_loss_coef=0.1, tie_word_embeddings=False)
+    return {
+        # every layer sparse (Qwen3.5-MoE has no dense MLP), 8 experts, renormalised top-2; value heads 4 on 2
+        # key heads, dv != dk
+        "qwen3_5_moe": Qwen3_5MoeTextConfig(**common, num_experts=8, linear_num_key_heads=2,
+                                            linear_num_value_heads=4, linear_key_head_dim=16,
+                                            linear_value_head_dim=24),
+        # 4 key-head groups (2 per TP2 rank: the interleaved projections de-interleaved across groups), value
+        # heads 2 per group, 4 experts top-2 not renormalised, layer 1 dense (mlp_only_layers)
+        "qwen3_next": Qwen3NextConfig(**common, num_experts=4, norm_topk_prob=False, mlp_only_layers=[1],
+                                      intermediate_size=96, linear_num_key_heads=4, linear_num_value_heads=8,
+                                      linear_key_head_dim=16, linear_value_head_dim=16),
+    }
+
+
+def write_model(root, name: str, config, seed: int) -> str:
+    """A random transformers model saved with ``save_pretrained``; every tensor randomized (zero-centred
+    norms around 0, the gated norm around 1, decays slow enough that the state carries ~10 tokens)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("A_log"):
+                p.normal_(-2.0, 0.5)
+            elif pname.endswith("dt_bias"):
+                p.normal_(0.0, 0.5)
+            elif "conv1d" in pname:
+                p.normal_(0.0, 0.3)
+            elif pname.endswith("linear_attn.norm.weight"):
+                p.normal_(1.0, 0.1)
+            elif "norm" in pname:
+                p.normal_(0.0, 0.1)
+            else:
+                p.normal_(0.0, 0.08)
+    path = root / name
+    model.save_pretrained(path)
+    return str(path)
+
+
+def _grad_rel(model, hf) -> float:
+    ours, ref = hf_named_grads(model), hf_grads(hf)
+    expected = set(ref) - ({"lm_head.weight"} if hf.config.tie_word_embeddings else set())
+    if set(ours) != expected:
+        return float("inf")
+    return max(_rel_diff(g, ref[n]) for n, g in ours.items() if g.numel())
+
+
+def _padded_batch(vocab: int):
+    gen = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, vocab, (3, PADDED_LENGTH), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, 30:] = 0  # right padding
+    mask[2, :12] = 0  # left padding
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[0, :3] = -100
+    labels[2, 12] = -100  # predicted from a padding position, whose outputs are not defined
+    return ids, mask, labels
+
+
+def case(path: str, pconfig: ParallelConfig) -> list[tuple]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    name = FOLDERS[hf.config.model_type]
+    model = importlib.import_module(f"models.{name}").build_parallel_model(path, pconfig)
+    layout = pconfig.describe()
+    records = []
+
+    def rec(metric, value):
+        records.append((name, layout, metric, value))
+
+    ids, mask, labels = _padded_batch(hf.config.vocab_size)
+    out = model(ids, attention_mask=mask, labels=labels, gather_logits=True, output_router_logits=True)
+    ref = hf(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
+    real = mask.bool()
+    rec("padded_logits", _max_diff(out.logits[real], ref.logits[real]))
+    rec("padded_loss", _max_diff(out.loss, ref.loss))
+    rec("padded_aux_loss", _max_diff(out.aux_loss, ref.aux_loss))
+    rec("aux_loss_value", ref.aux_loss.item())
+    rec("router_layers", float(len(out.router_logits) != len(ref.router_logits)))
+    model.zero_grad()
+    hf.zero_grad()
+    model(ids, attention_mask=mask, labels=labels, return_logits=False, output_router_logits=True).loss.backward()
+    model.finalize_grads()
+    ref.loss.backward()
+    rec("padded_grads", _grad_rel(model, hf))
+
+    gen = torch.Generator().manual_seed(12)
+    seqs = [torch.randint(0, hf.config.vocab_size, (n,), generator=gen) for n in PACKED_LENGTHS]
+    flat = torch.cat(seqs)
+    cu = torch.tensor([0, *torch.tensor(PACKED_LENGTHS).cumsum(0).tolist()])
+    out = model(flat, cu_seqlens=cu, labels=flat.clone(), gather_logits=True, output_router_logits=False)
+    count = sum(n - 1 for n in PACKED_LENGTHS)
+    hf.zero_grad()
+    ref_logits, ref_loss = [], 0.0
+    for s in seqs:
+        r = hf(input_ids=s[None], labels=s[None] if len(s) > 1 else None, output_router_logits=False)
+        ref_logits.append(r.logits[0])
+        if len(s) > 1:  # transformers' loss is this sequence's token mean: weight it by its tokens
+            ref_loss = ref_loss + r.loss * (len(s) - 1) / count
+    rec("packed_logits", _max_diff(out.logits[0], torch.cat(ref_logits)))
+    rec("packed_loss", _max_diff(out.loss, ref_loss))
+    rec("packed_loss_value", out.loss.item())
+    model.zero_grad()
+    model(flat, cu_seqlens=cu, labels=flat.clone(), return_logits=False, output_router_logits=False).loss.backward()
+    model.finalize_grads()
+    ref_loss.backward()
+    rec("packed_grads", _grad_rel(model, hf))
+    rec("saved_tensors", saved_tensors_diff(model, path, pconfig))
+    return records
+
+
+def suite(dirs: dict[str, str], plan: list[tuple[str, dict]]) -> list[tuple]:
+    """``plan``: ``(model, ParallelConfig kwargs)`` items, every rank running each."""
+    return [r for name, kwargs in plan for r in case(dirs[name], ParallelConfig(**kwargs))]
