@@ -80,7 +80,7 @@ MUTATIONS = (
                "per_token.mean()"),),
              ("tests/test_pipeline.py",)),
     Mutation("rmsnorm-no-upcast", "RMSNorm computed in the activation dtype (no fp32 upcast)",
-             (("parallel/layers.py", "        h = x.float()\n", "        h = x\n"),),
+             (("parallel/fused_ops.py", "    h = x.float()\n", "    h = x\n"),),
              ("tests/test_tp_parity.py -k bf16",)),
     Mutation("microbatch-round-robin", "Karmarkar-Karp replaced by round-robin over sorted lengths",
              (("parallel/microbatch.py", "def karmarkar_karp(weights: Sequence[int], k: int) -> list[list[int]]:\n",
@@ -139,9 +139,10 @@ MUTATIONS = (
     Mutation("qk-norm-after-rope", "Qwen3's q/k norm applied after RoPE instead of before",
              (("models/common/blocks/attention.py",
                "        if self.q_norm is not None:\n            q, k = self.q_norm(q), self.k_norm(k)\n"
-               "        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)\n",
-               "        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)\n"
-               "        if self.q_norm is not None:\n            q, k = self.q_norm(q), self.k_norm(k)\n"),),
+               "        q, k = apply_rotary(q, k, cos, sin)",
+               "        q, k = apply_rotary(q, k, cos, sin)\n"
+               "        if self.q_norm is not None:\n            q, k = self.q_norm(q), self.k_norm(k)\n"
+               "        pass"),),
              ("tests/test_qwen3.py",)),
     Mutation("qk-norm-grad-not-summed", "q/k norm gradients not summed over TP (each rank saw only its heads)",
              (("models/common/blocks/attention.py", "            partial = groups.tp_size > 1\n",
