@@ -67,7 +67,10 @@ class DecoderLayer(nn.Module):
 
 
 class ParallelDecoder(nn.Module):
-    """Embedding (first pipeline stage), this rank's layers keyed by global index, final norm (last stage)."""
+    """Embedding (first pipeline stage), this rank's layers keyed by global index, final norm (last stage).
+    Other decoders (the Gated DeltaNet hybrids) set ``layer_class`` and ``final_norm``."""
+
+    layer_class = DecoderLayer
 
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups, layer_ids: list[int], padded_vocab: int, dtype,
                  device, *, has_embedding: bool = True, has_norm: bool = True):
@@ -76,6 +79,9 @@ class ParallelDecoder(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, padded_vocab, cfg.hidden_size,
                                                    tp_group=groups.tp_group, sequence_parallel=sp, dtype=dtype,
                                                    device=device) if has_embedding else None
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, groups, dtype, device, i) for i in layer_ids})
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, sequence_parallel=sp, dtype=dtype,
-                            device=device) if has_norm else None
+        self.layers = nn.ModuleDict({str(i): self.layer_class(cfg, groups, dtype, device, i) for i in layer_ids})
+        self.norm = self.final_norm(cfg, sp, dtype, device) if has_norm else None
+
+    @staticmethod
+    def final_norm(cfg: ModelConfig, sp: bool, dtype, device) -> nn.Module:
+        return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, sequence_parallel=sp, dtype=dtype, device=device)

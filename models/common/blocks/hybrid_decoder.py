@@ -2,8 +2,8 @@
 token mixer is chosen per layer from ``layer_types`` (``linear_attn``: Gated DeltaNet, ``self_attn``:
 gated full attention), the dense MLP or, on the sparse layers of a mixture-of-experts config
 (``cfg.moe.is_sparse``), ``ParallelMoE`` (routed experts with EP, sigmoid-gated shared expert),
-zero-centred RMSNorms; the stack with embedding and final norm mirrors
-``blocks/decoder.ParallelDecoder`` (same attribute names, so ``ParallelCausalLM`` drives it unchanged).
+zero-centred RMSNorms; the stack with embedding and final norm is ``blocks/decoder.ParallelDecoder``
+with these layers (so ``ParallelCausalLM`` drives it unchanged).
 
 Activations are ``[seq, batch, hidden]`` (``[seq/tp, batch, hidden]`` between blocks under SP).
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from models.common.blocks.decoder import ParallelDecoder
 from models.common.blocks.gated_attention import ParallelGatedAttention
 from models.common.blocks.gated_deltanet import ParallelGatedDeltaNet
 from models.common.blocks.mlp import ParallelMLP
@@ -19,7 +20,6 @@ from models.common.blocks.moe import ParallelMoE
 from models.common.blocks.norms import ZeroCenteredRMSNorm
 from models.common.hybrid_config import LINEAR_ATTENTION, HybridModelConfig
 from parallel.groups import ParallelGroups
-from parallel.layers import VocabParallelEmbedding
 
 
 class HybridDecoderLayer(nn.Module):
@@ -44,16 +44,11 @@ class HybridDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class HybridDecoder(nn.Module):
-    """Embedding (first pipeline stage), this rank's layers keyed by global index, final norm (last stage)."""
+class HybridDecoder(ParallelDecoder):
+    """``ParallelDecoder`` with the hybrid layers and a zero-centred final norm."""
 
-    def __init__(self, cfg: HybridModelConfig, groups: ParallelGroups, layer_ids: list[int], padded_vocab: int, dtype,
-                 device, *, has_embedding: bool = True, has_norm: bool = True):
-        super().__init__()
-        sp = groups.sequence_parallel
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, padded_vocab, cfg.hidden_size,
-                                                   tp_group=groups.tp_group, sequence_parallel=sp, dtype=dtype,
-                                                   device=device) if has_embedding else None
-        self.layers = nn.ModuleDict({str(i): HybridDecoderLayer(cfg, groups, dtype, device, i) for i in layer_ids})
-        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, partial_grad=sp, dtype=dtype,
-                                        device=device) if has_norm else None
+    layer_class = HybridDecoderLayer
+
+    @staticmethod
+    def final_norm(cfg: HybridModelConfig, sp: bool, dtype, device) -> nn.Module:
+        return ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, partial_grad=sp, dtype=dtype, device=device)
