@@ -13,7 +13,8 @@ import torch
 
 from parallel.sharding import Groups, ShardingError, read_piece
 from tests.distributed import run_distributed
-from tests.workers_qwen3_next import case, configs, suite, write_model
+from tests.workers_qwen3_5 import write_model
+from tests.workers_qwen3_next import case, configs, suite
 
 BOUNDS = {
     "padded_logits": 5e-5, "packed_logits": 5e-5,

@@ -47,10 +47,16 @@ def compile_case(case: str, path: str, kwargs: dict, lr: float = 0.5) -> list[tu
         ref_inputs = inputs
     compiled = build(case, path, pconfig, compile=True)
     eager = build(case, path, pconfig)
-    pipeline = pconfig.pp > 1
+    return train_side_by_side(tag, compiled, eager, hf, inputs, ref_inputs, pipeline=pconfig.pp > 1, lr=lr)
+
+
+def train_side_by_side(tag: tuple, compiled, eager, hf, inputs: dict, ref_inputs: dict, *, pipeline: bool,
+                       lr: float, steps: int = 2) -> list[tuple]:
+    """SGD steps of the compiled model next to the eager one and transformers (``ref_inputs``: the same
+    sequences in transformers' form): each step's loss against both, and the compiled model's gradients."""
     opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in (compiled, eager, hf)]
     records = []
-    for step in range(2):
+    for step in range(steps):
         for opt in opts:
             opt.zero_grad()
         loss = _step(compiled, inputs, pipeline)

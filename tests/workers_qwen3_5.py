@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from parallel import ParallelConfig
+from tests.workers import _rel_diff, fp32_error_ratio, hf_named_grads
 
 PACKED_LENGTHS = (5, 1, 20, 3, 70)
 PADDED_LENGTH = 70
@@ -43,8 +44,9 @@ def configs() -> dict:
 
 
 def write_model(root, name: str, config, seed: int) -> str:
-    """A random transformers Qwen3.5 saved with ``save_pretrained``; every tensor randomized (zero-centred
-    norms around 0, the gated norm around 1, decays slow enough that the state carries ~10 tokens)."""
+    """A random transformers hybrid (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) saved with ``save_pretrained``; every
+    tensor randomized (zero-centred norms around 0, the gated norm around 1, decays slow enough that the
+    state carries ~10 tokens)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -72,30 +74,24 @@ def _diff(a, b) -> float:
     return (a.detach().double() - b.detach().double()).abs().max().item()
 
 
-def _ratio(ours, ref, exact) -> float:
-    """Our fp32 error against the fp64 truth in units of transformers' own (floor 1e-6 of the size)."""
-    scale = max(1.0, exact.detach().abs().max().item())
-    return _diff(ours, exact) / max(_diff(ref, exact), 1e-6 * scale)
-
-
 def _grad_rel(model, hf) -> float:
-    ours = dict(model.iter_hf_weights({n: p.grad if p.grad is not None else torch.zeros_like(p)
-                                       for n, p in model.named_parameters()}))
+    ours = hf_named_grads(model)
     ref = dict(hf.named_parameters())
     assert set(ours) == set(ref) - ({"lm_head.weight"} if hf.config.tie_word_embeddings else set()), \
         sorted(set(ours) ^ set(ref))
-    return max(_diff(g, ref[n].grad) / max(ref[n].grad.abs().max().item(), 1e-12) for n, g in ours.items())
+    return max(_rel_diff(g, ref[n].grad) for n, g in ours.items())
 
 
-def _padded_batch(vocab: int):
+def _padded_batch(vocab: int, length: int = PADDED_LENGTH, right: int = 50, left: int = 20):
+    """Three rows of ``length`` tokens: full, right-padded from ``right``, left-padded up to ``left``."""
     gen = torch.Generator().manual_seed(11)
-    ids = torch.randint(0, vocab, (3, PADDED_LENGTH), generator=gen)
+    ids = torch.randint(0, vocab, (3, length), generator=gen)
     mask = torch.ones_like(ids)
-    mask[1, 50:] = 0  # right padding
-    mask[2, :20] = 0  # left padding
+    mask[1, right:] = 0  # right padding
+    mask[2, :left] = 0  # left padding
     labels = ids.masked_fill(mask == 0, -100)
     labels[0, :3] = -100
-    labels[2, 20] = -100  # predicted from a padding position, whose outputs are not defined
+    labels[2, left] = -100  # predicted from a padding position, whose outputs are not defined
     return ids, mask, labels
 
 
@@ -121,7 +117,7 @@ def case(name: str, path: str, tp: int, sp: bool) -> list[tuple]:
         exact = truth(input_ids=ids, attention_mask=mask, labels=labels)
     real = mask.bool()
     rec("padded_logits", _diff(out.logits[real], ref.logits[real]))
-    rec("padded_logits_ratio", _ratio(out.logits[real], ref.logits[real], exact.logits[real]))
+    rec("padded_logits_ratio", fp32_error_ratio(out.logits[real], ref.logits[real], exact.logits[real]))
     rec("padded_loss", _diff(out.loss, ref.loss))
     model.zero_grad()
     hf.zero_grad()
@@ -148,7 +144,7 @@ def case(name: str, path: str, tp: int, sp: bool) -> list[tuple]:
             ref_loss = ref_loss + r.loss * (len(s) - 1) / count
     ref_logits, exact_logits = torch.cat(ref_logits), torch.cat(exact_logits)
     rec("packed_logits", _diff(out.logits[0], ref_logits))
-    rec("packed_logits_ratio", _ratio(out.logits[0], ref_logits, exact_logits))
+    rec("packed_logits_ratio", fp32_error_ratio(out.logits[0], ref_logits, exact_logits))
     rec("packed_loss", _diff(out.loss, ref_loss))
     rec("packed_loss_value", out.loss.item())
     model.zero_grad()

@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from parallel import ParallelConfig
-from tests.workers_qwen3_5 import _diff, _grad_rel, _padded_batch, _ratio
+from tests.workers import fp32_error_ratio
+from tests.workers_qwen3_5 import _diff, _grad_rel, _padded_batch
 
 PACKED_LENGTHS = (5, 1, 20, 3, 70, 2, 37)
 LAYOUTS = [  # (cp, ulysses, cp_comm, padded batch too)
@@ -85,7 +86,7 @@ def suite(name: str, path: str) -> list[tuple]:
         model = build_parallel_model(path, config)
         out = model(flat, cu_seqlens=cu, labels=flat.clone(), gather_logits=True)
         rec("packed_logits", _diff(out.logits[0], p_logits))
-        rec("packed_logits_ratio", _ratio(out.logits[0], p_logits, p_exact))
+        rec("packed_logits_ratio", fp32_error_ratio(out.logits[0], p_logits, p_exact))
         rec("packed_loss", _diff(out.loss, p_loss))
         rec("packed_loss_value", out.loss.item())
         model.zero_grad()
@@ -95,7 +96,7 @@ def suite(name: str, path: str) -> list[tuple]:
         if padded:
             out = model(ids, attention_mask=mask, labels=labels, gather_logits=True)
             rec("padded_logits", _diff(out.logits[real], d_logits[real]))
-            rec("padded_logits_ratio", _ratio(out.logits[real], d_logits[real], d_exact[real]))
+            rec("padded_logits_ratio", fp32_error_ratio(out.logits[real], d_logits[real], d_exact[real]))
             rec("padded_loss", _diff(out.loss, d_loss))
             model.zero_grad()
             out.loss.backward()

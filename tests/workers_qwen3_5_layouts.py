@@ -16,7 +16,6 @@ from the same directory. Records are ``(case, layout, metric, value)``; the test
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 from parallel import ParallelConfig
@@ -94,8 +93,7 @@ def _compile(name: str, path: str, kwargs: dict, steps: int = 1) -> list[tuple]:
     """``tests/workers_compile.compile_case`` with this model's builder: SGD steps (one by default:
     compiling the hybrid's layers dominates the module's time) of the compiled model call next to the
     eager model and transformers, and a check that dynamo built graphs."""
-    from tests.workers import _max_diff
-    from tests.workers_compile import _grad_diff, _step
+    from tests.workers_compile import train_side_by_side
     from tests.workers_fused_loss import batch
 
     pconfig = ParallelConfig(**kwargs)
@@ -104,20 +102,7 @@ def _compile(name: str, path: str, kwargs: dict, steps: int = 1) -> list[tuple]:
     ids, mask, labels = batch(hf.config.vocab_size)
     inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
     compiled, eager = _build(path, pconfig, compile=True), _build(path, pconfig)
-    opts = [torch.optim.SGD(m.parameters(), lr=LR) for m in (compiled, eager, hf)]
-    records = []
-    for step in range(steps):
-        for opt in opts:
-            opt.zero_grad()
-        loss = _step(compiled, inputs, False)
-        eager_loss = _step(eager, inputs, False)
-        ref_loss = hf(**inputs).loss
-        ref_loss.backward()
-        records += [(*tag, f"loss_step{step}", _max_diff(loss, ref_loss)),
-                    (*tag, f"grads_step{step}", _grad_diff(compiled, hf)),
-                    (*tag, f"loss_vs_eager_step{step}", _max_diff(loss, eager_loss))]
-        for opt in opts:
-            opt.step()
+    records = train_side_by_side(tag, compiled, eager, hf, inputs, inputs, pipeline=False, lr=LR, steps=steps)
     from torch._dynamo.utils import counters
 
     return records + [(*tag, "compiled_no_graphs", float(counters["stats"]["unique_graphs"] == 0))]

@@ -23,6 +23,7 @@ import torch
 from parallel import ParallelConfig
 from tests.workers import _max_diff, _rel_diff, hf_named_grads, saved_tensors_diff
 from tests.workers_moe import hf_grads
+from tests.workers_qwen3_5 import _padded_batch
 
 PACKED_LENGTHS = (5, 1, 20, 3, 37)
 PADDED_LENGTH = 40
@@ -51,50 +52,12 @@ def configs() -> dict:
     }
 
 
-def write_model(root, name: str, config, seed: int) -> str:
-    """A random transformers model saved with ``save_pretrained``; every tensor randomized (zero-centred
-    norms around 0, the gated norm around 1, decays slow enough that the state carries ~10 tokens)."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if pname.endswith("A_log"):
-                p.normal_(-2.0, 0.5)
-            elif pname.endswith("dt_bias"):
-                p.normal_(0.0, 0.5)
-            elif "conv1d" in pname:
-                p.normal_(0.0, 0.3)
-            elif pname.endswith("linear_attn.norm.weight"):
-                p.normal_(1.0, 0.1)
-            elif "norm" in pname:
-                p.normal_(0.0, 0.1)
-            else:
-                p.normal_(0.0, 0.08)
-    path = root / name
-    model.save_pretrained(path)
-    return str(path)
-
-
 def _grad_rel(model, hf) -> float:
     ours, ref = hf_named_grads(model), hf_grads(hf)
     expected = set(ref) - ({"lm_head.weight"} if hf.config.tie_word_embeddings else set())
     if set(ours) != expected:
         return float("inf")
     return max(_rel_diff(g, ref[n]) for n, g in ours.items() if g.numel())
-
-
-def _padded_batch(vocab: int):
-    gen = torch.Generator().manual_seed(11)
-    ids = torch.randint(0, vocab, (3, PADDED_LENGTH), generator=gen)
-    mask = torch.ones_like(ids)
-    mask[1, 30:] = 0  # right padding
-    mask[2, :12] = 0  # left padding
-    labels = ids.masked_fill(mask == 0, -100)
-    labels[0, :3] = -100
-    labels[2, 12] = -100  # predicted from a padding position, whose outputs are not defined
-    return ids, mask, labels
 
 
 def case(path: str, pconfig: ParallelConfig) -> list[tuple]:
@@ -109,7 +72,7 @@ def case(path: str, pconfig: ParallelConfig) -> list[tuple]:
     def rec(metric, value):
         records.append((name, layout, metric, value))
 
-    ids, mask, labels = _padded_batch(hf.config.vocab_size)
+    ids, mask, labels = _padded_batch(hf.config.vocab_size, PADDED_LENGTH, right=30, left=12)
     out = model(ids, attention_mask=mask, labels=labels, gather_logits=True, output_router_logits=True)
     ref = hf(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
     real = mask.bool()
