@@ -1,0 +1,366 @@
+"""Real Megatron-Bridge as a test oracle for the Gated DeltaNet hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next),
+run under ``.venv-bridge``: ``python tests/bridge_gdn_oracle.py JOBS.json RESULT.json`` (one process for a
+list of jobs; importing Bridge costs ~12 s). Nothing of the project is imported here.
+
+Jobs (a JSON list):
+  {"op": "write", "hf": DIR, "out": DIR}    ``AutoBridge.from_hf_pretrained(hf).to_megatron_provider(
+                                            load_weights=True)`` builds the model with Bridge's own mapping
+                                            (MTP included when the HF checkpoint carries ``mtp.*`` and its
+                                            config ``mtp_num_hidden_layers``; ``"mtp": false`` builds
+                                            without); ``save_megatron_model`` writes its checkpoint. Result:
+                                            ``keys`` {checkpoint key: shape} of every tensor written.
+  {"op": "load", "ckpt": DIR, "hf": DIR}    loads ``ckpt`` and compares its state dict bitwise with the
+                                            model Bridge builds from ``hf``: with run_config.yaml through
+                                            Bridge's own loader (``load_model_config``,
+                                            ``build_and_load_model``); a plain torch_dist folder (no
+                                            run_config.yaml) into the model built from the HF config with
+                                            megatron-core's ``dist_checkpointing.load`` (strict: missing or
+                                            unexpected keys fail). Result: compared, mismatched, missing,
+                                            unexpected (names).
+  {"op": "logits", "hf": DIR | "ckpt": DIR (+ "hf" for its config), "ids": [[...]]}
+                                            the Bridge model's fp32 logits [batch, seq, vocab] (vocab
+                                            trimmed to the HF vocab), as a list.
+  {"op": "export", "ckpt": DIR, "hf": DIR, "out": DIR}
+                                            Bridge's own megatron->HF export (``save_hf_pretrained``) of
+                                            the loaded ``ckpt`` (``hf`` gives the config/architecture).
+
+How Bridge's GDN model is made to run on CPU (this process only): Bridge sets
+``transformer_layer_spec = get_transformer_block_with_experimental_attention_variant_spec``, which asserts
+``transformer_impl == "transformer_engine"`` and builds every module from ``TESpecProvider``. Here that
+provider is replaced (in megatron-core's spec modules) by ``_TorchTESpecProvider``, whose modules are
+pure-torch stand-ins with Transformer Engine's parameter names and state: ``TELayerNormColumnParallelLinear``
+-> ``weight`` + ``layer_norm_weight`` (RMSNorm, ``x * (1 + w)`` when ``layernorm_zero_centered_gamma``),
+``TENorm`` -> ``weight`` (same rule), TE linears -> ``weight``; each has ``_extra_state`` = an empty uint8
+tensor (what TE 2.x ``get_extra_state`` returns without FP8; TE's ``BasicOperation`` norms too), and core
+attention writes nothing (TE's ``TEDotProductAttention.sharded_state_dict`` is empty without a learnable
+softmax offset). MoE experts are ``SequentialMLP`` of those linears: TE's ``TEGroupedMLP`` writes the same
+checkpoint keys (megatron-core: "interchangeable with SequentialMLP's") but holds ``linear_fc1.weight{i}``
+in memory. The GDN kernels: ``HAVE_FLA`` set, FLA's ``chunk_gated_delta_rule`` -> megatron-core's own
+``torch_chunk_gated_delta_rule``, ``causal_conv1d`` and ``l2norm`` -> torch (``_conv1d``, ``_l2norm``);
+``torch.compile`` (megatron's ``jit_fuser``) disabled. MoE runs with the allgather dispatcher and no
+permute fusion (the alltoall one creates a CUDA stream); these runtime fields do show in run_config.yaml.
+
+Facts established with this oracle (megatron-bridge 0.6.2, megatron-core 0.19.2, transformers 5.12.1;
+``tests/test_bridge_gdn_oracle.py`` checks them): see FACTS below, kept next to the code that measures them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # megatron's jit_fuser is torch.compile: eager here
+
+import bridge_oracle  # noqa: E402  (its import guard, CUDA->CPU shims and stubs come first)
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+FACTS = """(filled in from the measured listing; see the report)"""
+
+
+def _extra_state(self) -> torch.Tensor:
+    """What Transformer Engine 2.x modules return without FP8 state."""
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _ignore_extra_state(self, state) -> None:
+    return None
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
+    """TE's RMSNorm in fp32: ``x / rms(x) * (1 + w)`` when zero-centred, else ``* w``."""
+    dtype = x.dtype
+    x = x.float()
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    w = weight.float() + 1 if zero_centered else weight.float()
+    return (y * w).to(dtype)
+
+
+class _TENorm(torch.nn.Module):
+    """Stand-in for ``TENorm`` (te.pytorch.RMSNorm): parameter ``weight``, TE's ``_extra_state``."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, has_residual: bool = False, **_):
+        super().__init__()
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"stand-in TENorm does RMSNorm only, not {config.normalization}")
+        self.eps, self.zero_centered = eps, bool(config.layernorm_zero_centered_gamma)
+        init = torch.zeros if self.zero_centered else torch.ones
+        self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype))
+
+    def forward(self, x):
+        return _rms(x, self.weight, self.eps, self.zero_centered)
+
+    get_extra_state, set_extra_state = _extra_state, _ignore_extra_state
+
+
+def _te_linears():
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    class TEColumnParallelLinear(ColumnParallelLinear):
+        """Stand-in for TE's column-parallel linear: ``weight`` (+ ``bias``) and TE's ``_extra_state``."""
+
+        get_extra_state, set_extra_state = _extra_state, _ignore_extra_state
+
+    class TERowParallelLinear(RowParallelLinear):
+        """Stand-in for TE's row-parallel linear: ``weight`` (+ ``bias``) and TE's ``_extra_state``."""
+
+        get_extra_state, set_extra_state = _extra_state, _ignore_extra_state
+
+    class TELayerNormColumnParallelLinear(TEColumnParallelLinear):
+        """Stand-in for TE's ``LayerNormLinear``: the input RMSNorm fused in as ``layer_norm_weight``
+        (zero-centred by the config), then the column-parallel ``weight``."""
+
+        def __init__(self, input_size, output_size, *, config, **kwargs):
+            kwargs.pop("skip_weight_param_allocation", None)
+            super().__init__(input_size, output_size, config=config, **kwargs)
+            if config.normalization != "RMSNorm":
+                raise ValueError(f"stand-in LayerNormLinear does RMSNorm only, not {config.normalization}")
+            self.zero_centered = bool(config.layernorm_zero_centered_gamma)
+            self.eps = config.layernorm_epsilon
+            init = torch.zeros if self.zero_centered else torch.ones
+            self.layer_norm_weight = torch.nn.Parameter(init(input_size, dtype=config.params_dtype))
+
+        def forward(self, x, *args, **kwargs):
+            return super().forward(_rms(x, self.layer_norm_weight, self.eps, self.zero_centered), *args, **kwargs)
+
+    return TEColumnParallelLinear, TERowParallelLinear, TELayerNormColumnParallelLinear
+
+
+def _spec_provider():
+    """A ``BackendSpecProvider`` answering as ``TESpecProvider`` does, with the stand-ins."""
+    from functools import partial
+
+    from megatron.core.models.backends import BackendSpecProvider
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    column, row, ln_column = _te_linears()
+
+    class _TorchTESpecProvider(BackendSpecProvider):
+        def linear(self):
+            return column
+
+        def column_parallel_linear(self):
+            return column
+
+        def row_parallel_linear(self):
+            return row
+
+        def fuse_layernorm_and_linear(self):
+            return True
+
+        def column_parallel_layer_norm_linear(self):
+            return ln_column
+
+        def layer_norm(self, rms_norm=False, for_qk=False, has_residual=False):
+            return _TENorm
+
+        def core_attention(self):
+            return DotProductAttention
+
+        def grouped_mlp_modules(self, moe_use_grouped_gemm):
+            return partial(SequentialMLP, submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row))
+
+        def activation_func(self):
+            return None
+
+    return _TorchTESpecProvider
+
+
+def _l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
+    """FLA's l2norm: ``x / sqrt(sum(x^2) + eps)``, in fp32."""
+    return (x.float() * torch.rsqrt(x.float().pow(2).sum(dim, keepdim=True) + eps)).to(x.dtype)
+
+
+def _conv1d(x, weight, bias=None, activation=None, initial_state=None, output_final_state=False,
+            cu_seqlens=None, **_):
+    """FLA's ``causal_conv1d`` on ``x`` [b, s, d] with a depthwise ``weight`` [d, w], in torch."""
+    if initial_state is not None or output_final_state or cu_seqlens is not None:
+        raise NotImplementedError("torch causal_conv1d stand-in: no states, no packed sequences")
+    seq = x.shape[1]
+    y = F.conv1d(x.transpose(1, 2), weight.unsqueeze(1), bias, padding=weight.shape[1] - 1,
+                 groups=weight.shape[0])[..., :seq]
+    if activation in ("silu", "swish"):
+        y = F.silu(y)
+    return y.transpose(1, 2), None
+
+
+def _install() -> None:
+    """Point megatron-core's TE spec provider and FLA kernels at the stand-ins (this process only)."""
+    import torch._dynamo
+
+    torch._dynamo.config.disable = True
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.models.gpt import experimental_attention_variant_module_specs as ea
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.ssm.gated_delta_net import common, gdn
+    from megatron.core.transformer import utils
+
+    provider = _spec_provider()
+    ea._get_backend_spec_provider = lambda config: provider()
+    gpt_layer_specs.TESpecProvider = provider
+    common.HAVE_FLA = True
+    common.l2norm = _l2norm
+    gdn.chunk_gated_delta_rule = common.torch_chunk_gated_delta_rule
+    gdn.causal_conv1d = _conv1d
+    utils.get_default_causal_mask = fused_softmax.get_default_causal_mask = _causal_mask
+    from contextlib import nullcontext
+
+    from megatron.core.tensor_parallel import random
+
+    random.CudaRNGStatesTracker.fork = lambda self, name=None: nullcontext()  # no dropout in these runs
+
+
+def _causal_mask(sq: int) -> torch.Tensor:
+    """megatron-core's default causal mask (True above the diagonal), on the CPU instead of "cuda"."""
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def _cpu(provider) -> None:
+    """Bridge's provider on CPU, one rank, fp32, keeping its hybrid block spec (built from the stand-ins)."""
+    spec = provider.transformer_layer_spec
+    bridge_oracle._cpu(provider)
+    provider.transformer_layer_spec = spec
+    for name, value in (("moe_token_dispatcher_type", "allgather"), ("moe_permute_fusion", False),
+                        ("moe_router_fusion", False), ("fused_residual_rmsnorm", False)):
+        if hasattr(provider, name):
+            setattr(provider, name, value)
+
+
+def _from_hf(hf: str, mtp: bool = True):
+    from megatron.bridge import AutoBridge
+
+    bridge = AutoBridge.from_hf_pretrained(hf, torch_dtype=torch.float32)
+    provider = bridge.to_megatron_provider(load_weights=True)
+    if not mtp:
+        provider.mtp_num_layers = None
+    _cpu(provider)
+    provider.finalize()
+    return bridge, provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
+
+
+def _module(model):
+    return model[0] if isinstance(model, list) else model
+
+
+def _checkpoint_keys(ckpt: str) -> dict[str, list[int]]:
+    """{key: global shape} of every tensor in a torch_dist checkpoint (its ``.metadata``), plus
+    ``key: "object"`` for non-tensor entries (``_extra_state``)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    it_dir = _iteration_dir(ckpt)
+    meta = FileSystemReader(it_dir).read_metadata()
+    return {k: (list(v.size) if hasattr(v, "size") else "object") for k, v in sorted(meta.state_dict_metadata.items())}
+
+
+def _iteration_dir(ckpt: str) -> str:
+    iters = sorted(p for p in Path(ckpt).iterdir() if p.is_dir() and p.name.startswith("iter_"))
+    return str(iters[-1]) if iters else ckpt  # as AutoBridge.load_megatron_model picks it
+
+
+def _load_model(ckpt: str, hf: str, mtp: bool = True):
+    """The model in ``ckpt``: Bridge's own loader when run_config.yaml is there, else the model Bridge
+    builds from ``hf``'s config loaded strictly with megatron-core's dist_checkpointing."""
+    it_dir = _iteration_dir(ckpt)
+    if (Path(it_dir) / "run_config.yaml").exists():
+        from megatron.bridge.training.model_load_save import build_and_load_model, load_model_config
+
+        cfg, _ = load_model_config(it_dir)
+        _cpu(cfg)
+        model = build_and_load_model(it_dir, cfg, use_cpu_init=True, skip_temp_dist_context=True)
+        return f"{type(cfg).__module__}.{type(cfg).__name__}", model
+    from megatron.bridge import AutoBridge
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    bridge = AutoBridge.from_hf_pretrained(hf, torch_dtype=torch.float32)
+    provider = bridge.to_megatron_provider(load_weights=False)
+    if not mtp:
+        provider.mtp_num_layers = None
+    _cpu(provider)
+    provider.finalize()
+    model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
+    module = _module(model)
+    state = dist_checkpointing.load(module.sharded_state_dict(), it_dir, strict=StrictHandling.RAISE_ALL)
+    own = module.state_dict()  # the checkpoint's common state (iteration, ...) is not the model's
+    module.load_state_dict({k: v for k, v in state.items() if k in own}, strict=True)
+    return "dist_checkpointing.load", model
+
+
+def _weights(model) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in _module(model).state_dict().items() if "_extra_state" not in k}
+
+
+def _load(job: dict) -> dict:
+    provider, model = _load_model(job["ckpt"], job["hf"], job.get("mtp", True))
+    loaded = _weights(model)
+    expected = _weights(_from_hf(job["hf"], job.get("mtp", True))[1])
+    mismatched = sorted(k for k in expected if k in loaded and not (
+        loaded[k].shape == expected[k].shape and torch.equal(loaded[k], expected[k])))
+    return {"provider": provider, "compared": len(expected), "mismatched": mismatched,
+            "missing": sorted(set(expected) - set(loaded)), "unexpected": sorted(set(loaded) - set(expected))}
+
+
+def _logits(job: dict) -> dict:
+    from transformers import AutoConfig
+
+    if "ckpt" in job:
+        model = _load_model(job["ckpt"], job["hf"], job.get("mtp", True))[1]
+    else:
+        model = _from_hf(job["hf"], job.get("mtp", True))[1]
+    module = _module(model).eval()
+    ids = torch.tensor(job["ids"], dtype=torch.long)
+    positions = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+    with torch.no_grad():
+        out = module(input_ids=ids, position_ids=positions, attention_mask=None)
+    vocab = AutoConfig.from_pretrained(job["hf"]).vocab_size
+    return {"logits": out[..., :vocab].float().tolist()}
+
+
+def _write(job: dict) -> dict:
+    bridge, model = _from_hf(job["hf"], job.get("mtp", True))
+    bridge.save_megatron_model(model, job["out"])
+    run_config = Path(_iteration_dir(job["out"])) / "run_config.yaml"
+    return {"out": job["out"], "keys": _checkpoint_keys(job["out"]), "run_config": run_config.read_text()}
+
+
+def _export(job: dict) -> dict:
+    from megatron.bridge import AutoBridge
+
+    bridge = AutoBridge.from_hf_pretrained(job["hf"], torch_dtype=torch.float32)
+    model = _load_model(job["ckpt"], job["hf"], job.get("mtp", True))[1]
+    bridge.save_hf_pretrained(model, job["out"])
+    return {"out": job["out"]}
+
+
+OPS = {"write": _write, "load": _load, "logits": _logits, "export": _export}
+
+
+def main(jobs_path: str, result_path: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(20000 + os.getpid() % 20000))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(1, 1)
+    import megatron.bridge
+
+    _install()
+    results = [{"op": job["op"], **OPS[job["op"]](job)} for job in json.loads(Path(jobs_path).read_text())]
+    from importlib.metadata import version
+
+    out = {"versions": {p: version(p) for p in ("megatron-bridge", "megatron-core", "transformers", "torch")},
+           "bridge_file": megatron.bridge.__file__, "results": results}
+    Path(result_path).write_text(json.dumps(out))
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # the checkpoint writer starts worker processes that import this file
+    main(sys.argv[1], sys.argv[2])
