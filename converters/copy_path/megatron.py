@@ -34,7 +34,7 @@ from converters.copy_path.io import (
 )
 from converters.copy_path.megatron_ops import full_rows_ops, full_segments, row_nbytes, shard_ops
 from converters.copy_path.ops import Interleave, Op, Unsupported, Zeros
-from converters.copy_path.sources import RawSource
+from converters.copy_path.sources import RawSource, refuse_hybrid
 from converters.formats import pickles as pw
 from converters.formats.hf_config import write_config_dir
 from converters.formats.megatron_args import (
@@ -90,6 +90,7 @@ def plan_copy_target(source: RawSource, *, fmt: str, tp: int, pp: int, vpp: int,
     cfg = source.cfg
     if cfg.moe is not None:
         raise Unsupported("Megatron targets of mixture-of-experts models (the torch path writes them)")
+    refuse_hybrid(source.wmap)
     require_megatron_layout(cfg, source.path)
     check_target_stages(cfg.num_hidden_layers, pp, vpp, first, last)
     validate_target_layout(cfg, fmt, tp=tp, pp=pp, vpp=vpp, first=first, last=last)

@@ -41,7 +41,7 @@ from converters.formats.megatron_legacy import LegacyCheckpoint
 from converters.formats.tensors import TAG_TO_TORCH_NAME, RawTensor
 from converters.layout.experts import GROUPED_GEMM
 from converters.layout.megatron import megatron_full_shape
-from converters.layout.model import EMBED, FINAL, Unit, all_units, unit_entries
+from converters.layout.model import EMBED, FINAL, Unit, all_units, is_hybrid, unit_entries
 from converters.layout.stages import absent_tensors
 from models.common.errors import CheckpointError
 from models.common.weight_map import WeightEntry, hf_shapes
@@ -123,6 +123,7 @@ class LegacyRawSource(RawSource):
         self.path = ckpt.path
         self.layout, self.iteration = args_layout(ckpt.args), ckpt.iteration
         self._set_model(ckpt)
+        refuse_hybrid(self.wmap)
         if self.cfg.moe is not None and ckpt.expert_layout == GROUPED_GEMM:
             # each expert a transposed block of weight1/weight2: not byte ranges (before validating:
             # the torch path validates it all again)
@@ -155,6 +156,7 @@ class DistRawSource(RawSource):
         self.path = str(ckpt.it_dir)
         self.layout, self.iteration = ckpt.layout, ckpt.iteration
         self._set_model(ckpt)
+        refuse_hybrid(self.wmap)
         ckpt.validate()
         shapes = hf_shapes(self.cfg, self.wmap)
         self.planned = {}
@@ -186,6 +188,14 @@ class DistRawSource(RawSource):
                 self.planned.update(megatron_entry_ops(entry, blocks, full, self.cfg, str(ckpt.it_dir)))
         self._plan_absent(ckpt.dtype)
         self.check_shapes()
+
+
+def refuse_hybrid(wmap) -> None:
+    """``Unsupported`` for a Gated DeltaNet hybrid on the Megatron side: its output norm is held minus one
+    (arithmetic, not bytes) and its packed ``in_proj`` / ``conv1d`` split into components; the torch path
+    converts it (HF -> HF stays a byte copy)."""
+    if is_hybrid(wmap):
+        raise Unsupported("Megatron checkpoints of the Gated DeltaNet hybrids (the torch path converts them)")
 
 
 def _chunks_by_lead(tensor: DistTensor, n: int) -> dict[tuple[int, ...], list]:

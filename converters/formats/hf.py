@@ -25,7 +25,7 @@ from typing import Any, Iterable, Sequence, Union
 from converters.formats.hf_config import check_block_count, check_config_against_tensors, read_hf_config
 from converters.formats.quantized import check_unquantized_tensors
 from converters.formats.tensors import ITEMSIZE
-from converters.layout.model import architecture_for, conversion_weight_map
+from converters.layout.model import architecture_for, checkpoint_weight_map
 from models.common.hf_files import SafetensorsFiles, StoredTensor, canonical_names, check_tensors
 from models.common.weight_map import hf_shapes
 
@@ -55,7 +55,7 @@ class HFCheckpoint:
         config_path = Path(path) / "config.json"
         for field, count, prefix in arch.counted_blocks(cfg) if arch.counted_blocks else ():
             check_block_count(config_path, field, count, prefix, shapes)  # before the weight map lists them
-        wmap = conversion_weight_map(arch, cfg)
+        wmap = checkpoint_weight_map(arch, cfg, shapes, self.path)  # a hybrid's MTP block when it has one
         check_config_against_tensors(config_path, cfg, wmap, shapes, files)
         allowed = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
         check_tensors(shapes, hf_shapes(cfg, wmap), self.path, allowed_extra=allowed, files=files)

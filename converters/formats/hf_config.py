@@ -16,7 +16,9 @@ from models.common.errors import CheckpointError
 from models.common.hf_files import copy_companion_files, read_config_json
 
 ARCHITECTURE_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                      "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                      "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                      "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+                      "qwen3_next": "Qwen3NextForCausalLM"}
 
 
 class HFConfig:
@@ -79,7 +81,9 @@ def read_hf_config(directory: str | Path) -> HFConfig:
     data = read_config_json(directory)
     # vision-language configs of transformers 5 keep the text model's fields in text_config
     text, where = (data["text_config"], "text_config.") if isinstance(data.get("text_config"), dict) else (data, "")
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
+    # a mixture-of-experts model may have no dense MLP width at all (Qwen3.5-MoE)
+    dense = () if text.get("intermediate_size") is None and text.get("num_experts") else ("intermediate_size",)
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", *dense):
         if not isinstance(text.get(key), int) or text[key] <= 0:
             raise CheckpointError(f"{path}: '{where}{key}' must be a positive integer, found {text.get(key)!r}")
     return HFConfig(data, str(directory))

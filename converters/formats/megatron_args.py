@@ -20,6 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from converters.formats.hf_config import config_from_fields, read_hf_config
+from converters.formats.megatron_hybrid import (
+    MODEL_TYPES,
+    hybrid_arg_fields,
+    hybrid_hf_config,
+    hybrid_mismatches,
+    hybrid_model_type,
+    is_hybrid_args,
+)
 from converters.formats.megatron_moe import (
     arg_value,
     check_hf_against_args,
@@ -202,7 +210,7 @@ def hf_config_from_args(args: Any, *, arch: str | None, hf_config_dir: str | Non
         config = read_hf_config(hf_config_dir)
         _check_against_args(config, args, where, hf_config_dir)
         return config
-    arch = arch or detect_arch(args, where)
+    arch = arch or (None if is_hybrid_args(args) else detect_arch(args, where))
     vocab = vocab_size or arg_value(args, "vocab_size")
     if not vocab:
         raise CheckpointError(f"{where}: the checkpoint records only the padded vocab "
@@ -227,6 +235,12 @@ def hf_config_from_args(args: Any, *, arch: str | None, hf_config_dir: str | Non
         rope = {"rope_type": "llama3", "rope_theta": rope["rope_theta"],
                 "factor": float(arg_value(args, "rope_scaling_factor", 8.0)), "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    if is_hybrid_args(args) or arch in MODEL_TYPES:  # Gated DeltaNet hybrids (converters/formats/megatron_hybrid)
+        if not is_hybrid_args(args):
+            variant = arg_value(args, "experimental_attention_variant")
+            raise CheckpointError(f"{where}: --arch {arch}, but the Megatron args have no Gated DeltaNet layers "
+                                  f"(experimental_attention_variant={variant!r})")
+        return hybrid_hf_config(args, common, hybrid_model_type(args, arch, where), where)
     if arch == "qwen2":
         return config_from_fields("qwen2", **common, rope_parameters=rope)
     if arch in ("qwen2_moe", "qwen3_moe"):
@@ -247,8 +261,9 @@ def hf_config_from_args(args: Any, *, arch: str | None, hf_config_dir: str | Non
 
 def _check_against_args(config: Any, args: Any, where: str, hf_dir: str) -> None:
     """An HF config (``--hf-config`` or the ``hf_config/`` sidecar) must describe the model the args do."""
-    detected = detect_arch(args, where)
-    if detected != getattr(config, "model_type", None):
+    hybrid = getattr(config, "model_type", None) in MODEL_TYPES.values()
+    detected = None if hybrid else detect_arch(args, where)
+    if not hybrid and detected != getattr(config, "model_type", None):
         raise CheckpointError(f"{where}: the Megatron args describe a {detected} model, the HF config at {hf_dir} "
                               f"a {getattr(config, 'model_type', None)} model")
     heads = getattr(args, "num_attention_heads", None)
@@ -269,6 +284,11 @@ def _check_against_args(config: Any, args: Any, where: str, hf_dir: str) -> None
             bad.append(f"{h}={ours} vs {m}={value}")
     if detected in ("qwen2_moe", "qwen3_moe"):
         bad += check_hf_against_args(config, args, where, hf_dir, arch=detected)
+    if hybrid:
+        from converters.layout.model import architecture_for
+
+        cfg = architecture_for(config.model_type, hf_dir).model_config(config)
+        bad += hybrid_mismatches(config, cfg, args, where, hf_dir)
     padded = arg_value(args, "padded_vocab_size")
     if padded is not None and getattr(config, "vocab_size", 0) > padded:
         bad.append(f"vocab_size={config.vocab_size} exceeds the checkpoint's padded vocab {padded}")
@@ -278,21 +298,22 @@ def _check_against_args(config: Any, args: Any, where: str, hf_dir: str) -> None
 
 def args_for_target(hf_config: Any, cfg, *, tp: int, pp: int, vpp: int, padded_vocab: int, dtype, fmt: str,
                     divisible_by: int, first: int | None = None, last: int | None = None,
-                    ep: int = 1, grouped_gemm: bool = False) -> argparse.Namespace:
+                    ep: int = 1, grouped_gemm: bool = False, mtp_layers: int = 0) -> argparse.Namespace:
     """Megatron-LM-style args for a checkpoint we write (what our readers and Megatron-LM read back)."""
     import torch
 
     fields = target_arg_fields(hf_config, cfg, tp=tp, pp=pp, vpp=vpp, padded_vocab=padded_vocab,
                                dtype_name=str(dtype).removeprefix("torch."), fmt=fmt, divisible_by=divisible_by,
-                               first=first, last=last, ep=ep, grouped_gemm=grouped_gemm)
+                               first=first, last=last, ep=ep, grouped_gemm=grouped_gemm, mtp_layers=mtp_layers)
     return argparse.Namespace(**{**fields, "params_dtype": getattr(torch, fields["params_dtype"])})
 
 
 def target_arg_fields(hf_config: Any, cfg, *, tp: int, pp: int, vpp: int, padded_vocab: int, dtype_name: str,
                       fmt: str, divisible_by: int, first: int | None = None, last: int | None = None,
-                      ep: int = 1, grouped_gemm: bool = False) -> dict:
+                      ep: int = 1, grouped_gemm: bool = False, mtp_layers: int = 0) -> dict:
     """The fields of ``args_for_target`` without torch: ``params_dtype`` is the dtype's name
-    (``"bfloat16"``); the torch-free writers pickle it as ``torch.bfloat16``."""
+    (``"bfloat16"``); the torch-free writers pickle it as ``torch.bfloat16``. A Gated DeltaNet hybrid's
+    add ``megatron_hybrid.hybrid_arg_fields`` (``mtp_layers``: the MTP layers written)."""
     if not (cfg.o_bias == cfg.mlp_bias and (cfg.qkv_bias or not cfg.o_bias)):
         raise UnsupportedConfigError(
             f"Megatron has one switch for all linear biases (add_bias_linear) plus add_qkv_bias; this model has "
@@ -317,4 +338,6 @@ def target_arg_fields(hf_config: Any, cfg, *, tp: int, pp: int, vpp: int, padded
     )
     if cfg.moe is not None:
         fields.update(moe_arg_fields(cfg, tp=tp, ep=ep, grouped_gemm=grouped_gemm))
+    if getattr(cfg, "linear_num_key_heads", 0) or getattr(hf_config, "model_type", None) in MODEL_TYPES.values():
+        fields.update(hybrid_arg_fields(cfg, mtp_layers))
     return fields

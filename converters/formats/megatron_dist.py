@@ -32,22 +32,30 @@ from typing import Any, Mapping
 from converters.formats.chunk_tiling import check_tiling
 from converters.formats.hf_config import read_hf_config
 from converters.formats.megatron_args import args_layout, check_args, hf_config_from_args, resolve_iteration_dir
-from converters.formats.megatron_bridge import COMMON_STATE, check_bridge_vision
-from converters.formats.megatron_moe import dist_expert_key
+from converters.formats.megatron_bridge import COMMON_STATE
+from converters.formats.megatron_dist_check import EMBEDDING, OUTPUT, check_config_against_dist, is_model_key
+from converters.formats.megatron_moe import arg_value, dist_expert_key
 from converters.formats.pickles import Record, TorchDtype, read_pickle
 from converters.formats.tensors import RawTensor, StridedTensor
 from converters.formats.torch_zip import read_torch_archive
+from converters.layout.hybrid import dist_unit_keys
 from converters.layout.megatron import megatron_full_shape
-from converters.layout.model import BRIDGE_TEXT_PREFIX, architecture_for, model_from_config
+from converters.layout.model import (
+    BRIDGE_TEXT_PREFIX,
+    EMBED,
+    FINAL,
+    Unit,
+    all_units,
+    architecture_for,
+    is_hybrid,
+    model_from_config,
+    mtp_layers_of,
+)
 from converters.layout.stages import dist_key, not_in_megatron
 from models.common.errors import CheckpointError
 from models.common.hf_files import plain_file_name, read_bounded
 from models.common.weight_map import hf_shapes
 
-# torch_dist entries that are not model weights: skipped by both paths (their bytes are never read)
-NON_MODEL_PREFIXES = ("optimizer.", "rng_state", "rerun_state")
-EMBEDDING = "embedding.word_embeddings.weight"
-OUTPUT = "output_layer.weight"
 MAX_METADATA_JSON_BYTES = 1 << 20
 DCP = "torch.distributed.checkpoint.metadata"
 
@@ -164,10 +172,6 @@ def _check_tiling(key: str, t: DistTensor, where: str) -> None:
     check_tiling(key, t.size, t.chunks, lambda message: CheckpointError(f"{where}: {message}"))
 
 
-def is_model_key(key: str) -> bool:
-    return not key.startswith(NON_MODEL_PREFIXES)
-
-
 def skipped_summary(entries: Mapping[str, Any]) -> dict[str, str]:
     """Non-model entries of a torch_dist ``.metadata`` (name -> entry metadata): {group: 'N tensors, M objects'}."""
     counts: dict[str, list[int]] = {}
@@ -192,80 +196,6 @@ def config_without_args(hf_config_dir: str | None, where: str) -> Any:
                               f"alone, verl or Megatron-Bridge?): pass --hf-config DIR, the HF model it was "
                               f"trained from")
     return read_hf_config(hf_config_dir)
-
-
-def check_config_against_dist(cfg: Any, shapes: Mapping[str, tuple], config_path: str, where: str) -> None:
-    """The sizes of an HF config (``cfg``: ModelConfig) against the global shapes of the tensors a
-    torch_dist checkpoint holds (name -> shape), before per-layer tables are built from the config.
-    A vision-language model's text tensors are looked for under Megatron-Bridge's ``language_model.``.
-
-    One CheckpointError naming the config file, the config values and the tensor shapes."""
-    model = {k: tuple(s) for k, s in shapes.items() if is_model_key(k)}
-    vision = getattr(cfg, "vision", None)
-    pre = BRIDGE_TEXT_PREFIX if vision is not None else ""
-    emb_key, out_key, layers = pre + EMBEDDING, pre + OUTPUT, pre + "decoder.layers."
-    adapters = sorted(k for k in model if ".adapter." in k or "lora" in k.lower())
-    if adapters:
-        only = "" if emb_key in model else " (an adapter-only checkpoint: the base weights are not in it)"
-        raise CheckpointError(f"{where}: LoRA adapter tensors ({adapters[0]}, ... {len(adapters)} in all){only}; "
-                              f"pmz converts full models: merge the adapters first or convert the base checkpoint")
-    if not any(k.startswith((pre + "embedding.", pre + "decoder.")) for k in model):
-        groups = sorted({k.split("/", 1)[0].split(".", 1)[0] for k in shapes})
-        raise CheckpointError(f"{where}: .metadata lists no model tensors ({pre}embedding.*, {pre}decoder.*), only "
-                              f"{', '.join(groups[:6]) or 'nothing'}")
-    problems = []
-
-    def bad(claim: str, key: str, detail: str) -> None:
-        problems.append(f"{claim}, but {key} has shape {model[key]}{detail}")
-
-    L, H = cfg.num_hidden_layers, cfg.hidden_size
-    index = [(k, k[len(layers):].split(".", 1)[0]) for k in model if k.startswith(layers)]
-    stacked = sorted(k for k, i in index if not i.isdigit())
-    numbered = {int(i) for _, i in index if i.isdigit()}
-    qkv = _find(model, "self_attention.linear_qkv.weight", layers)
-    if stacked:
-        key = qkv if qkv in stacked else stacked[0]
-        if model[key][0] != L:
-            bad(f"num_hidden_layers={L}", key, f" ({model[key][0]} stacked layers)")
-    elif len(numbered) != L or (numbered and max(numbered) != L - 1):
-        problems.append(f"num_hidden_layers={L}, but .metadata holds {len(numbered)} numbered layer(s) "
-                        f"({layers}0..{max(numbered) if numbered else -1})")
-    if emb_key in model:
-        rows, cols = model[emb_key][0], model[emb_key][-1]
-        if cols != H:
-            bad(f"hidden_size={H}", emb_key, "")
-        elif rows < cfg.vocab_size:
-            bad(f"vocab_size={cfg.vocab_size}", emb_key, f" ({rows} rows, fewer than the vocabulary)")
-    if out_key in model and model[out_key][0] == 1:
-        problems.append(f"{out_key} has shape {model[out_key]}: a value head (a verl critic or reward model), not "
-                        f"a language-model head")
-    nh, ng, hd, ffn = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
-    if qkv and model[qkv][-2:] != ((nh + 2 * ng) * hd, H):
-        bad(f"num_attention_heads={nh}, num_key_value_heads={ng}, head_dim={hd}, hidden_size={H} imply "
-            f"{(nh + 2 * ng) * hd} qkv rows of {H}", qkv, "")
-    proj = _find(model, "self_attention.linear_proj.weight", layers)
-    if proj and model[proj][-1] != nh * hd:
-        bad(f"num_attention_heads={nh}, head_dim={hd} imply {nh * hd} attention-output columns", proj, "")
-    fc1 = _find(model, "mlp.linear_fc1.weight", layers)
-    if fc1 and model[fc1][-2] != 2 * ffn:
-        bad(f"intermediate_size={ffn} implies {2 * ffn} gate+up rows", fc1, "")
-    fc2 = _find(model, "mlp.linear_fc2.weight", layers)
-    if fc2 and model[fc2][-1] != ffn:
-        bad(f"intermediate_size={ffn}", fc2, "")
-    if problems:
-        raise CheckpointError(f"{config_path} does not describe the checkpoint {where}: {'; '.join(problems[:4])}")
-    if vision is not None:
-        check_bridge_vision(vision, model, config_path, f"{where}/.metadata")
-
-
-def _find(model: Mapping[str, tuple], suffix: str, layers: str = "decoder.layers.") -> str | None:
-    """The stacked key ``<layers><suffix>``, else layer 0's."""
-    for key in (f"{layers}{suffix}", f"{layers}0.{suffix}"):
-        if key in model:
-            return key
-    return None
-
-
 
 
 # ------------------------------------------------------------------------------------------- reading
@@ -303,7 +233,12 @@ class DistCheckpoint:
         # sizes (text layers, vision blocks) against the tensors before the weight map lists them
         cfg = architecture_for(getattr(config, "model_type", None), self.path).model_config(config)
         check_config_against_dist(cfg, {k: t.size for k, t in self.tensors.items()}, config_path, where)
-        self.arch, self.cfg, self.wmap = model_from_config(config, self.path, megatron="torch_dist")
+        mtp = mtp_layers_of((k for k in self.tensors if is_model_key(k)), where)  # a hybrid's MTP block
+        recorded = int(arg_value(self.args, "mtp_num_layers", 0) or 0) if self.args is not None else mtp
+        if recorded != mtp:
+            raise CheckpointError(f"{where}: the Megatron args say mtp_num_layers={recorded}, the checkpoint holds "
+                                  f"{mtp} MTP layer(s) (mtp.layers.*)")
+        self.arch, self.cfg, self.wmap = model_from_config(config, self.path, megatron="torch_dist", mtp_layers=mtp)
         self.text_prefix = BRIDGE_TEXT_PREFIX if self.cfg.vision is not None else ""
         self.skipped = skipped_summary({**self.tensors, **{k: None for k in self.objects}})
         emb = self.tensors.get(self.text_prefix + EMBEDDING)
@@ -395,11 +330,30 @@ class DistCheckpoint:
                 out.append((entry, key, idx))
         return out
 
+    def unit_keys(self, unit: Unit) -> list[tuple[Any, list[tuple[str, int | None]], Any]]:
+        """(plain entry, its torch_dist tensors as (key, component rows or None), index) of every stored
+        tensor of a unit: ``layer_keys`` (one tensor each), or a Gated DeltaNet hybrid's per-layer keys
+        (``layout.hybrid.dist_unit_keys``: ``in_proj`` / ``conv1d`` one tensor per component)."""
+        if is_hybrid(self.wmap):
+            return dist_unit_keys(self.wmap, unit)
+        if unit in (EMBED, FINAL):
+            return [(e, [(e.megatron, None)], None)
+                    for e in (self.wmap.first_entries if unit == EMBED else self.wmap.last_entries)]
+        return [(e, [(key, None)], idx) for e, key, idx in self.layer_keys(int(unit))]
+
     def expected(self) -> list[tuple[str, tuple[int, ...]]]:
         """(torch_dist key, global shape) of every tensor a conversion needs."""
         shapes = hf_shapes(self.cfg, self.wmap)
+        if is_hybrid(self.wmap):
+            out: dict[str, tuple[int, ...]] = {}
+            for unit in all_units(self.cfg):
+                for entry, keys, idx in self.unit_keys(unit):
+                    full = megatron_full_shape(entry, shapes, self.cfg, self.padded_vocab)
+                    lead = (self.cfg.moe.num_experts,) if idx is not None else ()
+                    out.update((key, (*lead, rows or full[0], *full[1:])) for key, rows in keys)
+            return list(out.items())
         L = self.cfg.num_hidden_layers
-        out: dict[str, tuple[int, ...]] = {}
+        out = {}
         for entry in self.wmap.first_entries + self.wmap.last_entries:
             out[entry.megatron] = megatron_full_shape(entry, shapes, self.cfg, self.padded_vocab)
         experts = self.cfg.moe.num_experts if self.cfg.moe is not None else 0

@@ -31,11 +31,12 @@ from converters.formats.megatron_args import (
     legacy_rank_dir_name,
     resolve_iteration_dir,
 )
-from converters.formats.megatron_moe import num_experts_of
+from converters.formats.megatron_moe import arg_value, num_experts_of
 from converters.formats.tensors import RawTensor, StridedTensor
 from converters.formats.torch_zip import read_torch_archive
 from converters.layout.experts import SEQUENTIAL, fc_of, grouped_shape, layout_of_keys, stored_key
-from converters.layout.megatron import COL1, GATE_UP, ROW0, megatron_full_shape, tp_split_kind
+from converters.layout.hybrid import unit_keys
+from converters.layout.megatron import BLOCKS, COL1, GATE_UP, ROW0, megatron_full_shape, tp_split_kind
 from converters.layout.model import Unit, model_from_config
 from converters.layout.stages import (
     RANK_FILE,
@@ -43,7 +44,6 @@ from converters.layout.stages import (
     MegatronLayout,
     chunk_state,
     lookup_key,
-    unit_megatron_keys_ep,
 )
 from models.common.errors import CheckpointError
 from models.common.weight_map import WeightEntry, hf_shapes
@@ -101,7 +101,12 @@ class LegacyCheckpoint:
             raise CheckpointError(f"{it_dir}: unexpected rank folder(s) {', '.join(extra)} for {shown}")
         self.hf_config = hf_config_from_args(args, arch=arch, hf_config_dir=hf_config_dir, vocab_size=vocab_size,
                                              where=str(it_dir))
-        self.arch, self.cfg, self.wmap = model_from_config(self.hf_config, self.path, megatron=True)
+        # a hybrid's MTP block (on the last stage) as the args record it; the files are checked in validate()
+        mtp = int(arg_value(args, "mtp_num_layers", 0) or 0)
+        if mtp > 1:
+            raise CheckpointError(f"{first_file}: args say mtp_num_layers={mtp}: pmz carries exactly one MTP layer "
+                                  f"(mtp.layers.0, the layout Megatron-Bridge maps)")
+        self.arch, self.cfg, self.wmap = model_from_config(self.hf_config, self.path, megatron=True, mtp_layers=mtp)
         experts = self.cfg.moe.num_experts if self.cfg.moe is not None else 0
         if self.ep > 1 and (not experts or experts % self.ep):
             raise CheckpointError(f"{first_file}: args say expert_model_parallel_size={self.ep}, but the model has "
@@ -177,7 +182,7 @@ class LegacyCheckpoint:
     def expected_keys(self, p: int, v: int) -> list[tuple[Unit, WeightEntry, str, int | None]]:
         """(unit, entry, key, EP rank of an expert tensor or None) held by chunk ``v`` of stage ``p``."""
         return [(unit, e, k, r) for unit, local in self.layout.stage_units(p, v)
-                for e, k, r in unit_megatron_keys_ep(self.wmap, unit, local, self.ep)]
+                for e, k, r in unit_keys(self.wmap, unit, local, self.ep)]
 
     def validate(self) -> None:
         """Every rank file reads; every expected tensor is there, with one shape across TP ranks and
@@ -259,7 +264,7 @@ class LegacyCheckpoint:
         full = megatron_full_shape(entry, self._hf_shapes, self.cfg, self.padded_vocab)
         kind = tp_split_kind(entry, len(full))
         expected = list(full)
-        if kind in (ROW0, GATE_UP):
+        if kind in (ROW0, GATE_UP, BLOCKS):
             expected[0] //= self.tp
         elif kind == COL1:
             expected[1] //= self.tp

@@ -12,6 +12,18 @@ module knows what the tags mean:
   vocab_padded     rows padded to Megatron's padded vocab (zeros), TP shards contiguous in dim 0.
   plain            the HF tensor itself; its TP split follows the HF rule (column: dim 0, row: dim 1
                    for matrices, replicated for norms and row-parallel biases).
+  qkv_gated_interleaved  ``linear_qkv`` with megatron-core's ``attention_output_gate``: per query group g
+                   ``[queries of g's heads | their output gates | k_g | v_g]`` (HF ``q_proj`` holds each
+                   head's query then its gate); TP shards contiguous in dim 0, as ``linear_qkv``.
+  packed_components  the parts' row components one after the other, each part's as its sharding rule
+                   packs it at TP 1 (Gated DeltaNet ``in_proj``: ``[q | k | v | z | b | a]``, Qwen3-Next's
+                   interleaved groups de-interleaved; ``conv1d``: ``[q | k | v]``); a legacy TP shard r is
+                   the r-th row chunk of every component in order (``BLOCKS``: the model's packed
+                   parameter shard), torch_dist one global tensor per component (``entry.megatron_parts``).
+  minus_one        Megatron holds the HF value minus one (the Gated DeltaNet output norm is a plain
+                   RMSNorm in HF, zero-centred in megatron-core); computed in fp32 and rounded to the
+                   tensor's dtype, each way. A Megatron source's value is carried to a Megatron target
+                   as stored (``MEGATRON_VALUE``), so reshards stay bitwise.
 
 "Full" always means torch_dist's global tensor, so both Megatron formats share the HF conversion.
 """
@@ -21,8 +33,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence
 
 from models.common.config import ModelConfig
-from models.common.weight_map import GATE_UP_STACKED, PLAIN, QKV_INTERLEAVED, VOCAB_PADDED, WeightEntry
-from parallel.sharding import Replicated, Split
+from models.common.weight_map import (
+    GATE_UP_STACKED,
+    MINUS_ONE,
+    PACKED,
+    PLAIN,
+    QKV_GATED,
+    QKV_INTERLEAVED,
+    VOCAB_PADDED,
+    WeightEntry,
+)
+from parallel.sharding import Blocks, Groups, Replicated, Split
 
 if TYPE_CHECKING:  # the shape and row-range functions serve the torch-free copy path
     import torch
@@ -31,7 +52,10 @@ if TYPE_CHECKING:  # the shape and row-range functions serve the torch-free copy
 ROW0 = "dim0"  # contiguous slices of dim 0
 COL1 = "dim1"  # contiguous slices of dim 1
 GATE_UP = "gate_up"  # [gate_r; up_r]
+BLOCKS = "blocks"  # [c1_r; c2_r; ...]: the r-th row chunk of each component (``packed_components``)
 REPLICATED = "replicated"
+# attribute of an HF tensor read from a Megatron ``minus_one`` tensor: the Megatron value it came from
+MEGATRON_VALUE = "_pmz_megatron_value"
 
 
 class LayoutError(ValueError):
@@ -46,10 +70,12 @@ def tp_split_kind(entry: WeightEntry, ndim: int) -> str:
     whole: Megatron-LM's default expert-TP size is the TP size, the layout we read and write."""
     if entry.megatron and ".local_experts." in entry.megatron:
         return GATE_UP if entry.megatron_layout == GATE_UP_STACKED else COL1
-    if entry.megatron_layout in (QKV_INTERLEAVED, VOCAB_PADDED):
+    if entry.megatron_layout in (QKV_INTERLEAVED, QKV_GATED, VOCAB_PADDED):
         return ROW0
     if entry.megatron_layout == GATE_UP_STACKED:
         return GATE_UP
+    if entry.megatron_layout == PACKED:
+        return BLOCKS
     rule = entry.rules[0]
     if isinstance(rule, Replicated):
         return REPLICATED
@@ -60,12 +86,46 @@ def tp_split_kind(entry: WeightEntry, ndim: int) -> str:
     raise LayoutError(f"{entry.megatron}: no Megatron TP split for rule {rule!r}")
 
 
-def split_tp(kind: str, full: torch.Tensor, tp: int, name: str = "") -> list[torch.Tensor]:
-    """Legacy per-rank shards of a Megatron full tensor."""
+def packed_components(entry: WeightEntry) -> list[int]:
+    """Rows of each component of a ``packed_components`` entry's Megatron tensor, in order: a ``Blocks`` part's
+    blocks, a ``Groups`` part's components (all groups of each), any other part whole."""
+    rows = []
+    for rule, shape in zip(entry.rules, entry.shapes or ()):
+        if isinstance(rule, Blocks):
+            rows += list(rule.sizes)
+        elif isinstance(rule, Groups):
+            rows += [size * rule.groups for size in rule.sizes]
+        else:
+            rows.append(shape[0])
+    if entry.megatron_parts and len(entry.megatron_parts) != len(rows):
+        raise LayoutError(f"{entry.megatron}: {len(rows)} components, {len(entry.megatron_parts)} names")
+    return rows
+
+
+def legacy_shards(entry: WeightEntry, full: torch.Tensor, tp: int, name: str = "") -> list[torch.Tensor]:
+    """Legacy per-rank shards of ``entry``'s Megatron full tensor."""
+    kind = tp_split_kind(entry, full.dim())
+    return split_tp(kind, full, tp, name, packed_components(entry) if kind == BLOCKS else None)
+
+
+def merge_legacy(entry: WeightEntry, shards: Sequence[torch.Tensor], name: str = "") -> torch.Tensor:
+    """``entry``'s Megatron full tensor from its legacy per-rank shards."""
+    kind = tp_split_kind(entry, shards[0].dim())
+    return merge_tp(kind, shards, name, packed_components(entry) if kind == BLOCKS else None)
+
+
+def split_tp(kind: str, full: torch.Tensor, tp: int, name: str = "",
+             blocks: Sequence[int] | None = None) -> list[torch.Tensor]:
+    """Legacy per-rank shards of a Megatron full tensor (``blocks``: the component rows of ``BLOCKS``)."""
     import torch
 
     if kind == REPLICATED:
         return [full] * tp
+    if kind == BLOCKS:
+        if any(rows % tp for rows in blocks):
+            raise LayoutError(f"{name}: components of {list(blocks)} rows are not divisible by tp={tp}")
+        parts = [c.chunk(tp, dim=0) for c in full.split(list(blocks), dim=0)]
+        return [torch.cat([p[r] for p in parts], dim=0) for r in range(tp)]
     if kind == GATE_UP:
         if full.shape[0] % (2 * tp):
             raise LayoutError(f"{name}: linear_fc1 rows {full.shape[0]} not divisible by 2*tp = {2 * tp}")
@@ -77,7 +137,8 @@ def split_tp(kind: str, full: torch.Tensor, tp: int, name: str = "") -> list[tor
     return [t.contiguous() for t in full.chunk(tp, dim=dim)]
 
 
-def merge_tp(kind: str, shards: Sequence[torch.Tensor], name: str = "") -> torch.Tensor:
+def merge_tp(kind: str, shards: Sequence[torch.Tensor], name: str = "",
+             blocks: Sequence[int] | None = None) -> torch.Tensor:
     """Megatron full tensor from legacy per-rank shards (shapes checked equal across ranks)."""
     import torch
 
@@ -86,6 +147,13 @@ def merge_tp(kind: str, shards: Sequence[torch.Tensor], name: str = "") -> torch
         raise LayoutError(f"{name}: TP ranks hold different shapes {[tuple(s.shape) for s in shards]}")
     if kind == REPLICATED:
         return shards[0]
+    if kind == BLOCKS:
+        tp = len(shards)
+        if sum(blocks) != shards[0].shape[0] * tp or any(rows % tp for rows in blocks):
+            raise LayoutError(f"{name}: {tp} shards of {shards[0].shape[0]} rows are not components of "
+                              f"{list(blocks)} rows split over tp={tp}")
+        parts = [s.split([rows // tp for rows in blocks], dim=0) for s in shards]
+        return torch.cat([parts[r][j] for j in range(len(blocks)) for r in range(tp)], dim=0)
     if kind == GATE_UP:
         halves = [s.chunk(2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
@@ -122,6 +190,40 @@ def qkv_deinterleave(full: torch.Tensor, cfg: ModelConfig) -> list[torch.Tensor]
     return [t.reshape(-1, *rest).contiguous() for t in (q, k, v)]
 
 
+def _gated_dims(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(heads per query group, groups, head_dim) of a gated ``linear_qkv``."""
+    nh, ng, hd = _qkv_dims(cfg)
+    return nh // ng, ng, hd
+
+
+def qkv_gated_interleave(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """HF ``q_proj`` (per head ``[query | gate]``), ``k_proj``, ``v_proj`` -> gated ``linear_qkv`` (per query
+    group ``[queries | gates | k_g | v_g]``)."""
+    import torch
+
+    per, ng, hd = _gated_dims(cfg)
+    rest = q.shape[1:]
+    heads = q.reshape(ng, per, 2, hd, *rest)
+    parts = [heads[:, :, 0].reshape(ng, per * hd, *rest), heads[:, :, 1].reshape(ng, per * hd, *rest),
+             k.reshape(ng, hd, *rest), v.reshape(ng, hd, *rest)]
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+
+def qkv_gated_deinterleave(full: torch.Tensor, cfg: ModelConfig) -> list[torch.Tensor]:
+    """Gated ``linear_qkv`` -> HF [q_proj (queries and gates per head), k_proj, v_proj]."""
+    import torch
+
+    per, ng, hd = _gated_dims(cfg)
+    expected = ng * (2 * per + 2) * hd
+    if full.shape[0] != expected:
+        raise LayoutError(f"linear_qkv has {full.shape[0]} rows, expected (2*heads + 2*groups)*head_dim = "
+                          f"(2*{per * ng} + 2*{ng})*{hd} = {expected} (a query output gate per head)")
+    rest = full.shape[1:]
+    queries, gates, k, v = full.reshape(ng, (2 * per + 2) * hd, *rest).split([per * hd, per * hd, hd, hd], dim=1)
+    q = torch.stack([queries.reshape(ng, per, hd, *rest), gates.reshape(ng, per, hd, *rest)], dim=2)
+    return [t.reshape(-1, *rest).contiguous() for t in (q, k, v)]
+
+
 def hf_to_megatron(entry: WeightEntry, tensors: Sequence[torch.Tensor], cfg: ModelConfig,
                    padded_vocab: int) -> torch.Tensor:
     """The Megatron full tensor of ``entry`` from its HF tensors (in ``entry.hf`` order)."""
@@ -130,6 +232,15 @@ def hf_to_megatron(entry: WeightEntry, tensors: Sequence[torch.Tensor], cfg: Mod
     layout = entry.megatron_layout
     if layout == QKV_INTERLEAVED:
         return qkv_interleave(*tensors, cfg)
+    if layout == QKV_GATED:
+        return qkv_gated_interleave(*tensors, cfg)
+    if layout == PACKED:  # each part as its rule packs it for a single rank: Groups de-interleaved
+        return entry.packed.pack(list(tensors), 0, 1)
+    if layout == MINUS_ONE:
+        source = getattr(tensors[0], MEGATRON_VALUE, None)  # read from a Megatron checkpoint: carried as stored
+        if source is not None:
+            return source
+        return (tensors[0].float() - 1).to(tensors[0].dtype)
     if layout == GATE_UP_STACKED:
         return torch.cat(list(tensors), dim=0)
     if layout == VOCAB_PADDED:
@@ -148,6 +259,18 @@ def megatron_to_hf(entry: WeightEntry, full: torch.Tensor, cfg: ModelConfig) -> 
     layout = entry.megatron_layout
     if layout == QKV_INTERLEAVED:
         return qkv_deinterleave(full, cfg)
+    if layout == QKV_GATED:
+        return qkv_gated_deinterleave(full, cfg)
+    if layout == PACKED:
+        rows = sum(packed_components(entry))
+        if full.shape[0] != rows:
+            raise LayoutError(f"{entry.megatron}: {full.shape[0]} rows, expected {rows} "
+                              f"({' + '.join(map(str, packed_components(entry)))})")
+        return [t.contiguous() for t in entry.packed.merge([full], entry.shapes)]
+    if layout == MINUS_ONE:
+        hf = (full.float() + 1).to(full.dtype)
+        setattr(hf, MEGATRON_VALUE, full)
+        return [hf]
     if layout == GATE_UP_STACKED:
         # experts and the shared expert carry their own widths (entry.shapes), dense MLPs the config's
         rows = [s[0] for s in entry.shapes] if entry.shapes is not None else [cfg.intermediate_size] * 2
@@ -179,6 +302,16 @@ def hf_row_ranges(entry: WeightEntry, cfg: ModelConfig, full_rows: int) -> list[
                               f"{ng * group}")
         parts = ((0, nq), (nq, nq + hd), (nq + hd, group))
         return [[(g * group + a, g * group + b) for g in range(ng)] for a, b in parts]
+    if layout == QKV_GATED:  # q_proj: each head's query rows, then its gate rows
+        per, ng, hd = _gated_dims(cfg)
+        group = (2 * per + 2) * hd
+        if full_rows != ng * group:
+            raise LayoutError(f"{entry.megatron}: {full_rows} rows, expected (2*heads + 2*groups)*head_dim = "
+                              f"{ng * group}")
+        q = [(g * group + part * per * hd + j * hd, g * group + part * per * hd + (j + 1) * hd)
+             for g in range(ng) for j in range(per) for part in (0, 1)]
+        kv = [[(g * group + (2 * per + i) * hd, g * group + (2 * per + i + 1) * hd) for g in range(ng)] for i in (0, 1)]
+        return [q, *kv]
     if layout == VOCAB_PADDED:
         if full_rows < cfg.vocab_size:
             raise LayoutError(f"{entry.megatron}: {full_rows} rows, fewer than vocab_size={cfg.vocab_size}")
@@ -205,7 +338,7 @@ def megatron_full_shape(entry: WeightEntry, hf_shapes: dict[str, tuple[int, ...]
                         padded_vocab: int) -> tuple[int, ...]:
     """Shape of ``entry``'s Megatron full tensor, from the HF shapes (no tensors needed)."""
     first = tuple(hf_shapes[entry.hf[0]])
-    if entry.megatron_layout in (QKV_INTERLEAVED, GATE_UP_STACKED):
+    if entry.megatron_layout in (QKV_INTERLEAVED, QKV_GATED, GATE_UP_STACKED, PACKED):
         return (sum(hf_shapes[n][0] for n in entry.hf), *first[1:])
     if entry.megatron_layout == VOCAB_PADDED:
         return (padded_vocab, *first[1:])

@@ -2,18 +2,20 @@
 config and conversion weight map, and the units conversions move one at a time.
 
 A *unit* is the embedding (``EMBED``), one decoder layer (its global index) or the final norm and
-output layer (``FINAL``). Readers turn their format into the HF tensors of a unit; writers consume
+output layer (``FINAL``; with a Gated DeltaNet hybrid's MTP block, that too: it lives on the last
+pipeline stage). Readers turn their format into the HF tensors of a unit; writers consume
 units. Peak memory is therefore a few units, whatever the model size.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Union
+from typing import Any, Iterable, Union
 
 from models.common.architecture import Architecture
 from models.common.config import ModelConfig
 from models.common.errors import CheckpointError
+from models.common.hybrid_weights import MTP_PREFIX, HybridWeightMap
 from models.common.weight_map import PLAIN, WeightEntry, WeightMap
 
 EMBED = "embed"
@@ -29,9 +31,12 @@ def architectures() -> dict[str, Architecture]:
     from models.qwen2_moe.architecture import ARCHITECTURE as QWEN2_MOE
     from models.qwen2_vl.architecture import ARCHITECTURE as QWEN2_VL
     from models.qwen3.architecture import ARCHITECTURE as QWEN3
+    from models.qwen3_5.architecture import ARCHITECTURE as QWEN3_5
+    from models.qwen3_5_moe.architecture import ARCHITECTURE as QWEN3_5_MOE
     from models.qwen3_moe.architecture import ARCHITECTURE as QWEN3_MOE
+    from models.qwen3_next.architecture import ARCHITECTURE as QWEN3_NEXT
 
-    archs = (LLAMA, QWEN2, QWEN2_MOE, QWEN2_VL, QWEN2_5_VL, QWEN3, QWEN3_MOE)
+    archs = (LLAMA, QWEN2, QWEN2_MOE, QWEN2_VL, QWEN2_5_VL, QWEN3, QWEN3_MOE, QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT)
     return {t: arch for arch in archs for t in arch.hf_model_types}
 
 
@@ -59,17 +64,51 @@ def architecture_for(model_type: str | None, where: str) -> Architecture:
     return archs[model_type]
 
 
-def conversion_weight_map(arch: Architecture, cfg: ModelConfig) -> WeightMap:
-    """The architecture's weight map for conversion (no TP vocab padding: converters pad per format)."""
-    return arch.weight_map(cfg, cfg.vocab_size)
+def conversion_weight_map(arch: Architecture, cfg: ModelConfig, mtp_layers: int = 0) -> WeightMap:
+    """The architecture's weight map for conversion (no TP vocab padding: converters pad per format); a Gated
+    DeltaNet hybrid's with Megatron's one ``in_proj`` per linear layer and, with ``mtp_layers``, the MTP block
+    (``HybridWeightMap.for_conversion``; ``mtp_layers`` from ``mtp_layers_of``)."""
+    wmap = arch.weight_map(cfg, cfg.vocab_size)
+    if isinstance(wmap, HybridWeightMap):
+        return wmap.for_conversion(mtp_layers)
+    if mtp_layers:
+        raise CheckpointError(f"{arch.name} has no MTP block (mtp.* tensors): only the Gated DeltaNet hybrids do")
+    return wmap
 
 
-def megatron_weight_map(arch: Architecture, cfg: ModelConfig) -> WeightMap:
+def checkpoint_weight_map(arch: Architecture, cfg: ModelConfig, names: Iterable[str], where: str) -> WeightMap:
+    """The conversion map of a checkpoint whose tensors are ``names`` (HF names, or Megatron keys): a hybrid's
+    carries the MTP block when they hold one (``mtp_layers_of``)."""
+    wmap = conversion_weight_map(arch, cfg)
+    return wmap.for_conversion(mtp_layers_of(names, where)) if isinstance(wmap, HybridWeightMap) else wmap
+
+
+def megatron_weight_map(arch: Architecture, cfg: ModelConfig, mtp_layers: int = 0) -> WeightMap:
     """The conversion weight map with the Megatron names a torch_dist checkpoint of this model holds:
     the architecture's own for text models, Megatron-Bridge's for vision-language ones
     (``bridge_vl_weight_map``)."""
-    wmap = conversion_weight_map(arch, cfg)
+    wmap = conversion_weight_map(arch, cfg, mtp_layers)
     return wmap if cfg.vision is None else bridge_vl_weight_map(wmap)
+
+
+def is_hybrid(wmap: WeightMap) -> bool:
+    """A Gated DeltaNet hybrid's map (Qwen3.5, Qwen3.5-MoE, Qwen3-Next)."""
+    return isinstance(wmap, HybridWeightMap)
+
+
+def mtp_layers_of(names: Iterable[str], where: str) -> int:
+    """How many MTP layers a checkpoint's HF tensor names hold (``mtp.layers.{k}.*``; 0 without ``mtp.*``).
+    pmz carries one MTP layer (Megatron-Bridge's mapping names ``mtp.layers.0`` only): CheckpointError for
+    more, or for ``mtp.*`` tensors without a layer."""
+    mtp = [n for n in names if n.startswith(MTP_PREFIX)]
+    if not mtp:
+        return 0
+    layers = sorted({n.split(".")[2] for n in mtp if n.startswith(MTP_PREFIX + "layers.") and n.count(".") > 2})
+    if layers != ["0"]:
+        found = f"layers {', '.join(layers)}" if layers else f"no mtp.layers.* (only {sorted(mtp)[0]}, ...)"
+        raise CheckpointError(f"{where}: an MTP block with {found}: pmz carries exactly one MTP layer (mtp.layers.0, "
+                              f"the layout Megatron-Bridge maps)")
+    return 1
 
 
 def bridge_vl_weight_map(wmap: WeightMap) -> WeightMap:
@@ -95,23 +134,25 @@ def bridge_vl_weight_map(wmap: WeightMap) -> WeightMap:
                      tuple(map(text, wmap.moe_layer_entries)), wmap.moe_layers)
 
 
-def model_from_config(hf_config: Any, where: str, megatron: bool | str) -> tuple[Architecture, ModelConfig, WeightMap]:
+def model_from_config(hf_config: Any, where: str, megatron: bool | str,
+                      mtp_layers: int = 0) -> tuple[Architecture, ModelConfig, WeightMap]:
     """Architecture, model config and conversion weight map of an HF config, for every reader and raw
     source; ``megatron``: the checkpoint is in a Megatron format (True: legacy, where vision-language
-    models are refused; "torch_dist": vision-language models in Megatron-Bridge's names)."""
+    models are refused; "torch_dist": vision-language models in Megatron-Bridge's names);
+    ``mtp_layers``: the MTP layers the checkpoint holds (``mtp_layers_of``)."""
     arch = architecture_for(getattr(hf_config, "model_type", None), where)
     cfg = arch.model_config(hf_config)
     if megatron:
         require_megatron_layout(cfg, where, bridge=megatron == "torch_dist")
-        return arch, cfg, megatron_weight_map(arch, cfg)
-    return arch, cfg, conversion_weight_map(arch, cfg)
+        return arch, cfg, megatron_weight_map(arch, cfg, mtp_layers)
+    return arch, cfg, conversion_weight_map(arch, cfg, mtp_layers)
 
 
 def unit_entries(wmap: WeightMap, unit: Unit) -> list[WeightEntry]:
     if unit == EMBED:
         return list(wmap.first_entries)
-    if unit == FINAL:
-        return list(wmap.last_entries)
+    if unit == FINAL:  # and a hybrid's MTP block, on the last stage
+        return list(wmap.last_entries) + (wmap.mtp_entries() if is_hybrid(wmap) else [])
     return [e.format(int(unit)) for e in wmap.layer_templates(int(unit))]
 
 

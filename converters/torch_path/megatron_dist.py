@@ -22,17 +22,18 @@ import torch
 
 from converters.formats.megatron_bridge import CONTENT_METADATA
 from converters.formats.megatron_dist import DistCheckpoint
+from converters.layout.hybrid import dist_components, dist_expert, dist_extra_states, unit_absent
 from converters.layout.megatron import LayoutError, megatron_to_hf
-from converters.layout.model import EMBED, FINAL, Unit, conversion_weight_map, megatron_weight_map
+from converters.layout.model import EMBED, FINAL, Unit, conversion_weight_map, is_hybrid, megatron_weight_map
 from converters.layout.stages import (
     DIST_DATA_FILES,
     DIST_METADATA_JSON,
     LAYER_PREFIX,
     LINEAR_MODULES,
-    absent_tensors,
     layer_prefix,
     stacked_key,
     stores_shared_expert,
+    writer_norm_aliases,
 )
 from converters.runtime.tasks import run_tasks
 from converters.torch_path.megatron_target import megatron_unit_tensors
@@ -52,7 +53,7 @@ class DistReader(CheckpointReader):
         # the model's own weight map for writers (vLLM packs the vision MLP's gate/up); the checkpoint's
         # Megatron names (Megatron-Bridge's for vision-language models) only for reading
         self.hf_config, self.arch, self.cfg = ckpt.hf_config, ckpt.arch, ckpt.cfg
-        self.wmap = conversion_weight_map(self.arch, self.cfg)
+        self.wmap = conversion_weight_map(self.arch, self.cfg, getattr(ckpt.wmap, "mtp_layers", 0))
         self.skipped, self.padded_vocab = ckpt.skipped, ckpt.padded_vocab
         lay: dict[str, Any] = ckpt.layout or {"tp": None, "pp": None, "vpp": None}
         files = sorted({c.file for t in self.tensors.values() for c in t.chunks})
@@ -101,14 +102,12 @@ class DistReader(CheckpointReader):
 
     def read_unit(self, unit: Unit) -> dict[str, torch.Tensor]:
         stored = self.ckpt.wmap
-        if unit in (EMBED, FINAL):
-            entries = [(e, e.megatron, None) for e in (stored.first_entries if unit == EMBED else stored.last_entries)]
-        else:
-            entries = self.ckpt.layer_keys(int(unit))
-        out = {n: torch.zeros(shape, dtype=self.info.dtype) for n, shape in absent_tensors(stored, unit).items()}
-        for entry, key, idx in entries:
+        out = {n: torch.zeros(shape, dtype=self.info.dtype) for n, shape in unit_absent(stored, unit).items()}
+        for entry, keys, idx in self.ckpt.unit_keys(unit):
+            parts = [self.read_tensor(key, idx) for key, _ in keys]  # a packed entry's components, in order
             try:
-                out.update(zip(entry.hf, megatron_to_hf(entry, self.read_tensor(key, idx), self.cfg)))
+                full = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+                out.update(zip(entry.hf, megatron_to_hf(entry, full, self.cfg)))
             except LayoutError as exc:
                 raise CheckpointError(f"{self.it_dir}: {exc}") from exc
         return out
@@ -141,6 +140,10 @@ def write_dist_units(reopen_args: tuple, target, directory: str, units: list, fi
         f.write(raw)
 
     with open(Path(directory) / file_name, "wb") as f:
+        if is_hybrid(wmap):  # per-layer keys, packed components, the MTP block
+            for unit in units:
+                _put_hybrid_unit(put, reader, target, wmap, unit)
+            units = []
         for unit in units:
             layer = None if unit in (EMBED, FINAL) else int(unit)
             for _entry, key, full in megatron_unit_tensors(reader, unit, layer, target.padded_vocab, target.dtype,
@@ -158,7 +161,8 @@ def write_dist_units(reopen_args: tuple, target, directory: str, units: list, fi
                     else:
                         gshape, offsets, lead = (E,), (e,), (1,)
                 else:
-                    gkey = stacked_key(key.replace(f"layers.{layer}.", "layers.{i}.", 1))
+                    aliases = writer_norm_aliases(wmap, layer, bridge=target.bridge, args=target.args, fmt="torch_dist")
+                    gkey = stacked_key(key.replace(f"layers.{layer}.", "layers.{i}.", 1), aliases)
                     if stacked:
                         gshape, offsets, lead = (L,), (layer,), (1,)
                     else:
@@ -174,6 +178,27 @@ def write_dist_units(reopen_args: tuple, target, directory: str, units: list, fi
 
 
 _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+
+
+def _put_hybrid_unit(put, reader: CheckpointReader, target, wmap, unit: Unit) -> None:
+    """A Gated DeltaNet hybrid's unit as megatron-core saves it (``layout.hybrid``): every layer under its
+    global number, ``in_proj`` / ``conv1d`` one global tensor per component, experts ``[E, ...]`` per layer,
+    the MTP block's layer as ``transformer_layer``, an empty ``_extra_state`` per Transformer-Engine module."""
+    layer = unit if isinstance(unit, int) else None
+    E = reader.cfg.moe.num_experts if reader.cfg.moe is not None else 0
+    for entry, key, full in megatron_unit_tensors(reader, unit, layer, target.padded_vocab, target.dtype, wmap=wmap):
+        expert = dist_expert(key)
+        if expert is not None:
+            chunk = full.reshape(1, *full.shape).contiguous()
+            put(expert[0], (E, *full.shape), full.dtype, (expert[1], *(0,) * full.dim()), tuple(chunk.shape), chunk)
+            continue
+        start = 0
+        for name, rows in dist_components(entry, key):
+            part = full if rows is None else full[start:start + rows].contiguous()
+            start += rows or 0
+            put(name, tuple(part.shape), part.dtype, (0,) * part.dim(), tuple(part.shape), part)
+    for module, suffix in dist_extra_states(wmap, unit):
+        put(f"{module}._extra_state/{suffix}", None, None, None, None, [None])
 
 
 def _dist_extra_states(wmap, layer: int, L: int, E: int, stacked: bool,

@@ -23,7 +23,16 @@ import torch
 
 from converters.formats.megatron_args import legacy_rank_dir_name
 from converters.formats.megatron_legacy import LegacyCheckpoint, rank_file_object
-from converters.layout.experts import GROUPED_GEMM, SEQUENTIAL, fc_of, grouped_block, pack_grouped, stored_key
+from converters.layout.experts import (
+    GROUPED_GEMM,
+    SEQUENTIAL,
+    TE_GROUPED,
+    fc_of,
+    grouped_block,
+    pack_grouped,
+    stored_key,
+)
+from converters.layout.hybrid import legacy_extra_states, unit_absent, unit_keys
 from converters.layout.megatron import (
     COL1,
     GATE_UP,
@@ -31,14 +40,14 @@ from converters.layout.megatron import (
     ROW0,
     LayoutError,
     hf_row_ranges,
+    legacy_shards,
     megatron_to_hf,
-    merge_tp,
+    merge_legacy,
     slices_of_shards,
-    split_tp,
     tp_split_kind,
 )
-from converters.layout.model import EMBED, FINAL, Unit
-from converters.layout.stages import RANK_FILE, absent_tensors, extra_state_modules, unit_megatron_keys_ep
+from converters.layout.model import EMBED, FINAL, Unit, is_hybrid
+from converters.layout.stages import RANK_FILE, extra_state_modules
 from converters.torch_path.megatron_target import MegatronTarget, megatron_unit_tensors
 from converters.torch_path.reader import TORCH_DTYPES, CheckpointReader, MappedFiles, ReaderInfo, reopen
 from models.common.errors import CheckpointError
@@ -107,19 +116,19 @@ class LegacyReader(CheckpointReader):
         """
         p, v = self.layout.unit_location(unit)
         local = None if unit in (EMBED, FINAL) else self.layout.where[int(unit)][2]
-        keys = unit_megatron_keys_ep(self.wmap, unit, local, self.ep)
+        keys = unit_keys(self.wmap, unit, local, self.ep)
         ep_ranks = sorted({0} | {r for _, _, r in keys if r is not None})
         # resolved: the name /proc/self/maps gives the mapping (see torch_path/hf.py's _Copier)
         all_files = {e: [self.rank_file(t, p, e).resolve() for t in range(self.tp)] for e in ep_ranks}
         out: dict[str, list[torch.Tensor]] = {n: [torch.zeros(shape, dtype=self.info.dtype)]
-                                              for n, shape in absent_tensors(self.wmap, unit).items()}
+                                              for n, shape in unit_absent(self.wmap, unit).items()}
         for entry, key, ep_rank in keys:
             files = all_files[ep_rank or 0]
             shards, grouped = self._shards(key, p, ep_rank or 0, v)
             kind = tp_split_kind(entry, shards[0].dim())
             try:
                 if grouped:  # transposed blocks of a GroupedMLP tensor: merged into new tensors
-                    full = merge_tp(kind, [s.contiguous() for s in shards], key)
+                    full = merge_legacy(entry, [s.contiguous() for s in shards], key)
                     out.update((n, [t]) for n, t in zip(entry.hf, megatron_to_hf(entry, full, self.cfg)))
                 elif kind == ROW0:
                     ranges = hf_row_ranges(entry, self.cfg, shards[0].shape[0] * self.tp)
@@ -130,7 +139,7 @@ class LegacyReader(CheckpointReader):
                     half = shards[0].shape[0] // 2
                     out.update(zip(entry.hf, ([_mapped(s[:half], files[t]) for t, s in enumerate(shards)],
                                               [_mapped(s[half:], files[t]) for t, s in enumerate(shards)])))
-                elif kind == REPLICATED:
+                elif kind == REPLICATED and entry.megatron_layout == PLAIN:
                     out[entry.hf[0]] = [shards[0].clone()]
                 elif reuse_buffers and kind == COL1 and entry.megatron_layout == PLAIN:
                     shape = (shards[0].shape[0], shards[0].shape[1] * self.tp)
@@ -140,8 +149,8 @@ class LegacyReader(CheckpointReader):
                     if buf is None:
                         buf = self._buffers[slot] = torch.empty(shape, dtype=shards[0].dtype)
                     out[entry.hf[0]] = [torch.cat(shards, dim=1, out=buf)]
-                else:
-                    full = merge_tp(kind, shards, key)
+                else:  # a whole tensor first: column splits, packed components, values Megatron holds minus one
+                    full = merge_legacy(entry, [s.clone() if kind == REPLICATED else s for s in shards], key)
                     out.update((n, [t]) for n, t in zip(entry.hf, megatron_to_hf(entry, full, self.cfg)))
             except LayoutError as exc:
                 raise CheckpointError(f"{self.it_dir}: {exc}") from exc
@@ -173,9 +182,12 @@ def write_legacy_rank(reopen_args: tuple, target: MegatronTarget, directory: str
 
     def shard_of(entry, key: str, full: torch.Tensor) -> torch.Tensor:
         # a clone: a view would make torch.save write the whole storage
-        return split_tp(tp_split_kind(entry, full.dim()), full, target.tp, key)[t].clone()
+        return legacy_shards(entry, full, target.tp, key)[t].clone()
 
-    experts = GROUPED_GEMM if getattr(target.args, "moe_grouped_gemm", False) else SEQUENTIAL
+    hybrid = is_hybrid(reader.wmap)
+    experts = SEQUENTIAL
+    if getattr(target.args, "moe_grouped_gemm", False):  # the Transformer-Engine spec's module for the hybrids
+        experts = TE_GROUPED if hybrid else GROUPED_GEMM
     state: dict[str, dict] = {}
     for v in range(target.vpp):
         chunk = state.setdefault("model" if target.vpp == 1 else f"model{v}", {})
@@ -191,8 +203,9 @@ def write_legacy_rank(reopen_args: tuple, target: MegatronTarget, directory: str
                 del full
             for stored, by_slot in blocks.items():
                 chunk[stored] = pack_grouped([by_slot[i] for i in sorted(by_slot)], fc_of(stored))
-            chunk.update({f"{m}._extra_state": None
-                          for m in extra_state_modules(unit, local, reader.wmap, target.ep, e, experts)})
+            modules = (legacy_extra_states(reader.wmap, unit, local, target.ep, experts == SEQUENTIAL) if hybrid
+                       else extra_state_modules(unit, local, reader.wmap, target.ep, e, experts))
+            chunk.update({f"{m}._extra_state": None for m in modules})
         if reader.cfg.tie_word_embeddings and target.pp > 1 and p == target.pp - 1 and v == target.vpp - 1:
             # Megatron's last stage keeps its own copy of the tied embedding as output_layer.weight.
             entry, key, full = megatron_unit_tensors(reader, EMBED, None, target.padded_vocab, target.dtype)[0]

@@ -12,12 +12,12 @@ import torch
 
 from converters.formats.megatron_args import args_for_target
 from converters.formats.megatron_moe import check_ep_target
+from converters.layout.hybrid import unit_keys
 from converters.layout.megatron import hf_to_megatron, megatron_padded_vocab
 from converters.layout.model import Unit, require_megatron_layout
 from converters.layout.stages import (
     MegatronLayout,
     check_target_stages,
-    unit_megatron_keys_ep,
     validate_target_layout,
 )
 from converters.torch_path.reader import CheckpointReader
@@ -49,7 +49,8 @@ def plan_megatron_target(reader: CheckpointReader, *, tp: int, pp: int, vpp: int
     check_ep_target(cfg, tp, ep, grouped_gemm)
     padded = megatron_padded_vocab(cfg.vocab_size, tp, divisible_by)
     args = args_for_target(reader.hf_config, cfg, tp=tp, pp=pp, vpp=vpp, padded_vocab=padded, dtype=dtype, fmt=fmt,
-                           divisible_by=divisible_by, first=first, last=last, ep=ep, grouped_gemm=grouped_gemm)
+                           divisible_by=divisible_by, first=first, last=last, ep=ep, grouped_gemm=grouped_gemm,
+                           mtp_layers=getattr(reader.wmap, "mtp_layers", 0))
     layout = MegatronLayout(cfg.num_hidden_layers, pp, vpp, first, last, "target")
     iteration = reader.info.layout.get("iteration")
     return MegatronTarget(tp, pp, vpp, padded, dtype, layout, args, iteration if isinstance(iteration, int) else None,
@@ -62,11 +63,12 @@ def megatron_unit_tensors(reader: CheckpointReader, unit: Unit, local_index: int
     """(entry, Megatron key with local layer number, Megatron full tensor) for one unit.
 
     Experts: one plain entry per expert (``entry.megatron`` holds the global id); the key holds the
-    local id at expert parallelism ``ep``; ``ep_rank`` given: only that EP rank's experts. ``wmap``:
+    local id at expert parallelism ``ep``; a hybrid's ``FINAL`` unit carries its MTP block (``layout.hybrid``);
+    ``ep_rank`` given: only that EP rank's experts. ``wmap``:
     the Megatron names to write (default the reader's; Megatron-Bridge's for ``layout.model.megatron_weight_map``)."""
     hf = reader.read_unit(unit)
     out = []
-    for entry, key, rank in unit_megatron_keys_ep(wmap or reader.wmap, unit, local_index, ep):
+    for entry, key, rank in unit_keys(wmap or reader.wmap, unit, local_index, ep):
         if rank is not None and ep_rank is not None and rank != ep_rank:
             continue
         full = hf_to_megatron(entry, [hf[n] for n in entry.hf], reader.cfg, padded_vocab).to(dtype)

@@ -7,7 +7,7 @@ Plain data, importable without torch (the converters' copy path reads it without
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Iterable
 
 from models.common.config import ModelConfig
@@ -21,6 +21,11 @@ PLAIN = "plain"  # same tensor in both
 QKV_INTERLEAVED = "qkv_interleaved"  # mcore linear_qkv: per query group [q heads of g, k_g, v_g]
 GATE_UP_STACKED = "gate_up_stacked"  # mcore linear_fc1: [gate; up]
 VOCAB_PADDED = "vocab_padded"  # mcore pads vocab rows to its own multiple
+# the Gated DeltaNet hybrids (models/common/hybrid_weights.py; converters/layout/megatron.py applies them):
+QKV_GATED = "qkv_gated_interleaved"  # mcore linear_qkv with attention_output_gate: per group [q | gates | k_g | v_g]
+PACKED = "packed_components"  # the parts' row components in order (sharding rules at TP 1); a legacy TP shard is
+#                               the entry's packed parameter shard, torch_dist one global tensor per component
+MINUS_ONE = "minus_one"  # mcore value = HF value - 1 (a plain RMSNorm weight held zero-centred by Megatron)
 
 # HF tensors that may sit in a checkpoint and carry no weights we need.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -37,6 +42,8 @@ class WeightEntry:
     its ``{e}`` (converters put the expert id Megatron uses there).
     ``shapes``: full HF shape of each part (one expert's, for expert entries); None = inferred from
     the module name (the dense decoder's tensors, see ``hf_shapes``).
+    ``megatron_parts``: for ``PACKED`` entries, the name of each row component (megatron-core's torch_dist
+    key suffixes: ``in_proj.weight.query`` ...), one per component of the parts' rules.
     """
 
     param: str
@@ -46,6 +53,7 @@ class WeightEntry:
     megatron_layout: str = PLAIN
     experts: int = 0
     shapes: tuple[tuple[int, ...], ...] | None = None
+    megatron_parts: tuple[str, ...] = ()
 
     @property
     def packed(self) -> "Packed":
@@ -66,7 +74,7 @@ class WeightEntry:
     def expert(self, e: int) -> "WeightEntry":
         """Expert ``e`` of a formatted expert entry as a plain entry (its names, rules and Megatron name)."""
         mc = self.megatron.replace("{e}", str(e)) if self.megatron else None
-        return WeightEntry(self.param, self.expert_hf(e), self.rules, mc, self.megatron_layout, 0, self.shapes)
+        return replace(self, hf=self.expert_hf(e), megatron=mc, experts=0)
 
     def format(self, layer: int) -> "WeightEntry":
         def fill(name: str) -> str:
@@ -75,8 +83,7 @@ class WeightEntry:
         hf = tuple(fill(h) for h in self.hf)
         if self.experts:
             hf = tuple(h.replace("{e}", str(e)) for e in range(self.experts) for h in hf)
-        return WeightEntry(fill(self.param), hf, self.rules, fill(self.megatron) if self.megatron else None,
-                           self.megatron_layout, self.experts, self.shapes)
+        return replace(self, param=fill(self.param), hf=hf, megatron=fill(self.megatron) if self.megatron else None)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,156 @@
+"""Where a Gated DeltaNet hybrid's tensors are in Megatron checkpoints (torch-free): the MTP block on the last
+pipeline stage, torch_dist's per-layer keys and split components, the modules with an ``_extra_state``.
+
+What megatron-core 0.19.2 saves for these models (Transformer-Engine spec, ``GatedDeltaNet``, read from its
+``gdn.py`` / ``transformer_block.py`` / ``multi_token_prediction.py``):
+
+* every layer under its own global number in torch_dist (``decoder.layers.{g}.*``: the block is
+  ``non_homogeneous_layers`` whenever ``linear_attention_freq`` mixes layer kinds, and Megatron-Bridge sets
+  ``hetereogenous_dist_checkpoint``); experts ``[E, ...]`` per layer (``mlp.experts.experts.*``);
+* ``in_proj.weight`` as six global tensors ``in_proj.weight.{query,key,value,z,beta,alpha}`` and
+  ``conv1d.weight`` as ``conv1d.weight.{query,key,value}`` (``_split_tensor_factory``): the ``PACKED``
+  layout's components (``WeightEntry.megatron_parts``);
+* the MTP layer's decoder layer, ``mtp.layers.{k}.mtp_model_layer.*`` in memory (and in legacy rank
+  files), saved as ``mtp.layers.{k}.transformer_layer.*`` in torch_dist (its backward-compatible name).
+
+The rest (legacy local layer numbers, TP splits, expert files) is ``converters/layout/stages``' and
+``converters/layout/megatron``'s.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from converters.layout.megatron import packed_components
+from converters.layout.model import FINAL, Unit, is_hybrid
+from converters.layout.stages import absent_tensors, stores_shared_expert, unit_megatron_keys_ep
+from models.common.weight_map import PACKED, WeightEntry, WeightMap
+
+MTP_DIST_LAYER = (".mtp_model_layer.", ".transformer_layer.")  # torch_dist's name of the MTP decoder layer
+_LOCAL_EXPERTS, _DIST_EXPERTS = ".mlp.experts.local_experts.", ".mlp.experts.experts."
+_IN_LAYER = re.compile(r"^.*\{i\}\.(mtp_model_layer\.)?")  # a layer template's prefix (decoder or MTP layer)
+
+
+def _mtp_view(wmap: Any) -> WeightMap:
+    """The MTP layers' templates as a map of their own: layer k is MTP layer k."""
+    return WeightMap(wmap.mtp_layer_entries, (), ())
+
+
+def unit_keys(wmap: Any, unit: Unit, local_index: int | None, ep: int) -> list[tuple[WeightEntry, str, int | None]]:
+    """``stages.unit_megatron_keys_ep`` plus, on the ``FINAL`` unit of a hybrid carrying it, the MTP block:
+    its fc and norms, then each MTP layer (experts expanded per EP rank as a decoder layer's)."""
+    keys = unit_megatron_keys_ep(wmap, unit, local_index, ep)
+    if unit == FINAL and is_hybrid(wmap) and wmap.mtp_layers:
+        keys += [(e, e.megatron, None) for e in wmap.mtp_head_entries]
+        view = _mtp_view(wmap)
+        for k in range(wmap.mtp_layers):
+            keys += unit_megatron_keys_ep(view, k, k, ep)
+    return keys
+
+
+def unit_absent(wmap: Any, unit: Unit) -> dict[str, tuple[int, ...]]:
+    """``stages.absent_tensors`` of a unit, the MTP layers' included."""
+    out = absent_tensors(wmap, unit)
+    if unit == FINAL and is_hybrid(wmap) and wmap.mtp_layers:
+        view = _mtp_view(wmap)
+        for k in range(wmap.mtp_layers):
+            out.update(absent_tensors(view, k))
+    return out
+
+
+def dist_name(key: str) -> str:
+    """A hybrid's Megatron key (global layer number) as torch_dist stores it (the MTP layer renamed)."""
+    if key.startswith("mtp."):
+        return key.replace(*MTP_DIST_LAYER, 1)
+    return key
+
+
+def dist_components(entry: WeightEntry, key: str) -> list[tuple[str, int | None]]:
+    """(torch_dist key, rows) of each global tensor holding ``entry``'s Megatron tensor ``key``: one per
+    component of a ``PACKED`` entry (rows of the full tensor, in order), else the key itself (rows None)."""
+    key = dist_name(key)
+    if entry.megatron_layout != PACKED:
+        return [(key, None)]
+    return [(f"{key}.{name}", rows) for name, rows in zip(entry.megatron_parts, packed_components(entry))]
+
+
+def dist_expert(key: str) -> tuple[str, int] | None:
+    """(torch_dist key, expert) of a per-expert legacy key (``...local_experts.{e}...``), else None."""
+    if _LOCAL_EXPERTS not in key:
+        return None
+    head, rest = dist_name(key).split(_LOCAL_EXPERTS, 1)
+    expert, tail = rest.split(".", 1)
+    return f"{head}{_DIST_EXPERTS}{tail}", int(expert)
+
+
+def _layer_modules(templates: tuple[WeightEntry, ...], prefix: str, local_experts: int,
+                   sequential: bool) -> list[str]:
+    """The modules of one layer (names under ``prefix``) whose ``_extra_state`` megatron-core saves: its
+    Transformer-Engine linears (norms fused into ``in_proj`` / ``linear_qkv`` / ``linear_fc1``), experts."""
+    local = {_IN_LAYER.sub("", t.megatron) for t in templates if t.megatron}
+    mods = [m for m in ("self_attention.in_proj", "self_attention.out_proj", "self_attention.linear_qkv",
+                        "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+            if any(name.startswith(m + ".") for name in local)]
+    if local_experts and sequential:
+        mods += [f"mlp.experts.local_experts.{i}.linear_fc{j}" for i in range(local_experts) for j in (1, 2)]
+    if stores_shared_expert(templates):
+        mods += [f"mlp.shared_experts.linear_fc{j}" for j in (1, 2)]
+    return [prefix + m for m in mods]
+
+
+def legacy_extra_states(wmap: Any, unit: Unit, local_index: int | None, ep: int, sequential: bool) -> list[str]:
+    """Modules whose (empty) ``_extra_state`` a legacy rank file of a hybrid holds for ``unit``."""
+    experts = _experts(wmap)
+    if isinstance(unit, int):
+        templates = wmap.layer_templates(unit)
+        local = experts // ep if unit in wmap.moe_layers else 0
+        return _layer_modules(templates, f"decoder.layers.{local_index}.", local, sequential)
+    if unit != FINAL:
+        return []
+    mods = ["output_layer"]
+    for k in range(wmap.mtp_layers):
+        mods.append(f"mtp.layers.{k}.eh_proj")
+        mods += _layer_modules(wmap.mtp_layer_entries, f"mtp.layers.{k}.mtp_model_layer.",
+                               experts // ep if experts else 0, sequential)
+    return mods
+
+
+def dist_extra_states(wmap: Any, unit: Unit) -> list[tuple[str, str]]:
+    """(module, shard suffix) of the empty ``_extra_state`` items a torch_dist checkpoint of a hybrid holds
+    for ``unit`` (per-layer keys: ``shard_0_1``; experts ``shard_{e}_{E}``)."""
+    E = _experts(wmap)
+    out: list[tuple[str, str]] = []
+    if isinstance(unit, int):
+        groups = [(wmap.layer_templates(unit), f"decoder.layers.{unit}.", unit in wmap.moe_layers)]
+    elif unit == FINAL:
+        groups = [(wmap.mtp_layer_entries, f"mtp.layers.{k}.transformer_layer.", bool(E))
+                  for k in range(wmap.mtp_layers)]
+        out += [(f"mtp.layers.{k}.eh_proj", "shard_0_1") for k in range(wmap.mtp_layers)]
+    else:
+        return []
+    for templates, prefix, sparse in groups:
+        out += [(m, "shard_0_1") for m in _layer_modules(templates, prefix, 0, False)]
+        if sparse:
+            out += [(f"{prefix}mlp.experts.experts.linear_fc{j}", f"shard_{e}_{E}") for j in (1, 2) for e in range(E)]
+    return out
+
+
+def _experts(wmap: Any) -> int:
+    """The number of experts of a map's sparse layers (0 without)."""
+    return next((t.experts for t in wmap.moe_layer_entries if t.experts), 0)
+
+
+def dist_unit_keys(wmap: Any, unit: Unit) -> list[tuple[WeightEntry, list[tuple[str, int | None]], tuple | None]]:
+    """(entry, its torch_dist tensors as (key, component rows or None), index into them) of every Megatron
+    tensor of a hybrid's ``unit``: per-layer keys with the global layer number, ``PACKED`` entries one tensor
+    per component, experts ``(e,)`` of their layer's ``[E, ...]`` tensor, the MTP layer renamed."""
+    layer = unit if isinstance(unit, int) else None
+    out = []
+    for entry, key, _ in unit_keys(wmap, unit, layer, 1):
+        expert = dist_expert(key)
+        if expert is not None:
+            out.append((entry, [(expert[0], None)], (expert[1],)))
+        else:
+            out.append((entry, dist_components(entry, key), None))
+    return out
