@@ -49,8 +49,10 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
+_T0 = time.perf_counter()
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # megatron's jit_fuser is torch.compile: eager here
 
@@ -129,6 +131,62 @@ def _te_linears():
     return TEColumnParallelLinear, TERowParallelLinear, TELayerNormColumnParallelLinear
 
 
+def _te_grouped_linears():
+    """Stand-ins for TE's ``TEColumnParallelGroupedLinear`` / ``TERowParallelGroupedLinear`` (one process, no
+    expert TP): parameters ``weight0 .. weight{E-1}`` as TE's ``GroupedLinear`` holds them, one
+    ``_extra_state``; in the checkpoint each expert's weight is a slice of the global
+    ``experts.linear_fc{1,2}.weight`` [E, out, in] and its ``_extra_state`` one shard of
+    ``experts.linear_fc{1,2}._extra_state`` (the keys megatron-core's TE wrapper makes)."""
+    from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+
+    class _Grouped(torch.nn.Module):
+        tp_axis = 0
+
+        def __init__(self, num_gemms, input_size, output_size, *, config, bias, skip_bias_add=False,
+                     pg_collection=None, **_):
+            super().__init__()
+            if bias:
+                raise ValueError("grouped-linear stand-in: no biases (Qwen experts have none)")
+            self.num_gemms, self.config, self.pg_collection = num_gemms, config, pg_collection
+            for i in range(num_gemms):
+                self.register_parameter(f"weight{i}", torch.nn.Parameter(
+                    torch.empty(output_size, input_size, dtype=config.params_dtype)))
+
+        def forward(self, x, m_splits):
+            parts = torch.split(x, list(m_splits))
+            return torch.cat([p @ getattr(self, f"weight{i}").t() for i, p in enumerate(parts)]), None
+
+        get_extra_state, set_extra_state = _extra_state, _ignore_extra_state
+
+        def backward_dw(self):
+            return None
+
+        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+            metadata = ensure_metadata_has_dp_cp_group(metadata)
+            ep = self.pg_collection.ep if self.pg_collection is not None else None
+            first = (ep.rank() if ep is not None else 0) * self.num_gemms
+            total = (ep.size() if ep is not None else 1) * self.num_gemms
+            out = {}
+            for i in range(self.num_gemms):
+                sub = make_sharded_tensors_for_checkpoint(
+                    {f"{i}.weight": getattr(self, f"weight{i}"), f"{i}._extra_state": self.get_extra_state()}, "",
+                    {f"{i}.weight": self.tp_axis}, (*sharded_offsets, (len(sharded_offsets), first + i, total)),
+                    dp_cp_group=metadata["dp_cp_group"])
+                replace_prefix_for_sharding(sub, f"{i}.", prefix)
+                out[f"{prefix}weight{i}"] = sub[f"{i}.weight"]
+                out[f"{prefix}_extra_state{i or ''}"] = sub[f"{i}._extra_state"]
+            return out
+
+    class TEColumnParallelGroupedLinear(_Grouped):
+        tp_axis = 0
+
+    class TERowParallelGroupedLinear(_Grouped):
+        tp_axis = 1
+
+    return TEColumnParallelGroupedLinear, TERowParallelGroupedLinear
+
+
 def _spec_provider():
     """A ``BackendSpecProvider`` answering as ``TESpecProvider`` does, with the stand-ins."""
     from functools import partial
@@ -136,9 +194,10 @@ def _spec_provider():
     from megatron.core.models.backends import BackendSpecProvider
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.mlp import MLPSubmodules
-    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, SequentialMLP, TEGroupedMLP
 
     column, row, ln_column = _te_linears()
+    grouped_column, grouped_row = _te_grouped_linears()
 
     class _TorchTESpecProvider(BackendSpecProvider):
         def linear(self):
@@ -163,6 +222,9 @@ def _spec_provider():
             return DotProductAttention
 
         def grouped_mlp_modules(self, moe_use_grouped_gemm):
+            if moe_use_grouped_gemm:  # as TESpecProvider: TE's grouped experts
+                return partial(TEGroupedMLP, submodules=GroupedMLPSubmodules(
+                    linear_fc1=grouped_column, linear_fc2=grouped_row, activation_func=None))
             return partial(SequentialMLP, submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row))
 
         def activation_func(self):
@@ -231,16 +293,28 @@ def _cpu(provider) -> None:
             setattr(provider, name, value)
 
 
-def _from_hf(hf: str, mtp: bool = True):
+_BUILT: dict[tuple, object] = {}  # models built or loaded in this process, reused by later jobs
+
+
+def _provider(hf: str, mtp: bool, load_weights: bool):
     from megatron.bridge import AutoBridge
 
     bridge = AutoBridge.from_hf_pretrained(hf, torch_dtype=torch.float32)
-    provider = bridge.to_megatron_provider(load_weights=True)
+    provider = bridge.to_megatron_provider(load_weights=load_weights)
     if not mtp:
         provider.mtp_num_layers = None
     _cpu(provider)
     provider.finalize()
-    return bridge, provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
+    return bridge, provider
+
+
+def _from_hf(hf: str, mtp: bool = True):
+    """(bridge, model) Bridge builds from the HF weights in ``hf`` (once per process)."""
+    key = ("hf", hf, mtp)
+    if key not in _BUILT:
+        bridge, provider = _provider(hf, mtp, load_weights=True)
+        _BUILT[key] = bridge, provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
+    return _BUILT[key]
 
 
 def _module(model):
@@ -249,11 +323,10 @@ def _module(model):
 
 def _checkpoint_keys(ckpt: str) -> dict[str, list[int]]:
     """{key: global shape} of every tensor in a torch_dist checkpoint (its ``.metadata``), plus
-    ``key: "object"`` for non-tensor entries (``_extra_state``)."""
+    ``key: "object"`` for non-tensor entries (``_extra_state``, common state)."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    it_dir = _iteration_dir(ckpt)
-    meta = FileSystemReader(it_dir).read_metadata()
+    meta = FileSystemReader(_iteration_dir(ckpt)).read_metadata()
     return {k: (list(v.size) if hasattr(v, "size") else "object") for k, v in sorted(meta.state_dict_metadata.items())}
 
 
@@ -262,33 +335,45 @@ def _iteration_dir(ckpt: str) -> str:
     return str(iters[-1]) if iters else ckpt  # as AutoBridge.load_megatron_model picks it
 
 
-def _load_model(ckpt: str, hf: str, mtp: bool = True):
-    """The model in ``ckpt``: Bridge's own loader when run_config.yaml is there, else the model Bridge
-    builds from ``hf``'s config loaded strictly with megatron-core's dist_checkpointing."""
-    it_dir = _iteration_dir(ckpt)
-    if (Path(it_dir) / "run_config.yaml").exists():
+def _via(job: dict) -> str:
+    """``bridge`` (run_config.yaml, Bridge's loader) when the checkpoint has run_config.yaml, else
+    ``dist_checkpointing``; a job may ask for ``"via": "dist_checkpointing"`` on a Bridge checkpoint."""
+    has_config = (Path(_iteration_dir(job["ckpt"])) / "run_config.yaml").exists()
+    via = job.get("via", "bridge" if has_config else "dist_checkpointing")
+    if via == "bridge" and not has_config:
+        raise FileNotFoundError(f"{job['ckpt']}: no run_config.yaml for Bridge's loader")
+    return via
+
+
+def _load_model(job: dict):
+    """(loader, model) for ``job["ckpt"]`` (once per process and loader): Bridge's own loader
+    (``load_model_config`` on run_config.yaml, ``build_and_load_model``), or the model Bridge builds from
+    ``job["hf"]``'s config loaded with megatron-core's ``dist_checkpointing.load`` (strict: any missing or
+    unexpected checkpoint key raises) and ``load_state_dict(strict=True)``."""
+    via, mtp = _via(job), job.get("mtp", True)
+    key = ("ckpt", job["ckpt"], via, mtp)
+    if key in _BUILT:
+        return _BUILT[key]
+    it_dir = _iteration_dir(job["ckpt"])
+    if via == "bridge":
         from megatron.bridge.training.model_load_save import build_and_load_model, load_model_config
 
         cfg, _ = load_model_config(it_dir)
         _cpu(cfg)
         model = build_and_load_model(it_dir, cfg, use_cpu_init=True, skip_temp_dist_context=True)
-        return f"{type(cfg).__module__}.{type(cfg).__name__}", model
-    from megatron.bridge import AutoBridge
+        _BUILT[key] = f"{type(cfg).__module__}.{type(cfg).__name__}", model
+        return _BUILT[key]
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
-    bridge = AutoBridge.from_hf_pretrained(hf, torch_dtype=torch.float32)
-    provider = bridge.to_megatron_provider(load_weights=False)
-    if not mtp:
-        provider.mtp_num_layers = None
-    _cpu(provider)
-    provider.finalize()
-    model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
+    model = _provider(job["hf"], mtp, load_weights=False)[1].provide_distributed_model(
+        wrap_with_ddp=False, use_cpu_initialization=True)
     module = _module(model)
     state = dist_checkpointing.load(module.sharded_state_dict(), it_dir, strict=StrictHandling.RAISE_ALL)
     own = module.state_dict()  # the checkpoint's common state (iteration, ...) is not the model's
     module.load_state_dict({k: v for k, v in state.items() if k in own}, strict=True)
-    return "dist_checkpointing.load", model
+    _BUILT[key] = "megatron.core.dist_checkpointing.load", model
+    return _BUILT[key]
 
 
 def _weights(model) -> dict[str, torch.Tensor]:
@@ -296,22 +381,21 @@ def _weights(model) -> dict[str, torch.Tensor]:
 
 
 def _load(job: dict) -> dict:
-    provider, model = _load_model(job["ckpt"], job["hf"], job.get("mtp", True))
+    loader, model = _load_model(job)
     loaded = _weights(model)
     expected = _weights(_from_hf(job["hf"], job.get("mtp", True))[1])
     mismatched = sorted(k for k in expected if k in loaded and not (
         loaded[k].shape == expected[k].shape and torch.equal(loaded[k], expected[k])))
-    return {"provider": provider, "compared": len(expected), "mismatched": mismatched,
+    return {"loader": loader, "compared": len(expected), "mismatched": mismatched,
             "missing": sorted(set(expected) - set(loaded)), "unexpected": sorted(set(loaded) - set(expected))}
 
 
 def _logits(job: dict) -> dict:
+    """fp32 logits of the model in ``ckpt`` (else the one built from ``hf``) for ``ids`` (causal, positions
+    0..s-1 in every row, no padding), trimmed to the HF vocab."""
     from transformers import AutoConfig
 
-    if "ckpt" in job:
-        model = _load_model(job["ckpt"], job["hf"], job.get("mtp", True))[1]
-    else:
-        model = _from_hf(job["hf"], job.get("mtp", True))[1]
+    model = _load_model(job)[1] if "ckpt" in job else _from_hf(job["hf"], job.get("mtp", True))[1]
     module = _module(model).eval()
     ids = torch.tensor(job["ids"], dtype=torch.long)
     positions = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
@@ -329,11 +413,15 @@ def _write(job: dict) -> dict:
 
 
 def _export(job: dict) -> dict:
+    """Bridge's megatron->HF weight export (``save_hf_weights``, the weight half of ``save_hf_pretrained``,
+    whose other half copies the tokenizer these tiny checkpoints lack) plus the HF config."""
     from megatron.bridge import AutoBridge
 
     bridge = AutoBridge.from_hf_pretrained(job["hf"], torch_dtype=torch.float32)
-    model = _load_model(job["ckpt"], job["hf"], job.get("mtp", True))[1]
-    bridge.save_hf_pretrained(model, job["out"])
+    model = _load_model(job)[1]
+    Path(job["out"]).mkdir(parents=True, exist_ok=True)
+    bridge.hf_pretrained.config.save_pretrained(job["out"])
+    bridge.save_hf_weights(model if isinstance(model, list) else [model], job["out"], show_progress=False)
     return {"out": job["out"]}
 
 
@@ -352,10 +440,15 @@ def main(jobs_path: str, result_path: str) -> None:
     import megatron.bridge
 
     _install()
-    results = [{"op": job["op"], **OPS[job["op"]](job)} for job in json.loads(Path(jobs_path).read_text())]
+    imported = time.perf_counter()
+    results = []
+    for job in json.loads(Path(jobs_path).read_text()):
+        start = time.perf_counter()
+        results.append({"op": job["op"], **OPS[job["op"]](job), "seconds": round(time.perf_counter() - start, 2)})
     from importlib.metadata import version
 
-    out = {"versions": {p: version(p) for p in ("megatron-bridge", "megatron-core", "transformers", "torch")},
+    packages = ("megatron-bridge", "megatron-core", "transformers", "torch")
+    out = {"import_seconds": round(imported - _T0, 2), "versions": {p: version(p) for p in packages},
            "bridge_file": megatron.bridge.__file__, "results": results}
     Path(result_path).write_text(json.dumps(out))
     parallel_state.destroy_model_parallel()
