@@ -75,7 +75,7 @@ class VllmShardedCheckpoint:
         except ValueError as exc:
             raise CheckpointError(f"{directory}: {exc}") from None
         self.wmap = conversion_weight_map(self.arch, self.cfg)
-        self.vmap = vllm_format.vllm_weight_map(self.wmap, self.cfg)
+        self.vmap = vllm_format.vllm_map(self.arch, self.cfg)
         shapes = hf_shapes(self.cfg, self.wmap)
         self.stages = [vllm_format.stage_tensors(self.vmap, self.cfg, p, self.pp) for p in range(self.pp)]
         self.tensors: dict[tuple[int, int], dict[str, StoredTensor]] = {}

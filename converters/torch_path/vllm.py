@@ -2,8 +2,8 @@
 --tp N [--pp M]``) and, beside it, the reader of such directories as a source (``VllmReader``).
 
 One task per vLLM rank (pipeline stage ``p``, tensor rank ``t``): it reads the stage's units one at
-a time from any reader, packs each weight-map entry into rank ``t``'s shard with the weight map's
-rules at TP ``N`` (vLLM's vocabulary padding: ``models/common/vllm_format.py``) and writes
+a time from any reader, packs each weight-map entry into rank ``t``'s shard with vLLM's rules at TP ``N``
+(``models/common/vllm_format.py``; a hybrid's MTP block is left out, with a note on stderr) and writes
 ``model-rank-{t}-part-{k}.safetensors`` (``model-pp-{p}-tp-{t}-part-{k}.safetensors`` when pp > 1),
 starting a new part when the next tensor would pass ``max_shard_size`` (vLLM's own rule). Keys are
 exactly those vLLM's strict ``ShardedStateLoader`` expects, attention scales included. Memory: one
@@ -102,7 +102,7 @@ def write_vllm_rank(reopen_args: tuple, directory: str, pp_rank: int, tp_rank: i
     reader = reopen(reopen_args)
     try:
         cfg = reader.cfg
-        vmap = vllm_format.vllm_weight_map(reader.wmap, cfg)
+        vmap = vllm_format.vllm_map(reader.arch, cfg)
         wanted = vllm_format.stage_tensors(vmap, cfg, pp_rank, pp)
         layers = vllm_format.pp_layer_ranges(cfg.num_hidden_layers, pp)[pp_rank]
         first_params = {e.param for e in vmap.first_entries}  # the embedding and any vision tower
@@ -150,9 +150,17 @@ def write_vllm_rank(reopen_args: tuple, directory: str, pp_rank: int, tp_rank: i
 def write_vllm(reader: CheckpointReader, directory: str, *, tp: int, pp: int, dtype: torch.dtype,
                max_shard_bytes: int, workers: int, progress: bool, quantization: str | None = None) -> None:
     """Every rank's files (tasks in worker processes); the caller writes config and tokenizer files
-    (and checks FP8 shards with ``fp8.vllm_block_check`` first)."""
+    (and checks FP8 shards with ``fp8.vllm_block_check`` first). A hybrid's MTP block is not written
+    (vLLM's main model holds none: ``vllm_format``), and a note on stderr says so."""
+    import sys
+
     from converters.runtime.tasks import run_tasks
 
+    mtp = getattr(reader.wmap, "mtp_layers", 0)
+    if mtp:
+        print(f"pmz convert: note: {reader.path}: its MTP block (mtp.*, {mtp} layer) is not written: vLLM's "
+              f"sharded_state holds the main model only (vLLM's MTP draft model loads from an HF checkpoint)",
+              file=sys.stderr)
     tasks = [(write_vllm_rank, (reader.reopen_args(), directory, p, t, tp, pp, dtype, max_shard_bytes,
                                 quantization))
              for p in range(pp) for t in range(tp)]

@@ -28,6 +28,24 @@ stage's files carry it. Its linear layers are vLLM's Column/RowParallelLinear. Q
 layout (``Fused``); Qwen2.5-VL's is a QKVParallelLinear (rank r holds ``[q_r | k_r | v_r]``: our
 ``Fused`` layout as it is), and its gated MLP a MergedColumnParallelLinear ``mlp.gate_up_proj``
 (``[gate_r | up_r]``, our packing and name).
+
+Gated DeltaNet hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next; vLLM 0.32's ``qwen3_5.py``, ``qwen3_next.py`` and
+``QwenGatedDeltaNetAttention``, checked against vLLM building and loading them in tests/test_vllm_hybrid.py):
+the model's names and packing are vLLM's (``models/common/hybrid_weights.py``): ``linear_attn.in_proj_qkvz``
+``[q_r | k_r | v_r | z_r]`` (Qwen3.5: a MergedColumnParallelLinear of the four blocks), ``in_proj_ba``
+``[b_r | a_r]``, ``conv1d`` ``[q_r | k_r | v_r]`` channels (vLLM's ``mamba_v2_sharded_weight_loader``),
+``A_log``/``dt_bias`` split by value head, the gated ``norm`` whole, ``out_proj`` row-parallel; the gated
+attention's ``qkv_proj`` is a QKVParallelLinear over ``2 * heads`` query heads (each head's query then its
+gate). One difference: Qwen3-Next's GDN (``gqa_interleaved_layout``) builds ``in_proj_qkvz``/``in_proj_ba``
+with ONE output size, so a rank holds contiguous rows of the head-group-interleaved HF tensor (its run of
+key-head groups, still interleaved), where our model de-interleaves them (rule ``Groups``): vLLM's rule there
+is ``Split(0)``. Only full-attention layers carry the four attention scales. vLLM splits the GDN by key-head
+groups (``num_k_heads // tp`` per rank in its kernels, value heads and conv channels with ``divide``), so tp
+must divide ``linear_num_key_heads``. The MoE blocks are Qwen2-MoE's fused-MoE wrapping (shared expert and
+its gate inside ``mlp.experts``) with the router handed to it too (``mlp.experts.gate``, as Qwen3-MoE). vLLM's
+main model holds no MTP block (its ``mtp.*`` tensors are a separate draft model's), so none is written.
+vLLM's map is built from the model's own weight map (``vllm_map``), never from the converters' map, whose
+hybrid linear layers merge the two projections as Megatron stores them.
 """
 
 from __future__ import annotations
@@ -36,9 +54,11 @@ import math
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+from models.common.architecture import Architecture
 from models.common.config import ModelConfig
+from models.common.hybrid_weights import HybridWeightMap
 from models.common.weight_map import WeightEntry, WeightMap  # plain data: converters read this torch-free
-from parallel.sharding import Fused, ShardingError, Split, Vocab
+from parallel.sharding import Fused, Groups, ShardingError, Split, Vocab
 
 VOCAB_MULTIPLE = 64
 ATTENTION_SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
@@ -47,6 +67,7 @@ LANGUAGE_MODEL_PREFIX = "language_model."  # vLLM's vision-language models hold 
 VISION_PREFIX = "visual."
 NO_O_PROJ_BIAS = ("qwen3", "qwen3_moe")  # vLLM 0.32's Qwen3 attention: qkv bias from attention_bias, o_proj none
 CONTIGUOUS_VISION_QKV = ("qwen2_vl",)  # vLLM splits these architectures' vision qkv as one ColumnParallelLinear
+NEVER_TIED = ("qwen3_next",)  # vLLM 0.32 builds these architectures' lm_head on its own, never tied to the embedding
 
 
 class VllmLayoutError(ValueError):
@@ -91,14 +112,39 @@ def _vllm_fused_rows(entry: WeightEntry) -> WeightEntry:
     return replace(entry, rules=tuple(Split(0) if isinstance(r, Fused) else r for r in entry.rules))
 
 
+def _vllm_groups(entry: WeightEntry) -> WeightEntry:
+    """vLLM's Qwen3-Next ``in_proj_qkvz``/``in_proj_ba`` (one output size): contiguous rows of the interleaved
+    HF tensor, each rank's key-head groups left interleaved (our model de-interleaves them: ``Groups``)."""
+    if not any(isinstance(r, Groups) for r in entry.rules):
+        return entry
+    return replace(entry, rules=tuple(Split(0) if isinstance(r, Groups) else r for r in entry.rules))
+
+
 def vllm_weight_map(wmap: WeightMap, cfg: ModelConfig) -> WeightMap:
-    """The weight map with vLLM's rules: padded vocabulary, fused experts, contiguous vision qkv."""
+    """The weight map with vLLM's rules: padded vocabulary, fused experts, contiguous vision qkv, and a
+    hybrid's linear layers as vLLM splits them (no MTP block). ``wmap``: the model's own map (``vllm_map``)."""
     padded = with_vocab_padding(wmap, padded_vocab(cfg.vocab_size))
     first = padded.first_entries
     if cfg.architecture in CONTIGUOUS_VISION_QKV:
         first = tuple(map(_vllm_fused_rows, first))
-    return replace(padded, moe_layer_entries=tuple(map(_vllm_experts, padded.moe_layer_entries)),
-                   first_entries=first)
+    out = replace(padded, moe_layer_entries=tuple(map(_vllm_experts, padded.moe_layer_entries)), first_entries=first)
+    if isinstance(out, HybridWeightMap):
+        linear_entries = out.linear_layer_entries + out.linear_moe_layer_entries
+        merged = [e.param for e in linear_entries if e.param.endswith(".in_proj")]
+        if merged:  # the converters' map (Megatron's one in_proj): vLLM keeps the two projections apart
+            raise ValueError(f"vllm_weight_map needs the model's weight map, not a conversion map ({merged[0]})")
+
+        def linear(entries: tuple[WeightEntry, ...]) -> tuple[WeightEntry, ...]:
+            return tuple(_vllm_groups(_vllm_experts(e)) for e in entries)
+
+        out = replace(out, linear_layer_entries=linear(out.linear_layer_entries),
+                      linear_moe_layer_entries=linear(out.linear_moe_layer_entries), mtp_layers=0)
+    return out
+
+
+def vllm_map(arch: Architecture, cfg: ModelConfig) -> WeightMap:
+    """vLLM's weight map of ``arch`` for ``cfg`` (what every vLLM writer and the reader use)."""
+    return vllm_weight_map(arch.weight_map(cfg, cfg.vocab_size), cfg)
 
 
 def vllm_name(key: str, cfg: ModelConfig) -> str:
@@ -146,6 +192,14 @@ def check_layout(cfg: ModelConfig, tp: int, pp: int = 1) -> None:
                         f"adds one), so it cannot hold this model")
     if cfg.moe is not None and cfg.moe.num_experts < tp:
         problems.append(f"num_experts={cfg.moe.num_experts} is smaller than tp={tp} (vLLM refuses it)")
+    hk = getattr(cfg, "linear_num_key_heads", 0)
+    if hk and "linear_attention" in cfg.layer_types and hk % tp:
+        problems.append(f"linear_num_key_heads={hk} is not divisible by tp={tp} (vLLM splits the Gated DeltaNet "
+                        f"layers by key-head group, each with its "
+                        f"{cfg.linear_num_value_heads // hk} value heads)")
+    if cfg.architecture in NEVER_TIED and cfg.tie_word_embeddings:
+        problems.append(f"tie_word_embeddings=True: vLLM's {cfg.architecture} builds its own lm_head and never ties "
+                        f"it to the embedding, so it cannot hold this model")
     vis = cfg.vision
     if vis is not None:  # vLLM's vision tower is tensor-parallel over the same ranks
         for name, value in (("num_heads", vis.num_heads), ("MLP width", vis.mlp_hidden),
@@ -208,8 +262,10 @@ _MOE_SHARDED_KEYS = {"mlp.shared_expert.gate_up_proj.weight": "mlp.experts._shar
                      "mlp.shared_expert_gate.weight": "mlp.experts._shared_experts._layer.expert_gate.weight"}
 # vLLM 0.32 architectures whose sparse block hands its router to the fused-MoE layer (``gate=``, Qwen3-MoE):
 # the router is registered twice, ``mlp.gate`` (first: ``named_parameters()``) and ``mlp.experts.gate``
-# (alphabetically smaller: the ``sharded_state`` key). Checked by tests/test_qwen3_vllm.py.
-_ROUTER_IN_FUSED_MOE = frozenset({"qwen3_moe"})
+# (alphabetically smaller: the ``sharded_state`` key). Checked by tests/test_qwen3_vllm.py (Qwen3-MoE) and
+# tests/test_vllm_hybrid.py (Qwen3.5-MoE and Qwen3-Next, whose sparse block is Qwen2-MoE's shared-expert wrapping
+# plus this router hand-over).
+_ROUTER_IN_FUSED_MOE = frozenset({"qwen3_moe", "qwen3_5_moe", "qwen3_next"})
 
 
 def _moe_key(entry: WeightEntry, cfg: ModelConfig, sharded: bool) -> str | None:
