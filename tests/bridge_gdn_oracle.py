@@ -1,47 +1,83 @@
 """Real Megatron-Bridge as a test oracle for the Gated DeltaNet hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next),
-run under ``.venv-bridge``: ``python tests/bridge_gdn_oracle.py JOBS.json RESULT.json`` (one process for a
-list of jobs; importing Bridge costs ~12 s). Nothing of the project is imported here.
-
-Jobs (a JSON list):
+run under ``.venv-bridge``: ``python tests/bridge_gdn_oracle.py JOBS.json RESULT.json``, one process for a
+list of jobs (importing Bridge costs ~12 s quiet; a model build or load ~0.3-1 s; built and loaded models
+are reused by later jobs). Nothing of the project is imported here. Result: ``versions``, per job its
+``op``, ``seconds`` and:
   {"op": "write", "hf": DIR, "out": DIR}    ``AutoBridge.from_hf_pretrained(hf).to_megatron_provider(
-                                            load_weights=True)`` builds the model with Bridge's own mapping
-                                            (MTP included when the HF checkpoint carries ``mtp.*`` and its
-                                            config ``mtp_num_hidden_layers``; ``"mtp": false`` builds
-                                            without); ``save_megatron_model`` writes its checkpoint. Result:
-                                            ``keys`` {checkpoint key: shape} of every tensor written.
-  {"op": "load", "ckpt": DIR, "hf": DIR}    loads ``ckpt`` and compares its state dict bitwise with the
-                                            model Bridge builds from ``hf``: with run_config.yaml through
-                                            Bridge's own loader (``load_model_config``,
-                                            ``build_and_load_model``); a plain torch_dist folder (no
-                                            run_config.yaml) into the model built from the HF config with
-                                            megatron-core's ``dist_checkpointing.load`` (strict: missing or
-                                            unexpected keys fail). Result: compared, mismatched, missing,
-                                            unexpected (names).
-  {"op": "logits", "hf": DIR | "ckpt": DIR (+ "hf" for its config), "ids": [[...]]}
-                                            the Bridge model's fp32 logits [batch, seq, vocab] (vocab
-                                            trimmed to the HF vocab), as a list.
+                                            load_weights=True)`` (Bridge's own mapping; MTP built and imported
+                                            when config.json has ``mtp_num_hidden_layers`` and the weights
+                                            ``mtp.*``; ``"mtp": false`` builds without), ``save_megatron_model``.
+                                            -> ``keys`` {checkpoint key: global shape | "object"}, ``run_config``.
+  {"op": "load", "ckpt": DIR, "hf": DIR}    the checkpoint's model vs the model Bridge builds from ``hf``,
+                                            bitwise -> ``loader``, ``compared``, ``mismatched``, ``missing``,
+                                            ``unexpected``. With run_config.yaml: Bridge's loader
+                                            (``load_model_config``, ``build_and_load_model``); without (or
+                                            ``"via": "dist_checkpointing"``): the model built from ``hf``'s
+                                            config, megatron-core ``dist_checkpointing.load(strict=RAISE_ALL)``
+                                            (a missing or unexpected key raises) and ``load_state_dict(strict)``.
+  {"op": "logits", "ckpt": DIR | none, "hf": DIR, "ids": [[...]]}
+                                            fp32 logits [batch, seq, HF vocab] of the checkpoint's model (else
+                                            the one built from ``hf``), causal, positions 0..s-1, no padding.
   {"op": "export", "ckpt": DIR, "hf": DIR, "out": DIR}
-                                            Bridge's own megatron->HF export (``save_hf_pretrained``) of
-                                            the loaded ``ckpt`` (``hf`` gives the config/architecture).
+                                            Bridge's megatron->HF export of the checkpoint's model
+                                            (``save_hf_weights``: ``save_hf_pretrained`` without its tokenizer
+                                            copy, which these tiny directories lack) plus ``hf``'s config.
 
-How Bridge's GDN model is made to run on CPU (this process only): Bridge sets
-``transformer_layer_spec = get_transformer_block_with_experimental_attention_variant_spec``, which asserts
-``transformer_impl == "transformer_engine"`` and builds every module from ``TESpecProvider``. Here that
-provider is replaced (in megatron-core's spec modules) by ``_TorchTESpecProvider``, whose modules are
-pure-torch stand-ins with Transformer Engine's parameter names and state: ``TELayerNormColumnParallelLinear``
--> ``weight`` + ``layer_norm_weight`` (RMSNorm, ``x * (1 + w)`` when ``layernorm_zero_centered_gamma``),
-``TENorm`` -> ``weight`` (same rule), TE linears -> ``weight``; each has ``_extra_state`` = an empty uint8
-tensor (what TE 2.x ``get_extra_state`` returns without FP8; TE's ``BasicOperation`` norms too), and core
-attention writes nothing (TE's ``TEDotProductAttention.sharded_state_dict`` is empty without a learnable
-softmax offset). MoE experts are ``SequentialMLP`` of those linears: TE's ``TEGroupedMLP`` writes the same
-checkpoint keys (megatron-core: "interchangeable with SequentialMLP's") but holds ``linear_fc1.weight{i}``
-in memory. The GDN kernels: ``HAVE_FLA`` set, FLA's ``chunk_gated_delta_rule`` -> megatron-core's own
-``torch_chunk_gated_delta_rule``, ``causal_conv1d`` and ``l2norm`` -> torch (``_conv1d``, ``_l2norm``);
-``torch.compile`` (megatron's ``jit_fuser``) disabled. MoE runs with the allgather dispatcher and no
-permute fusion (the alltoall one creates a CUDA stream); these runtime fields do show in run_config.yaml.
+On CPU, in this process only: Bridge's ``transformer_layer_spec`` for these models,
+``get_transformer_block_with_experimental_attention_variant_spec``, asserts ``transformer_impl ==
+"transformer_engine"`` and takes every module from ``TESpecProvider``; megatron-core's spec modules get
+``_TorchTESpecProvider`` instead, whose modules are torch stand-ins with TE's parameter names and state:
+``TELayerNormColumnParallelLinear`` -> ``layer_norm_weight`` + ``weight`` (RMSNorm, ``x * (1 + w)`` when
+``layernorm_zero_centered_gamma``), ``TENorm`` -> ``weight`` (same rule), TE (grouped) linears -> ``weight``
+(``weight0..weight{E-1}``, experts as TE's ``TEGroupedMLP`` with ``moe_grouped_gemm``); each has
+``_extra_state`` = empty uint8 tensor (TE 2.x without FP8, its op-based norms too); core attention is
+megatron's local one (TE's ``TEDotProductAttention`` writes nothing to checkpoints either). GDN:
+``HAVE_FLA`` set, FLA's ``chunk_gated_delta_rule`` -> megatron-core's ``torch_chunk_gated_delta_rule``,
+``causal_conv1d`` / ``l2norm`` -> torch; ``torch.compile`` (megatron's ``jit_fuser``) off; the causal mask
+and RNG fork off CUDA; MoE with the allgather dispatcher, no permute/router fusion (these runtime fields,
+fp32 and TP=PP=1 show in run_config.yaml). Logits equal transformers' (fp32) to <= 5e-6.
 
-Facts established with this oracle (megatron-bridge 0.6.2, megatron-core 0.19.2, transformers 5.12.1;
-``tests/test_bridge_gdn_oracle.py`` checks them): see FACTS below, kept next to the code that measures them.
+Facts (megatron-bridge 0.6.2, megatron-core 0.19.2, transformers 5.12.1; tests/test_bridge_gdn_oracle.py
+checks the layout against the HF tensors; L = layer, every key per layer, none stacked):
+  * Files: ``latest_checkpointed_iteration.txt``, ``latest_train_state.pt``, ``iter_0000000/{.metadata,
+    __0_0.distcp, metadata.json, run_config.yaml, train_state.pt}``; non-tensor items ``common_state`` and
+    ``<module>._extra_state/shard_0_1`` for every TE module (linears, norms incl. q/k_layernorm,
+    out_norm, final_layernorm, MTP's enorm/hnorm/eh_proj/final_layernorm), experts
+    ``experts.experts.linear_fc{1,2}._extra_state/shard_{e}_{E}``; no ``core_attention`` keys.
+  * Embedding ``embedding.word_embeddings.weight`` [vocab, H] (not padded: ``should_pad_vocab`` false,
+    ``make_vocab_size_divisible_by`` 1), ``output_layer.weight`` only when untied,
+    ``decoder.final_layernorm.weight`` [H] = HF ``model.norm`` (both zero-centred, no shift).
+  * GDN layer ``decoder.layers.L.self_attention.``: ``in_proj.layer_norm_weight`` [H] = input_layernorm;
+    ``in_proj.weight.{query,key}`` [Hk*dk, H], ``.{value,z}`` [Hv*dv, H], ``.{beta,alpha}`` [Hv, H] (every head
+    of a part together; Qwen3-Next's per-key-head-group interleaved in_proj_qkvz/ba de-interleaved);
+    ``conv1d.weight.{query,key}`` [Hk*dk, 1, K], ``.value`` [Hv*dv, 1, K]; ``A_log``, ``dt_bias`` [Hv];
+    ``out_norm.weight`` [dv] = HF ``linear_attn.norm.weight - 1`` (zero-centred; HF's is not);
+    ``out_proj.weight`` [H, Hv*dv].
+  * Full-attention layer: ``self_attention.linear_qkv.layer_norm_weight`` [H]; ``linear_qkv.weight``
+    [(2*nh + 2*ng)*hd, H] per KV group g: the queries of its nh/ng heads, then their output gates (HF
+    q_proj is per head [query, gate]), then k_g, v_g; ``q_layernorm``/``k_layernorm`` [hd];
+    ``linear_proj.weight`` [H, nh*hd]. No separate input_layernorm anywhere (fused in every layer).
+  * Dense MLP (Qwen3.5): ``mlp.linear_fc1.layer_norm_weight`` [H] = post_attention_layernorm,
+    ``mlp.linear_fc1.weight`` [2F, H] = [gate; up], ``mlp.linear_fc2.weight`` [H, F].
+  * MoE (Qwen3.5-MoE, Qwen3-Next; every layer: Bridge sets no ``moe_layer_freq`` and ignores Qwen3-Next's
+    ``mlp_only_layers`` / ``decoder_sparse_step``: it builds MoE there, warns "Can't find ... in hf_keys",
+    leaves it at its initial values and still writes the checkpoint): ``pre_mlp_layernorm.weight`` [H],
+    ``mlp.router.weight`` [E, H], ``mlp.experts.experts.linear_fc1.weight`` [E, 2F, H] ([gate; up] per
+    expert), ``...linear_fc2.weight`` [E, H, F], ``mlp.shared_experts.linear_fc1.weight`` [2S, H],
+    ``.linear_fc2.weight`` [H, S], ``mlp.shared_experts.gate_weight`` [1, H].
+  * MTP (``mtp_num_hidden_layers`` -> ``mtp_num_layers``; imported, export gives ``mtp.*`` back bitwise):
+    ``mtp.layers.0.{eh_proj.weight [H, 2H] = mtp.fc, enorm = pre_fc_norm_embedding, hnorm =
+    pre_fc_norm_hidden, final_layernorm = mtp.norm}`` and the layer under
+    ``mtp.layers.0.transformer_layer.*`` (in memory ``mtp_model_layer``) with the decoder layer's keys.
+    megatron-core builds the MTP layer from the LAST decoder layer's spec: a model whose last layer is
+    linear attention cannot be built with MTP (AssertionError on the attention mask type).
+  * run_config.yaml: ``model._target_: megatron.bridge.models.gpt_provider.GPTModelProvider`` (no
+    Qwen-specific provider), ``transformer_layer_spec._target_: ...get_transformer_block_with_experimental_
+    attention_variant_spec``, ``experimental_attention_variant: gated_delta_net``, ``linear_attention_freq``
+    as the list of layer kinds (1 = GDN, 0 = attention), ``linear_{conv_kernel_dim,key_head_dim,
+    value_head_dim,num_key_heads,num_value_heads}``, ``layernorm_zero_centered_gamma: true``,
+    ``attention_output_gate: true``, ``rotary_percent``, ``kv_channels``, ``hetereogenous_dist_checkpoint:
+    true``, ``mtp_num_layers``, MoE fields (``moe_grouped_gemm: true``, ``moe_shared_expert_gate: true``).
 """
 
 from __future__ import annotations
@@ -59,8 +95,6 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # megatron's jit_fuser is tor
 import bridge_oracle  # noqa: E402  (its import guard, CUDA->CPU shims and stubs come first)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
-FACTS = """(filled in from the measured listing; see the report)"""
 
 
 def _extra_state(self) -> torch.Tensor:
