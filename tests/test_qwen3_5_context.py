@@ -1,12 +1,14 @@
 """Qwen3.5 Gated DeltaNet hybrids under context parallelism and Ulysses (tests/workers_qwen3_5_context.py),
 and the CP composition of the kernel (parallel/context_gdn.py) simulated for every rank in one process.
 
-Model: cp2 (ring and all-gather attention), ulysses2, cp2 x ulysses2 (both), on one 4-rank gloo
-group, against transformers run on each sequence alone (fp32; fp64 as the truth): packed odd lengths
-with chunks shorter than the conv kernel on every rank, and a right/left-padded batch — logits, loss,
-gradients of every HF tensor. Kernel: the conv halo and the chunk-state composition of every CP rank
-of several plans (cp 1-4, empty and one-token sequences, tail padding) equal the packed kernel run
-on whole sequences, fp64 to 1e-12, and the gradients too.
+Model: cp2 (ring and all-gather attention), ulysses2, cp2 x ulysses2 (both), tp2 x cp2 (without SP,
+ring; with SP, all-gather) and cp4, on one 4-rank gloo group, against transformers run on each sequence
+alone (fp32; fp64 as the truth): packed odd lengths with chunks shorter than the conv kernel on every
+rank, and a right/left-padded batch — logits, loss, gradients of every HF tensor — then an SGD step on
+the packed gradients and the packed loss and gradients again (lr 0.02, see tests/test_qwen3_5_layouts.py).
+Kernel: the conv halo and the chunk-state composition of every CP rank of several plans (cp 1-4, empty
+and one-token sequences, tail padding) equal the packed kernel run on whole sequences, fp64 to 1e-12,
+and the gradients too.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ BOUNDS = {
     "padded_logits_ratio": 4.0, "packed_logits_ratio": 4.0,  # x transformers' own fp32 error
     "padded_loss": 1e-5, "packed_loss": 1e-5,
     "padded_grads": 1e-4, "packed_grads": 1e-4,  # relative to each tensor's largest gradient
+    "step1_loss": 1e-5, "step1_grads": 1e-4,
 }
 
 
@@ -46,7 +49,8 @@ def test_qwen3_5_under_cp_and_ulysses_matches_transformers(records):
            for name, layout, metric, value in records if metric in BOUNDS and not value <= BOUNDS[metric]]
     assert not bad, "\n".join(bad)
     assert all(v > 1.0 for _, _, m, v in records if m == "packed_loss_value")  # a real loss was compared
-    assert sum(m == "padded_grads" for _, _, m, _ in records) == 4 * sum(p for *_, p in LAYOUTS)
+    assert sum(m == "padded_grads" for _, _, m, _ in records) == 4 * sum(p for _, p in LAYOUTS)
+    assert sum(m == "step1_grads" for _, _, m, _ in records) == 4 * len(LAYOUTS)
 
 
 def _take(t, index):
