@@ -35,8 +35,7 @@ from safetensors.torch import load_file, save_file
 from converters.engine import convert
 from models.common.errors import CheckpointError
 from parallel.config import ParallelConfigError
-from tests.cases import snapshot
-from tests.test_convert_errors import expect_failure, run_cli
+from tests.test_convert_errors import expect_failure
 
 LIN, FULL = "linear_attention", "full_attention"
 
@@ -189,3 +188,285 @@ def test_megatron_reshards_are_bitwise(hf, tmp_path):
     dist = dist_state(str(tmp_path / "b"))
     norms = [k for k in dist if k.endswith("out_norm.weight")]
     assert len(norms) == 3 and all(torch.equal(dist[k], value) for k in norms)
+
+
+# ------------------------------------------------------------------- Megatron names and layouts (Bridge's mapping)
+
+def _bridge_layer(hf: dict, cfg: dict, i: int, tp: int, r: int, hf_layer: str, mc_layer: str,
+                  sparse: bool) -> dict[str, torch.Tensor]:
+    """TP rank r's Megatron tensors of decoder layer ``i`` as Megatron-Bridge maps them (names and values from
+    ``qwen35_bridge`` / ``qwen3_next_bridge`` and ``param_mapping``, re-derived here head group by head group;
+    ``tp=1``: torch_dist's global tensors, in_proj / conv1d split into their named components)."""
+    h, hd, nh, ng = cfg["hidden_size"], cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    L, M = hf_layer, mc_layer
+    out = {}
+
+    def rows(t, n, k=r):  # rank k's contiguous rows of n equal chunks
+        return t.reshape(n, -1, *t.shape[1:])[k].reshape(-1, *t.shape[1:])
+
+    if i < len(cfg["layer_types"]) and cfg["layer_types"][i] == LIN:  # the MTP layer (i = L) is full attention
+        hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+        dk, dv, per = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], hv // hk
+        if f"{L}linear_attn.in_proj_qkvz.weight" in hf:  # Qwen3-Next: per key-head group [q k v z], [b a]
+            g = hf[f"{L}linear_attn.in_proj_qkvz.weight"].reshape(hk, 2 * dk + 2 * per * dv, h)
+            q, k, v, z = (c.reshape(-1, h) for c in g.split([dk, dk, per * dv, per * dv], dim=1))
+            b, a = (c.reshape(-1, h) for c in hf[f"{L}linear_attn.in_proj_ba.weight"].reshape(hk, 2 * per, h)
+                    .split([per, per], dim=1))
+        else:  # Qwen3.5: [q; k; v], z, b, a
+            q, k, v = hf[f"{L}linear_attn.in_proj_qkv.weight"].split([hk * dk, hk * dk, hv * dv])
+            z, b, a = (hf[f"{L}linear_attn.in_proj_{p}.weight"] for p in "zba")
+        comps = dict(query=q, key=k, value=v, z=z, beta=b, alpha=a)
+        conv = dict(zip(("query", "key", "value"), hf[f"{L}linear_attn.conv1d.weight"].split([hk * dk, hk * dk,
+                                                                                             hv * dv])))
+        if tp == 1:
+            out.update({f"{M}self_attention.in_proj.weight.{n}": t for n, t in comps.items()})
+            out.update({f"{M}self_attention.conv1d.weight.{n}": t for n, t in conv.items()})
+        else:  # merge_gdn_linear_weights(tp): each rank's key-head groups, [q k v z b a] of them
+            out[f"{M}self_attention.in_proj.weight"] = torch.cat([rows(t, tp) for t in comps.values()])
+            out[f"{M}self_attention.conv1d.weight"] = torch.cat([rows(t, tp) for t in conv.values()])
+        norm = hf[f"{L}linear_attn.norm.weight"]
+        out.update({f"{M}self_attention.in_proj.layer_norm_weight": hf[f"{L}input_layernorm.weight"],
+                    f"{M}self_attention.A_log": rows(hf[f"{L}linear_attn.A_log"], tp),
+                    f"{M}self_attention.dt_bias": rows(hf[f"{L}linear_attn.dt_bias"], tp),
+                    f"{M}self_attention.out_norm.weight": (norm.double() - 1).to(norm.dtype),  # zero-centred
+                    f"{M}self_attention.out_proj.weight": rows(hf[f"{L}linear_attn.out_proj.weight"].t(), tp).t()})
+    else:  # gated attention: per query group [its heads' queries, their gates, k, v] (attention_output_gate)
+        heads = hf[f"{L}self_attn.q_proj.weight"].reshape(nh, 2, hd, h)
+        kk, vv = (hf[f"{L}self_attn.{p}_proj.weight"].reshape(ng, hd, h) for p in "kv")
+        groups = [torch.cat([heads[j * nh // ng:(j + 1) * nh // ng, 0].reshape(-1, h),
+                             heads[j * nh // ng:(j + 1) * nh // ng, 1].reshape(-1, h), kk[j], vv[j]])
+                  for j in range(ng)]
+        out.update({f"{M}self_attention.linear_qkv.weight": rows(torch.cat(groups), tp),
+                    f"{M}self_attention.linear_qkv.layer_norm_weight": hf[f"{L}input_layernorm.weight"],
+                    f"{M}self_attention.q_layernorm.weight": hf[f"{L}self_attn.q_norm.weight"],
+                    f"{M}self_attention.k_layernorm.weight": hf[f"{L}self_attn.k_norm.weight"],
+                    f"{M}self_attention.linear_proj.weight": rows(hf[f"{L}self_attn.o_proj.weight"].t(), tp).t()})
+    if sparse:
+        out[f"{M}pre_mlp_layernorm.weight"] = hf[f"{L}post_attention_layernorm.weight"]
+        out[f"{M}mlp.router.weight"] = hf[f"{L}mlp.gate.weight"]
+        out[f"{M}mlp.shared_experts.gate_weight"] = hf[f"{L}mlp.shared_expert_gate.weight"]
+        mlps = [("mlp.shared_experts.", f"{L}mlp.shared_expert.")]
+        experts = cfg["num_experts"]
+        if tp == 1:  # torch_dist: experts stacked per layer
+            for j, p in ((1, ("gate", "up")), (2, ("down",))):
+                out[f"{M}mlp.experts.experts.linear_fc{j}.weight"] = torch.stack([torch.cat([
+                    hf[f"{L}mlp.experts.{e}.{n}_proj.weight"] for n in p]) for e in range(experts)])
+        else:
+            mlps += [(f"mlp.experts.local_experts.{e}.", f"{L}mlp.experts.{e}.") for e in range(experts)]
+    else:
+        out[f"{M}mlp.linear_fc1.layer_norm_weight"] = hf[f"{L}post_attention_layernorm.weight"]
+        mlps = [("mlp.", f"{L}mlp.")]
+    for mc, hp in mlps:
+        out[f"{M}{mc}linear_fc1.weight"] = torch.cat([rows(hf[f"{hp}gate_proj.weight"], tp),
+                                                     rows(hf[f"{hp}up_proj.weight"], tp)])
+        out[f"{M}{mc}linear_fc2.weight"] = rows(hf[f"{hp}down_proj.weight"].t(), tp).t()
+    return out
+
+
+def bridge_layout(hf_dir: str, tp: int, r: int) -> dict[str, torch.Tensor]:
+    """Every Megatron tensor of TP rank r (pp 1, ep 1; ``tp=1``: torch_dist's tensors) as Bridge maps the HF
+    checkpoint: embedding (padded to 128 * tp rows), layers, final norm, output layer, MTP block."""
+    hf, cfg = hf_tensors(hf_dir), json.loads(Path(hf_dir, "config.json").read_text())
+    L, vocab = cfg["num_hidden_layers"], cfg["vocab_size"]
+    padded = -(-vocab // (128 * tp)) * 128 * tp
+
+    def vocab_rows(t):
+        full = torch.cat([t, t.new_zeros(padded - vocab, t.shape[1])])
+        return full.reshape(tp, -1, t.shape[1])[r]
+
+    sparse = [("num_experts" in cfg) and i not in cfg.get("mlp_only_layers", []) for i in range(L)]
+    out = {"embedding.word_embeddings.weight": vocab_rows(hf["model.embed_tokens.weight"]),
+           "decoder.final_layernorm.weight": hf["model.norm.weight"],
+           "output_layer.weight": vocab_rows(hf["lm_head.weight"])}
+    for i in range(L):
+        out.update(_bridge_layer(hf, cfg, i, tp, r, f"model.layers.{i}.", f"decoder.layers.{i}.", sparse[i]))
+    mtp_layer = "transformer_layer" if tp == 1 else "mtp_model_layer"  # torch_dist renames it
+    out.update(_bridge_layer(hf, cfg, L, tp, r, "mtp.layers.0.", f"mtp.layers.0.{mtp_layer}.", "num_experts" in cfg))
+    fc = hf["mtp.fc.weight"]
+    out.update({"mtp.layers.0.eh_proj.weight": fc.reshape(tp, -1, fc.shape[1])[r],
+                "mtp.layers.0.enorm.weight": hf["mtp.pre_fc_norm_embedding.weight"],
+                "mtp.layers.0.hnorm.weight": hf["mtp.pre_fc_norm_hidden.weight"],
+                "mtp.layers.0.final_layernorm.weight": hf["mtp.norm.weight"]})
+    return out
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
+def test_megatron_tensors_are_bridges(hf, tmp_path, name):
+    """Legacy TP2 rank files and torch_dist hold exactly Bridge's tensors (names, shapes, values): the gated
+    ``linear_qkv``, GDN ``in_proj`` / ``conv1d`` per TP rank and split into components, ``out_norm`` minus one,
+    the fused norms, experts, the MTP block (``mtp_model_layer``, in torch_dist ``transformer_layer``)."""
+    convert(hf[name], tmp_path / "legacy", to="megatron", tp=2, workers=1)
+    state = legacy_state(str(tmp_path / "legacy"))
+    for r in range(2):
+        got = {k: t for (folder, _, k), t in state.items() if folder == f"mp_rank_{r:02d}"
+               and not k.endswith("_extra_state")}
+        assert_same(bridge_layout(hf[name], 2, r), got)
+    convert(hf[name], tmp_path / "dist", to="megatron-dist", workers=1)
+    assert_same(bridge_layout(hf[name], 1, 0), dist_state(str(tmp_path / "dist")))
+
+
+# ----------------------------------------------------------------------------------------------- Megatron args
+
+@torch.no_grad()
+def _logits(path: str) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
+    return model(input_ids=ids).logits
+
+
+def test_args_describe_the_model(hf, tmp_path):
+    """The legacy args carry what megatron-core needs for these models; without the ``hf_config/`` sidecar
+    pmz builds config.json from them alone and transformers' logits on it are the source model's. Megatron
+    stores Qwen3.5-MoE and Qwen3-Next alike: args without the recorded HF model type need ``--arch``."""
+    mc = tmp_path / "mc"
+    convert(hf["qwen3_5"], mc, to="megatron", tp=2, workers=1)
+    args = vars(args_of(str(mc)))
+    cfg = json.loads(Path(hf["qwen3_5"], "config.json").read_text())
+    expected = dict(experimental_attention_variant="gated_delta_net", linear_attention_freq=3,
+                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+                    linear_conv_kernel_dim=4, attention_output_gate=True, layernorm_zero_centered_gamma=True,
+                    rotary_percent=0.25, qk_layernorm=True, kv_channels=8, num_query_groups=2, mtp_num_layers=1,
+                    transformer_impl="transformer_engine", hf_model_type="qwen3_5_text", normalization="RMSNorm",
+                    untie_embeddings_and_output_weights=True)
+    assert {k: args[k] for k in expected} == expected
+    assert cfg["layer_types"] == [LIN, LIN, FULL, LIN]  # linear_attention_freq 3: every 3rd layer full attention
+    shutil.rmtree(mc / "hf_config")
+    convert(mc, tmp_path / "back", to="hf", workers=1)
+    assert_same(hf_tensors(hf["qwen3_5"]), hf_tensors(str(tmp_path / "back")))
+    assert torch.equal(_logits(str(tmp_path / "back")), _logits(hf["qwen3_5"]))
+
+    nx = tmp_path / "next"
+    convert(hf["qwen3_next"], nx, to="megatron-dist", workers=1)
+    data = torch.load(glob.glob(f"{nx}/*/common.pt")[0], weights_only=False)
+    del data["args"].hf_model_type
+    torch.save(data, glob.glob(f"{nx}/*/common.pt")[0])
+    shutil.rmtree(nx / "hf_config")
+    with pytest.raises(CheckpointError, match="store Qwen3.5-MoE and Qwen3-Next alike: pass --arch qwen3_5_moe or "
+                                              "--arch qwen3_next"):
+        convert(nx, tmp_path / "x", to="hf", workers=1)
+    convert(nx, tmp_path / "next_hf", to="hf", workers=1, arch="qwen3_next")
+    assert_same(hf_tensors(hf["qwen3_next"]), hf_tensors(str(tmp_path / "next_hf")))
+    assert torch.equal(_logits(str(tmp_path / "next_hf")), _logits(hf["qwen3_next"]))
+
+
+@pytest.mark.parametrize("field, value, named", [
+    ("linear_num_value_heads", 2, "linear_num_value_heads=2 vs args' 4"),
+    ("layer_types", [LIN, FULL, LIN, LIN], "vs linear_attention_freq 3"),
+    ("model_type", "qwen3", "the Megatron args describe a Gated DeltaNet hybrid"),
+])
+def test_args_contradicting_the_hf_config_are_refused(hf, tmp_path, capsys, field, value, named):
+    mc = tmp_path / "mc"
+    convert(hf["qwen3_5"], mc, to="megatron", workers=1)
+    cfg_path = mc / "hf_config" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg[field] = value
+    cfg_path.write_text(json.dumps(cfg))
+    expect_failure(capsys, mc, tmp_path / "out" / "hf", names=(named, "does not match" if field != "model_type"
+                                                              else "a qwen3 model"))
+
+
+# --------------------------------------------------------------------------------------------------- bad input
+
+def test_tp_the_linear_heads_cannot_take_is_refused(hf, tmp_path, capsys):
+    """Megatron splits Gated DeltaNet by key-head group: --tp must divide linear_num_key_heads (one line naming
+    the numbers, before anything is written)."""
+    expect_failure(capsys, hf["qwen3_5"], tmp_path / "out" / "mc", to="megatron", api=dict(tp=4), cli=("--tp", "4"),
+                   exc_type=ParallelConfigError, names=("linear_num_key_heads=2 is not divisible by tp=4",))
+
+
+def _edit_legacy(root: Path, key_end: str, fn) -> None:
+    for f in glob.glob(f"{root}/*/mp_rank_*/model_optim_rng.pt"):
+        data = torch.load(f, weights_only=False)
+        for state in (v for k, v in data.items() if k.startswith("model")):
+            for key in [k for k in state if k.endswith(key_end)]:
+                state[key] = fn(state[key])
+        torch.save(data, f)
+
+
+def test_mis_shaped_and_partial_checkpoints_are_refused(hf, tmp_path, capsys):
+    """Tensors that do not fit the config (HF, legacy and torch_dist) and MTP blocks pmz does not carry (a
+    second layer, a block without its layer): one line naming the tensor and the numbers, nothing written."""
+    bad_hf = tmp_path / "bad_hf"
+    shutil.copytree(hf["qwen3_5"], bad_hf)
+    t = load_file(f"{bad_hf}/model.safetensors")
+    t["model.layers.0.linear_attn.in_proj_z.weight"] = t["model.layers.0.linear_attn.in_proj_z.weight"][:-1]
+    save_file(t, f"{bad_hf}/model.safetensors", metadata={"format": "pt"})
+    expect_failure(capsys, bad_hf, tmp_path / "out" / "a", to="megatron",
+                   names=("model.layers.0.linear_attn.in_proj_z.weight (47, 32) (expected (48, 32))",))
+
+    legacy = tmp_path / "legacy"
+    convert(hf["qwen3_5"], legacy, to="megatron", tp=2, workers=1)
+    _edit_legacy(legacy, "layers.0.self_attention.conv1d.weight", lambda x: x[:-1])
+    expect_failure(capsys, legacy, tmp_path / "out" / "b",
+                   names=("decoder.layers.0.self_attention.conv1d.weight has shape (39, 1, 4) per TP rank",
+                          "(40, 1, 4) (tp=2)"))
+
+    dist = tmp_path / "dist"
+    convert(hf["qwen3_5"], dist, to="megatron-dist", workers=1)
+    shutil.rmtree(dist / "hf_config")
+    common = glob.glob(f"{dist}/*/common.pt")[0]
+    torch.save({k: v for k, v in torch.load(common, weights_only=False).items() if k != "args"}, common)  # as Bridge
+    cfg = json.loads(Path(hf["qwen3_5"], "config.json").read_text())
+    cfg_dir = tmp_path / "cfg"
+    cfg_dir.mkdir()
+    (cfg_dir / "config.json").write_text(json.dumps({**cfg, "linear_value_head_dim": 6}))
+    expect_failure(capsys, dist, tmp_path / "out" / "c", api=dict(hf_config=str(cfg_dir)),
+                   cli=("--hf-config", str(cfg_dir)),
+                   names=("decoder.layers.0.self_attention.in_proj.weight.value has global shape (48, 32), the "
+                          "config implies (24, 32)",))
+
+    two = tmp_path / "two_mtp"
+    shutil.copytree(hf["qwen3_5"], two)
+    t = load_file(f"{two}/model.safetensors")
+    t.update({k.replace("mtp.layers.0.", "mtp.layers.1."): v.clone() for k, v in t.items()
+              if k.startswith("mtp.layers.0.")})
+    save_file(t, f"{two}/model.safetensors", metadata={"format": "pt"})
+    expect_failure(capsys, two, tmp_path / "out" / "d", to="megatron",
+                   names=("an MTP block with layers 0, 1: pmz carries exactly one MTP layer",))
+    headless = tmp_path / "headless_mtp"
+    shutil.copytree(hf["qwen3_5"], headless)
+    t = {k: v for k, v in load_file(f"{headless}/model.safetensors").items() if not k.startswith("mtp.fc")}
+    save_file(t, f"{headless}/model.safetensors", metadata={"format": "pt"})
+    expect_failure(capsys, headless, tmp_path / "out" / "e", to="megatron", names=("missing tensor(s): mtp.fc.weight",))
+
+
+def test_vllm_target_is_refused(hf, tmp_path, capsys):
+    expect_failure(capsys, hf["qwen3_5"], tmp_path / "out" / "v", to="vllm",
+                   names=("pmz does not write vLLM's sharded_state for the Gated DeltaNet hybrids (qwen3_5)",))
+
+
+# --------------------------------------------------------------------------------------- the output norm's w - 1
+
+def test_minus_one_over_every_bf16_value():
+    """Megatron holds the Gated DeltaNet output norm as ``w - 1`` (fp32 arithmetic, rounded to bf16). Over all
+    65280 finite bf16 values: the Megatron value is exactly ``w - 1`` wherever that is a bf16 value (checked
+    with exact fractions), every ``w`` in [0.5, 256] (1153 values: a trained norm's range) is exact and comes back
+    bitwise, and HF -> Megatron -> HF gives back 32895 values bitwise; the other 32385 (``|w| < 0.5`` not a
+    multiple of 2^-8, -0.0, and some below -255) are rounded by ``w - 1`` (docs/formats.md)."""
+    from converters.layout.megatron import hf_to_megatron, megatron_to_hf
+    from models.common.weight_map import MINUS_ONE, WeightEntry
+    from parallel.sharding import Replicated
+
+    entry = WeightEntry("norm", ("norm",), (Replicated(),), "out_norm.weight", MINUS_ONE, shapes=((65536,),))
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    w = bits.view(torch.bfloat16)
+    finite = torch.isfinite(w)
+    m = hf_to_megatron(entry, [w], None, 0)
+    assert m.dtype == torch.bfloat16
+    back = megatron_to_hf(entry, m.clone(), None)[0]  # a fresh tensor: no Megatron value carried along
+    same = back.view(torch.int16) == bits
+    # w - 1 in float64 is exact for |w| >= 2^-45 (8 significant bits from 2^0 down); below, w - 1 needs more than
+    # bf16's 8 bits: never a bf16 value (and the Megatron value is then checked with exact fractions)
+    tiny = finite & (w.float().abs() < 2.0 ** -45) & (w != 0)
+    x = w.double() - 1
+    representable = finite & ~tiny & (x.to(torch.bfloat16).double() == x)
+    exact = finite & ~tiny & (m.double() == x)
+    assert not any(Fraction(mv) == Fraction(v) - 1 for v, mv in zip(w[tiny].float().tolist(), m[tiny].float().tolist()))
+    assert torch.equal(exact, representable)  # exact wherever w - 1 is a bf16 value
+    normal = finite & (w.float() >= 0.5) & (w.float() <= 256)
+    assert int(normal.sum()) == 1153 and bool((exact & same)[normal].all())
+    assert int((same & finite).sum()) == 32895 and int((~same & finite).sum()) == 32385
+    small = finite & (w.float().abs() < 0.5) & (w.float() * 256 != (w.float() * 256).round())
+    assert not bool((same & small).any())

@@ -262,6 +262,10 @@ def hf_config_from_args(args: Any, *, arch: str | None, hf_config_dir: str | Non
 def _check_against_args(config: Any, args: Any, where: str, hf_dir: str) -> None:
     """An HF config (``--hf-config`` or the ``hf_config/`` sidecar) must describe the model the args do."""
     hybrid = getattr(config, "model_type", None) in MODEL_TYPES.values()
+    if is_hybrid_args(args) and not hybrid:
+        raise CheckpointError(f"{where}: the Megatron args describe a Gated DeltaNet hybrid (experimental_attention_"
+                              f"variant='gated_delta_net'), the HF config at {hf_dir} a "
+                              f"{getattr(config, 'model_type', None)} model")
     detected = None if hybrid else detect_arch(args, where)
     if not hybrid and detected != getattr(config, "model_type", None):
         raise CheckpointError(f"{where}: the Megatron args describe a {detected} model, the HF config at {hf_dir} "
