@@ -18,7 +18,6 @@ import itertools
 import pytest
 import torch
 
-from parallel import ParallelConfig
 from parallel.context_gdn import apply_states, chunk_maps, chunk_table, conv_with_tails, incoming_states, local_tails
 from parallel.gated_delta_rule import causal_conv1d, gated_delta_rule, positions_in_sequence
 from parallel.sequence_layout import plan_sequences
@@ -95,13 +94,3 @@ def test_cp_composition_equals_whole_sequences(lengths, cp):
     assert (convs - ref_conv).abs().max() < 1e-12
     for ours, theirs in zip(torch.autograd.grad(loss, leaves), ref_grads):
         assert (ours - theirs).abs().max() < 1e-10 * max(1.0, theirs.abs().max().item())
-
-
-def test_ulysses_that_cannot_split_linear_heads_refused():
-    from models.qwen3_5.config import model_config
-    from parallel.config import ParallelConfigError
-
-    cfg = model_config(configs()["mixed"])  # 2 linear key heads, 4 attention heads
-    ParallelConfig(cp=2, ulysses=2).validate(cfg)
-    with pytest.raises(ParallelConfigError, match=r"linear_num_key_heads=2 / tp=2 = 1\) to be divisible"):
-        ParallelConfig(tp=2, ulysses=2).validate(cfg)
