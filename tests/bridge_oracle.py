@@ -1,21 +1,45 @@
 """Real Megatron-Bridge as a test oracle, run under ``.venv-bridge`` (tools/setup.sh makes it) by
-tests/test_convert_bridge_vl.py: ``python tests/bridge_oracle.py JOBS.json RESULT.json``.
+tests/test_convert_bridge_vl.py and tests/test_convert_bridge_text.py: ``python tests/bridge_oracle.py
+JOBS.json RESULT.json``.
 
 Jobs (a JSON list), all run in one process (importing Bridge costs ~12 s):
   {"op": "write", "hf": DIR, "out": DIR}   ``AutoBridge.from_hf_pretrained(hf).to_megatron_provider(
                                            load_weights=True)`` builds the model from the HF weights with
                                            Bridge's own mapping; ``save_megatron_model`` writes its checkpoint.
-  {"op": "load", "ckpt": DIR, "hf": DIR}   Bridge's own loader (``load_model_config`` on run_config.yaml,
-                                           ``build_and_load_model``: dist_checkpointing, strict) loads
-                                           ``ckpt``; its state dict is compared bitwise with the model Bridge
-                                           builds from ``hf``. Result: tensors compared, mismatches, missing.
+                                           Result: ``keys``, {checkpoint tensor key: global shape}.
+  {"op": "load", "ckpt": DIR, "hf": DIR}   loads ``ckpt`` strictly and compares its state dict bitwise with
+                                           the model Bridge builds from ``hf``. A Megatron-Bridge checkpoint
+                                           (``iter_*/run_config.yaml``, picked as ``AutoBridge.load_megatron_model``
+                                           picks it) goes through Bridge's own loader (``load_model_config`` on
+                                           run_config.yaml, ``build_and_load_model``); its provider's fields are
+                                           compared with those Bridge derives from ``hf`` (``config_diff``). A
+                                           Megatron-LM checkpoint (``latest_checkpointed_iteration.txt`` naming
+                                           ``release`` or an iteration; args in common.pt) is loaded into the
+                                           model Bridge builds from ``hf`` with the layer spec its args'
+                                           ``transformer_impl`` names (Bridge's ``mlm_compat`` rule) by Bridge's
+                                           ``_load_model_weights_from_checkpoint`` (``raise_all``: a key missing
+                                           on either side fails). Result: provider, spec, compared, mismatched,
+                                           missing, unexpected (names).
 
 Megatron-Bridge 0.6.2 / megatron-core 0.19.2 run on CPU here with, in this process only: Python 3.11's
 missing ``typing.override``; stub modules for the imports ``megatron.bridge`` (and one megatron-core
 Triton kernel file) make of transformer_engine, modelopt, megatron.energon, nvidia_resiliency_ext and
 triton (megatron-core's own guarded imports still fail, so it builds its local non-TE layers);
-``torch.cuda`` device and RNG calls mapped to the CPU; a gloo world of one; the local layer spec,
-fp32, no fusions, CPU initialisation. Nothing of the project is imported here.
+``torch.cuda`` device and RNG calls mapped to the CPU; a gloo world of one; fp32, no fusions, CPU
+initialisation; MoE with the allgather token dispatcher and no permute fusion (TE kernels, CUDA streams).
+
+Checkpoint names as Bridge writes them on a GPU: Bridge builds Transformer Engine's layer spec there
+(``default_layer_spec``). Here the layers are megatron-core's local (non-TE) modules, whose parameters
+are named differently in memory but whose checkpoint keys are set by the spec's
+``sharded_state_dict_keys_map``: ``te_named_local_spec`` gives the local layers the keys map of
+megatron-core's own TE spec, read from ``get_gpt_layer_with_transformer_engine_submodules`` (built
+with a stand-in backend whose fused layer-norm linear is a marker class): a norm the TE spec fuses into
+the next linear (``input_layernorm`` -> ``self_attention.linear_qkv.layer_norm_weight``, dense layers'
+``pre_mlp_layernorm`` -> ``mlp.linear_fc1.layer_norm_weight``) is stored under that name; one the TE
+spec keeps as a module of its own (the MoE layers' ``pre_mlp_layernorm``: a MoE layer has no
+``linear_fc1``) keeps its name. (megatron-core's local spec would store both norms under the fused
+names in every layer, MoE ones included: a checkpoint TE-spec models cannot load.) Nothing of the
+project is imported here.
 """
 
 from __future__ import annotations
@@ -25,6 +49,7 @@ import json
 import os
 import sys
 import typing
+from pathlib import Path
 
 typing.override = getattr(typing, "override", lambda f: f)  # Bridge asks for Python 3.12; this is 3.11
 STUB_ROOTS = ("transformer_engine", "modelopt", "megatron.energon", "nvidia_resiliency_ext", "triton")
@@ -73,11 +98,56 @@ FUSIONS = ("gradient_accumulation_fusion", "bias_activation_fusion", "masked_sof
            "bias_dropout_fusion", "apply_rope_fusion", "cross_entropy_loss_fusion", "bf16", "fp16")
 
 
-def _cpu(provider) -> None:
-    """The provider on CPU: local (non-TE) layers, fp32, no fusions, one rank."""
+class _LayerNormLinear:
+    """Marks the fused layer-norm linear (TE's ``TELayerNormColumnParallelLinear``) in ``te_keys_map``."""
+
+
+def te_keys_map(config) -> dict[str, str]:
+    """The checkpoint keys map of megatron-core's Transformer-Engine GPT layer for ``config``: the spec
+    itself (``get_gpt_layer_with_transformer_engine_submodules``, as Bridge's ``transformer_engine_layer_spec``
+    calls it), built with a local backend whose fused layer-norm linear is ``_LayerNormLinear``; a norm
+    the spec leaves out (IdentityOp) because the next linear is that fused module is stored under the
+    linear's ``layer_norm_`` names."""
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    class FusedNormBackend(LocalSpecProvider):
+        def fuse_layernorm_and_linear(self) -> bool:
+            return True
+
+        def column_parallel_layer_norm_linear(self) -> type:
+            return _LayerNormLinear
+
+    saved, specs.TESpecProvider = specs.TESpecProvider, FusedNormBackend
+    try:
+        sub = specs.get_gpt_layer_with_transformer_engine_submodules(
+            num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
+            qk_layernorm=config.qk_layernorm)
+    finally:
+        specs.TESpecProvider = saved
+    keys = {}
+    if sub.input_layernorm is IdentityOp and sub.self_attention.submodules.linear_qkv is _LayerNormLinear:
+        keys["input_layernorm."] = "self_attention.linear_qkv.layer_norm_"
+    mlp = getattr(sub.mlp, "keywords", {}).get("submodules")
+    if sub.pre_mlp_layernorm is IdentityOp and getattr(mlp, "linear_fc1", None) is _LayerNormLinear:
+        keys["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
+    return keys
+
+
+def te_named_local_spec(config):
+    """megatron-core's local GPT layer (what runs on CPU) saving and loading under the TE spec's keys."""
     from megatron.bridge.models.gpt_provider import local_layer_spec
 
-    provider.transformer_layer_spec = local_layer_spec
+    spec = local_layer_spec(config)
+    spec.submodules.sharded_state_dict_keys_map = te_keys_map(config)
+    return spec
+
+
+def _cpu(provider, spec=None) -> None:
+    """The provider on CPU: local (non-TE) layers under the TE spec's checkpoint keys (``spec``: another
+    layer spec), fp32, no fusions, one rank."""
+    provider.transformer_layer_spec = spec or te_named_local_spec
     for name in FUSIONS:
         if hasattr(provider, name):
             setattr(provider, name, False)
@@ -88,16 +158,21 @@ def _cpu(provider) -> None:
         setattr(provider, name, 1)
     provider.virtual_pipeline_model_parallel_size = None
     provider.sequence_parallel = False
+    if getattr(provider, "num_moe_experts", None):  # MoE: no TE permutation kernels, no CUDA streams
+        provider.moe_permute_fusion = False
+        provider.moe_token_dispatcher_type = "allgather"
 
 
-def _from_hf(hf: str):
+def _from_hf(hf: str, with_provider: bool = False):
+    """(bridge, the model Bridge imports from ``hf``[, its provider])."""
     from megatron.bridge import AutoBridge
 
     bridge = AutoBridge.from_hf_pretrained(hf, torch_dtype=torch.float32)
     provider = bridge.to_megatron_provider(load_weights=True)
     _cpu(provider)
     provider.finalize()
-    return bridge, provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
+    model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
+    return (bridge, model, provider) if with_provider else (bridge, model)
 
 
 def _weights(model) -> dict[str, torch.Tensor]:
@@ -105,22 +180,76 @@ def _weights(model) -> dict[str, torch.Tensor]:
     return {k: v for k, v in module.state_dict().items() if "_extra_state" not in k}
 
 
-def _load(ckpt: str, hf: str) -> dict:
-    from pathlib import Path
+def _checkpoint_keys(it_dir: str) -> dict[str, list[int]]:
+    """{key: global shape} of every tensor of a torch_dist folder (its ``.metadata``)."""
+    from torch.distributed.checkpoint import FileSystemReader
 
+    meta = FileSystemReader(it_dir).read_metadata()
+    return {k: list(v.size) for k, v in sorted(meta.state_dict_metadata.items()) if hasattr(v, "size")}
+
+
+def _same(a, b) -> bool:
+    try:
+        if bool(a == b):
+            return True
+    except Exception:  # tensors, objects without a usable __eq__
+        pass
+    return repr(a) == repr(b)  # functools.partial of the same function and arguments
+
+
+def _config_diff(loaded, reference) -> dict[str, list[str]]:
+    """{field: [loaded, reference] reprs} of the public provider fields that differ (both already on CPU;
+    private fields hold runtime objects such as process groups)."""
+    import dataclasses
+
+    return {f.name: [repr(getattr(loaded, f.name, None)), repr(getattr(reference, f.name, None))]
+            for f in dataclasses.fields(reference) if not f.name.startswith("_")
+            and not _same(getattr(loaded, f.name, None), getattr(reference, f.name, None))}
+
+
+def _bridge_load(it_dir: str, reference) -> tuple[dict, dict]:
+    """Bridge's own loader on a Bridge checkpoint folder: (result fields, loaded weights); the provider's
+    fields against ``reference``'s (the one Bridge derives from the HF directory)."""
     from megatron.bridge.training.model_load_save import build_and_load_model, load_model_config
 
-    iters = sorted(p for p in Path(ckpt).iterdir() if p.is_dir() and p.name.startswith("iter_"))
-    it_dir = str(iters[-1]) if iters else ckpt  # as AutoBridge.load_megatron_model picks it
     cfg, _ = load_model_config(it_dir)
     provider_class = f"{type(cfg).__module__}.{type(cfg).__name__}"
     _cpu(cfg)
     loaded = _weights(build_and_load_model(it_dir, cfg, use_cpu_init=True, skip_temp_dist_context=True))
-    _, reference = _from_hf(hf)
+    return {"provider": provider_class, "spec": "te", "config_diff": _config_diff(cfg, reference)}, loaded
+
+
+def _mlm_load(root: str, bridge) -> tuple[dict, dict]:
+    """A Megatron-LM checkpoint (tracker, ``release/`` or ``iter_N/``, args in common.pt) into a model of
+    ``bridge``'s provider (from the HF config, no HF weights) built with the spec its args name, by Bridge's
+    weight loader, strict."""
+    from megatron.bridge.models.gpt_provider import local_layer_spec
+    from megatron.bridge.training.checkpointing import _load_model_weights_from_checkpoint
+    from megatron.bridge.training.mlm_compat.arguments import _load_args_from_checkpoint
+
+    tracker = (Path(root) / "latest_checkpointed_iteration.txt").read_text().strip()
+    it_dir = str(Path(root) / ("release" if tracker == "release" else f"iter_{int(tracker):07d}"))
+    impl = _load_args_from_checkpoint(it_dir).transformer_impl
+    provider = bridge.to_megatron_provider(load_weights=False)
+    _cpu(provider, te_named_local_spec if impl == "transformer_engine" else local_layer_spec)
+    provider.finalize()
+    model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
+    _load_model_weights_from_checkpoint(it_dir, model, dist_ckpt_strictness="raise_all")
+    return {"provider": "args", "spec": "te" if impl == "transformer_engine" else "local"}, _weights(model)
+
+
+def _load(ckpt: str, hf: str) -> dict:
+    iters = sorted(p for p in Path(ckpt).iterdir() if p.is_dir() and p.name.startswith("iter_"))
+    it_dir = str(iters[-1]) if iters else ckpt  # as AutoBridge.load_megatron_model picks it
+    bridge, reference, provider = _from_hf(hf, with_provider=True)
+    if (Path(it_dir) / "run_config.yaml").is_file():
+        out, loaded = _bridge_load(it_dir, provider)
+    else:
+        out, loaded = _mlm_load(ckpt, bridge)
     expected = _weights(reference)
     mismatched = sorted(k for k in expected if k in loaded and not (
         loaded[k].shape == expected[k].shape and torch.equal(loaded[k], expected[k])))
-    return {"provider": provider_class, "compared": len(expected), "mismatched": mismatched,
+    return {**out, "compared": len(expected), "mismatched": mismatched,
             "missing": sorted(set(expected) - set(loaded)), "unexpected": sorted(set(loaded) - set(expected))}
 
 
@@ -140,7 +269,8 @@ def main(jobs_path: str, result_path: str) -> None:
         if job["op"] == "write":
             bridge, model = _from_hf(job["hf"])
             bridge.save_megatron_model(model, job["out"])
-            results.append({"op": "write", "out": job["out"]})
+            it_dir = max(p for p in Path(job["out"]).iterdir() if p.name.startswith("iter_"))
+            results.append({"op": "write", "out": job["out"], "keys": _checkpoint_keys(str(it_dir))})
         else:
             results.append({"op": "load", **_load(job["ckpt"], job["hf"])})
     from importlib.metadata import version

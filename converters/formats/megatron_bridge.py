@@ -1,5 +1,6 @@
-"""Megatron-Bridge checkpoints: ``iter_*/run_config.yaml`` read as bounded data and written for the
-vision-language models; the vision tower's shapes checked against the config.
+"""Megatron-Bridge checkpoints: ``iter_*/run_config.yaml`` read as bounded data and written (the text models
+Bridge 0.6.2 has bridges for, and the vision-language models); the vision tower's shapes checked against
+the config.
 
 What Megatron-Bridge writes: ``<root>/latest_checkpointed_iteration.txt``, ``iter_XXXXXXX/`` with
 megatron-core's torch_dist files (no Megatron args), ``run_config.yaml``, ``train_state.pt``,
@@ -32,8 +33,14 @@ TRAIN_STATE = "train_state.pt"  # iter_*/train_state.pt; latest_train_state.pt b
 COMMON_STATE = "common_state/shard_0_1"  # megatron-core >= 0.17 keeps common.pt's dict as this torch_dist item
 # what megatron-core 0.19 records as the checkpoint's content metadata (how sharded_state_dict was made)
 CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-# Megatron-Bridge's providers (0.6.2): Qwen2.5-VL has one; Qwen2-VL has none (see docs/formats.md)
-PROVIDERS = {"qwen2_5_vl": "megatron.bridge.models.qwen_vl.qwen25_vl_provider.Qwen25VLModelProvider"}
+# Megatron-Bridge 0.6.2's bridges for text models (bridge/models/llama, qwen) all build megatron-core's
+# GPTModel from GPTModelProvider, each setting its own fields (``bridge_text_fields``); Qwen2-MoE has no
+# bridge there
+GPT_PROVIDER = "megatron.bridge.models.gpt_provider.GPTModelProvider"
+TEXT_BRIDGES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+# the provider Bridge instantiates per architecture: Qwen2.5-VL has one; Qwen2-VL has none (see docs/formats.md)
+PROVIDERS = {"qwen2_5_vl": "megatron.bridge.models.qwen_vl.qwen25_vl_provider.Qwen25VLModelProvider",
+             **{arch: GPT_PROVIDER for arch in TEXT_BRIDGES}}
 VISION_CONFIGS = {"qwen2_5_vl": "transformers.models.qwen2_5_vl.configuration_qwen2_5_vl.Qwen2_5_VLVisionConfig",
                   "qwen2_vl": "transformers.models.qwen2_vl.configuration_qwen2_vl.Qwen2VLVisionConfig"}
 
@@ -131,18 +138,77 @@ def check_bridge_vision(vis: Any, shapes: Mapping[str, tuple], config_path: str,
 # ------------------------------------------------------------------------------------------- writing
 
 
+def bridge_biases(cfg: Any) -> tuple[bool, bool]:
+    """(``add_qkv_bias``, ``add_bias_linear``) Bridge 0.6.2's bridge of a text model sets: Llama's from
+    ``attention_bias`` / ``mlp_bias``, Qwen2 qkv bias only, Qwen3 and Qwen3-MoE none."""
+    if cfg.architecture == "llama":
+        return cfg.qkv_bias, cfg.mlp_bias
+    return cfg.architecture == "qwen2", False
+
+
+def check_bridge_text_model(cfg: Any, where: str) -> None:
+    """A text model Megatron-Bridge 0.6.2 builds as it is: an architecture it has a bridge for, the biases
+    its bridge sets, and for Qwen3-MoE every layer sparse (its bridge sets no dense layers). CheckpointError
+    naming the source and what differs otherwise."""
+    hint = "--to megatron-dist writes the torch_dist checkpoint megatron-core loads"
+    if cfg.architecture not in TEXT_BRIDGES:
+        raise CheckpointError(f"{where}: Megatron-Bridge 0.6.2 has no bridge for {cfg.architecture} (it has "
+                              f"{', '.join(TEXT_BRIDGES)}, qwen2_5_vl); {hint}")
+    qkv, linear = bridge_biases(cfg)
+    if (cfg.qkv_bias, cfg.o_bias, cfg.mlp_bias) != (qkv, linear, linear):
+        raise CheckpointError(f"{where}: Megatron-Bridge 0.6.2's {cfg.architecture} bridge builds qkv bias={qkv}, "
+                              f"o_proj and MLP bias={linear}; this model has qkv_bias={cfg.qkv_bias}, o_proj "
+                              f"bias={cfg.o_bias}, mlp bias={cfg.mlp_bias}")
+    dense = sorted(set(range(cfg.num_hidden_layers)) - cfg.sparse_layers()) if cfg.moe is not None else []
+    if dense:
+        raise CheckpointError(f"{where}: Megatron-Bridge 0.6.2's {cfg.architecture} bridge makes every layer sparse; "
+                              f"this model has a dense MLP in layer(s) {', '.join(map(str, dense))} "
+                              f"(mlp_only_layers / decoder_sparse_step); {hint}")
+
+
+def _vocab_divisor(vocab_size: int) -> int:
+    """Bridge's ``make_vocab_size_divisible_by``: the largest power of two up to 128 dividing the vocabulary."""
+    base = 128
+    while vocab_size % base:
+        base //= 2
+    return base
+
+
+def bridge_text_fields(cfg: Any) -> dict[str, Any]:
+    """The GPTModelProvider fields Megatron-Bridge 0.6.2 sets from a text model's HF config
+    (``MegatronModelBridge.hf_config_to_provider_kwargs`` and the bridge's ``provider_bridge``) beyond
+    those every model shares (``run_config_text``); speed switches (fusions) keep the provider's defaults."""
+    fields: dict[str, Any] = {
+        "make_vocab_size_divisible_by": _vocab_divisor(cfg.vocab_size), "position_embedding_type": "rope",
+        "rotary_percent": 1.0, "qk_layernorm": cfg.qk_norm}
+    if cfg.rope.rope_type == "llama3":  # megatron-core's Llama 3.1 scaling: factor only (frequencies fixed)
+        fields.update(rope_scaling=True, rope_scaling_factor=cfg.rope.factor)
+    elif cfg.rope.rope_type == "linear":
+        fields["seq_len_interpolation_factor"] = cfg.rope.factor
+    if cfg.architecture != "llama":
+        fields["autocast_dtype"] = {"_target_": "torch.bfloat16", "_call_": False}
+    moe = cfg.moe
+    if moe is not None:
+        fields.update({
+            "num_moe_experts": moe.num_experts, "moe_ffn_hidden_size": moe.moe_intermediate_size,
+            "moe_router_topk": moe.top_k, "moe_router_pre_softmax": not moe.norm_topk_prob,
+            "moe_router_score_function": "softmax", "moe_router_load_balancing_type": "aux_loss",
+            "moe_aux_loss_coeff": moe.router_aux_loss_coef, "moe_grouped_gemm": True,
+            "moe_token_dispatcher_type": "alltoall", "moe_permute_fusion": True})
+    return fields
+
+
 def run_config_text(hf_config: Any, cfg: Any, *, tp: int, pp: int, vpp: int, dtype: str) -> str:
-    """``run_config.yaml`` for a vision-language model in Megatron-Bridge's layout: the ``model``
-    section its ``load_megatron_model`` instantiates (the provider and the fields its
-    ``Qwen25VLBridge.provider_bridge`` sets from the HF config; the rest keep the provider's
-    defaults) and the ``checkpoint`` fields its resume path reads. ``dtype``: the torch dtype name of
-    the tensors ("float32", "bfloat16", "float16").
+    """``run_config.yaml`` in Megatron-Bridge's layout: the ``model`` section its ``load_megatron_model``
+    instantiates (the provider and the fields its bridge sets from the HF config: ``Qwen25VLBridge``'s for
+    the vision-language models, ``bridge_text_fields`` for the text ones; the rest keep the provider's
+    defaults, the layer spec included: Transformer Engine's) and the ``checkpoint`` fields its resume path
+    reads. ``dtype``: the torch dtype name of the tensors ("float32", "bfloat16", "float16").
 
     Qwen2-VL: Megatron-Bridge 0.6.2 has no provider for it, so ``model`` names none (``_target_``
     left out): the fields describe the model, but Bridge itself cannot build it."""
-    vision = dict(hf_config.vision_config or {})
-    vision.pop("transformers_version", None)
-    text = hf_config.text_config if isinstance(hf_config.text_config, dict) else hf_config.to_dict()
+    vision = cfg.vision is not None
+    qkv_bias, linear_bias = bridge_biases(cfg) if not vision else (cfg.qkv_bias, False)
     model: dict[str, Any] = {}
     provider = PROVIDERS.get(cfg.architecture)
     if provider:
@@ -154,27 +220,40 @@ def run_config_text(hf_config: Any, cfg: Any, *, tp: int, pp: int, vpp: int, dty
         "vocab_size": cfg.vocab_size, "should_pad_vocab": False, "seq_length": cfg.max_position_embeddings,
         "normalization": "RMSNorm", "gated_linear_unit": True, "activation_func":
             {"_target_": "torch.nn.functional.silu", "_call_": False},
-        "add_qkv_bias": cfg.qkv_bias, "add_bias_linear": False, "hidden_dropout": 0.0, "attention_dropout": 0.0,
-        "position_embedding_type": "mrope", "rotary_base": cfg.rope.theta,
-        "mrope_section": list(cfg.rope.mrope_section or ()),
-        "share_embeddings_and_output_weights": cfg.tie_word_embeddings,
+        "add_qkv_bias": qkv_bias, "add_bias_linear": linear_bias, "hidden_dropout": 0.0, "attention_dropout": 0.0,
+        "rotary_base": cfg.rope.theta, "share_embeddings_and_output_weights": cfg.tie_word_embeddings,
         "params_dtype": {"_target_": f"torch.{dtype}", "_call_": False},
         "bf16": dtype == "bfloat16", "fp16": dtype == "float16",
         "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
         "virtual_pipeline_model_parallel_size": vpp if vpp > 1 else None,
-        "bos_token_id": text.get("bos_token_id"), "eos_token_id": text.get("eos_token_id"),
     })
-    for key in ("vision_start_token_id", "vision_end_token_id", "vision_token_id", "image_token_id", "video_token_id"):
-        if getattr(hf_config, key) is not None:
-            model[key] = getattr(hf_config, key)
-    model["vision_config"] = {"_target_": VISION_CONFIGS[cfg.architecture], **vision}
+    if vision:
+        model.update(_vision_fields(hf_config, cfg))
+    else:
+        model.update(bridge_text_fields(cfg))
     checkpoint = {"ckpt_format": "torch_dist", "save_optim": False, "save_rng": False, "fully_parallel_save": True}
-    head = ("# Written by pmz (parallel model zoo): Megatron-Bridge's layout of a vision-language model.\n"
+    kind = "a vision-language model" if vision else f"a {cfg.architecture} model"
+    head = (f"# Written by pmz (parallel model zoo): Megatron-Bridge's layout of {kind}.\n"
             "# Megatron-Bridge's load_megatron_model instantiates `model`; its resume path reads `checkpoint`.\n")
     if not provider:
         head += (f"# Megatron-Bridge has no provider for {cfg.architecture}: `model` describes it but names no "
                  f"_target_.\n")
     return head + _yaml({"checkpoint": checkpoint, "model": model})
+
+
+def _vision_fields(hf_config: Any, cfg: Any) -> dict[str, Any]:
+    """The fields ``Qwen25VLBridge.provider_bridge`` sets beyond the text model's: M-RoPE, the special
+    token ids and the vision config."""
+    vision = dict(hf_config.vision_config or {})
+    vision.pop("transformers_version", None)
+    text = hf_config.text_config if isinstance(hf_config.text_config, dict) else hf_config.to_dict()
+    fields: dict[str, Any] = {"position_embedding_type": "mrope", "mrope_section": list(cfg.rope.mrope_section or ()),
+                              "bos_token_id": text.get("bos_token_id"), "eos_token_id": text.get("eos_token_id")}
+    for key in ("vision_start_token_id", "vision_end_token_id", "vision_token_id", "image_token_id", "video_token_id"):
+        if getattr(hf_config, key) is not None:
+            fields[key] = getattr(hf_config, key)
+    fields["vision_config"] = {"_target_": VISION_CONFIGS[cfg.architecture], **vision}
+    return fields
 
 
 _PLAIN_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

@@ -20,10 +20,16 @@ from parallel.pipeline_layout import stage_layer_ranges
 RANK_FILE = "model_optim_rng.pt"
 # Megatron-LM saves an (empty) extra state for every linear layer; its strict load expects it.
 LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
-# The Transformer-Engine spec keeps the norms inside the following linear layers; torch_dist always
-# uses these names, legacy checkpoints either.
+# The Transformer-Engine spec keeps the norms inside the following linear layers (local name -> TE name).
+# Which layers store which norm under which name (``norm_aliases``): megatron-core's TE spec
+# (``get_gpt_layer_with_transformer_engine_submodules``) fuses the input norm into ``linear_qkv`` in every
+# layer and the pre-MLP norm into ``linear_fc1`` in dense layers only: a MoE layer has no ``linear_fc1``
+# and keeps its ``pre_mlp_layernorm`` module. Its local spec names both norms by module in legacy files
+# and maps both to the fused names in every layer, MoE ones included, in torch_dist
+# (``sharded_state_dict_keys_map``). Readers take either name; writers use ``norm_aliases``.
 TE_NORM_ALIASES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
                    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+TRANSFORMER_ENGINE, LOCAL_SPEC = "transformer_engine", "local"  # Megatron-LM's --transformer-impl values
 LAYER_PREFIX = "decoder.layers."
 DIST_DATA_FILES = 4  # torch_dist output: __0_0.distcp .. __3_0.distcp, units dealt round-robin
 DIST_METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
@@ -226,6 +232,24 @@ def chunk_state(data: Any, chunk: int, vpp: int, path: Path) -> dict:
     return state
 
 
+def norm_aliases(moe_layer: bool, impl: str, fmt: str) -> dict[str, str]:
+    """The norms a layer stores under the fused linear's name (a part of ``TE_NORM_ALIASES``) in a
+    checkpoint of ``fmt`` ("torch" legacy or "torch_dist") written for the ``impl`` layer spec
+    (``TRANSFORMER_ENGINE`` or ``LOCAL_SPEC``); see ``TE_NORM_ALIASES``."""
+    if impl == TRANSFORMER_ENGINE:
+        return {local: te for local, te in TE_NORM_ALIASES.items()
+                if not (moe_layer and local == "pre_mlp_layernorm.weight")}
+    return dict(TE_NORM_ALIASES) if fmt == "torch_dist" else {}
+
+
+def writer_norm_aliases(wmap: Any, layer: int, *, bridge: bool, args: Any, fmt: str) -> dict[str, str]:
+    """``norm_aliases`` of a layer we write: Megatron-Bridge builds the TE spec (its default layer spec; the
+    run_config.yaml we write names no other); a Megatron-LM checkpoint the spec its args declare
+    (``transformer_impl``)."""
+    impl = TRANSFORMER_ENGINE if bridge else getattr(args, "transformer_impl", LOCAL_SPEC)
+    return norm_aliases(layer in wmap.moe_layers, impl, fmt)
+
+
 def lookup_key(state: dict, key: str) -> tuple[str, Any]:
     """(key found, ``state`` value or None) for ``key``, also under its Transformer-Engine name."""
     if key in state:
@@ -237,14 +261,14 @@ def lookup_key(state: dict, key: str) -> tuple[str, Any]:
     return key, None
 
 
-def stacked_key(template: str) -> str:
-    """``decoder.layers.{i}.x.weight`` -> torch_dist's stacked ``decoder.layers.x.weight`` (norms
-    under their Transformer-Engine names); a prefix before ``decoder.`` (Megatron-Bridge's
-    ``language_model.``) is kept."""
+def stacked_key(template: str, aliases: dict[str, str] = TE_NORM_ALIASES) -> str:
+    """``decoder.layers.{i}.x.weight`` -> torch_dist's stacked ``decoder.layers.x.weight`` (the norms in
+    ``aliases`` under their Transformer-Engine names: ``norm_aliases``); a prefix before ``decoder.``
+    (Megatron-Bridge's ``language_model.``) is kept."""
     key = template.replace("layers.{i}.", "layers.")
     head, sep, local = key.partition(LAYER_PREFIX)
-    if sep and local in TE_NORM_ALIASES:
-        return head + LAYER_PREFIX + TE_NORM_ALIASES[local]
+    if sep and local in aliases:
+        return head + LAYER_PREFIX + aliases[local]
     return key
 
 
@@ -270,4 +294,9 @@ def dist_key(template: str, layer: int | None, tensors: dict) -> tuple[str, int 
     te_per_layer = stacked.replace(LAYER_PREFIX, f"{LAYER_PREFIX}{layer}.", 1)
     if te_per_layer in tensors:
         return te_per_layer, None
+    # a MoE layer's pre-MLP norm: the TE spec keeps its own name (``norm_aliases``), megatron-core's local
+    # spec the fused one
+    unfused = stacked_key(template, {})
+    if stacked not in tensors and unfused in tensors:
+        return unfused, layer
     return stacked, layer

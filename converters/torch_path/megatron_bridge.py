@@ -1,4 +1,5 @@
-"""Writing Megatron-Bridge's checkpoint layout of a vision-language model (``pmz convert --to megatron-bridge``).
+"""Writing Megatron-Bridge's checkpoint layout (``pmz convert --to megatron-bridge``): the text models Bridge
+0.6.2 has bridges for (Llama, Qwen2, Qwen3, Qwen3-MoE) and the vision-language models.
 
 What Megatron-Bridge 0.6.2 saves (``save_megatron_model``; checked against it, tests/bridge_oracle.py) and
 what its ``load_megatron_model`` needs to load the model again:
@@ -12,10 +13,12 @@ what its ``load_megatron_model`` needs to load the model again:
   <root>/hf_config/                          ours: config.json and tokenizer files of the HF model
                                              (Bridge ignores it; pmz reads the model description there)
 
-The tensors are the text model's Megatron names under ``language_model.`` and the vision tower's HF
-names (``converters/layout/model.bridge_vl_weight_map``), global (unsharded) at any TP/PP: the
-parallel layout is recorded in run_config.yaml only. Vocabulary rows are not padded (Bridge's
-providers default to ``should_pad_vocab=False``).
+The tensors are megatron-core's torch_dist ones (a vision-language model: the text model's Megatron
+names under ``language_model.`` and the vision tower's HF names, ``converters/layout/model.
+bridge_vl_weight_map``), global (unsharded) at any TP/PP: the parallel layout is recorded in
+run_config.yaml only. Layer norms are named as the Transformer-Engine spec Bridge builds names them
+(``layout.stages.writer_norm_aliases``: a MoE layer's pre-MLP norm is ``pre_mlp_layernorm.weight``).
+Vocabulary rows are not padded (Bridge's providers default to ``should_pad_vocab=False``).
 """
 
 from __future__ import annotations
@@ -26,24 +29,20 @@ import torch
 
 from converters.formats.hf_config import write_config_dir
 from converters.formats.megatron_args import HF_CONFIG_DIR, iteration_folder
-from converters.formats.megatron_bridge import RUN_CONFIG, TRAIN_STATE, run_config_text
-from converters.layout.model import BRIDGE_TARGET
+from converters.formats.megatron_bridge import RUN_CONFIG, TRAIN_STATE, check_bridge_text_model, run_config_text
 from converters.layout.stages import MegatronLayout, check_target_stages, validate_target_layout
 from converters.torch_path.megatron_dist import write_dist
 from converters.torch_path.megatron_target import MegatronTarget
 from converters.torch_path.reader import CheckpointReader
-from models.common.errors import CheckpointError
 
 
 def plan_bridge_target(reader: CheckpointReader, *, tp: int, pp: int, vpp: int, dtype: torch.dtype,
                        first: int | None = None, last: int | None = None) -> MegatronTarget:
-    """The Bridge target of a vision-language model, its layout validated (ParallelConfigError names
-    the numbers); CheckpointError for a text model, whose torch_dist layout ``--to megatron-dist`` writes."""
+    """The Bridge target of a model, its layout validated (ParallelConfigError names the numbers); a text
+    model must be one Bridge builds as it is (``check_bridge_text_model``: CheckpointError otherwise)."""
     cfg = reader.cfg
     if cfg.vision is None:
-        raise CheckpointError(f"{reader.path}: {BRIDGE_TARGET} writes the vision-language models (Qwen2-VL, "
-                              f"Qwen2.5-VL); a {cfg.architecture} torch_dist checkpoint is --to megatron-dist (the "
-                              f"tensors megatron-core and Megatron-Bridge load)")
+        check_bridge_text_model(cfg, reader.path)
     check_target_stages(cfg.num_hidden_layers, pp, vpp, first, last)
     validate_target_layout(cfg, "megatron-bridge", tp=tp, pp=pp, vpp=vpp, first=first, last=last)
     layout = MegatronLayout(cfg.num_hidden_layers, pp, vpp, first, last, "target")
