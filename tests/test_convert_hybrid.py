@@ -22,9 +22,11 @@ writes nor loads ``mtp.*``).
 
 from __future__ import annotations
 
+import copy
 import glob
 import json
 import shutil
+import subprocess
 from fractions import Fraction
 from pathlib import Path
 
@@ -47,17 +49,19 @@ def _configs() -> dict:
                   max_position_embeddings=64, tie_word_embeddings=False)
     moe = dict(moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts_per_tok=2)
     return {
-        # value heads 4 on 2 key heads, dv != dk, partial rotary 0.25; layers: linear, linear, full, linear
+        # value heads 4 on 2 key heads, dv != dk, partial rotary 0.25; every 4th layer full attention (the last:
+        # megatron-core builds the MTP layer from the last layer's spec)
         "qwen3_5": Qwen3_5TextConfig(**common, intermediate_size=48, num_hidden_layers=4,
-                                     layer_types=[LIN, LIN, FULL, LIN], linear_num_key_heads=2,
+                                     layer_types=[LIN, LIN, LIN, FULL], linear_num_key_heads=2,
                                      linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12),
         "qwen3_5_moe": Qwen3_5MoeTextConfig(**common, **moe, num_experts=4, num_hidden_layers=2,
                                             layer_types=[LIN, FULL], linear_num_key_heads=2,
                                             linear_num_value_heads=4, linear_key_head_dim=8,
                                             linear_value_head_dim=12),
-        # 4 key-head groups interleaved, layer 1 dense (mlp_only_layers), top-k not renormalised
+        # 4 key-head groups interleaved, layer 1 dense (mlp_only_layers), top-k not renormalised, layer kinds not
+        # periodic (linear_attention_freq a list)
         "qwen3_next": Qwen3NextConfig(**common, **moe, num_experts=4, norm_topk_prob=False, mlp_only_layers=[1],
-                                      intermediate_size=48, num_hidden_layers=4, layer_types=[LIN, LIN, FULL, LIN],
+                                      intermediate_size=48, num_hidden_layers=4, layer_types=[FULL, LIN, LIN, FULL],
                                       linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8,
                                       linear_value_head_dim=8),
     }
@@ -82,12 +86,16 @@ def add_mtp(path: str, seed: int) -> None:
 
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory) -> dict[str, str]:
-    """name -> HF directory: the three models with MTP, and Qwen3.5 without."""
+    """name -> HF directory: the three models with MTP (Qwen3-Next also with every layer sparse, as Bridge
+    builds it), and Qwen3.5 without."""
     from tests.workers_qwen3_5 import write_model
 
     root = tmp_path_factory.mktemp("hybrid_hf")
     out = {}
-    for seed, (name, config) in enumerate(_configs().items()):
+    configs = _configs()
+    configs["qwen3_next_all_sparse"] = copy.deepcopy(configs["qwen3_next"])
+    configs["qwen3_next_all_sparse"].mlp_only_layers = []  # as Bridge builds Qwen3-Next: MoE on every layer
+    for seed, (name, config) in enumerate(configs.items()):
         out[name] = write_model(root, name, config, seed + 11)
         if name == "qwen3_5":
             out["qwen3_5_no_mtp"] = str(shutil.copytree(out[name], root / "qwen3_5_no_mtp"))
@@ -187,7 +195,7 @@ def test_megatron_reshards_are_bitwise(hf, tmp_path):
     assert_same(legacy_state(str(a)), legacy_state(str(tmp_path / "d")))
     dist = dist_state(str(tmp_path / "b"))
     norms = [k for k in dist if k.endswith("out_norm.weight")]
-    assert len(norms) == 3 and all(torch.equal(dist[k], value) for k in norms)
+    assert len(norms) == 2 and all(torch.equal(dist[k], value) for k in norms)
 
 
 # ------------------------------------------------------------------- Megatron names and layouts (Bridge's mapping)
@@ -324,14 +332,14 @@ def test_args_describe_the_model(hf, tmp_path):
     convert(hf["qwen3_5"], mc, to="megatron", tp=2, workers=1)
     args = vars(args_of(str(mc)))
     cfg = json.loads(Path(hf["qwen3_5"], "config.json").read_text())
-    expected = dict(experimental_attention_variant="gated_delta_net", linear_attention_freq=3,
+    expected = dict(experimental_attention_variant="gated_delta_net", linear_attention_freq=4,
                     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
                     linear_conv_kernel_dim=4, attention_output_gate=True, layernorm_zero_centered_gamma=True,
                     rotary_percent=0.25, qk_layernorm=True, kv_channels=8, num_query_groups=2, mtp_num_layers=1,
                     transformer_impl="transformer_engine", hf_model_type="qwen3_5_text", normalization="RMSNorm",
                     untie_embeddings_and_output_weights=True)
     assert {k: args[k] for k in expected} == expected
-    assert cfg["layer_types"] == [LIN, LIN, FULL, LIN]  # linear_attention_freq 3: every 3rd layer full attention
+    assert cfg["layer_types"] == [LIN, LIN, LIN, FULL]  # linear_attention_freq 4: every 4th layer full attention
     shutil.rmtree(mc / "hf_config")
     convert(mc, tmp_path / "back", to="hf", workers=1)
     assert_same(hf_tensors(hf["qwen3_5"]), hf_tensors(str(tmp_path / "back")))
@@ -353,7 +361,7 @@ def test_args_describe_the_model(hf, tmp_path):
 
 @pytest.mark.parametrize("field, value, named", [
     ("linear_num_value_heads", 2, "linear_num_value_heads=2 vs args' 4"),
-    ("layer_types", [LIN, FULL, LIN, LIN], "vs linear_attention_freq 3"),
+    ("layer_types", [LIN, FULL, LIN, LIN], "vs linear_attention_freq 4"),
     ("model_type", "qwen3", "the Megatron args describe a Gated DeltaNet hybrid"),
 ])
 def test_args_contradicting_the_hf_config_are_refused(hf, tmp_path, capsys, field, value, named):
@@ -470,3 +478,72 @@ def test_minus_one_over_every_bf16_value():
     assert int((same & finite).sum()) == 32895 and int((~same & finite).sum()) == 32385
     small = finite & (w.float().abs() < 0.5) & (w.float() * 256 != (w.float() * 256).round())
     assert not bool((same & small).any())
+
+
+# ------------------------------------------------------------------------------- real Megatron-Bridge (oracle)
+
+ROOT = Path(__file__).resolve().parent.parent
+BRIDGE_PYTHON = ROOT / ".venv-bridge" / "bin" / "python"
+BRIDGE_CASES = ("qwen3_5", "qwen3_5_moe", "qwen3_next_all_sparse")  # Bridge builds MoE on every Qwen3-Next layer
+BRIDGE_WRITES = ("qwen3_5", "qwen3_next_all_sparse")
+
+
+def _metadata(root: Path) -> dict:
+    import pickle
+
+    it_dir = next(p for p in sorted(root.iterdir()) if p.name.startswith(("iter_", "release")))
+    return pickle.loads((it_dir / ".metadata").read_bytes()).state_dict_metadata
+
+
+@pytest.fixture(scope="module")
+def bridge(hf, tmp_path_factory):
+    """One run of real Megatron-Bridge 0.6.2 (tests/bridge_gdn_oracle.py under .venv-bridge): it writes its own
+    checkpoints of Qwen3.5 and Qwen3-Next (MTP included) and loads, strictly, what ``--to megatron-dist`` wrote
+    (unpadded vocabulary, as Bridge keeps it) for each model into the model it builds from the HF directory."""
+    assert BRIDGE_PYTHON.exists(), f"{BRIDGE_PYTHON} missing: run tools/setup.sh (it creates the Bridge venv)"
+    root = tmp_path_factory.mktemp("hybrid_bridge")
+    ours = {c: convert(hf[c], root / "ours" / c, to="megatron-dist", workers=1, make_vocab_size_divisible_by=1)
+            for c in BRIDGE_CASES}
+    jobs = [{"op": "write", "hf": hf[c], "out": str(root / "real" / c)} for c in BRIDGE_WRITES]
+    jobs += [{"op": "load", "hf": hf[c], "ckpt": str(ours[c] / "release")} for c in BRIDGE_CASES]  # no iteration
+    (root / "jobs.json").write_text(json.dumps(jobs))
+    proc = subprocess.run([str(BRIDGE_PYTHON), str(ROOT / "tests" / "bridge_gdn_oracle.py"), str(root / "jobs.json"),
+                           str(root / "result.json")], capture_output=True, text=True, timeout=600, cwd=str(root))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    result = json.loads((root / "result.json").read_text())
+    assert result["versions"]["megatron-bridge"] == "0.6.2", result["versions"]
+    results = iter(result["results"])
+    return {"ours": ours, "real": {c: root / "real" / c for c in BRIDGE_WRITES},
+            "writes": {c: next(results) for c in BRIDGE_WRITES}, "loads": {c: next(results) for c in BRIDGE_CASES}}
+
+
+@pytest.mark.parametrize("case", BRIDGE_WRITES)
+def test_real_bridge_checkpoint_to_hf_is_bitwise(hf, bridge, tmp_path, case):
+    """What Megatron-Bridge wrote (per-layer keys, split in_proj/conv1d, out_norm - 1, MTP) converts to the HF
+    tensors it was built from, bitwise, ``mtp.*`` included."""
+    out = convert(bridge["real"][case], tmp_path / "hf", to="hf", hf_config=hf[case], workers=1)
+    want = hf_tensors(hf[case])
+    assert any(k.startswith("mtp.") for k in want)
+    assert_same(want, hf_tensors(str(out)))
+
+
+@pytest.mark.parametrize("case", BRIDGE_WRITES)
+def test_pmz_writes_the_keys_bridge_writes(bridge, case):
+    """``--to megatron-dist`` writes Bridge's torch_dist keys with Bridge's global shapes, and the same empty
+    ``_extra_state`` items (we write common.pt where Bridge has a common_state item)."""
+    ours, real = _metadata(bridge["ours"][case]), _metadata(bridge["real"][case])
+    shapes = [{k: tuple(v.size) for k, v in md.items() if hasattr(v, "chunks")} for md in (ours, real)]
+    assert shapes[0] == shapes[1]
+    assert shapes[0] == {k: tuple(v) for k, v in bridge["writes"][case]["keys"].items() if v != "object"}
+    objects = [{k for k, v in md.items() if not hasattr(v, "chunks")} for md in (ours, real)]
+    assert objects[0] == objects[1] - {"common_state/shard_0_1"}
+
+
+@pytest.mark.parametrize("case", BRIDGE_CASES)
+def test_real_bridge_loads_what_pmz_writes(bridge, case):
+    """megatron-core's strict ``dist_checkpointing.load`` (Bridge's model from the HF config, MTP built) takes
+    our torch_dist checkpoint with no key missing or left over, and every weight equals, bitwise, what Bridge
+    imports from the HF checkpoint itself."""
+    load = bridge["loads"][case]
+    assert load["loader"] == "megatron.core.dist_checkpointing.load", load
+    assert load["compared"] > 40 and not (load["mismatched"] or load["missing"] or load["unexpected"]), load

@@ -19,17 +19,15 @@ The rest (legacy local layer numbers, TP splits, expert files) is ``converters/l
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from converters.layout.megatron import packed_components
 from converters.layout.model import FINAL, Unit, is_hybrid
-from converters.layout.stages import absent_tensors, stores_shared_expert, unit_megatron_keys_ep
+from converters.layout.stages import absent_tensors, unit_megatron_keys_ep
 from models.common.weight_map import PACKED, WeightEntry, WeightMap
 
 MTP_DIST_LAYER = (".mtp_model_layer.", ".transformer_layer.")  # torch_dist's name of the MTP decoder layer
 _LOCAL_EXPERTS, _DIST_EXPERTS = ".mlp.experts.local_experts.", ".mlp.experts.experts."
-_IN_LAYER = re.compile(r"^.*\{i\}\.(mtp_model_layer\.)?")  # a layer template's prefix (decoder or MTP layer)
 
 
 def _mtp_view(wmap: Any) -> WeightMap:
@@ -84,55 +82,65 @@ def dist_expert(key: str) -> tuple[str, int] | None:
     return f"{head}{_DIST_EXPERTS}{tail}", int(expert)
 
 
-def _layer_modules(templates: tuple[WeightEntry, ...], prefix: str, local_experts: int,
-                   sequential: bool) -> list[str]:
-    """The modules of one layer (names under ``prefix``) whose ``_extra_state`` megatron-core saves: its
-    Transformer-Engine linears (norms fused into ``in_proj`` / ``linear_qkv`` / ``linear_fc1``), experts."""
-    local = {_IN_LAYER.sub("", t.megatron) for t in templates if t.megatron}
-    mods = [m for m in ("self_attention.in_proj", "self_attention.out_proj", "self_attention.linear_qkv",
-                        "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
-            if any(name.startswith(m + ".") for name in local)]
-    if local_experts and sequential:
-        mods += [f"mlp.experts.local_experts.{i}.linear_fc{j}" for i in range(local_experts) for j in (1, 2)]
-    if stores_shared_expert(templates):
-        mods += [f"mlp.shared_experts.linear_fc{j}" for j in (1, 2)]
-    return [prefix + m for m in mods]
+# Megatron tensors of a hybrid that are not Transformer-Engine modules (no ``_extra_state``)
+_NOT_TE = (".mlp.router.", ".conv1d.", "embedding.", "output_layer.")
+
+
+def _te_modules(entries) -> list[str]:
+    """The Transformer-Engine modules holding ``entries``' Megatron tensors (templates kept): every ``*.weight``
+    but the router, the conv1d and the embedding / output layer (megatron-core's own modules). Megatron-Bridge
+    0.6.2 writes an empty ``_extra_state`` for each (linears, grouped linears and norms alike)."""
+    mods: dict[str, None] = {}
+    for t in entries:
+        name = t.megatron
+        if name and name.endswith(".weight") and not any(x in name for x in _NOT_TE):
+            mods[name[:-len(".weight")]] = None
+    return list(mods)
+
+
+def _unit_modules(wmap: Any, unit: Unit, index: int | None) -> list[tuple[str, bool]]:
+    """(TE module of ``unit`` with layer ``index`` filled in, whether it is a per-expert ``{e}`` template): the
+    layer's modules, or on ``FINAL`` the final norm and the MTP block's."""
+    if isinstance(unit, int):
+        groups = [(wmap.layer_templates(unit), index)]
+    elif unit == FINAL:
+        groups = [(wmap.last_entries, None)]
+        if is_hybrid(wmap) and wmap.mtp_layers:
+            groups.append((wmap.mtp_head_entries, None))
+            groups += [(wmap.mtp_layer_entries, k) for k in range(wmap.mtp_layers)]
+    else:
+        return []
+    return [(m.replace("{i}", str(i)), "{e}" in m) for entries, i in groups for m in _te_modules(entries)]
 
 
 def legacy_extra_states(wmap: Any, unit: Unit, local_index: int | None, ep: int, sequential: bool) -> list[str]:
-    """Modules whose (empty) ``_extra_state`` a legacy rank file of a hybrid holds for ``unit``."""
-    experts = _experts(wmap)
-    if isinstance(unit, int):
-        templates = wmap.layer_templates(unit)
-        local = experts // ep if unit in wmap.moe_layers else 0
-        return _layer_modules(templates, f"decoder.layers.{local_index}.", local, sequential)
-    if unit != FINAL:
-        return []
-    mods = ["output_layer"]
-    for k in range(wmap.mtp_layers):
-        mods.append(f"mtp.layers.{k}.eh_proj")
-        mods += _layer_modules(wmap.mtp_layer_entries, f"mtp.layers.{k}.mtp_model_layer.",
-                               experts // ep if experts else 0, sequential)
-    return mods
+    """Modules whose (empty) ``_extra_state`` a legacy rank file of a hybrid holds for ``unit`` (its stage-local
+    layer number; experts: this file's local ones, or one grouped linear each with ``sequential`` False)."""
+    out = []
+    local = _experts(wmap) // ep
+    for module, per_expert in _unit_modules(wmap, unit, local_index):
+        if not per_expert:
+            out.append(module)
+        elif sequential:
+            out += [module.replace("{e}", str(e)) for e in range(local)]
+        else:  # Transformer Engine's TEGroupedMLP: mlp.experts.linear_fc{1,2}
+            out.append(module.replace("local_experts.{e}.", ""))
+    return list(dict.fromkeys(out))
 
 
 def dist_extra_states(wmap: Any, unit: Unit) -> list[tuple[str, str]]:
     """(module, shard suffix) of the empty ``_extra_state`` items a torch_dist checkpoint of a hybrid holds
-    for ``unit`` (per-layer keys: ``shard_0_1``; experts ``shard_{e}_{E}``)."""
+    for ``unit``, as Megatron-Bridge writes them: per-layer keys ``shard_0_1``, experts
+    ``mlp.experts.experts.linear_fc{j}`` ``shard_{e}_{E}``, the MTP layer under ``transformer_layer``."""
     E = _experts(wmap)
-    out: list[tuple[str, str]] = []
-    if isinstance(unit, int):
-        groups = [(wmap.layer_templates(unit), f"decoder.layers.{unit}.", unit in wmap.moe_layers)]
-    elif unit == FINAL:
-        groups = [(wmap.mtp_layer_entries, f"mtp.layers.{k}.transformer_layer.", bool(E))
-                  for k in range(wmap.mtp_layers)]
-        out += [(f"mtp.layers.{k}.eh_proj", "shard_0_1") for k in range(wmap.mtp_layers)]
-    else:
-        return []
-    for templates, prefix, sparse in groups:
-        out += [(m, "shard_0_1") for m in _layer_modules(templates, prefix, 0, False)]
-        if sparse:
-            out += [(f"{prefix}mlp.experts.experts.linear_fc{j}", f"shard_{e}_{E}") for j in (1, 2) for e in range(E)]
+    out = []
+    for module, per_expert in _unit_modules(wmap, unit, unit if isinstance(unit, int) else None):
+        module = dist_name(module)
+        if per_expert:
+            head, tail = module.split("local_experts.{e}.")
+            out += [(f"{head}experts.{tail}", f"shard_{e}_{E}") for e in range(E)]
+        else:
+            out.append((module, "shard_0_1"))
     return out
 
 
