@@ -29,7 +29,7 @@ import torch
 from parallel.config import ParallelConfigError
 from parallel.fsdp import unshard
 from parallel.lora import ColumnLoRA, RowLoRA
-from parallel.sharding import Blocks, KVHeads, Replicated, Rule, Split
+from parallel.sharding import Blocks, Groups, KVHeads, Replicated, Rule, Split
 
 PEFT_PREFIX = "base_model.model."
 
@@ -107,8 +107,9 @@ def lora_targets(cfg, weight_map, lora_config: Any, shapes: dict, layers=None) -
         for hf_name, rule in zip(entry.hf, entry.rules):
             hf_module = hf_name[: -len(".weight")]
             leaf = hf_module.rsplit(".", 1)[1]
-            # Blocks: row blocks each split over TP (Gated DeltaNet's in_proj_qkv), B takes the same rows
-            column = isinstance(rule, (KVHeads, Blocks)) or (isinstance(rule, Split) and rule.dim == 0)
+            # Blocks: row blocks each split over TP (Gated DeltaNet's in_proj_qkv); Groups: Qwen3-Next's
+            # interleaved in_proj_qkvz / in_proj_ba, each rank's key-head groups; B takes the same rows
+            column = isinstance(rule, (KVHeads, Blocks, Groups)) or (isinstance(rule, Split) and rule.dim == 0)
             row = isinstance(rule, Split) and rule.dim == 1
             if not (column or row):
                 if len(shapes[hf_name]) == 2:  # a linear module held whole: MoE router, shared-expert gate
