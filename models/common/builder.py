@@ -112,6 +112,7 @@ def build_model(arch: Architecture, source: Any, parallel_config: ParallelConfig
         tensor_source = RenamedSource(tensor_source, arch.canonical_name, where)
     if tensor_source is not None:
         allowed = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
+        allowed += _unloaded_tensors(wmap, tensor_source.names())
         validate_source(tensor_source, hf_shapes(cfg, wmap), where, allowed_extra=allowed)
     else:
         tensor_source = random_source(arch, cfg, parallel_config, seed)
@@ -140,6 +141,16 @@ def build_model(arch: Architecture, source: Any, parallel_config: ParallelConfig
 
         shard_model(model, groups, forward_methods=("packed_logits", "packed_losses"))
     return model
+
+
+def _unloaded_tensors(wmap: Any, names: set[str]) -> tuple[str, ...]:
+    """Checkpoint tensors the model does not hold and leaves unread, as transformers' CausalLM classes do:
+    a Gated DeltaNet hybrid's MTP block (``mtp.*``; pmz converts it, models/common/hybrid_weights.py)."""
+    from models.common.hybrid_weights import MTP_PREFIX, HybridWeightMap
+
+    if not isinstance(wmap, HybridWeightMap):
+        return ()
+    return tuple(sorted(n for n in names if n.startswith(MTP_PREFIX)))
 
 
 def _model_class(arch: Architecture) -> type:
