@@ -155,7 +155,8 @@ def test_round_trips_are_bitwise(hf, tmp_path, name):
     assert any(k.startswith("mtp.") for k in ref) == (name != "qwen3_5_no_mtp")
     layouts = LAYOUTS[:2] if name == "qwen3_5_moe" else LAYOUTS  # 2 layers: no pp2 x vpp2
     if name == "qwen3_5_moe":
-        layouts = [("megatron", dict(tp=2, pp=2, ep=2)), ("megatron-dist", dict(tp=2))]
+        layouts = [("megatron", dict(tp=2, pp=2, ep=2)), ("megatron", dict(tp=2, ep=2, moe_grouped_gemm=True)),
+                   ("megatron-dist", dict(tp=2))]  # grouped: Transformer Engine's TEGroupedMLP (weight{i})
     if name == "qwen3_next":
         layouts = [("megatron", dict(tp=2, pp=2, ep=2))] + LAYOUTS[1:]
     for i, (to, kw) in enumerate(layouts):
@@ -171,8 +172,10 @@ def test_round_trips_are_bitwise(hf, tmp_path, name):
             last_chunk = "model" if vpp == 1 else f"model{vpp - 1}"
             mtp = [(folder, chunk) for folder, chunk, key in legacy_state(str(mc)) if key.startswith("mtp.")]
             assert bool(mtp) == (name != "qwen3_5_no_mtp")
-            assert all(int(folder.split("_")[3]) == pp - 1 and chunk == last_chunk for folder, chunk in mtp), \
-                "MTP tensors off the last pipeline stage's last chunk"
+            assert all((pp == 1 or int(folder.split("_")[3]) == pp - 1) and chunk == last_chunk
+                       for folder, chunk in mtp), "MTP tensors off the last pipeline stage's last chunk"
+            if kw.get("moe_grouped_gemm"):
+                assert any(key.endswith("mlp.experts.linear_fc1.weight1") for _, _, key in legacy_state(str(mc)))
 
 
 def test_megatron_reshards_are_bitwise(hf, tmp_path):
@@ -438,6 +441,23 @@ def test_mis_shaped_and_partial_checkpoints_are_refused(hf, tmp_path, capsys):
     t = {k: v for k, v in load_file(f"{headless}/model.safetensors").items() if not k.startswith("mtp.fc")}
     save_file(t, f"{headless}/model.safetensors", metadata={"format": "pt"})
     expect_failure(capsys, headless, tmp_path / "out" / "e", to="megatron", names=("missing tensor(s): mtp.fc.weight",))
+
+
+def test_fused_experts_are_refused(hf, tmp_path, capsys):
+    """Experts stored fused (``mlp.experts.gate_up_proj [E, 2F, H]``, ``down_proj [E, H, F]``, as transformers
+    holds them in memory) are not read: one line naming them."""
+    fused = tmp_path / "fused"
+    shutil.copytree(hf["qwen3_5_moe"], fused)
+    t = load_file(f"{fused}/model.safetensors")
+    for prefix in ("model.layers.0.mlp.experts.", "model.layers.1.mlp.experts."):
+        experts = range(4)
+        t[prefix + "gate_up_proj"] = torch.stack([torch.cat([t.pop(f"{prefix}{e}.gate_proj.weight"),
+                                                             t.pop(f"{prefix}{e}.up_proj.weight")]) for e in experts])
+        t[prefix + "down_proj"] = torch.stack([t.pop(f"{prefix}{e}.down_proj.weight") for e in experts])
+    save_file(t, f"{fused}/model.safetensors", metadata={"format": "pt"})
+    expect_failure(capsys, fused, tmp_path / "out" / "f", to="megatron",
+                   names=("fused expert tensors (model.layers.0.mlp.experts.down_proj (4, 32, 16), ... 4 in all) "
+                          "are not read yet",))
 
 
 def test_vllm_target_is_refused(hf, tmp_path, capsys):

@@ -26,6 +26,7 @@ from converters.formats.hf_config import check_block_count, check_config_against
 from converters.formats.quantized import check_unquantized_tensors
 from converters.formats.tensors import ITEMSIZE
 from converters.layout.model import architecture_for, checkpoint_weight_map
+from models.common.errors import CheckpointError
 from models.common.hf_files import SafetensorsFiles, StoredTensor, canonical_names, check_tensors
 from models.common.weight_map import hf_shapes
 
@@ -51,6 +52,7 @@ class HFCheckpoint:
         # other key layouts of the same model (Qwen2-VL's in-memory names) under the weight map's names
         stored_as = canonical_names(self.files.names(), arch.canonical_name, self.path)
         shapes = {name: self.files.tensors[stored].shape for name, stored in stored_as.items()}
+        check_per_expert(self.path, shapes, cfg)
         files = {name: self.files.file_of(stored) for name, stored in stored_as.items()}
         config_path = Path(path) / "config.json"
         for field, count, prefix in arch.counted_blocks(cfg) if arch.counted_blocks else ():
@@ -61,6 +63,18 @@ class HFCheckpoint:
         check_tensors(shapes, hf_shapes(cfg, wmap), self.path, allowed_extra=allowed, files=files)
         self.arch, self.cfg, self.wmap = arch, cfg, wmap
         self.tensors: dict[str, StoredTensor] = {name: self.files.tensors[stored] for name, stored in stored_as.items()}
+
+
+def check_per_expert(path: str, shapes: dict[str, Any], cfg: Any) -> None:
+    """Experts stored fused (``mlp.experts.gate_up_proj [E, 2F, H]`` and ``down_proj [E, H, F]``, as transformers
+    holds them in memory and some releases store them) are refused in one line: pmz reads them per expert
+    (``mlp.experts.{e}.gate_proj.weight`` ..., what transformers 5 ``save_pretrained`` writes)."""
+    fused = sorted(n for n in shapes if n.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")))
+    if fused and getattr(cfg, "moe", None) is not None:
+        raise CheckpointError(f"{path}: fused expert tensors ({fused[0]} {tuple(shapes[fused[0]])}, ... {len(fused)} "
+                              f"in all) are not read yet: pmz reads experts per expert (mlp.experts.{{e}}.gate_proj"
+                              f".weight, ... as transformers' save_pretrained writes them); transformers loads these "
+                              f"and re-saves them per expert (without an MTP block's mtp.* tensors)")
 
 
 # ------------------------------------------------------------------------------------------- writing
