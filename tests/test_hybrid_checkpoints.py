@@ -46,3 +46,60 @@ def test_mtp_block_is_left_unread(tmp_path, name):
         ours = model(ids, return_logits=True).logits
         ref = hf(ids).logits
     assert (ours - ref).abs().max().item() < 1e-5, added
+
+
+VISION = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=4,
+              num_position_embeddings=16, spatial_merge_size=2)
+
+
+def conditional_generation_checkpoint(root, name: str, tie: bool = False) -> tuple[str, object]:
+    """A random ``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5MoeForConditionalGeneration`` (text config from
+    the layout tests, a tiny vision tower) saved by transformers: decoder under ``model.language_model.``,
+    tower under ``model.visual.``, the text config under ``text_config``."""
+    from transformers import (
+        Qwen3_5Config,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeForConditionalGeneration,
+    )
+
+    if name == "qwen3_5":
+        text, cls, config_cls = configs()["mixed"], Qwen3_5ForConditionalGeneration, Qwen3_5Config
+    else:
+        from tests.workers_qwen3_next import configs as moe_configs
+
+        text, cls, config_cls = moe_configs()["qwen3_5_moe"], Qwen3_5MoeForConditionalGeneration, Qwen3_5MoeConfig
+    config = config_cls(text_config=text.to_dict(), vision_config=VISION, tie_word_embeddings=tie)
+    torch.manual_seed(11)
+    model = cls(config)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("A_log"):
+                p.normal_(-2.0, 0.5)
+            elif "norm" in pname and "linear_attn" not in pname and "visual" not in pname:
+                p.normal_(0.0, 0.1)
+            else:
+                p.normal_(0.0, 0.08)
+    path = root / f"{name}_cg"
+    model.save_pretrained(path)
+    return str(path), model.eval()
+
+
+@pytest.mark.parametrize("name,tie", [("qwen3_5", False), ("qwen3_5", True), ("qwen3_5_moe", False)])
+def test_conditional_generation_checkpoint_loads_its_text_model(tmp_path, name, tie):
+    """The text model of a conditional-generation checkpoint (``text_config``, ``model.language_model.*``)
+    gives transformers' conditional-generation model's logits on text; the tower is left unread."""
+    import importlib
+
+    path, hf = conditional_generation_checkpoint(tmp_path, name, tie)
+    names = load_file(f"{path}/model.safetensors").keys()
+    assert ("lm_head.weight" in names) != tie
+    assert any(n.startswith("model.visual.") for n in names) and any(n.startswith("model.language_model.")
+                                                                   for n in names)
+    model = importlib.import_module(f"models.{name}").build_parallel_model(path).eval()
+    vocab = hf.config.text_config.vocab_size
+    ids = torch.randint(0, vocab, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(ids, return_logits=True).logits
+        ref = hf(input_ids=ids).logits
+    assert (ours - ref).abs().max().item() < 1e-5

@@ -145,12 +145,14 @@ def build_model(arch: Architecture, source: Any, parallel_config: ParallelConfig
 
 def _unloaded_tensors(wmap: Any, names: set[str]) -> tuple[str, ...]:
     """Checkpoint tensors the model does not hold and leaves unread, as transformers' CausalLM classes do:
-    a Gated DeltaNet hybrid's MTP block (``mtp.*``; pmz converts it, models/common/hybrid_weights.py)."""
+    a Gated DeltaNet hybrid's MTP block (``mtp.*``; pmz converts it, models/common/hybrid_weights.py) and a
+    conditional-generation checkpoint's vision tower (``model.visual.*``, models/common/hybrid_vision.py)."""
+    from models.common.hybrid_vision import VISUAL_PREFIX
     from models.common.hybrid_weights import MTP_PREFIX, HybridWeightMap
 
     if not isinstance(wmap, HybridWeightMap):
         return ()
-    return tuple(sorted(n for n in names if n.startswith(MTP_PREFIX)))
+    return tuple(sorted(n for n in names if n.startswith((MTP_PREFIX, VISUAL_PREFIX))))
 
 
 def _model_class(arch: Architecture) -> type:

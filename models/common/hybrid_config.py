@@ -8,9 +8,9 @@ them from either config.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 from models.common.config import ModelConfig, MoeConfig, UnsupportedConfigError, rope_from_hf
 
@@ -39,6 +39,11 @@ class HybridModelConfig(ModelConfig):
     partial_rotary_factor: float = 1.0
     attn_output_gate: bool = True
     zero_centered_norm: bool = True
+    # Where the checkpoint keeps the decoder (``model.``: a CausalLM checkpoint; ``model.language_model.``: a
+    # conditional-generation one) and the tensors it holds that the model does not (a conditional-generation
+    # checkpoint's vision tower, ``(name, shape)``: models/common/hybrid_vision.py), carried by conversions.
+    hf_prefix: str = "model."
+    carried: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     @property
     def rotary_dim(self) -> int:
@@ -140,3 +145,23 @@ def hybrid_config_from_hf(hf_config: Any, *, architecture: str, moe: MoeConfig |
         zero_centered_norm=True,
         moe=moe,
     )
+
+
+def hybrid_checkpoint_config(hf_config: Any, read: Callable[[Any], HybridModelConfig]) -> HybridModelConfig:
+    """The config of a CausalLM checkpoint (``read(hf_config)``) or of a conditional-generation one
+    (``Qwen3_5Config`` / ``Qwen3_5MoeConfig``: ``read(text_config)``, the decoder under
+    ``model.language_model.``, the vision tower carried, embeddings tied as the top-level config says, which
+    is what transformers' ``Qwen3_5ForConditionalGeneration`` reads)."""
+    from models.common.hybrid_vision import TEXT_PREFIX, vision_tensors
+
+    text = getattr(hf_config, "text_config", None)
+    if text is None:
+        return read(hf_config)
+    cfg = read(text)
+    vision = getattr(hf_config, "vision_config", None)
+    try:
+        carried = vision_tensors(vision) if vision is not None else ()
+    except (TypeError, ValueError) as exc:
+        raise UnsupportedConfigError(f"{cfg.architecture}: vision_config: {exc}") from None
+    return replace(cfg, hf_prefix=TEXT_PREFIX, carried=carried,
+                   tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)))

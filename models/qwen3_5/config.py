@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from models.common.hybrid_config import HybridModelConfig, hybrid_config_from_hf
+from models.common.hybrid_config import HybridModelConfig, hybrid_checkpoint_config, hybrid_config_from_hf
 
-HF_MODEL_TYPES = ("qwen3_5_text",)
+HF_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")  # text (CausalLM) and conditional-generation checkpoints
 
 
 def model_config(hf_config: Any) -> HybridModelConfig:
-    return hybrid_config_from_hf(hf_config, architecture="qwen3_5")
+    return hybrid_checkpoint_config(hf_config, lambda text: hybrid_config_from_hf(text, architecture="qwen3_5"))

@@ -1,4 +1,5 @@
-"""Qwen3.5 (dense, text) weight map: the hybrid decoder's table under ``model.`` (``Qwen3_5ForCausalLM``)."""
+"""Qwen3.5 (dense) weight map: the hybrid decoder's table under ``model.`` (``Qwen3_5ForCausalLM``) or
+``model.language_model.`` (``Qwen3_5ForConditionalGeneration``, ``cfg.hf_prefix``)."""
 
 from __future__ import annotations
 
@@ -7,4 +8,4 @@ from models.common.hybrid_weights import HybridWeightMap, hybrid_decoder_weight_
 
 
 def weight_map(cfg: HybridModelConfig, padded_vocab_size: int) -> HybridWeightMap:
-    return hybrid_decoder_weight_map(cfg, padded_vocab_size, hf_prefix="model.", hf_lm_head="lm_head.weight")
+    return hybrid_decoder_weight_map(cfg, padded_vocab_size, hf_prefix=cfg.hf_prefix, hf_lm_head="lm_head.weight")

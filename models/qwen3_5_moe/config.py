@@ -10,13 +10,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from models.common.hybrid_config import HybridModelConfig, hybrid_config_from_hf
+from models.common.hybrid_config import HybridModelConfig, hybrid_checkpoint_config, hybrid_config_from_hf
 from models.qwen2_moe.config import moe_from_hf
 
-HF_MODEL_TYPES = ("qwen3_5_moe_text",)
+HF_MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")  # text (CausalLM) and conditional-generation checkpoints
 
 
 def model_config(hf_config: Any) -> HybridModelConfig:
+    return hybrid_checkpoint_config(hf_config, _text_config)
+
+
+def _text_config(hf_config: Any) -> HybridModelConfig:
     moe = dataclasses.replace(moe_from_hf(hf_config, "qwen3_5_moe", shared_expert=True), norm_topk_prob=True,
                               decoder_sparse_step=1, mlp_only_layers=())
     return hybrid_config_from_hf(hf_config, architecture="qwen3_5_moe", moe=moe)

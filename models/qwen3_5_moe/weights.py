@@ -9,4 +9,4 @@ from models.common.hybrid_weights import HybridWeightMap, hybrid_decoder_weight_
 
 
 def weight_map(cfg: HybridModelConfig, padded_vocab_size: int) -> HybridWeightMap:
-    return hybrid_decoder_weight_map(cfg, padded_vocab_size, hf_prefix="model.", hf_lm_head="lm_head.weight")
+    return hybrid_decoder_weight_map(cfg, padded_vocab_size, hf_prefix=cfg.hf_prefix, hf_lm_head="lm_head.weight")
