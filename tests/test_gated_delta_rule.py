@@ -5,7 +5,12 @@
   * packed batches (``cu_seqlens``, an empty sequence and a one-token one among them): each sequence
     equal to itself run alone, initial states applied per sequence, final states per sequence;
   * the causal depthwise conv restarts its window at every sequence (against F.conv1d per sequence);
-  * transformers' own torch chunked kernel agrees (fp32, unpacked);
+  * transformers' own torch chunked kernel agrees (fp32, unpacked), outputs and gradients;
+  * the chunked form's pieces: the blocked triangular inverse against LAPACK's solve (fp64, chunk
+    sizes that are and are not 16 * 2^j), chunk sizes 5/48/128 and packed gradients (the state scan's
+    per-sequence backward, initial states included) against the recurrent form in fp64;
+  * the kernel dispatch on CPU: automatic and ``PMZ_GDN_KERNEL=torch`` run the torch forms, fla asked
+    for without CUDA/fla is refused in one line (the fla kernels themselves: tests/test_gpu_gdn.py);
   * ``Blocks`` splits unequal q/k/v blocks per rank, merges back, and reads the same rows lazily.
 """
 
@@ -80,12 +85,72 @@ def test_padded_rows_are_independent_sequences():
 
 
 def test_transformers_chunked_kernel_agrees():
-    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-    q, k, v, g, beta = _inputs(2, 100, torch.float32, seed=3)
-    ours = gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True)
-    theirs, _ = torch_chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
-    assert (ours - theirs).abs().max().item() < 2e-6
+    theirs_fn = getattr(hf.torch_chunk_gated_delta_rule, "__wrapped__", hf.torch_chunk_gated_delta_rule)
+    inputs = _inputs(2, 100, torch.float32, seed=3)
+    results = []
+    for fn in (lambda *x: gated_delta_rule(*x, use_qk_l2norm=True),
+               lambda *x: theirs_fn(*x, use_qk_l2norm_in_kernel=True)[0]):
+        xs = [x.clone().requires_grad_() for x in inputs]
+        o = fn(*xs)
+        (o * torch.linspace(-1, 1, o.numel()).view_as(o)).sum().backward()
+        results.append([o] + [x.grad for x in xs])
+    assert (results[0][0] - results[1][0]).abs().max().item() < 2e-6
+    for a, b in zip(results[0][1:], results[1][1:]):
+        assert ((a - b).abs().max() / b.abs().max()).item() < 1e-5
+
+
+def test_unit_lower_inverse_matches_lapack():
+    from parallel.gated_delta_chunk import _unit_lower_inverse
+
+    gen = torch.Generator().manual_seed(4)
+    for c in (1, 5, 16, 48, 64, 100):
+        a = (torch.randn(3, c, c, generator=gen, dtype=torch.float64) * 0.3).tril(-1)
+        eye = torch.eye(c, dtype=torch.float64)
+        ref = torch.linalg.solve_triangular(eye + a, eye.expand(3, c, c), upper=False, unitriangular=True)
+        assert (_unit_lower_inverse(a) - ref).abs().max().item() < 1e-12, c
+
+
+def _forms_agree(inputs, tol, **kw):
+    """Chunked and recurrent forms on the same leaves: outputs, final states and every gradient."""
+    results = []
+    for form in ("chunked", "recurrent"):
+        xs = [x.detach().clone().requires_grad_() for x in inputs]
+        o, s = gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True, use_qk_l2norm=True,
+                                form=form, **kw)
+        ((o * torch.linspace(-1, 1, o.numel(), dtype=o.dtype).view_as(o)).sum() + s.square().sum()).backward()
+        results.append([o, s] + [x.grad for x in xs])
+    for i, (a, b) in enumerate(zip(*results)):
+        assert ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() < tol, i
+
+
+@pytest.mark.parametrize("chunk_size", [5, 48, 128])
+def test_chunk_sizes_equal_recurrent(chunk_size):
+    q, k, v, g, beta = _inputs(2, 100, torch.float64, seed=5)
+    _forms_agree([q, k, v, g, beta, torch.randn(2, 4, 16, 24, dtype=torch.float64)], 1e-10, chunk_size=chunk_size)
+
+
+def test_packed_gradients_equal_recurrent():
+    cu = torch.tensor([0] + LENGTHS).cumsum(0)
+    q, k, v, g, beta = _inputs(1, int(cu[-1]), torch.float64, seed=6)
+    init = torch.randn(len(LENGTHS), 4, 16, 24, dtype=torch.float64)
+    _forms_agree([q, k, v, g, beta, init], 1e-10, cu_seqlens=cu, chunk_size=16)
+
+
+def test_kernel_dispatch_on_cpu(monkeypatch):
+    from parallel.gated_delta_rule import KERNEL_ENV, delta_rule_kernel
+
+    q = torch.zeros(1, 4, 2, 8)
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
+    assert delta_rule_kernel(q) == delta_rule_kernel(q.bfloat16()) == "torch"
+    with pytest.raises(ValueError, match=r"kernel='fla' needs CUDA bf16/fp16 tensors and fla-core installed; got cpu"):
+        gated_delta_rule(q, q, q, q[..., 0], q[..., 0], kernel="fla")
+    monkeypatch.setenv(KERNEL_ENV, "torch")
+    assert delta_rule_kernel(q.bfloat16()) == "torch"
+    monkeypatch.setenv(KERNEL_ENV, "triton")
+    with pytest.raises(ValueError, match=r"PMZ_GDN_KERNEL='triton': expected one of \('torch', 'fla'\)"):
+        delta_rule_kernel(q)
 
 
 def test_conv_window_restarts_per_sequence():

@@ -88,7 +88,7 @@ class ParallelGatedDeltaNet(nn.Module):
             keep = attention_mask[:, :s, None].to(qkv.dtype)
             qkv, z, b_proj, a = qkv * keep, z * keep, b_proj * keep, a * keep
         weight = self.conv1d.weight[:, 0]  # [C, K]
-        qkv = F.silu(causal_conv1d(qkv, weight, positions)).to(x.dtype)
+        qkv = F.silu(causal_conv1d(qkv, weight, positions, cu_seqlens=cu_seqlens)).to(x.dtype)
         q, k, v = qkv.split([kd, kd, vd], dim=-1)
         q = q.reshape(batch, s, self.hk, self.dk)
         k = k.reshape(batch, s, self.hk, self.dk)
