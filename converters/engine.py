@@ -195,15 +195,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
     # config.json plus tokenizer files: from --hf-config, else from an HF source's own directory
     files_from = hf_config or (str(src_path) if reader.info.format == "hf" else None)
     if to == "vllm":
-        from converters.layout.model import is_hybrid
         from converters.torch_path.hf import write_hf_config
         from converters.torch_path.vllm import write_vllm
         from models.common.vllm_format import check_layout
 
         tp, pp = tp or 1, pp or 1
-        if is_hybrid(reader.wmap):
-            raise CheckpointError(f"{src}: --to vllm: pmz does not write vLLM's sharded_state for the Gated DeltaNet "
-                                  f"hybrids ({reader.arch.name}) yet; convert to HF (--to hf), which vLLM loads")
         check_layout(reader.cfg, tp, pp)
         _record(written, tp=tp, pp=pp)
         if quantization:

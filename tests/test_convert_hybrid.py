@@ -362,14 +362,16 @@ def test_args_describe_the_model(hf, tmp_path):
     assert torch.equal(_logits(str(tmp_path / "next_hf")), _logits(hf["qwen3_next"]))
 
 
-@pytest.mark.parametrize("field, value, named", [
-    ("linear_num_value_heads", 2, "linear_num_value_heads=2 vs args' 4"),
-    ("layer_types", [LIN, FULL, LIN, LIN], "vs linear_attention_freq 4"),
-    ("model_type", "qwen3", "the Megatron args describe a Gated DeltaNet hybrid"),
+@pytest.mark.parametrize("name, field, value, named", [
+    ("qwen3_5", "linear_num_value_heads", 2, "linear_num_value_heads=2 vs args' 4"),
+    ("qwen3_5", "layer_types", [LIN, FULL, LIN, LIN], "vs linear_attention_freq 4"),
+    ("qwen3_5", "model_type", "qwen3", "the Megatron args describe a Gated DeltaNet hybrid"),
+    ("qwen3_next", "norm_topk_prob", True, "norm_topk_prob=True vs args' False"),
 ])
-def test_args_contradicting_the_hf_config_are_refused(hf, tmp_path, capsys, field, value, named):
+def test_args_contradicting_the_hf_config_are_refused(hf, tmp_path, capsys, name, field, value, named):
+    """The ``hf_config/`` beside a Megatron checkpoint must describe the model its args do."""
     mc = tmp_path / "mc"
-    convert(hf["qwen3_5"], mc, to="megatron", workers=1)
+    convert(hf[name], mc, to="megatron", workers=1)
     cfg_path = mc / "hf_config" / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg[field] = value
@@ -460,11 +462,6 @@ def test_fused_experts_are_refused(hf, tmp_path, capsys):
                           "are not read yet",))
 
 
-def test_vllm_target_is_refused(hf, tmp_path, capsys):
-    expect_failure(capsys, hf["qwen3_5"], tmp_path / "out" / "v", to="vllm",
-                   names=("pmz does not write vLLM's sharded_state for the Gated DeltaNet hybrids (qwen3_5)",))
-
-
 # --------------------------------------------------------------------------------------- the output norm's w - 1
 
 def test_minus_one_over_every_bf16_value():
@@ -541,7 +538,7 @@ def bridge(hf, tmp_path_factory):
 def test_real_bridge_checkpoint_to_hf_is_bitwise(hf, bridge, tmp_path, case):
     """What Megatron-Bridge wrote (per-layer keys, split in_proj/conv1d, out_norm - 1, MTP) converts to the HF
     tensors it was built from, bitwise, ``mtp.*`` included."""
-    out = convert(bridge["real"][case], tmp_path / "hf", to="hf", hf_config=hf[case], workers=1)
+    out = convert(bridge["real"][case], tmp_path / "hf", to="hf", workers=1)  # config: run_config's hf_model_id
     want = hf_tensors(hf[case])
     assert any(k.startswith("mtp.") for k in want)
     assert_same(want, hf_tensors(str(out)))
