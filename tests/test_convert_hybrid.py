@@ -445,21 +445,45 @@ def test_mis_shaped_and_partial_checkpoints_are_refused(hf, tmp_path, capsys):
     expect_failure(capsys, headless, tmp_path / "out" / "e", to="megatron", names=("missing tensor(s): mtp.fc.weight",))
 
 
-def test_fused_experts_are_refused(hf, tmp_path, capsys):
-    """Experts stored fused (``mlp.experts.gate_up_proj [E, 2F, H]``, ``down_proj [E, H, F]``, as transformers
-    holds them in memory) are not read: one line naming them."""
-    fused = tmp_path / "fused"
-    shutil.copytree(hf["qwen3_5_moe"], fused)
-    t = load_file(f"{fused}/model.safetensors")
-    for prefix in ("model.layers.0.mlp.experts.", "model.layers.1.mlp.experts."):
-        experts = range(4)
+def _fuse_experts(src: str, dst: Path) -> None:
+    """``src`` with every layer's experts (the MTP layer's too) stored fused, as transformers holds them:
+    ``mlp.experts.gate_up_proj [E, 2F, H]`` (per expert gate rows, then up rows), ``down_proj [E, H, F]``."""
+    shutil.copytree(src, dst)
+    t = load_file(f"{dst}/model.safetensors")
+    for prefix in sorted({k.split("experts.")[0] + "experts." for k in t if ".mlp.experts." in k}):
+        experts = range(len({k for k in t if k.startswith(prefix) and k.endswith(".down_proj.weight")}))
         t[prefix + "gate_up_proj"] = torch.stack([torch.cat([t.pop(f"{prefix}{e}.gate_proj.weight"),
                                                              t.pop(f"{prefix}{e}.up_proj.weight")]) for e in experts])
         t[prefix + "down_proj"] = torch.stack([t.pop(f"{prefix}{e}.down_proj.weight") for e in experts])
-    save_file(t, f"{fused}/model.safetensors", metadata={"format": "pt"})
-    expect_failure(capsys, fused, tmp_path / "out" / "f", to="megatron",
-                   names=("fused expert tensors (model.layers.0.mlp.experts.down_proj (4, 32, 16), ... 4 in all) "
-                          "are not read yet",))
+    save_file(t, f"{dst}/model.safetensors", metadata={"format": "pt"})
+
+
+def test_fused_experts_are_read(hf, tmp_path, capsys):
+    """Experts stored fused (decoder and MTP layers) are read as per-expert views of the fused tensors (copy
+    path and torch path): HF and HF -> torch_dist -> HF give transformers' per-expert tensors bitwise. A fused
+    tensor of another shape, or a layer holding both forms, is refused in one line."""
+    fused = tmp_path / "fused"
+    _fuse_experts(hf["qwen3_5_moe"], fused)
+    assert "mtp.layers.0.mlp.experts.gate_up_proj" in load_file(f"{fused}/model.safetensors")
+    want = hf_tensors(hf["qwen3_5_moe"])
+    for path in ("1", "0"):
+        assert_same(want, hf_tensors(str(convert(fused, tmp_path / f"hf{path}", to="hf", workers=1))))
+    convert(fused, tmp_path / "dist", to="megatron-dist", workers=1)
+    assert_same(want, hf_tensors(str(convert(tmp_path / "dist", tmp_path / "back", to="hf", workers=1))))
+
+    bad = tmp_path / "bad"
+    shutil.copytree(fused, bad)
+    t = load_file(f"{bad}/model.safetensors")
+    t["model.layers.1.mlp.experts.down_proj"] = t["model.layers.1.mlp.experts.down_proj"].transpose(1, 2).contiguous()
+    save_file(t, f"{bad}/model.safetensors", metadata={"format": "pt"})
+    expect_failure(capsys, bad, tmp_path / "out" / "f", names=(
+        "fused experts model.layers.1.mlp.experts.down_proj have shape (4, 16, 32), the config implies (4, 32, 16)",))
+    both = tmp_path / "both"
+    shutil.copytree(fused, both)
+    t = load_file(f"{both}/model.safetensors")
+    t["model.layers.0.mlp.experts.3.down_proj.weight"] = t["model.layers.0.mlp.experts.down_proj"][3].clone()
+    save_file(t, f"{both}/model.safetensors", metadata={"format": "pt"})
+    expect_failure(capsys, both, tmp_path / "out" / "g", names=("holds its experts twice, fused",))
 
 
 # --------------------------------------------------------------------------------------- the output norm's w - 1

@@ -51,9 +51,10 @@ class HFCheckpoint:
         cfg = arch.model_config(self.hf_config)
         # other key layouts of the same model (Qwen2-VL's in-memory names) under the weight map's names
         stored_as = canonical_names(self.files.names(), arch.canonical_name, self.path)
-        shapes = {name: self.files.tensors[stored].shape for name, stored in stored_as.items()}
-        check_per_expert(self.path, shapes, cfg)
-        files = {name: self.files.file_of(stored) for name, stored in stored_as.items()}
+        # experts stored fused: one view per expert (byte ranges of the fused tensors)
+        views, origin = per_expert_views(self.path, stored_as, self.files.tensors, cfg)
+        shapes = {name: t.shape for name, t in views.items()}
+        files = {name: self.files.file_of(stored) for name, stored in origin.items()}
         config_path = Path(path) / "config.json"
         for field, count, prefix in arch.counted_blocks(cfg) if arch.counted_blocks else ():
             check_block_count(config_path, field, count, prefix, shapes)  # before the weight map lists them
@@ -62,19 +63,50 @@ class HFCheckpoint:
         allowed = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
         check_tensors(shapes, hf_shapes(cfg, wmap), self.path, allowed_extra=allowed, files=files)
         self.arch, self.cfg, self.wmap = arch, cfg, wmap
-        self.tensors: dict[str, StoredTensor] = {name: self.files.tensors[stored] for name, stored in stored_as.items()}
+        self.tensors: dict[str, StoredTensor] = views
+        # weight-map names that are views into a fused tensor, not stored under their own name
+        self.views = {name for name in views if name not in stored_as}
 
 
-def check_per_expert(path: str, shapes: dict[str, Any], cfg: Any) -> None:
-    """Experts stored fused (``mlp.experts.gate_up_proj [E, 2F, H]`` and ``down_proj [E, H, F]``, as transformers
-    holds them in memory and some releases store them) are refused in one line: pmz reads them per expert
-    (``mlp.experts.{e}.gate_proj.weight`` ..., what transformers 5 ``save_pretrained`` writes)."""
-    fused = sorted(n for n in shapes if n.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")))
-    if fused and getattr(cfg, "moe", None) is not None:
-        raise CheckpointError(f"{path}: fused expert tensors ({fused[0]} {tuple(shapes[fused[0]])}, ... {len(fused)} "
-                              f"in all) are not read yet: pmz reads experts per expert (mlp.experts.{{e}}.gate_proj"
-                              f".weight, ... as transformers' save_pretrained writes them); transformers loads these "
-                              f"and re-saves them per expert (without an MTP block's mtp.* tensors)")
+FUSED_GATE_UP, FUSED_DOWN = ".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"
+
+
+def per_expert_views(path: str, stored_as: dict[str, str], tensors: dict[str, StoredTensor],
+                     cfg: Any) -> tuple[dict[str, StoredTensor], dict[str, str]]:
+    """The checkpoint's tensors under the weight map's per-expert names: experts stored fused
+    (``mlp.experts.gate_up_proj [E, 2F, H]``, gate rows then up rows per expert, and ``down_proj [E, H, F]``,
+    as transformers holds them in memory and Qwen3.5-MoE / Qwen3.6 releases store them) become one view per
+    expert (``mlp.experts.{e}.gate_proj.weight`` ...): each is a contiguous byte range of the fused tensor,
+    so both conversion paths read it as any stored tensor. Others pass through (``stored_as``: weight-map
+    name -> stored name). Returns (name -> where its bytes are, name -> the stored tensor it is in).
+    CheckpointError for a fused tensor of another shape, or a layer holding both forms."""
+    out: dict[str, StoredTensor] = {}
+    origin: dict[str, str] = {}
+    moe = getattr(cfg, "moe", None)
+    for name, stored in stored_as.items():
+        t = tensors[stored]
+        if moe is None or not name.endswith((FUSED_GATE_UP, FUSED_DOWN)):
+            out[name], origin[name] = t, stored
+            continue
+        prefix, gate_up = name.rsplit(".", 1)[0] + ".", name.endswith(FUSED_GATE_UP)
+        E, H, F = moe.num_experts, cfg.hidden_size, moe.moe_intermediate_size  # every sparse layer's width
+        want = (E, 2 * F, H) if gate_up else (E, H, F)
+        if tuple(t.shape) != want:
+            what = "E, 2 * moe_intermediate_size, hidden_size" if gate_up else "E, hidden_size, moe_intermediate_size"
+            raise CheckpointError(f"{path}: fused experts {name} have shape {tuple(t.shape)}, the config implies "
+                                  f"{want} ({what})")
+        each = t.nbytes // E
+        parts = (("gate_proj", 0), ("up_proj", each // 2)) if gate_up else (("down_proj", 0),)
+        for e in range(E):
+            for part, at in parts:
+                view = f"{prefix}{e}.{part}.weight"
+                if view in stored_as:
+                    raise CheckpointError(f"{path}: {prefix} holds its experts twice, fused ({name}) and per expert "
+                                          f"({view})")
+                shape = (F, H) if gate_up else (H, F)
+                out[view] = StoredTensor(t.path, t.offset + e * each + at, t.dtype, shape, each // len(parts))
+                origin[view] = stored
+    return out, origin
 
 
 # ------------------------------------------------------------------------------------------- writing

@@ -20,8 +20,9 @@ import torch
 from converters.formats import hf as hf_format
 from converters.formats.hf import FilePlan, HFCheckpoint, plan_shards, split_file_plan, tensor_offsets  # noqa: F401
 from converters.formats.hf_config import read_hf_config, write_config_dir
+from converters.formats.tensors import RawTensor
 from converters.layout.model import Unit, unit_entries
-from converters.torch_path.reader import TORCH_DTYPES, CheckpointReader, ReaderInfo, mixed_dtypes, reopen
+from converters.torch_path.reader import TORCH_DTYPES, CheckpointReader, MappedFiles, ReaderInfo, mixed_dtypes, reopen
 from models.common.sources import CheckpointError, RenamedSource, SafetensorsSource
 from parallel.sharding import Piece
 
@@ -44,6 +45,9 @@ class HFReader(CheckpointReader):
                                mixed_dtypes((n, t.dtype, t.path) for n, t in ckpt.tensors.items()))
         # other key layouts of the same model (Qwen2-VL's in-memory names) read under the weight map's
         self.source = RenamedSource(files, self.arch.canonical_name, self.path) if self.arch.hf_key_aliases else files
+        # per-expert views into experts stored fused (``formats.hf.per_expert_views``): mapped byte ranges
+        self.views = {name: ckpt.tensors[name] for name in ckpt.views}
+        self._mapped = MappedFiles()
 
     def validate(self) -> None:
         """Nothing left to check: ``HFCheckpoint`` checked the files, the names and the shapes."""
@@ -52,7 +56,11 @@ class HFReader(CheckpointReader):
         out = {}
         for entry in unit_entries(self.wmap, unit):
             for name in entry.hf:
-                out[name] = self.source.read(name, Piece(None))
+                view = self.views.get(name)
+                if view is not None:
+                    out[name] = self._mapped.tensor(RawTensor(view.path, view.offset, view.dtype, view.shape))
+                else:
+                    out[name] = self.source.read(name, Piece(None))
         return out
 
 
