@@ -201,6 +201,17 @@ def test_megatron_reshards_are_bitwise(hf, tmp_path):
     assert len(norms) == 2 and all(torch.equal(dist[k], value) for k in norms)
 
 
+def test_uneven_tp1_legacy_reshards(hf, tmp_path):
+    """A TP 1 legacy source (one shard per tensor: the reader hands its mapped views on as they are) with an
+    uneven pipeline split -> torch_dist and -> legacy TP 2 -> HF: bitwise, the MTP block on the last stage."""
+    convert(hf["qwen3_5"], tmp_path / "a", to="megatron", pp=2, first_stage_layers=1, workers=1)
+    convert(tmp_path / "a", tmp_path / "b", to="megatron-dist", workers=1)
+    convert(tmp_path / "a", tmp_path / "c", to="megatron", tp=2, pp=1, workers=1)
+    for mc in ("b", "c"):
+        assert_same(hf_tensors(hf["qwen3_5"]), hf_tensors(str(convert(tmp_path / mc, tmp_path / f"{mc}_hf", to="hf",
+                                                                      workers=1))))
+
+
 # ------------------------------------------------------------------- Megatron names and layouts (Bridge's mapping)
 
 def _bridge_layer(hf: dict, cfg: dict, i: int, tp: int, r: int, hf_layer: str, mc_layer: str,

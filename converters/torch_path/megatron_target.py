@@ -71,6 +71,8 @@ def megatron_unit_tensors(reader: CheckpointReader, unit: Unit, local_index: int
     for entry, key, rank in unit_keys(wmap or reader.wmap, unit, local_index, ep):
         if rank is not None and ep_rank is not None and rank != ep_rank:
             continue
-        full = hf_to_megatron(entry, [hf[n] for n in entry.hf], reader.cfg, padded_vocab).to(dtype)
+        # detach(): a new tensor object over the same data, without the Python attributes readers tag their
+        # views with (``_pmz_mapped``...), which torch.save would otherwise pickle as a tensor subclass
+        full = hf_to_megatron(entry, [hf[n] for n in entry.hf], reader.cfg, padded_vocab).to(dtype).detach()
         out.append((entry, key, full))
     return out
