@@ -5,7 +5,9 @@ the load; the model's logits are still transformers' own."""
 
 from __future__ import annotations
 
+import glob
 import json
+import shutil
 
 import pytest
 import torch
@@ -23,7 +25,7 @@ def _add_mtp(path: str, hidden: int) -> list[str]:
              "mtp.pre_fc_norm_embedding.weight": (hidden,), "mtp.pre_fc_norm_hidden.weight": (hidden,),
              "mtp.layers.0.input_layernorm.weight": (hidden,)}
     for name, shape in extra.items():
-        tensors[name] = torch.randn(shape, generator=g).to(tensors["model.norm.weight"].dtype)
+        tensors[name] = torch.randn(shape, generator=g)
     save_file(tensors, shard, metadata={"format": "pt"})
     return sorted(extra)
 
@@ -119,3 +121,42 @@ def test_vision_tower_table_is_transformers_module(vision):
         tower = Qwen3_5VisionModel(config)
     ref = [(VISUAL_PREFIX + n, tuple(p.shape)) for n, p in tower.state_dict().items()]
     assert list(vision_tensors(config)) == ref
+
+
+def _tensors(directory) -> dict:
+    out = {}
+    for f in sorted(glob.glob(f"{directory}/*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def test_conditional_generation_checkpoint_converts_with_its_tower(tmp_path):
+    """pmz converts a conditional-generation checkpoint HF -> HF with the vision tower carried bitwise (copy
+    path) or cast like every tensor (``--dtype``); the tower's shapes are checked against the vision config;
+    Megatron targets, which have no names for the tower here, are refused in one line with nothing written."""
+    from converters.engine import convert
+    from models.common.errors import CheckpointError
+
+    path, _ = conditional_generation_checkpoint(tmp_path, "qwen3_5")
+    source = _tensors(path)
+    assert sum(n.startswith("model.visual.") for n in source) == 33
+    convert(path, tmp_path / "same", to="hf", workers=1)
+    same = _tensors(tmp_path / "same")
+    assert same.keys() == source.keys()
+    assert all(torch.equal(same[n], source[n]) for n in source)
+    convert(path, tmp_path / "bf16", to="hf", dtype="bfloat16", workers=1)
+    cast = _tensors(tmp_path / "bf16")
+    assert cast.keys() == source.keys()
+    assert all(torch.equal(cast[n], source[n].to(torch.bfloat16)) for n in source)
+    for target in ("megatron", "megatron-dist"):
+        with pytest.raises(CheckpointError, match=r"conditional-generation checkpoint .* 33 vision-tower tensors"):
+            convert(path, tmp_path / target, to=target, workers=1)
+        assert not (tmp_path / target).exists()
+
+    bad = tmp_path / "bad"
+    shutil.copytree(path, bad)
+    tensors = load_file(f"{bad}/model.safetensors")
+    tensors["model.visual.pos_embed.weight"] = tensors["model.visual.pos_embed.weight"][:-1].clone()
+    save_file(tensors, f"{bad}/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model\.visual\.pos_embed\.weight \(15, 32\) \(expected \(16, 32\)\)"):
+        convert(bad, tmp_path / "bad_out", to="hf", workers=1)

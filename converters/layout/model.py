@@ -50,6 +50,11 @@ BRIDGE_TARGET = "--to megatron-bridge"
 def require_megatron_layout(cfg: ModelConfig, where: str, bridge: bool = False) -> None:
     """A vision-language model has a Megatron layout only as Megatron-Bridge saves it (torch_dist,
     ``bridge``): Megatron-LM's legacy and plain torch_dist layouts have no names for its vision tower."""
+    if getattr(cfg, "carried", ()):
+        raise CheckpointError(f"{where}: a {cfg.architecture} conditional-generation checkpoint (text_config, "
+                              f"{len(cfg.carried)} vision-tower tensors under model.visual.) has no Megatron layout in "
+                              f"pmz yet (Megatron-Bridge's names for this tower are not written): convert it --to hf, "
+                              f"or convert a text-only (Qwen3_5ForCausalLM) checkpoint to Megatron")
     if cfg.vision is not None and not bridge:
         raise CheckpointError(f"{where}: {cfg.architecture} has no Megatron layout yet in Megatron-LM's formats "
                               f"(--to megatron, megatron-dist: no names for its vision tower); its Megatron layout is "

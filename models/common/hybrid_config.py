@@ -157,6 +157,8 @@ def hybrid_checkpoint_config(hf_config: Any, read: Callable[[Any], HybridModelCo
     text = getattr(hf_config, "text_config", None)
     if text is None:
         return read(hf_config)
+    if isinstance(text, dict):  # the converters' config view (config.json as data) keeps sub-configs as dicts
+        text = SimpleNamespace(**text)
     cfg = read(text)
     vision = getattr(hf_config, "vision_config", None)
     try:

@@ -83,7 +83,9 @@ class HybridWeightMap(WeightMap):
     ``conversion_linear`` / ``conversion_linear_moe``: the linear layers' templates with the two projections
     merged into Megatron's one ``in_proj`` (``for_conversion``). ``mtp_layer_entries`` / ``mtp_head_entries``:
     the MTP block (templates ``{i}`` = MTP layer, and its fc and norms); ``mtp_layers``: how many MTP layers
-    ``entries``/the converters carry (0 in the model's map, which never loads them)."""
+    ``entries``/the converters carry (0 in the model's map, which never loads them). ``carried_entries``: the
+    tensors of a conditional-generation checkpoint that the model does not hold (its vision tower,
+    ``cfg.carried``), one plain entry each with no Megatron name, after the embedding in the converters' map."""
 
     linear_layer_entries: tuple[WeightEntry, ...] = ()
     linear_layers: frozenset[int] = frozenset()
@@ -93,6 +95,7 @@ class HybridWeightMap(WeightMap):
     mtp_layer_entries: tuple[WeightEntry, ...] = ()
     mtp_head_entries: tuple[WeightEntry, ...] = ()
     mtp_layers: int = 0
+    carried_entries: tuple[WeightEntry, ...] = ()
 
     def layer_templates(self, layer: int) -> tuple[WeightEntry, ...]:
         if layer in self.linear_layers:
@@ -112,8 +115,12 @@ class HybridWeightMap(WeightMap):
 
     def for_conversion(self, mtp_layers: int = 0) -> "HybridWeightMap":
         """The converters' map: Megatron's ``in_proj`` one entry, the MTP block carried when ``mtp_layers``."""
+        first = self.first_entries  # the carried tensors after the embedding, once (a map may be re-derived)
+        if self.carried_entries and first[-len(self.carried_entries):] != self.carried_entries:
+            first = first + self.carried_entries
         return replace(self, linear_layer_entries=self.conversion_linear,
-                       linear_moe_layer_entries=self.conversion_linear_moe, mtp_layers=mtp_layers)
+                       linear_moe_layer_entries=self.conversion_linear_moe, mtp_layers=mtp_layers,
+                       first_entries=first)
 
 
 def hybrid_decoder_weight_map(cfg: HybridModelConfig, padded_vocab_size: int, *, hf_prefix: str = "model.",
@@ -154,7 +161,9 @@ def hybrid_decoder_weight_map(cfg: HybridModelConfig, padded_vocab_size: int, *,
         linear_moe_layer_entries=linear + sparse + dec.norms("linear", True),
         conversion_linear=merged + dense + dec.norms("linear", False),
         conversion_linear_moe=merged + sparse + dec.norms("linear", True),
-        mtp_layer_entries=mtp_layer, mtp_head_entries=mtp_head)
+        mtp_layer_entries=mtp_layer, mtp_head_entries=mtp_head,
+        carried_entries=tuple(WeightEntry(name, (name,), (Replicated(),), None, shapes=(shape,))
+                              for name, shape in cfg.carried))
 
 
 class _LayerTables:
