@@ -15,8 +15,9 @@ Steps (each starts one engine; results go to OUT_FILE as JSON / safetensors):
             the engine's prompt log-probs are recorded too
   logprobs  prompt log-probs of an engine (``load_format`` "auto" or "sharded_state", TP N), through
             a peft LoRA adapter directory when ``adapter`` is given (vLLM's own LoRA support)
-  push      a TP-1 engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) from an HF directory; our
-            parallel model (the architecture its config names) is built from the same directory,
+  push      a TP-1 engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) from an HF directory (or from
+            ``engine`` in ``load_format``, e.g. our sharded_state of the same weights; ``dtype``); our
+            parallel model (the architecture its config names) is built from the HF directory,
             trained two SGD steps, and its weights pushed with
             ``push_to_vllm(llm, model.iter_export("hf"))``; log-probs before and after the push and our
             own model's log-probs are recorded
@@ -25,7 +26,9 @@ Steps (each starts one engine; results go to OUT_FILE as JSON / safetensors):
             builds vLLM's model twice, once filled by its own ``load_weights`` from the HF directory
             (the reference) and once by vLLM's strict ``ShardedStateLoader`` from a ``sharded_state``
             directory; both states are saved per rank, and with ``pixels`` (pp 1) the vision tower of
-            the second model encodes them (vLLM's own ``visual`` forward at TP N)
+            the second model encodes them (vLLM's own ``visual`` forward at TP N). ``cases``: several
+            models (each ``model``, ``sharded``, ``out``) in the same ranks, one after another; state
+            jobs build no engine, so they may share a client with push jobs
 The project is imported from the repository root (PYTHONPATH); vLLM pins its own transformers.
 As each job starts, one ``JOB_LINE`` on stderr names it (the harness shows it on the terminal).
 """
@@ -52,7 +55,7 @@ JOB_LINE = "pmz-vllm-client: job"  # on stderr as each job starts, for the harne
 
 
 @contextlib.contextmanager
-def _engine(model: str, tp: int, load_format: str = "auto", lora_rank: int | None = None):
+def _engine(model: str, tp: int, load_format: str = "auto", lora_rank: int | None = None, dtype: str = "float32"):
     """An ``LLM`` that is shut down when the block ends, not at interpreter exit.
 
     Left to interpreter exit, vLLM 0.32 tears the engine down in abort mode: it sends EngineCore
@@ -65,7 +68,7 @@ def _engine(model: str, tp: int, load_format: str = "auto", lora_rank: int | Non
     from vllm import LLM
 
     lora = dict(enable_lora=True, max_lora_rank=lora_rank, max_loras=1) if lora_rank else {}
-    llm = LLM(model=model, tensor_parallel_size=tp, load_format=load_format, dtype="float32", max_model_len=64,
+    llm = LLM(model=model, tensor_parallel_size=tp, load_format=load_format, dtype=dtype, max_model_len=64,
               enforce_eager=True, seed=0, skip_tokenizer_init=True, max_num_seqs=4,
               distributed_executor_backend="mp" if tp > 1 else None, **lora)
     try:
@@ -141,7 +144,8 @@ def step_capture(args: dict, out: str) -> dict:
 
 def step_logprobs(args: dict, out: str) -> dict:
     """Prompt log-probs; with ``adapter`` (and ``lora_rank``) through vLLM's LoRA support."""
-    with _engine(args["model"], args["tp"], args.get("load_format", "auto"), args.get("lora_rank")) as llm:
+    with _engine(args["model"], args["tp"], args.get("load_format", "auto"), args.get("lora_rank"),
+                 args.get("dtype", "float32")) as llm:
         return {"logprobs": _prompt_logprobs(llm, args["prompts"], args.get("adapter"))}
 
 
@@ -150,12 +154,16 @@ def step_push(args: dict, out: str) -> dict:
 
     import torch
 
+    from converters.layout.model import architecture_for
     from models.common.engine_push import push_to_vllm
 
     model_type = json.load(open(os.path.join(args["model"], "config.json")))["model_type"]
-    build_parallel_model = importlib.import_module(f"models.{model_type}").build_parallel_model
+    arch = architecture_for(model_type, args["model"])  # the models/ folder of e.g. qwen3_5_text: qwen3_5
+    build_parallel_model = importlib.import_module(f"models.{arch.name}").build_parallel_model
     assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0", "push needs the engine in this process"
-    with _engine(args["model"], 1) as llm:
+    # the engine from ``engine`` (default: the HF directory) in ``load_format``; our model from the HF directory
+    with _engine(args.get("engine", args["model"]), 1, args.get("load_format", "auto"),
+                 dtype=args.get("dtype", "float32")) as llm:
         before = _prompt_logprobs(llm, args["prompts"])
         model = build_parallel_model(args["model"])
         opt = torch.optim.SGD(model.parameters(), lr=args.get("lr", 0.5))
@@ -175,11 +183,9 @@ def step_push(args: dict, out: str) -> dict:
 
 
 def _state_rank(rank: int, args: dict, port: int, out: str) -> None:
-    """One vLLM rank of ``step_state`` (global rank = pp_rank * tp + tp_rank, as vLLM numbers them)."""
-    import glob
-
+    """One vLLM rank of ``step_state`` (global rank = pp_rank * tp + tp_rank, as vLLM numbers them): every
+    case of the job, one after another, in this one process (one vLLM import and one set-up for all)."""
     import torch
-    from safetensors import safe_open
     from vllm.config import set_current_vllm_config
     from vllm.distributed import (
         destroy_distributed_environment,
@@ -191,14 +197,49 @@ def _state_rank(rank: int, args: dict, port: int, out: str) -> None:
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     tp, pp = args["tp"], args["pp"]
+    cases = args.get("cases") or [{"model": args["model"], "sharded": args.get("sharded"),
+                                   "pixels": args.get("pixels"), "out": out}]
 
     def config(model: str, load_format: str):
         return EngineArgs(model=model, tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype="float32",
                           load_format=load_format, skip_tokenizer_init=True, max_model_len=64, enforce_eager=True,
                           distributed_executor_backend="mp" if tp * pp > 1 else None).create_engine_config()
 
+    def has_experts(model: str) -> bool:
+        return bool(json.load(open(os.path.join(model, "config.json"))).get("num_experts"))
+
+    # vLLM creates its expert-parallel group only when the current config has experts: set up with one that does
+    ref_config = config(next((c["model"] for c in cases if has_experts(c["model"])), cases[0]["model"]), "auto")
+    with set_current_vllm_config(ref_config), set_default_torch_dtype(torch.float32), torch.device("cpu"):
+        init_distributed_environment(world_size=tp * pp, rank=rank, local_rank=rank, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
+        initialize_model_parallel(tp, pp)
+    try:
+        for case in cases:
+            _state_models(rank, case, pp, config)
+    finally:  # vLLM's groups (and their CPU shared-memory segments) end with the rank, not at exit
+        destroy_model_parallel()
+        destroy_distributed_environment()
+
+
+def _state_models(rank: int, case: dict, pp: int, config) -> None:
+    """vLLM's model built twice for ``case``: filled by its own ``load_weights`` from the HF directory
+    ``case["model"]`` (``{out}.rank{rank}.reference.safetensors``) and, with ``case["sharded"]``, by its strict
+    ``ShardedStateLoader`` (``{out}.rank{rank}.ours.safetensors``)."""
+    import glob
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    out = case["out"]
+
     def weights():
-        for path in sorted(glob.glob(os.path.join(args["model"], "*.safetensors"))):
+        for path in sorted(glob.glob(os.path.join(case["model"], "*.safetensors"))):
             with safe_open(path, framework="pt") as f:
                 for key in f.keys():  # noqa: SIM118
                     yield key, f.get_tensor(key)
@@ -206,44 +247,23 @@ def _state_rank(rank: int, args: dict, port: int, out: str) -> None:
     def state(model) -> dict:
         return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
 
-    ref_config = config(args["model"], "auto")
-    with set_current_vllm_config(ref_config), set_default_torch_dtype(torch.float32), torch.device("cpu"):
-        init_distributed_environment(world_size=tp * pp, rank=rank, local_rank=rank, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
-        initialize_model_parallel(tp, pp)
-    try:
-        _state_models(rank, args, out, config, weights, state)
-    finally:  # vLLM's groups (and their CPU shared-memory segments) end with the rank, not at exit
-        destroy_model_parallel()
-        destroy_distributed_environment()
-
-
-def _state_models(rank: int, args: dict, out: str, config, weights, state) -> None:
-    import torch
-    from safetensors.torch import load_file, save_file
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader import get_model_loader
-    from vllm.model_executor.model_loader.utils import initialize_model
-    from vllm.utils.torch_utils import set_default_torch_dtype
-
-    pp = args["pp"]
-    ref_config = config(args["model"], "auto")
+    ref_config = config(case["model"], "auto")
     with set_current_vllm_config(ref_config), set_default_torch_dtype(torch.float32), torch.device("cpu"):
         reference = initialize_model(vllm_config=ref_config, prefix="reference")
         reference.load_weights(weights())
         save_file(state(reference), f"{out}.rank{rank}.reference.safetensors")
-    if not args.get("sharded"):
+    if not case.get("sharded"):
         return
-    ours_config = config(args["sharded"], "sharded_state")
+    ours_config = config(case["sharded"], "sharded_state")
     with set_current_vllm_config(ours_config), set_default_torch_dtype(torch.float32), torch.device("cpu"):
         ours = initialize_model(vllm_config=ours_config, prefix="ours")
         get_model_loader(ours_config.load_config).load_weights(ours, ours_config.model_config)  # strict
         save_file(state(ours), f"{out}.rank{rank}.ours.safetensors")
-        if args.get("pixels") and pp == 1:
+        if case.get("pixels") and pp == 1:
             from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
             process_weights_after_loading(ours, ours_config.model_config, torch.device("cpu"))  # CPU GEMM packing
-            inputs = load_file(args["pixels"])
+            inputs = load_file(case["pixels"])
             with torch.no_grad():
                 features = ours.visual(inputs["pixel_values"], grid_thw=inputs["grid_thw"].tolist())
             save_file({"features": features.contiguous()}, f"{out}.rank{rank}.features.safetensors")
@@ -267,11 +287,11 @@ STEPS = {"capture": step_capture, "logprobs": step_logprobs, "push": step_push, 
 
 
 def main(jobs: list) -> None:
-    kinds = {step == "push" for step, _, _ in jobs}
-    if kinds == {True}:
+    steps = {step for step, _, _ in jobs}
+    if "push" in steps:  # state jobs build no engine, so they may share the client
+        if steps - {"push", "state"}:
+            raise SystemExit("push jobs need an in-process engine: run them apart from the engine steps")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read by vLLM when it builds the engine
-    elif len(kinds) > 1:
-        raise SystemExit("push jobs need an in-process engine: run them apart from the other steps")
     for number, (step, args, out) in enumerate(jobs, 1):
         layout = " ".join(f"{k}={args[k]}" for k in ("tp", "pp", "load_format") if k in args)
         print(f"{JOB_LINE} {number}/{len(jobs)} {step} {layout}".rstrip(), file=sys.stderr, flush=True)

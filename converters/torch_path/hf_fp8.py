@@ -22,14 +22,14 @@ Kept tensors stream as in ``write_hf``.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 
 from converters.formats.hf import FilePlan, nbytes, split_file_plan, stored_header, stored_offsets
-from converters.layout.model import Unit, unit_entries
+from converters.layout.model import Unit
 from converters.torch_path.hf import (
     SAFETENSORS_DTYPE,
     hf_plan,
@@ -69,22 +69,31 @@ class StoredFile:
             f.truncate(len(head) + sum(nbytes(shape, tag) for _, shape, tag in self.stored))
 
 
+def role_map(reader: CheckpointReader):
+    """The weight map whose entries carry the FP8 roles: the model's own (a Gated DeltaNet hybrid's
+    ``in_proj_qkvz`` and ``in_proj_ba`` apart, as HF and vLLM hold them; the reader's map may merge them
+    into Megatron's one ``in_proj``) with the MTP block the checkpoint holds."""
+    wmap = reader.arch.weight_map(reader.cfg, reader.cfg.vocab_size)
+    mtp = getattr(reader.wmap, "mtp_layers", 0)
+    return replace(wmap, mtp_layers=mtp) if mtp else wmap
+
+
 def quantized_names(reader: CheckpointReader) -> set[str]:
     """HF names of every tensor stored as FP8 (``fp8.is_quantized`` of its weight-map entry)."""
-    return {name for unit in reader.units() for entry in unit_entries(reader.wmap, unit) if fp8.is_quantized(entry)
-            for name in entry.hf}
+    return {name for entry in role_map(reader).entries(range(reader.cfg.num_hidden_layers))
+            if fp8.is_quantized(entry) for name in entry.hf}
 
 
 def check_fp8_target(reader: CheckpointReader, tp: int | None = None) -> None:
     """QuantizationError (one line, the numbers named) before anything is written: a weight-map entry
     with no FP8 role, or (``tp``: a vLLM target) a TP whose shard boundaries cut a 128x128 block."""
-    fp8.quantization_config(reader.wmap, reader.cfg.num_hidden_layers)  # every entry's role
+    fp8.quantization_config(role_map(reader), reader.cfg.num_hidden_layers)  # every entry's role
     quantized_names(reader)
     if tp is not None:
         from models.common import vllm_format
         from models.common.weight_map import hf_shapes
 
-        vmap = vllm_format.vllm_weight_map(reader.wmap, reader.cfg)
+        vmap = vllm_format.vllm_map(reader.arch, reader.cfg)
         fp8.vllm_block_check(vmap, reader.cfg, hf_shapes(reader.cfg, vmap), tp)
 
 
@@ -104,7 +113,7 @@ def write_quantization_config(directory: str, reader: CheckpointReader) -> None:
     """Add ``fp8.quantization_config`` to the config.json already written in ``directory``."""
     path = Path(directory) / "config.json"
     data = json.loads(path.read_text())
-    data["quantization_config"] = fp8.quantization_config(reader.wmap, reader.cfg.num_hidden_layers)
+    data["quantization_config"] = fp8.quantization_config(role_map(reader), reader.cfg.num_hidden_layers)
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 

@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 
 from converters.formats.hf_config import check_block_count, check_config_against_tensors, read_hf_config
-from converters.layout.model import Unit, architecture_for, conversion_weight_map, unit_entries
+from converters.layout.model import Unit, architecture_for, checkpoint_weight_map, unit_entries
 from converters.torch_path.reader import TORCH_DTYPES, CheckpointReader, ReaderInfo
 from models.common.errors import CheckpointError
 from models.common.export import fp8
@@ -125,7 +125,7 @@ class FP8HFReader(CheckpointReader):
         config_path = Path(path) / "config.json"
         for field, count, prefix in arch.counted_blocks(cfg) if arch.counted_blocks else ():
             check_block_count(config_path, field, count, prefix, shapes)
-        wmap = conversion_weight_map(arch, cfg)
+        wmap = checkpoint_weight_map(arch, cfg, shapes, self.path)  # a hybrid's MTP block when it has one
         check_config_against_tensors(config_path, cfg, wmap, shapes, where)
         allowed = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
         check_tensors(shapes, hf_shapes(cfg, wmap), self.path, allowed_extra=allowed, files=where)

@@ -197,6 +197,10 @@ def check_layout(cfg: ModelConfig, tp: int, pp: int = 1) -> None:
         problems.append(f"linear_num_key_heads={hk} is not divisible by tp={tp} (vLLM splits the Gated DeltaNet "
                         f"layers by key-head group, each with its "
                         f"{cfg.linear_num_value_heads // hk} value heads)")
+    if getattr(cfg, "hf_prefix", "model.") != "model.":
+        problems.append(f"a conditional-generation checkpoint of {cfg.architecture} (decoder under {cfg.hf_prefix}, "
+                        f"a vision tower): vLLM builds its vision-language model from it, whose tower and "
+                        f"language_model.* names pmz does not write yet")
     if cfg.architecture in NEVER_TIED and cfg.tie_word_embeddings:
         problems.append(f"tie_word_embeddings=True: vLLM's {cfg.architecture} builds its own lm_head and never ties "
                         f"it to the embedding, so it cannot hold this model")
@@ -265,7 +269,8 @@ _MOE_SHARDED_KEYS = {"mlp.shared_expert.gate_up_proj.weight": "mlp.experts._shar
 # (alphabetically smaller: the ``sharded_state`` key). Checked by tests/test_qwen3_vllm.py (Qwen3-MoE) and
 # tests/test_vllm_hybrid.py (Qwen3.5-MoE and Qwen3-Next, whose sparse block is Qwen2-MoE's shared-expert wrapping
 # plus this router hand-over).
-_ROUTER_IN_FUSED_MOE = frozenset({"qwen3_moe", "qwen3_5_moe", "qwen3_next"})
+_ROUTER_IN_FUSED_MOE = frozenset({"qwen3_moe"})
+_ROUTER_IN_FUSED_MOE |= {"qwen3_5_moe", "qwen3_next"}  # the Gated DeltaNet hybrids' sparse blocks too
 
 
 def _moe_key(entry: WeightEntry, cfg: ModelConfig, sharded: bool) -> str | None:

@@ -7,7 +7,9 @@ Read by every export path (``iter_export(..., quantization="fp8")`` for HF and v
 Format (DeepSeek-V3's, as vLLM's ``Fp8LinearMethod`` and transformers' ``FineGrainedFP8`` read it;
 ``quantization_config`` below):
   * every linear weight ``W [..., rows, cols]`` (``ROLES``: attention and MLP projections, routed and
-    shared experts, the vision blocks' linears) is stored as ``float8_e4m3fn`` under its own name,
+    shared experts, the vision blocks' linears, a Gated DeltaNet layer's ``in_proj_qkvz`` (HF
+    ``in_proj_qkv``/``in_proj_z``) and ``out_proj``, an MTP block's ``fc`` and decoder-layer linears) is
+    stored as ``float8_e4m3fn`` under its own name,
     plus ``<name>_scale_inv`` (fp32, ``[..., ceil(rows/128), ceil(cols/128)]``): one scale per
     128x128 block of the grid that starts at row 0 / column 0; the last row and column of blocks
     may be partial (smaller than 128), as DeepSeek's layout has them. Dequantized weight =
@@ -20,7 +22,10 @@ Format (DeepSeek-V3's, as vLLM's ``Fp8LinearMethod`` and transformers' ``FineGra
     than multiplying by a separately rounded ``448 / amax``) keeps ``fp8 * scale_inv`` the nearest
     e4m3 grid point of ``W`` in every block.
   * everything else keeps the source dtype (or the export's ``dtype``): embeddings, norms, biases,
-    the LM head, the MoE router and shared-expert gate, the vision patch embedding and merger.
+    the LM head, the MoE router and shared-expert gate, the vision patch embedding and merger, and a
+    Gated DeltaNet layer's ``in_proj_ba`` (HF ``in_proj_b``/``in_proj_a``: vLLM builds it for FP8 but its
+    ``[b | a]`` rows, 2 x value heads, are not block-sized, and Qwen3-Next's FP8 release keeps it in BF16),
+    ``conv1d`` (vLLM builds it without a quantization config), ``A_log``, ``dt_bias`` and gated norm.
     The kept linear modules are listed in ``modules_to_not_convert`` so that loaders that would
     otherwise quantize every linear (vLLM: ``ignored_layers``; transformers on GPU) leave them alone.
 
@@ -60,6 +65,8 @@ VLLM_KV_SCALE_VALUE = -1.0
 # linear weights, or kept tensors. A name with no role is an error, so a new architecture must say.
 QUANTIZED_ROLES = (
     (r"^model\.layers\.\d+\.self_attn\.(qkv|o)_proj\.weight$", "attention projection"),
+    (r"^model\.layers\.\d+\.linear_attn\.(in_proj_qkvz|out_proj)\.weight$", "Gated DeltaNet projection"),
+    (r"^mtp\.fc\.weight$", "MTP projection"),
     (r"^model\.layers\.\d+\.mlp\.(gate_up|down)_proj\.weight$", "MLP projection"),
     (r"^model\.layers\.\d+\.mlp\.experts\.w(13|2)_weight$", "routed experts"),
     (r"^model\.layers\.\d+\.mlp\.shared_expert\.(gate_up|down)_proj\.weight$", "shared expert"),
@@ -68,7 +75,9 @@ QUANTIZED_ROLES = (
 )
 KEPT_ROLES = (
     (r"\.bias$", "bias"),
-    (r"(norm\d?|ln_q)\.weight$", "norm"),
+    (r"(norm\d?|ln_q|pre_fc_norm_embedding|pre_fc_norm_hidden)\.weight$", "norm"),
+    (r"^model\.layers\.\d+\.linear_attn\.in_proj_ba\.weight$", "Gated DeltaNet b/a projection"),
+    (r"^model\.layers\.\d+\.linear_attn\.(conv1d\.weight|A_log|dt_bias)$", "Gated DeltaNet conv and decay"),
     (r"^model\.embed_tokens\.weight$", "embedding"),
     (r"^lm_head\.weight$", "LM head"),
     (r"^model\.layers\.\d+\.mlp\.gate\.weight$", "MoE router"),
@@ -77,7 +86,8 @@ KEPT_ROLES = (
     (r"^visual\.merger\.mlp\.\d+\.weight$", "vision merger"),
 )
 # kept tensors of linear modules (transformers' nn.Linear, vLLM's LinearBase with the quant config)
-KEPT_LINEAR_ROLES = ("LM head", "MoE router", "shared-expert gate", "vision merger")
+KEPT_LINEAR_ROLES = ("LM head", "MoE router", "shared-expert gate", "vision merger", "Gated DeltaNet b/a projection")
+MTP_LAYER = re.compile(r"^mtp\.layers\.")  # an MTP decoder layer's tensors take the decoder layers' roles
 
 
 class QuantizationError(ValueError):
@@ -93,9 +103,10 @@ def check_quantization(quantization) -> None:
 
 def role(param: str) -> tuple[str, bool]:
     """``(role, quantized)`` of a weight-map parameter (internal name); QuantizationError if it has none."""
+    name = MTP_LAYER.sub("model.layers.", param)
     for table, quantized in ((QUANTIZED_ROLES, True), (KEPT_ROLES, False)):
         for pattern, what in table:
-            if re.search(pattern, param):
+            if re.search(pattern, name):
                 return what, quantized
     raise QuantizationError(f"{param}: no FP8 role (models/common/export/fp8.py lists which tensors are quantized)")
 
@@ -185,14 +196,23 @@ def _generic(name: str) -> str:
     return re.sub(r"\.(layers|blocks|experts)\.\d+\.", r".\1.*.", name)
 
 
+def _layer_kinds(vmap, num_layers: int) -> list[int]:
+    """One layer of each kind of ``vmap`` (layers of a kind share templates, hence shapes): dense and sparse
+    MLPs, and a hybrid's linear- and full-attention layers."""
+    kinds: dict[tuple[str, ...], int] = {}
+    for i in range(num_layers):
+        kinds.setdefault(tuple(e.param for e in vmap.layer_templates(i)), i)
+    return sorted(kinds.values())
+
+
 def vllm_block_problems(vmap, cfg, shapes: dict, tp: int) -> list[str]:
     """Why vLLM at TP ``tp`` could not take FP8 shards of ``vmap`` (vLLM's rules, one message per
     tensor and reason, every layer alike), empty when it can: a TP boundary inside a split dimension
-    or a packing boundary (all parts but the last of a packed parameter) that is not a multiple of 128."""
+    or a packing boundary that is not a multiple of 128. A part whose rank piece is several ranges
+    (``Fused`` blocks, ``Blocks`` such as a Gated DeltaNet ``in_proj_qkv`` or its ``[q | k | v]`` blocks)
+    is checked range by range: each is cut at the TP boundary and packed before the next one."""
     problems: list[str] = []
-    dense = [i for i in range(cfg.num_hidden_layers) if i not in vmap.moe_layers][:1]
-    layers = sorted(dense + sorted(vmap.moe_layers)[:1])  # every layer of a kind has the same shapes
-    for entry in vmap.entries(layers):
+    for entry in vmap.entries(_layer_kinds(vmap, cfg.num_hidden_layers)):
         if not is_quantized(entry):
             continue
         parts = [(entry.hf[j], rule) for j, rule in enumerate(entry.rules)]
@@ -201,17 +221,23 @@ def vllm_block_problems(vmap, cfg, shapes: dict, tp: int) -> list[str]:
             piece = rule.piece(shape, 0, tp)
             if piece.dim is None:
                 continue
-            size = piece.stop - piece.start
-            merged = j < len(parts) - 1 or piece.chunks > 1
+            ranges = piece.ranges(shape[piece.dim])
             what = "rows" if piece.dim == 0 else "columns"
-            if tp > 1 and size % BLOCK:
-                problems.append(f"{_generic(name)}: {size} {what} per rank (of {shape[piece.dim] // piece.chunks}"
-                                f"{' per fused block' if piece.chunks > 1 else ''}) is not a multiple of {BLOCK}: "
-                                f"a shard boundary cuts a {BLOCK}x{BLOCK} block")
-            elif merged and size % BLOCK:
-                problems.append(f"{_generic(name)}: {size} {what} packed before the next part of "
-                                f"{_generic(entry.param)} is not a multiple of {BLOCK} (vLLM packs each part's "
-                                f"blocks after the previous part's)")
+            for k, (start, stop, _) in enumerate(ranges):
+                size = stop - start
+                if not size % BLOCK:
+                    continue
+                last = j == len(parts) - 1 and k == len(ranges) - 1
+                if tp > 1:
+                    whole = size * tp if len(ranges) > 1 else shape[piece.dim]
+                    where = (" per fused block" if piece.chunks > 1 else
+                             f" in block {k + 1} of {len(ranges)}" if len(ranges) > 1 else "")
+                    problems.append(f"{_generic(name)}: {size} {what} per rank (of {whole}{where}) is not a multiple "
+                                    f"of {BLOCK}: a shard boundary cuts a {BLOCK}x{BLOCK} block")
+                elif not last:
+                    problems.append(f"{_generic(name)}: {size} {what} packed before the next part of "
+                                    f"{_generic(entry.param)} is not a multiple of {BLOCK} (vLLM packs each part's "
+                                    f"blocks after the previous part's)")
     return list(dict.fromkeys(problems))
 
 
