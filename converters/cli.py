@@ -197,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="real vocabulary size when a Megatron checkpoint records only the padded one")
 
     p = sub.add_parser("convert", help="convert between hf, megatron (legacy torch), megatron-dist (torch_dist), "
-                                       "megatron-bridge (Megatron-Bridge's layout of Qwen2-VL/Qwen2.5-VL) and vllm "
+                                       "megatron-bridge (Megatron-Bridge's layout, run_config.yaml) and vllm "
                                        "(sharded_state)",
                        description="Convert a checkpoint (format detected) to another format and parallel layout. "
                                    "Output is written to a temp dir beside DST and renamed into place when complete.")
@@ -206,8 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst", help="destination directory (must not exist unless --overwrite; missing parent "
                                "directories are created)")
     p.add_argument("--to", required=True, choices=TARGETS,
-                   help="target format (megatron-bridge: torch_dist as Megatron-Bridge saves a vision-language model, "
-                        "iter_N/ with run_config.yaml; the Megatron layout of Qwen2-VL and Qwen2.5-VL)")
+                   help="target format (megatron-bridge: torch_dist as Megatron-Bridge saves a model, iter_N/ with "
+                        "run_config.yaml: Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen2-VL, Qwen2.5-VL)")
     p.add_argument("--tp", type=_positive_int, metavar="N",
                    help="target tensor-parallel size (Megatron and vLLM targets; default: a Megatron source's, else 1)")
     p.add_argument("--pp", type=_positive_int, metavar="N",

@@ -119,8 +119,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
     ``last`` where the format has them: ``converters.layout.stages.checkpoint_layout`` takes them).
 
     to: "hf", "megatron" (legacy torch, at tp/pp/vpp), "megatron-dist" (torch_dist; tp/pp/vpp
-    are recorded in its args), "megatron-bridge" (Megatron-Bridge's save layout of a vision-language
-    model: torch_dist with run_config.yaml; tp/pp/vpp recorded there) or "vllm" (vLLM
+    are recorded in its args), "megatron-bridge" (Megatron-Bridge's save layout: torch_dist with
+    run_config.yaml, for the text models Bridge has bridges for and the vision-language ones; tp/pp/vpp
+    recorded there) or "vllm" (vLLM
     ``sharded_state`` for an engine with TP ``tp`` and PP ``pp``). tp/pp/vpp left at None: a
     Megatron target keeps a Megatron source's layout (tp alone; pp with vpp and uneven first/last
     stages), else 1; an HF target takes none of them.
@@ -151,7 +152,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
         raise ValueError("--decoder-first/last-pipeline-num-layers split a Megatron target's stages unevenly: give "
                          "them with --to megatron, megatron-dist or megatron-bridge and --pp")
     if to == "megatron-bridge" and ep not in (None, 1):
-        raise ValueError(f"--ep {ep}: --to megatron-bridge writes the vision-language models, which have no experts")
+        raise ValueError(f"--ep {ep}: --to megatron-bridge writes global torch_dist tensors; expert parallelism "
+                         f"is chosen when Megatron-Bridge loads them (give no --ep)")
     if moe_grouped_gemm and to not in ("megatron", "megatron-dist"):
         raise ValueError(f"--moe-grouped-gemm: a layout of Megatron experts; --to {to} has none")
     if to == "vllm" and ep not in (None, 1):

@@ -6,10 +6,9 @@ alone in transformers), every HF tensor's gradient, ``save_pretrained`` bitwise,
 In the same group: PP2 (Qwen3.5-MoE, 1F1B) and PP2 x VPP2 (Qwen3-Next, interleaved; one chunk holds only
 the dense layer) with ``forward_backward`` and the aux loss per micro-batch over two SGD steps, and LoRA
 against peft at TP2(+SP) on the Gated DeltaNet projections (Qwen3.5-MoE's ``in_proj_qkv/z/b/a``; Qwen3-Next's
-fused ``in_proj_qkvz``/``in_proj_ba`` are refused by LoRA today), ``out_proj``, the attention projections and
+fused ``in_proj_qkvz``/``in_proj_ba`` too), ``out_proj``, the attention projections and
 Qwen3.5-MoE's shared-expert MLP; LoRA on routed experts is refused by LoRA itself.
-Also the ``Groups`` sharding rule that de-interleaves Qwen3-Next's ``in_proj_qkvz``/``in_proj_ba``, and
-``pmz`` refusing these architectures (no converter yet).
+Also the ``Groups`` sharding rule that de-interleaves Qwen3-Next's ``in_proj_qkvz``/``in_proj_ba``.
 """
 
 from __future__ import annotations

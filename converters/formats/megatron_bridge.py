@@ -151,6 +151,10 @@ def check_bridge_text_model(cfg: Any, where: str) -> None:
     its bridge sets, and for Qwen3-MoE every layer sparse (its bridge sets no dense layers). CheckpointError
     naming the source and what differs otherwise."""
     hint = "--to megatron-dist writes the torch_dist checkpoint megatron-core loads"
+    if getattr(cfg, "linear_num_key_heads", 0):  # a Gated DeltaNet hybrid (models/common/hybrid_config.py)
+        raise CheckpointError(f"{where}: --to megatron-bridge does not write Megatron-Bridge's run_config.yaml for "
+                              f"{cfg.architecture} yet (Bridge 0.6.2 has a bridge for it); --to megatron-dist writes "
+                              f"the torch_dist checkpoint in Bridge's layout, which Bridge loads strictly")
     if cfg.architecture not in TEXT_BRIDGES:
         raise CheckpointError(f"{where}: Megatron-Bridge 0.6.2 has no bridge for {cfg.architecture} (it has "
                               f"{', '.join(TEXT_BRIDGES)}, qwen2_5_vl); {hint}")

@@ -24,7 +24,7 @@ def moe_from_hf(hf_config: Any, architecture: str, *, shared_expert: bool) -> Mo
     # transformers 5 saves Qwen3-MoE's count as num_local_experts (its attribute_map), checkpoints as num_experts
     experts = int(_or(getattr(hf_config, "num_experts", None), getattr(hf_config, "num_local_experts", None)) or 0)
     top_k = int(getattr(hf_config, "num_experts_per_tok", 0) or 0)
-    step = int(getattr(hf_config, "decoder_sparse_step", 1) or 0)
+    step = int(_or(getattr(hf_config, "decoder_sparse_step", None), 1))
     problems = []
     if experts < 1:
         problems.append(f"num_experts={experts} (a mixture-of-experts model needs experts)")
