@@ -173,6 +173,28 @@ MUTATIONS = (
                "    for group in (groups.tp_group, groups.cp_group, groups.ulysses_group):",
                "    for group in (groups.tp_group,):"),),
              ("tests/test_qwen3.py -k moe",)),
+    Mutation("gdn-out-norm-not-shifted", "the Gated DeltaNet out_norm written to Megatron as HF's value (no minus "
+             "one; reading adds none back, so our own round trips stay bitwise)",
+             (("converters/layout/megatron.py", "return (tensors[0].float() - 1).to(tensors[0].dtype)",
+               "return (tensors[0].float() - 0).to(tensors[0].dtype)"),
+              ("converters/layout/megatron.py", "hf = (full.float() + 1).to(full.dtype)",
+               "hf = (full.float() + 0).to(full.dtype)")),
+             ("tests/test_convert_hybrid.py",)),
+    Mutation("gdn-in-proj-beta-alpha", "Megatron in_proj's beta and alpha components swapped (writer and reader)",
+             (("models/common/hybrid_weights.py", 'IN_PROJ_PARTS = ("query", "key", "value", "z", "beta", "alpha")',
+               'IN_PROJ_PARTS = ("query", "key", "value", "z", "alpha", "beta")'),),
+             ("tests/test_convert_hybrid.py",)),
+    Mutation("gated-qkv-gate-first", "gated linear_qkv with each group's gates before its queries (writer, "
+             "reader and row ranges alike)",
+             (("converters/layout/megatron.py",
+               "parts = [heads[:, :, 0].reshape(ng, per * hd, *rest), heads[:, :, 1].reshape(ng, per * hd, *rest),",
+               "parts = [heads[:, :, 1].reshape(ng, per * hd, *rest), heads[:, :, 0].reshape(ng, per * hd, *rest),"),
+              ("converters/layout/megatron.py",
+               "queries, gates, k, v = full.reshape(ng, (2 * per + 2) * hd, *rest)",
+               "gates, queries, k, v = full.reshape(ng, (2 * per + 2) * hd, *rest)"),
+              ("converters/layout/megatron.py", "for g in range(ng) for j in range(per) for part in (0, 1)]",
+               "for g in range(ng) for j in range(per) for part in (1, 0)]")),
+             ("tests/test_convert_hybrid.py",)),
 )
 
 
