@@ -99,6 +99,9 @@ def run(tmp_path_factory):
         for tp in (1, 2):
             convert(src[name], d / f"convert-tp{tp}", to="vllm", tp=tp, workers=2)
             convert(d / f"convert-tp{tp}", d / f"back-tp{tp}", to="hf", workers=2)
+        if name == "qwen3_next":  # pipeline stages too: layers 0-1 | 2-3 (vLLM's get_pp_indices)
+            convert(src[name], d / "convert-tp2-pp2", to="vllm", tp=2, pp=2, workers=2)
+            convert(d / "convert-tp2-pp2", d / "back-tp2-pp2", to="hf", workers=2)
         convert(src[name], d / "fp8-hf", to="hf", quantization="fp8", workers=2)
         convert(src[name], d / "fp8-tp2", to="vllm", tp=2, quantization="fp8", workers=2)
     run_distributed(2, export_suite, [(name, str(src[name]), str(out[name])) for name in MODELS])
@@ -116,12 +119,12 @@ def run(tmp_path_factory):
     return results
 
 
-@pytest.mark.parametrize("name", MODELS)
-@pytest.mark.parametrize("tp", [1, 2])
-def test_pmz_convert_hf_vllm_hf_is_bitwise(run, name, tp):
-    """HF -> vLLM sharded_state (TP 1, 2) -> HF gives back every tensor of the source, bitwise, under its name."""
+@pytest.mark.parametrize("name,layout", [(n, t) for n in MODELS for t in ("tp1", "tp2")] + [("qwen3_next", "tp2-pp2")])
+def test_pmz_convert_hf_vllm_hf_is_bitwise(run, name, layout):
+    """HF -> vLLM sharded_state (TP 1, 2; Qwen3-Next also TP 2 x PP 2) -> HF gives back every tensor of the source,
+    bitwise, under its name."""
     source = _load(run["src"][name] / "model.safetensors")
-    back = _load_dir(run["out"][name] / f"back-tp{tp}", "*.safetensors")
+    back = _load_dir(run["out"][name] / f"back-{layout}", "*.safetensors")
     assert sorted(back) == sorted(source)
     assert [k for k in source if not _bitwise(back[k], source[k])] == []
 
