@@ -15,7 +15,7 @@ chunk is an affine map of the one entering it::
 
 ``T`` (``_UnitLowerInverse``: a blocked inverse made of batched matmuls), ``U0``, ``W``, ``M`` and
 ``Bm`` are computed for all chunks at once; ``_StateScan`` runs ``S <- M S + Bm`` chunk by chunk
-(one ``baddbmm`` each way, its own backward) and gives the state entering every chunk, from which
+(one small in-place GEMM per chunk each way, its own backward) and gives the state entering every chunk, from which
 ``O`` is again one batched computation. Tensors are chunk-major, ``[n, rows * heads, C, d]``, so
 each chunk's state is one contiguous block.
 
@@ -89,7 +89,8 @@ class _StateScan(torch.autograd.Function):
     ``m_c S + b_c``; ``init [s, N, dk, dv]``: the state at each of the ``s`` segment starts
     ``starts`` (chunk indices rising from 0; a segment runs to the next start, and is never empty).
     Returns ``(states [n, N, dk, dv], finals [s, N, dk, dv])``: the state entering every chunk and
-    the one leaving each segment. One ``baddbmm`` per chunk each way, written in place."""
+    the one leaving each segment. One in-place ``baddbmm_`` per chunk each way, into targets that
+    already hold ``b`` (one batched copy per segment)."""
 
     @staticmethod
     def forward(ctx, m, b, init, starts):
@@ -98,8 +99,10 @@ class _StateScan(torch.autograd.Function):
         finals = torch.empty_like(init)
         for j, (s, e) in enumerate(_segments(starts, n)):
             states[s].copy_(init[j])
+            states[s + 1:e].copy_(b[s:e - 1])  # every target holds its b_c: the loop only accumulates
+            finals[j].copy_(b[e - 1])
             for c in range(s, e):
-                torch.baddbmm(b[c], m[c], states[c], out=states[c + 1] if c + 1 < e else finals[j])
+                (states[c + 1] if c + 1 < e else finals[j]).baddbmm_(m[c], states[c])
         ctx.save_for_backward(m, states)
         ctx.starts = starts
         return states, finals
@@ -108,12 +111,14 @@ class _StateScan(torch.autograd.Function):
     def backward(ctx, d_states, d_finals):
         m, states = ctx.saved_tensors
         d_b = torch.empty_like(states)  # gradient of the state leaving each chunk (= of b)
-        d_init = torch.empty_like(d_finals)
+        d_init = d_finals.new_empty(d_finals.shape)
         for j, (s, e) in reversed(list(enumerate(_segments(ctx.starts, m.shape[0])))):
             d_b[e - 1].copy_(d_finals[j])
+            d_b[s:e - 1].copy_(d_states[s + 1:e])
+            d_init[j].copy_(d_states[s])
             for c in range(e - 1, s, -1):
-                torch.baddbmm(d_states[c], m[c].transpose(-1, -2), d_b[c], out=d_b[c - 1])
-            torch.baddbmm(d_states[s], m[s].transpose(-1, -2), d_b[s], out=d_init[j])
+                d_b[c - 1].baddbmm_(m[c].transpose(-1, -2), d_b[c])
+            d_init[j].baddbmm_(m[s].transpose(-1, -2), d_b[s])
         return d_b @ states.transpose(-1, -2), d_b, d_init, None
 
 
@@ -162,10 +167,12 @@ def chunked_delta_rule(q, k, v, g, beta, init, spans, chunk_size):
                 offset += -(-(e - a) // c) * c
         laid = offset
         pos = torch.cat(index).to(q.device) if index else torch.zeros(0, dtype=torch.int64, device=q.device)
+        source = torch.full((laid,), t, dtype=torch.int64, device=q.device).index_copy(0, pos, torch.arange(
+            t, device=q.device))  # laid slot -> token, or t: a zero row
         inits = (init[seqs] if init is not None else q.new_zeros(len(seqs), h, dk, dv))[:, None]
 
-        def lay(x):  # [1, T, ...] -> [1, laid, ...] with zeros in the padding
-            return x.new_zeros(1, laid, *x.shape[2:]).index_copy(1, pos, x)
+        def lay(x):  # [1, T, ...] -> [1, laid, ...] with zeros in the padding (a gather: keeps only the index)
+            return F.pad(x, (0, 0) * (x.dim() - 2) + (0, 1)).index_select(1, source)
     n = laid // c
     if n == 0:
         o = v.new_zeros(b, t, h, dv)

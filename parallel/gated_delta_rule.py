@@ -39,7 +39,6 @@ import inspect
 import os
 
 import torch
-import torch.nn.functional as F
 
 from parallel.gated_delta_chunk import chunked_delta_rule
 
@@ -126,17 +125,46 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor
         cu = cu_seqlens.to(device=x.device, dtype=torch.long) if positions is not None else None
         y, _ = fn(x=x, weight=weight, bias=None, residual=None, activation=None, cu_seqlens=cu, **extra)
         return y.to(weight.dtype)
-    b, t, c = x.shape
-    k = weight.shape[-1]
-    x = x.to(weight.dtype)
-    out = x * weight[:, k - 1]
-    for j in range(1, min(k, t)):
-        shifted = F.pad(x[:, : t - j], (0, 0, j, 0))  # x[t - j], zeros before the row's start
-        if positions is not None:
-            inside = (positions >= j).to(x.dtype)  # t - j is still in the token's sequence
-            shifted = shifted * (inside[:, :, None] if inside.dim() == 2 else inside[None, :, None])
-        out = out + shifted * weight[:, k - 1 - j]
-    return out
+    if positions is not None and positions.dim() == 1:
+        positions = positions[None]
+    return _CausalConv.apply(x.to(weight.dtype), weight, positions)
+
+
+class _CausalConv(torch.autograd.Function):
+    """The torch conv: ``out = x w_{K-1} + sum_j shift_j(x) w_{K-1-j}`` accumulated into slices, row
+    ``t`` of ``shift_j`` kept where ``positions[t] >= j``. Keeps only ``x`` for the backward (autograd
+    through padded shifted copies kept ``K - 1`` of them): ``dx = sum_j unshift_j(dy masked) w_{K-1-j}``,
+    ``dw_{K-1-j} = sum_t dy_t x_{t-j}`` (masked)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, positions):
+        t, k = x.shape[1], weight.shape[-1]
+        out = x * weight[:, k - 1]
+        for j in range(1, min(k, t)):
+            term = x[:, : t - j] * weight[:, k - 1 - j]  # reaches row t from x[t - j]
+            if positions is not None:
+                term = term * (positions[:, j:, None] >= j).to(x.dtype)  # t - j still in t's sequence
+            out[:, j:] += term
+        ctx.save_for_backward(x, weight, positions)
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, positions = ctx.saved_tensors
+        t, k = x.shape[1], weight.shape[-1]
+        dx = dy * weight[:, k - 1]
+        dw = torch.empty_like(weight)
+        dw[:, k - 1] = (dy * x).sum((0, 1))
+        for j in range(1, k):
+            if j >= t:
+                dw[:, k - 1 - j] = 0
+                continue
+            d = dy[:, j:]
+            if positions is not None:
+                d = d * (positions[:, j:, None] >= j).to(dy.dtype)
+            dx[:, : t - j] += d * weight[:, k - 1 - j]
+            dw[:, k - 1 - j] = (d * x[:, : t - j]).sum((0, 1))
+        return dx, dw, None
 
 
 # ---------------------------------------------------------------------- the delta rule

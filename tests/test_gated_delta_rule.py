@@ -4,7 +4,8 @@
     ~1e-12 and fp32 to ~1e-6, with GQA-style value heads, lengths not a multiple of the chunk;
   * packed batches (``cu_seqlens``, an empty sequence and a one-token one among them): each sequence
     equal to itself run alone, initial states applied per sequence, final states per sequence;
-  * the causal depthwise conv restarts its window at every sequence (against F.conv1d per sequence);
+  * the causal depthwise conv restarts its window at every sequence (against F.conv1d per sequence,
+    outputs and gradients);
   * transformers' own torch chunked kernel agrees (fp32, unpacked), outputs and gradients;
   * the chunked form's pieces: the blocked triangular inverse against LAPACK's solve (fp64, chunk
     sizes that are and are not 16 * 2^j), chunk sizes 5/48/128 and packed gradients (the state scan's
@@ -157,11 +158,21 @@ def test_conv_window_restarts_per_sequence():
     cu = torch.tensor([0] + LENGTHS).cumsum(0)
     total = int(cu[-1])
     x, w = torch.randn(1, total, 10, dtype=torch.float64), torch.randn(10, 4, dtype=torch.float64)
-    got = causal_conv1d(x, w, positions_in_sequence(cu, total))
-    for a, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        if e > a:
-            ref = F.conv1d(x[:, a:e].transpose(1, 2), w[:, None], padding=3, groups=10)[:, :, : e - a].transpose(1, 2)
-            assert (got[:, a:e] - ref).abs().max().item() < 1e-12
+    weights = torch.randn(1, total, 10, dtype=torch.float64)
+    grads = []
+    for ours in (True, False):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        if ours:
+            got = causal_conv1d(xs, ws, positions_in_sequence(cu, total))
+            out = got
+        else:  # F.conv1d on each sequence alone
+            out = torch.cat([F.conv1d(xs[:, a:e].transpose(1, 2), ws[:, None], padding=3, groups=10)[:, :, : e - a]
+                             .transpose(1, 2) for a, e in zip(cu[:-1].tolist(), cu[1:].tolist()) if e > a], dim=1)
+            assert (got - out).abs().max().item() < 1e-12
+        (out * weights).sum().backward()
+        grads.append((xs.grad, ws.grad))
+    for a, b in zip(*grads):
+        assert (a - b).abs().max().item() < 1e-12, "gradients of x and the weight"
     ref = F.conv1d(x.transpose(1, 2), w[:, None], padding=3, groups=10)[:, :, :total].transpose(1, 2)
     assert (causal_conv1d(x, w) - ref).abs().max().item() < 1e-12  # no positions: one sequence per row
 
