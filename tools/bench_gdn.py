@@ -269,11 +269,15 @@ def _device_name(device) -> str:
 def _commit() -> str:
     import subprocess
 
+    root = Path(__file__).resolve().parents[1]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parents[1], check=True).stdout.strip()
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=root,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "parallel", "models", "tools/bench_gdn.py"],
+                               capture_output=True, text=True, cwd=root, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return head + (" + uncommitted changes" if dirty else "")
 
 
 if __name__ == "__main__":
