@@ -171,9 +171,11 @@ def test_live_exports_equal_pmz_convert(live, name):
             exported = _load(d / f"export-tp{tp}.rank{r}.safetensors")
             assert sorted(exported) == sorted(renamed)
             assert [k for k in exported if not _bitwise(exported[k], renamed[k])] == [], (tp, r)
-    for folder, converted in (("live-fp8-hf", "fp8-hf"), ("live-fp8-tp2", "fp8-tp2")):
-        ours, theirs = _load_dir(d / folder, "*.safetensors"), _load_dir(d / converted, "*.safetensors")
-        assert sorted(ours) == sorted(theirs) and all(_bitwise(ours[k], theirs[k]) for k in ours), folder
+    for folder, converted, pattern in (("live-fp8-hf", "fp8-hf", "*.safetensors"),
+                                       ("live-fp8-tp2", "fp8-tp2", "model-rank-0-part-*.safetensors"),
+                                       ("live-fp8-tp2", "fp8-tp2", "model-rank-1-part-*.safetensors")):
+        ours, theirs = _load_dir(d / folder, pattern), _load_dir(d / converted, pattern)
+        assert ours and sorted(ours) == sorted(theirs) and all(_bitwise(ours[k], theirs[k]) for k in ours), folder
 
 
 def test_vllm_engine_serves_our_shards_and_takes_a_live_push(run):

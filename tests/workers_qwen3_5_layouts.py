@@ -140,26 +140,6 @@ def _packed_parameter_of(hf_name: str) -> str:
     return _SHARED_PARAMETER_OF(hf_name)
 
 
-def vllm_refused(path: str) -> list[tuple]:
-    """``iter_export("vllm")`` and ``save_vllm_sharded_state`` refuse in one line, writing nothing."""
-    import os
-    import tempfile
-
-    from models.common.export.buckets import ExportError
-
-    model = _build(path, ParallelConfig(tp=2))
-    refused = 0
-    with tempfile.TemporaryDirectory() as out:
-        for call in (lambda: list(model.iter_export("vllm", target_tp=1, target_rank=0)),
-                     lambda: model.save_vllm_sharded_state(out + "/vllm", tp=1)):
-            try:
-                call()
-            except ExportError as e:
-                refused += "\n" not in str(e) and "not supported" in str(e)
-        written = os.path.exists(out + "/vllm")
-    return [("mixed", "(tp=2) vllm", "vllm_not_refused", float(2 - refused + written))]
-
-
 def layouts_suite(dirs: dict[str, str], adapter: str, out_root: str) -> list[tuple]:
     """Every layout in one 2-rank group (the world size is 2)."""
     assert dist.get_world_size() == 2
@@ -172,5 +152,4 @@ def layouts_suite(dirs: dict[str, str], adapter: str, out_root: str) -> list[tup
     records += _compile("tied_kv1", dirs["tied_kv1"], dict(tp=2))
     records += lora_case("mixed", dirs["mixed"], adapter, f"{out_root}/lora", dict(tp=2, sequence_parallel=True))
     records += export_case("mixed", dirs["mixed"], dict(tp=2), f"{out_root}/save")
-    records += vllm_refused(dirs["mixed"])
     return records

@@ -1,11 +1,8 @@
 """The causal LM of the Gated DeltaNet hybrids (Qwen3.5): the shared ``ParallelCausalLM`` (inputs, loss,
 fused head, export, training step) over the hybrid decoder (``blocks/hybrid_decoder.py``), with RoPE
-tables of the partial rotary width.
-
-vLLM's format is refused (``iter_export("vllm")``, ``save_vllm_sharded_state``):
-vLLM 0.32 has ``qwen3_5.py``, but shards of these layers (``in_proj_qkvz`` split per q/k/v/z block at
-the engine's TP, no attention scales on linear-attention layers) have not been checked against a
-vLLM engine loading them, so nothing is written that might load wrong."""
+tables of the partial rotary width. Export (HF, vLLM ``sharded_state``, FP8, live pushes) is the shared
+model's: vLLM's map of these layers is ``models/common/vllm_format.vllm_map`` (checked against vLLM 0.32's
+own loader and engine in tests/test_vllm_hybrid.py)."""
 
 from __future__ import annotations
 
@@ -14,13 +11,9 @@ import torch
 from models.common.blocks.hybrid_decoder import HybridDecoder
 from models.common.blocks.rope import RotaryEmbedding
 from models.common.causal_lm import ParallelCausalLM
-from models.common.export.buckets import ExportError
 from models.common.hybrid_config import HybridModelConfig
 from models.common.weight_map import WeightMap
 from parallel.groups import ParallelGroups
-
-VLLM_REFUSED = ("vLLM export of Gated DeltaNet hybrids (Qwen3.5) is not supported yet: its shards have not been "
-                "checked against a vLLM engine (use iter_export('hf') / save_pretrained and load the HF checkpoint)")
 
 
 class HybridCausalLM(ParallelCausalLM):
@@ -34,10 +27,3 @@ class HybridCausalLM(ParallelCausalLM):
         if device is not None:
             self.rotary.to(device)
 
-    def iter_export(self, format: str = "hf", **kwargs):
-        if format == "vllm":
-            raise ExportError(VLLM_REFUSED)
-        return super().iter_export(format, **kwargs)
-
-    def save_vllm_sharded_state(self, directory, **kwargs) -> None:
-        raise ExportError(VLLM_REFUSED)
