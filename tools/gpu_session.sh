@@ -87,4 +87,8 @@ for phase in "${PHASES[@]}"; do
     --timeout "$remaining" >> "$OUT/bench.log" 2>&1
   log "  exit $?"
 done
+if [ "$(left)" -gt 30 ]; then  # the Gated DeltaNet layer (carry fla-core + einops wheels for fla)
+  log "bench_gdn --device cuda"
+  timeout 120 $PY tools/bench_gdn.py --device cuda > "$OUT/bench_gdn.log" 2>&1; log "  exit $?"
+fi
 log "done"
