@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from converters.cli import main
 from converters.engine import convert
 from tests.cases import write_hf_model
+from tests.test_convert_bridge_vl import _hf_tensors, _metadata, _tensor_shapes
 
 ROOT = Path(__file__).resolve().parent.parent
 BRIDGE_PYTHON = ROOT / ".venv-bridge" / "bin" / "python"
@@ -59,23 +59,6 @@ def _configs() -> dict:
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                              tie_word_embeddings=True, rms_norm_eps=1e-5),
     }
-
-
-def _hf_tensors(directory) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(Path(directory).glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
-def _metadata(ckpt: Path):
-    it_dir = next(p for p in sorted(ckpt.iterdir()) if p.name.startswith("iter_"))
-    return it_dir, pickle.loads((it_dir / ".metadata").read_bytes())
-
-
-def _tensor_shapes(ckpt: Path) -> dict[str, tuple]:
-    _, md = _metadata(ckpt)
-    return {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks")}
 
 
 @pytest.fixture(scope="module")
