@@ -16,7 +16,6 @@ independent references before other tests lean on it:
 from __future__ import annotations
 
 import json
-import subprocess
 import warnings
 from pathlib import Path
 
@@ -24,10 +23,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.bridge_run import run_bridge_oracle
 from tests.workers_qwen3_5 import write_model
 
-ROOT = Path(__file__).resolve().parent.parent
-BRIDGE_PYTHON = ROOT / ".venv-bridge" / "bin" / "python"
 CASES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 SEQ = 70  # past one 64-token chunk of the delta rule
 
@@ -120,7 +118,6 @@ def oracle(tmp_path_factory):
     """Tiny HF checkpoints with MTP; one oracle run: Bridge writes each, loads it back (its loader, and
     strict dist_checkpointing without run_config.yaml), computes logits from it and exports it to HF; one
     more write without MTP."""
-    assert BRIDGE_PYTHON.exists(), f"{BRIDGE_PYTHON} missing: run tools/setup.sh (it creates the Bridge venv)"
     root = tmp_path_factory.mktemp("bridge_gdn")
     hf = {}
     for i, (case, config) in enumerate(_configs().items()):
@@ -136,15 +133,10 @@ def oracle(tmp_path_factory):
                  {"op": "logits", **common, "ckpt": ckpt, "ids": ids},
                  {"op": "export", **common, "ckpt": ckpt, "out": str(root / "export" / case)}]
     jobs.append({"op": "write", "hf": str(hf["qwen3_5"]), "out": str(root / "real" / "no_mtp"), "mtp": False})
-    (root / "jobs.json").write_text(json.dumps(jobs))
-    proc = subprocess.run([str(BRIDGE_PYTHON), str(ROOT / "tests" / "bridge_gdn_oracle.py"), str(root / "jobs.json"),
-                           str(root / "result.json")], capture_output=True, text=True, timeout=300, cwd=str(root))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    result = json.loads((root / "result.json").read_text())
-    assert result["versions"]["megatron-bridge"] == "0.6.2", result["versions"]
-    per_case = {case: dict(zip(("write", "load", "load_dcp", "logits", "export"), result["results"][5 * i:5 * i + 5]))
+    results = run_bridge_oracle("bridge_gdn_oracle.py", jobs, root)
+    per_case = {case: dict(zip(("write", "load", "load_dcp", "logits", "export"), results[5 * i:5 * i + 5]))
                 for i, case in enumerate(CASES)}
-    return {"root": root, "hf": hf, "ids": ids, "cases": per_case, "no_mtp": result["results"][-1]}
+    return {"root": root, "hf": hf, "ids": ids, "cases": per_case, "no_mtp": results[-1]}
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -15,9 +15,7 @@ Models Bridge 0.6.2 cannot build are refused in one line with nothing written.
 
 from __future__ import annotations
 
-import json
 import pickle
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -25,11 +23,10 @@ import torch
 
 from converters.cli import main
 from converters.engine import convert
+from tests.bridge_run import run_bridge_oracle
 from tests.cases import write_hf_model
 from tests.test_convert_bridge_vl import _hf_tensors, _metadata, _tensor_shapes
 
-ROOT = Path(__file__).resolve().parent.parent
-BRIDGE_PYTHON = ROOT / ".venv-bridge" / "bin" / "python"
 REAL = ("qwen3moe", "qwen3")  # Bridge writes these; all four are loaded back
 BRIDGE_LAYOUTS = {"qwen3moe": {"tp": 2}, "qwen3": {"pp": 2}, "llama": {}, "qwen2": {"tp": 2, "pp": 2}}
 DIST = ("qwen3moe", "qwen3")
@@ -65,7 +62,6 @@ def _configs() -> dict:
 def bridge(tmp_path_factory):
     """HF directories of the tiny text models, our Megatron-Bridge and torch_dist checkpoints of them, and
     one run of real Megatron-Bridge: its checkpoints of Qwen3-MoE and Qwen3, its strict loads of ours."""
-    assert BRIDGE_PYTHON.exists(), f"{BRIDGE_PYTHON} missing: run tools/setup.sh (it creates the Bridge venv)"
     root = tmp_path_factory.mktemp("bridge_text")
     hf = {case: write_hf_model(root / "hf", case, cfg, seed=i) for i, (case, cfg) in enumerate(_configs().items())}
     ours, dist, errors = {}, {}, {}
@@ -80,13 +76,7 @@ def bridge(tmp_path_factory):
     jobs = [{"op": "write", "hf": str(hf[c]), "out": str(real[c])} for c in REAL]
     jobs += [{"op": "load", "ckpt": str(ours[c]), "hf": str(hf[c])} for c in ours]
     jobs += [{"op": "load", "ckpt": str(dist[c]), "hf": str(hf[c])} for c in DIST]
-    (root / "jobs.json").write_text(json.dumps(jobs))
-    proc = subprocess.run([str(BRIDGE_PYTHON), str(ROOT / "tests" / "bridge_oracle.py"), str(root / "jobs.json"),
-                           str(root / "result.json")], capture_output=True, text=True, timeout=300, cwd=str(root))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    result = json.loads((root / "result.json").read_text())
-    assert result["versions"]["megatron-bridge"] == "0.6.2", result["versions"]
-    results = iter(result["results"])
+    results = iter(run_bridge_oracle("bridge_oracle.py", jobs, root))
     writes = {c: next(results) for c in REAL}
     loads = {c: next(results) for c in ours}
     dist_loads = {c: next(results) for c in DIST}

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -26,10 +25,9 @@ from safetensors.torch import load_file
 
 from converters.cli import main
 from converters.engine import convert
+from tests.bridge_run import run_bridge_oracle
 from tests.vl_cases import write_vl_model
 
-ROOT = Path(__file__).resolve().parent.parent
-BRIDGE_PYTHON = ROOT / ".venv-bridge" / "bin" / "python"
 QWEN25 = ("v25_untied", "v25_tied")  # Megatron-Bridge has a bridge for these
 QWEN2 = ("untied", "tied")  # and none for Qwen2-VL (our extrapolation of the same layout)
 
@@ -55,7 +53,6 @@ def _tensor_shapes(ckpt: Path) -> dict[str, tuple]:
 def bridge(tmp_path_factory):
     """HF directories of the four tiny VL models, our Bridge checkpoints of them, and one run of real
     Megatron-Bridge: its checkpoints of the Qwen2.5-VL models and its strict load of ours."""
-    assert BRIDGE_PYTHON.exists(), f"{BRIDGE_PYTHON} missing: run tools/setup.sh (it creates the Bridge venv)"
     root = tmp_path_factory.mktemp("bridge_vl")
     hf = {case: Path(write_vl_model(root / "hf", case, seed=i)) for i, case in enumerate(QWEN25 + QWEN2)}
     ours = {}
@@ -64,13 +61,8 @@ def bridge(tmp_path_factory):
     real = {case: root / "real" / case for case in QWEN25}
     jobs = [{"op": "write", "hf": str(hf[c]), "out": str(real[c])} for c in QWEN25]
     jobs += [{"op": "load", "ckpt": str(ours[c]), "hf": str(hf[c])} for c in QWEN25]
-    (root / "jobs.json").write_text(json.dumps(jobs))
-    proc = subprocess.run([str(BRIDGE_PYTHON), str(ROOT / "tests" / "bridge_oracle.py"), str(root / "jobs.json"),
-                           str(root / "result.json")], capture_output=True, text=True, timeout=300, cwd=str(root))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    result = json.loads((root / "result.json").read_text())
-    assert result["versions"]["megatron-bridge"] == "0.6.2", result["versions"]
-    loads = dict(zip(QWEN25, result["results"][len(QWEN25):]))
+    results = run_bridge_oracle("bridge_oracle.py", jobs, root)
+    loads = dict(zip(QWEN25, results[len(QWEN25):]))
     return {"root": root, "hf": hf, "ours": ours, "real": real, "loads": loads}
 
 

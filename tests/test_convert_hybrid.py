@@ -26,7 +26,6 @@ import copy
 import glob
 import json
 import shutil
-import subprocess
 from fractions import Fraction
 from pathlib import Path
 
@@ -37,6 +36,7 @@ from safetensors.torch import load_file, save_file
 from converters.engine import convert
 from models.common.errors import CheckpointError
 from parallel.config import ParallelConfigError
+from tests.bridge_run import run_bridge_oracle
 from tests.test_convert_errors import expect_failure
 
 LIN, FULL = "linear_attention", "full_attention"
@@ -534,8 +534,6 @@ def test_minus_one_over_every_bf16_value():
 
 # ------------------------------------------------------------------------------- real Megatron-Bridge (oracle)
 
-ROOT = Path(__file__).resolve().parent.parent
-BRIDGE_PYTHON = ROOT / ".venv-bridge" / "bin" / "python"
 BRIDGE_CASES = ("qwen3_5", "qwen3_5_moe", "qwen3_next_all_sparse")  # Bridge builds MoE on every Qwen3-Next layer
 BRIDGE_WRITES = ("qwen3_5", "qwen3_next_all_sparse")
 
@@ -552,19 +550,12 @@ def bridge(hf, tmp_path_factory):
     """One run of real Megatron-Bridge 0.6.2 (tests/bridge_gdn_oracle.py under .venv-bridge): it writes its own
     checkpoints of Qwen3.5 and Qwen3-Next (MTP included) and loads, strictly, what ``--to megatron-dist`` wrote
     (unpadded vocabulary, as Bridge keeps it) for each model into the model it builds from the HF directory."""
-    assert BRIDGE_PYTHON.exists(), f"{BRIDGE_PYTHON} missing: run tools/setup.sh (it creates the Bridge venv)"
     root = tmp_path_factory.mktemp("hybrid_bridge")
     ours = {c: convert(hf[c], root / "ours" / c, to="megatron-dist", workers=1, make_vocab_size_divisible_by=1)
             for c in BRIDGE_CASES}
     jobs = [{"op": "write", "hf": hf[c], "out": str(root / "real" / c)} for c in BRIDGE_WRITES]
     jobs += [{"op": "load", "hf": hf[c], "ckpt": str(ours[c] / "release")} for c in BRIDGE_CASES]  # no iteration
-    (root / "jobs.json").write_text(json.dumps(jobs))
-    proc = subprocess.run([str(BRIDGE_PYTHON), str(ROOT / "tests" / "bridge_gdn_oracle.py"), str(root / "jobs.json"),
-                           str(root / "result.json")], capture_output=True, text=True, timeout=600, cwd=str(root))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    result = json.loads((root / "result.json").read_text())
-    assert result["versions"]["megatron-bridge"] == "0.6.2", result["versions"]
-    results = iter(result["results"])
+    results = iter(run_bridge_oracle("bridge_gdn_oracle.py", jobs, root, timeout=600))
     return {"ours": ours, "real": {c: root / "real" / c for c in BRIDGE_WRITES},
             "writes": {c: next(results) for c in BRIDGE_WRITES}, "loads": {c: next(results) for c in BRIDGE_CASES}}
 
