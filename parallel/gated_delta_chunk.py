@@ -14,10 +14,11 @@ chunk is an affine map of the one entering it::
     S_out = M S + Bm,   M = e^{G_last} I - Kd^T W,   Bm = Kd^T U0,   Kd = K * exp(G_last - G)
 
 ``T`` (``_UnitLowerInverse``: a blocked inverse made of batched matmuls), ``U0``, ``W``, ``M`` and
-``Bm`` are computed for all chunks at once; ``_StateScan`` runs ``S <- M S + Bm`` chunk by chunk
-(one small in-place GEMM per chunk each way, its own backward) and gives the state entering every chunk, from which
-``O`` is again one batched computation. Tensors are chunk-major, ``[n, rows * heads, C, d]``, so
-each chunk's state is one contiguous block.
+``Bm`` are computed for all chunks at once; ``_StateScan`` runs ``S <- M S + Bm`` chunk by chunk,
+every packed sequence in step (the chunks are laid round-major: the ``r``-th chunk of every sequence
+side by side, so one batched in-place GEMM per round each way, its own backward), and gives the state
+entering every chunk, from which ``O`` is again one batched computation. Tensors are chunk-major,
+``[n, rows * heads, C, d]``, so each round's states are one contiguous block.
 
 Why not the textbook loop (transformers' ``torch_chunk_gated_delta_rule``)? On a CPU, torch's
 batched ``solve_triangular`` calls LAPACK per 64 x 64 matrix (~20x slower than a bmm of the same
@@ -78,53 +79,64 @@ class _UnitLowerInverse(torch.autograd.Function):
         return -(tt @ grad @ tt).tril(-1)
 
 
-def _segments(starts: tuple[int, ...], n: int) -> list[tuple[int, int]]:
-    return list(zip(starts, [*starts[1:], n]))
-
-
 class _StateScan(torch.autograd.Function):
-    """The only sequential step: the state entering each chunk.
+    """The only sequential step: the state entering each chunk, every sequence's chunks in step.
 
+    Chunks are laid round-major: ``rounds[r] = (offset, count)`` holds the ``r``-th chunk of the
+    ``count`` longest sequences at ``offset .. offset + count`` (sequences sorted by chunk count,
+    longest first, so the ones that go on to round ``r + 1`` are its first ``rounds[r + 1][1]``).
     ``m [n, N, dk, dk]``, ``b [n, N, dk, dv]``: chunk ``c`` maps its entering state ``S`` to
-    ``m_c S + b_c``; ``init [s, N, dk, dv]``: the state at each of the ``s`` segment starts
-    ``starts`` (chunk indices rising from 0; a segment runs to the next start, and is never empty).
-    Returns ``(states [n, N, dk, dv], finals [s, N, dk, dv])``: the state entering every chunk and
-    the one leaving each segment. One in-place ``baddbmm_`` per chunk each way, into targets that
-    already hold ``b`` (one batched copy per segment)."""
+    ``m_c S + b_c``; ``init [s, N, dk, dv]``: each sequence's initial state (sorted order). Returns
+    ``(states [n, N, dk, dv], finals [s, N, dk, dv])``: the state entering every chunk and the one
+    leaving each sequence. One batched in-place ``baddbmm_`` per round each way (over every sequence
+    still running), into targets that already hold ``b``: ``R`` steps for sequences of at most ``R``
+    chunks, however many are packed."""
 
     @staticmethod
-    def forward(ctx, m, b, init, starts):
-        n = m.shape[0]
+    def forward(ctx, m, b, init, rounds):
         states = torch.empty_like(b)
         finals = torch.empty_like(init)
-        for j, (s, e) in enumerate(_segments(starts, n)):
-            states[s].copy_(init[j])
-            states[s + 1:e].copy_(b[s:e - 1])  # every target holds its b_c: the loop only accumulates
-            finals[j].copy_(b[e - 1])
-            for c in range(s, e):
-                (states[c + 1] if c + 1 < e else finals[j]).baddbmm_(m[c], states[c])
+        first, count = rounds[0]
+        states[first:first + count].copy_(init)
+        for r, (a, k) in enumerate(rounds):
+            nxt, go_on = rounds[r + 1] if r + 1 < len(rounds) else (0, 0)
+            if go_on:  # sequences with another chunk: the state entering it
+                _step(states[nxt:nxt + go_on], m[a:a + go_on], states[a:a + go_on], b[a:a + go_on])
+            if k > go_on:  # sequences ending here: their final state
+                _step(finals[go_on:k], m[a + go_on:a + k], states[a + go_on:a + k], b[a + go_on:a + k])
         ctx.save_for_backward(m, states)
-        ctx.starts = starts
+        ctx.rounds = rounds
         return states, finals
 
     @staticmethod
     def backward(ctx, d_states, d_finals):
         m, states = ctx.saved_tensors
+        rounds = ctx.rounds
         d_b = torch.empty_like(states)  # gradient of the state leaving each chunk (= of b)
-        d_init = d_finals.new_empty(d_finals.shape)
-        for j, (s, e) in reversed(list(enumerate(_segments(ctx.starts, m.shape[0])))):
-            d_b[e - 1].copy_(d_finals[j])
-            d_b[s:e - 1].copy_(d_states[s + 1:e])
-            d_init[j].copy_(d_states[s])
-            for c in range(e - 1, s, -1):
-                d_b[c - 1].baddbmm_(m[c].transpose(-1, -2), d_b[c])
-            d_init[j].baddbmm_(m[s].transpose(-1, -2), d_b[s])
+        for r in reversed(range(len(rounds))):
+            a, k = rounds[r]
+            nxt, go_on = rounds[r + 1] if r + 1 < len(rounds) else (0, 0)
+            d_b[a + go_on:a + k].copy_(d_finals[go_on:k])
+            if go_on:  # leaving chunk r = entering chunk r + 1: its own gradient and, through m, the rest
+                _step(d_b[a:a + go_on], m[nxt:nxt + go_on].transpose(-1, -2), d_b[nxt:nxt + go_on],
+                      d_states[nxt:nxt + go_on])
+        first, count = rounds[0]
+        d_init = torch.empty_like(d_finals)
+        _step(d_init, m[first:first + count].transpose(-1, -2), d_b[first:first + count],
+              d_states[first:first + count])
         return d_b @ states.transpose(-1, -2), d_b, d_init, None
 
 
-def _chunk_core(q, k, v, g, beta, init, starts):
+def _step(out, m, s, b):
+    """``out = m @ s + b`` over ``[k, N, ...]`` blocks as one batched GEMM (``out`` may be a view)."""
+    out.copy_(b)
+    out.flatten(0, 1).baddbmm_(m.flatten(0, 1), s.flatten(0, 1))
+
+
+def _chunk_core(q, k, v, g, beta, init, rounds):
     """``q/k [n, N, C, dk]``, ``v [n, N, C, dv]``, ``g/beta [n, N, C]`` (fp32, q scaled, padding
-    rows zero), ``init [s, N, dk, dv]`` at segment starts ``starts`` -> ``(o [n, N, C, dv], finals)``."""
+    rows zero, chunks laid by ``rounds`` as ``_StateScan`` reads them), ``init [s, N, dk, dv]`` ->
+    ``(o [n, N, C, dv], finals)``."""
     c, dk = q.shape[-2:]
     cum = g.cumsum(-1)  # G_t
     incl = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
@@ -137,7 +149,7 @@ def _chunk_core(q, k, v, g, beta, init, starts):
     kd_t = (k * (cum[..., -1:] - cum).exp()[..., None]).transpose(-1, -2)  # Kd^T
     eye = torch.eye(dk, dtype=q.dtype, device=q.device)
     maps = grow[..., -1, None, None] * eye - kd_t @ reads  # M
-    states, finals = _StateScan.apply(maps, kd_t @ writes, init, tuple(starts))
+    states, finals = _StateScan.apply(maps, kd_t @ writes, init, rounds)
     o = (q * grow[..., None]) @ states + ((q @ k_t) * decay) @ (writes - reads @ states)
     return o, finals
 
@@ -152,21 +164,16 @@ def chunked_delta_rule(q, k, v, g, beta, init, spans, chunk_size):
     b, t, h, dk = q.shape
     dv, c = v.shape[-1], chunk_size
     if spans is None:
-        laid, starts, seqs = -(-t // c) * c, [0], None
+        laid, seqs = -(-t // c) * c, None
+        rounds = tuple((r, 1) for r in range(laid // c))
         inits = (init if init is not None else q.new_zeros(b, h, dk, dv))[None]  # [1, B, H, dk, dv]
 
         def lay(x):  # [B, T, ...] -> [B, laid, ...], zeros after the end
             return F.pad(x, (0, 0) * (x.dim() - 2) + (0, laid - t)) if laid != t else x
     else:
-        index, starts, seqs, offset = [], [], [], 0
-        for j, (a, e) in enumerate(spans):
-            if e > a:
-                starts.append(offset // c)
-                seqs.append(j)
-                index.append(torch.arange(offset, offset + e - a))
-                offset += -(-(e - a) // c) * c
-        laid = offset
-        pos = torch.cat(index).to(q.device) if index else torch.zeros(0, dtype=torch.int64, device=q.device)
+        rounds, seqs, slots = _rounds(spans, c)
+        laid = sum(k for _, k in rounds) * c
+        pos = torch.cat(slots).to(q.device) if slots else torch.zeros(0, dtype=torch.int64, device=q.device)
         source = torch.full((laid,), t, dtype=torch.int64, device=q.device).index_copy(0, pos, torch.arange(
             t, device=q.device))  # laid slot -> token, or t: a zero row
         inits = (init[seqs] if init is not None else q.new_zeros(len(seqs), h, dk, dv))[:, None]
@@ -185,11 +192,33 @@ def chunked_delta_rule(q, k, v, g, beta, init, spans, chunk_size):
         return x.reshape(b, n, c, h).permute(1, 0, 3, 2).reshape(n, b * h, c)
 
     o, finals = _chunk_core(chunks(lay(q)), chunks(lay(k)), chunks(lay(v)), gates(lay(g)), gates(lay(beta)),
-                            inits.reshape(len(starts), b * h, dk, dv), starts)
+                            inits.reshape(inits.shape[0], b * h, dk, dv), rounds)
     o = o.reshape(n, b, h, c, dv).permute(1, 0, 3, 2, 4).reshape(b, laid, h, dv)
     if spans is None:
         return o[:, :t], finals[0].reshape(b, h, dk, dv)
     return o.index_select(1, pos), _finals_per_sequence(finals, seqs, init, len(spans), (h, dk, dv), q)
+
+
+def _rounds(spans, c):
+    """The round-major chunk layout of a packed row: ``(rounds, seqs, slots)``. ``seqs``: the non-empty
+    sequences, longest (in chunks) first (stable); ``rounds[r] = (offset, count)``: chunk ``r`` of the
+    ``count`` first of them sits at chunk ``offset + rank``; ``slots``: each sequence's tokens' laid
+    positions, in the order of ``spans`` (so ``torch.cat(slots)`` maps token order to laid slots)."""
+    sizes = {j: -(-(e - a) // c) for j, (a, e) in enumerate(spans) if e > a}
+    seqs = sorted(sizes, key=lambda j: -sizes[j])
+    rounds, offset = [], 0
+    for r in range(sizes[seqs[0]] if seqs else 0):
+        count = sum(1 for j in seqs if sizes[j] > r)
+        rounds.append((offset, count))
+        offset += count
+    offsets = torch.tensor([o for o, _ in rounds], dtype=torch.int64)
+    rank = {j: i for i, j in enumerate(seqs)}
+    slots = []
+    for j, (a, e) in enumerate(spans):
+        if e > a:
+            i = torch.arange(e - a)
+            slots.append((offsets[i // c] + rank[j]) * c + i % c)
+    return tuple(rounds), seqs, slots
 
 
 def _finals_per_sequence(finals, seqs, init, count, shape, like):
