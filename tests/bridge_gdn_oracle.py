@@ -11,7 +11,9 @@ are reused by later jobs). Nothing of the project is imported here. Result: ``ve
   {"op": "load", "ckpt": DIR, "hf": DIR}    the checkpoint's model vs the model Bridge builds from ``hf``,
                                             bitwise -> ``loader``, ``compared``, ``mismatched``, ``missing``,
                                             ``unexpected``. With run_config.yaml: Bridge's loader
-                                            (``load_model_config``, ``build_and_load_model``); without (or
+                                            (``load_model_config``, ``build_and_load_model``) and
+                                            ``config_diff`` {public provider field: [loaded, derived from
+                                            ``hf``] reprs} where they differ (both on CPU); without (or
                                             ``"via": "dist_checkpointing"``): the model built from ``hf``'s
                                             config, megatron-core ``dist_checkpointing.load(strict=RAISE_ALL)``
                                             (a missing or unexpected key raises) and ``load_state_dict(strict)``.
@@ -328,6 +330,7 @@ def _cpu(provider) -> None:
 
 
 _BUILT: dict[tuple, object] = {}  # models built or loaded in this process, reused by later jobs
+_PROVIDERS: dict[tuple, object] = {}  # the provider each model of _BUILT came from
 
 
 def _provider(hf: str, mtp: bool, load_weights: bool):
@@ -348,6 +351,7 @@ def _from_hf(hf: str, mtp: bool = True):
     if key not in _BUILT:
         bridge, provider = _provider(hf, mtp, load_weights=True)
         _BUILT[key] = bridge, provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
+        _PROVIDERS[key] = provider
     return _BUILT[key]
 
 
@@ -396,6 +400,7 @@ def _load_model(job: dict):
         _cpu(cfg)
         model = build_and_load_model(it_dir, cfg, use_cpu_init=True, skip_temp_dist_context=True)
         _BUILT[key] = f"{type(cfg).__module__}.{type(cfg).__name__}", model
+        _PROVIDERS[key] = cfg
         return _BUILT[key]
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
@@ -417,11 +422,16 @@ def _weights(model) -> dict[str, torch.Tensor]:
 def _load(job: dict) -> dict:
     loader, model = _load_model(job)
     loaded = _weights(model)
-    expected = _weights(_from_hf(job["hf"], job.get("mtp", True))[1])
+    mtp = job.get("mtp", True)
+    expected = _weights(_from_hf(job["hf"], mtp)[1])
     mismatched = sorted(k for k in expected if k in loaded and not (
         loaded[k].shape == expected[k].shape and torch.equal(loaded[k], expected[k])))
-    return {"loader": loader, "compared": len(expected), "mismatched": mismatched,
-            "missing": sorted(set(expected) - set(loaded)), "unexpected": sorted(set(loaded) - set(expected))}
+    out = {"loader": loader, "compared": len(expected), "mismatched": mismatched,
+           "missing": sorted(set(expected) - set(loaded)), "unexpected": sorted(set(loaded) - set(expected))}
+    if _via(job) == "bridge":  # the provider run_config.yaml made against the one Bridge derives from ``hf``
+        out["config_diff"] = bridge_oracle._config_diff(_PROVIDERS[("ckpt", job["ckpt"], "bridge", mtp)],
+                                                        _PROVIDERS[("hf", job["hf"], mtp)])
+    return out
 
 
 def _logits(job: dict) -> dict:

@@ -1,6 +1,6 @@
 """Megatron-Bridge checkpoints: ``iter_*/run_config.yaml`` read as bounded data and written (the text models
-Bridge 0.6.2 has bridges for, and the vision-language models); the vision tower's shapes checked against
-the config.
+Bridge 0.6.2 has bridges for, the Gated DeltaNet hybrids among them, and the vision-language models); the
+vision tower's shapes checked against the config.
 
 What Megatron-Bridge writes: ``<root>/latest_checkpointed_iteration.txt``, ``iter_XXXXXXX/`` with
 megatron-core's torch_dist files (no Megatron args), ``run_config.yaml``, ``train_state.pt``,
@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from converters.formats.hf_config import check_block_count
+from converters.formats.megatron_hybrid import FULL, LINEAR, hybrid_arg_fields
 from models.common.errors import CheckpointError
 from models.common.hf_files import read_bounded
 
@@ -31,13 +32,19 @@ MAX_MODEL_ID_CHARS = 4096
 RUN_CONFIG = "run_config.yaml"
 TRAIN_STATE = "train_state.pt"  # iter_*/train_state.pt; latest_train_state.pt beside the iterations
 COMMON_STATE = "common_state/shard_0_1"  # megatron-core >= 0.17 keeps common.pt's dict as this torch_dist item
+COMMON_PT = "common.pt"
 # what megatron-core 0.19 records as the checkpoint's content metadata (how sharded_state_dict was made)
 CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 # Megatron-Bridge 0.6.2's bridges for text models (bridge/models/llama, qwen) all build megatron-core's
 # GPTModel from GPTModelProvider, each setting its own fields (``bridge_text_fields``); Qwen2-MoE has no
 # bridge there
 GPT_PROVIDER = "megatron.bridge.models.gpt_provider.GPTModelProvider"
-TEXT_BRIDGES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+# the Gated DeltaNet hybrids' bridges (qwen35_bridge.py: Qwen3.5, Qwen3.5-MoE; qwen3_next_bridge.py) build the
+# same GPTModel with megatron-core's experimental-attention block spec (``hybrid_bridge_fields``)
+HYBRID_BRIDGES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+TEXT_BRIDGES = ("llama", "qwen2", "qwen3", "qwen3_moe", *HYBRID_BRIDGES)
+HYBRID_BLOCK_SPEC = ("megatron.core.models.gpt.experimental_attention_variant_module_specs."
+                     "get_transformer_block_with_experimental_attention_variant_spec")
 # the provider Bridge instantiates per architecture: Qwen2.5-VL has one; Qwen2-VL has none (see docs/formats.md)
 PROVIDERS = {"qwen2_5_vl": "megatron.bridge.models.qwen_vl.qwen25_vl_provider.Qwen25VLModelProvider",
              **{arch: GPT_PROVIDER for arch in TEXT_BRIDGES}}
@@ -146,15 +153,16 @@ def bridge_biases(cfg: Any) -> tuple[bool, bool]:
     return cfg.architecture == "qwen2", False
 
 
-def check_bridge_text_model(cfg: Any, where: str) -> None:
+def check_bridge_text_model(cfg: Any, where: str, mtp_layers: int = 0) -> None:
     """A text model Megatron-Bridge 0.6.2 builds as it is: an architecture it has a bridge for, the biases
-    its bridge sets, and for Qwen3-MoE every layer sparse (its bridge sets no dense layers). CheckpointError
-    naming the source and what differs otherwise."""
+    its bridge sets, for the MoE models every layer sparse (their bridges set no dense layers), and for the
+    Gated DeltaNet hybrids what ``_check_hybrid`` lists (``mtp_layers``: the MTP layers the checkpoint
+    holds). CheckpointError naming the source and what differs otherwise."""
     hint = "--to megatron-dist writes the torch_dist checkpoint megatron-core loads"
-    if getattr(cfg, "linear_num_key_heads", 0):  # a Gated DeltaNet hybrid (models/common/hybrid_config.py)
-        raise CheckpointError(f"{where}: --to megatron-bridge does not write Megatron-Bridge's run_config.yaml for "
-                              f"{cfg.architecture} yet (Bridge 0.6.2 has a bridge for it); --to megatron-dist writes "
-                              f"the torch_dist checkpoint in Bridge's layout, which Bridge loads strictly")
+    if getattr(cfg, "carried", ()):  # Qwen3.5 conditional generation: Bridge's Qwen3.5-VL layout is not written
+        raise CheckpointError(f"{where}: a {cfg.architecture} conditional-generation checkpoint ({len(cfg.carried)} "
+                              f"vision-tower tensors) has no --to megatron-bridge output in pmz yet (Bridge's "
+                              f"Qwen3.5-VL names are not written): convert a text-only checkpoint, or --to hf")
     if cfg.architecture not in TEXT_BRIDGES:
         raise CheckpointError(f"{where}: Megatron-Bridge 0.6.2 has no bridge for {cfg.architecture} (it has "
                               f"{', '.join(TEXT_BRIDGES)}, qwen2_5_vl); {hint}")
@@ -168,6 +176,34 @@ def check_bridge_text_model(cfg: Any, where: str) -> None:
         raise CheckpointError(f"{where}: Megatron-Bridge 0.6.2's {cfg.architecture} bridge makes every layer sparse; "
                               f"this model has a dense MLP in layer(s) {', '.join(map(str, dense))} "
                               f"(mlp_only_layers / decoder_sparse_step); {hint}")
+    if cfg.architecture in HYBRID_BRIDGES:
+        _check_hybrid(cfg, where, mtp_layers, hint)
+
+
+def _check_hybrid(cfg: Any, where: str, mtp_layers: int, hint: str) -> None:
+    """What Bridge 0.6.2's Qwen3.5 / Qwen3-Next bridges build besides the layer pattern (any pattern: they
+    set ``linear_attention_freq`` to the per-layer list): plain RoPE (they set ``position_embedding_type``
+    "rope" and read no scaling), top-k weights renormalised (``moe_router_pre_softmax`` false), and an MTP
+    layer only after a full-attention last layer (megatron-core builds the MTP layer from the last decoder
+    layer's spec and asserts on a linear-attention one)."""
+    name = f"Megatron-Bridge 0.6.2's {cfg.architecture} bridge"
+    if cfg.rope.rope_type != "default":
+        raise CheckpointError(f"{where}: {name} builds plain RoPE (no scaling); this model has "
+                              f"rope_type={cfg.rope.rope_type!r}; {hint}")
+    if cfg.moe is not None and not cfg.moe.norm_topk_prob:
+        raise CheckpointError(f"{where}: {name} renormalises the top-{cfg.moe.top_k} router weights "
+                              f"(moe_router_pre_softmax=false); this model has norm_topk_prob=False; {hint}")
+    last = cfg.num_hidden_layers - 1
+    if mtp_layers and cfg.layer_types[last] != FULL:
+        raise CheckpointError(f"{where}: the checkpoint has an MTP block and its last layer ({last}) is "
+                              f"{cfg.layer_types[last]}: megatron-core builds the MTP layer from the last layer's "
+                              f"spec and cannot build it from linear attention, so Megatron-Bridge 0.6.2 cannot "
+                              f"build this model with its MTP block")
+
+
+def bridge_common_state(iteration: int) -> dict[str, Any]:
+    """common.pt of a Bridge checkpoint we write: no Megatron args (run_config.yaml describes the model)."""
+    return {"checkpoint_version": 3.0, "iteration": iteration, "content_metadata": CONTENT_METADATA}
 
 
 def _vocab_divisor(vocab_size: int) -> int:
@@ -178,10 +214,12 @@ def _vocab_divisor(vocab_size: int) -> int:
     return base
 
 
-def bridge_text_fields(cfg: Any) -> dict[str, Any]:
+def bridge_text_fields(cfg: Any, mtp_layers: int = 0) -> dict[str, Any]:
     """The GPTModelProvider fields Megatron-Bridge 0.6.2 sets from a text model's HF config
     (``MegatronModelBridge.hf_config_to_provider_kwargs`` and the bridge's ``provider_bridge``) beyond
-    those every model shares (``run_config_text``); speed switches (fusions) keep the provider's defaults."""
+    those every model shares (``run_config_text``); the hybrids' own in ``hybrid_bridge_fields``; speed
+    switches (fusions) keep the provider's defaults."""
+    hybrid = cfg.architecture in HYBRID_BRIDGES
     fields: dict[str, Any] = {
         "make_vocab_size_divisible_by": _vocab_divisor(cfg.vocab_size), "position_embedding_type": "rope",
         "rotary_percent": 1.0, "qk_layernorm": cfg.qk_norm}
@@ -196,18 +234,44 @@ def bridge_text_fields(cfg: Any) -> dict[str, Any]:
         fields.update({
             "num_moe_experts": moe.num_experts, "moe_ffn_hidden_size": moe.moe_intermediate_size,
             "moe_router_topk": moe.top_k, "moe_router_pre_softmax": not moe.norm_topk_prob,
-            "moe_router_score_function": "softmax", "moe_router_load_balancing_type": "aux_loss",
-            "moe_aux_loss_coeff": moe.router_aux_loss_coef, "moe_grouped_gemm": True,
-            "moe_token_dispatcher_type": "alltoall", "moe_permute_fusion": True})
+            "moe_router_score_function": "softmax",
+            "moe_router_load_balancing_type": "global_aux_loss" if hybrid else "aux_loss",
+            # Qwen3-Next's bridge sets 1e-3 whatever router_aux_loss_coef says; the others take it from there
+            "moe_aux_loss_coeff": 1e-3 if cfg.architecture == "qwen3_next" else moe.router_aux_loss_coef,
+            "moe_grouped_gemm": True, "moe_token_dispatcher_type": "alltoall", "moe_permute_fusion": True})
+    if hybrid:
+        fields.update(hybrid_bridge_fields(cfg, mtp_layers))
     return fields
 
 
-def run_config_text(hf_config: Any, cfg: Any, *, tp: int, pp: int, vpp: int, dtype: str) -> str:
+def hybrid_bridge_fields(cfg: Any, mtp_layers: int) -> dict[str, Any]:
+    """What Bridge 0.6.2's Qwen3.5 / Qwen3-Next bridges set for a Gated DeltaNet hybrid: megatron-core's
+    experimental-attention block spec, the fields megatron-core needs to build it (``hybrid_arg_fields``, the
+    Megatron-LM args' rule) with ``linear_attention_freq`` as Bridge keeps it (the per-layer 0/1 list from
+    ``layer_types``, 1 = linear attention, never the interval), heterogeneous per-layer checkpoint keys, the
+    MTP loss scale Qwen3.5's bridge sets, and the shared expert (sigmoid-gated; Qwen3-Next's router in fp32)."""
+    fields = hybrid_arg_fields(cfg, mtp_layers)
+    fields.update({"linear_attention_freq": [1 if t == LINEAR else 0 for t in cfg.layer_types],
+                   "transformer_layer_spec": {"_target_": HYBRID_BLOCK_SPEC, "_call_": False},
+                   "hetereogenous_dist_checkpoint": True})  # sic: megatron-core's spelling
+    if mtp_layers and cfg.architecture != "qwen3_next":
+        fields["mtp_loss_scaling_factor"] = 0.1
+    if cfg.moe is not None:
+        fields.update(moe_shared_expert_intermediate_size=cfg.moe.shared_expert_intermediate_size,
+                      moe_shared_expert_gate=True)
+        if cfg.architecture == "qwen3_next":
+            fields["moe_router_dtype"] = "fp32"
+    return fields
+
+
+def run_config_text(hf_config: Any, cfg: Any, *, tp: int, pp: int, vpp: int, dtype: str, mtp_layers: int = 0) -> str:
     """``run_config.yaml`` in Megatron-Bridge's layout: the ``model`` section its ``load_megatron_model``
     instantiates (the provider and the fields its bridge sets from the HF config: ``Qwen25VLBridge``'s for
     the vision-language models, ``bridge_text_fields`` for the text ones; the rest keep the provider's
     defaults, the layer spec included: Transformer Engine's) and the ``checkpoint`` fields its resume path
-    reads. ``dtype``: the torch dtype name of the tensors ("float32", "bfloat16", "float16").
+    reads. ``dtype``: the torch dtype name of the tensors ("float32", "bfloat16", "float16"); ``mtp_layers``:
+    the MTP layers written (a hybrid's; ``mtp_num_layers``). A further provider (Qwen3.5-VL's
+    ``Qwen35VLModelProvider``) is one more entry in ``PROVIDERS`` and its fields one more branch below.
 
     Qwen2-VL: Megatron-Bridge 0.6.2 has no provider for it, so ``model`` names none (``_target_``
     left out): the fields describe the model, but Bridge itself cannot build it."""
@@ -218,7 +282,10 @@ def run_config_text(hf_config: Any, cfg: Any, *, tp: int, pp: int, vpp: int, dty
     if provider:
         model["_target_"] = provider
     model.update({
-        "num_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size, "ffn_hidden_size": cfg.intermediate_size,
+        "num_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
+        # Qwen3.5-MoE's config has no intermediate_size (0 here): Bridge leaves the field to megatron-core's
+        # TransformerConfig, which makes it 4 x hidden_size (no layer uses it: every MLP is MoE)
+        "ffn_hidden_size": cfg.intermediate_size or 4 * cfg.hidden_size,
         "num_attention_heads": cfg.num_attention_heads, "num_query_groups": cfg.num_key_value_heads,
         "kv_channels": cfg.head_dim, "init_method_std": cfg.initializer_range, "layernorm_epsilon": cfg.rms_norm_eps,
         "vocab_size": cfg.vocab_size, "should_pad_vocab": False, "seq_length": cfg.max_position_embeddings,
@@ -234,7 +301,7 @@ def run_config_text(hf_config: Any, cfg: Any, *, tp: int, pp: int, vpp: int, dty
     if vision:
         model.update(_vision_fields(hf_config, cfg))
     else:
-        model.update(bridge_text_fields(cfg))
+        model.update(bridge_text_fields(cfg, mtp_layers))
     checkpoint = {"ckpt_format": "torch_dist", "save_optim": False, "save_rng": False, "fully_parallel_save": True}
     kind = "a vision-language model" if vision else f"a {cfg.architecture} model"
     head = (f"# Written by pmz (parallel model zoo): Megatron-Bridge's layout of {kind}.\n"

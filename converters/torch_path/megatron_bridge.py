@@ -1,5 +1,6 @@
 """Writing Megatron-Bridge's checkpoint layout (``pmz convert --to megatron-bridge``): the text models Bridge
-0.6.2 has bridges for (Llama, Qwen2, Qwen3, Qwen3-MoE) and the vision-language models.
+0.6.2 has bridges for (Llama, Qwen2, Qwen3, Qwen3-MoE; the Gated DeltaNet hybrids Qwen3.5, Qwen3.5-MoE and
+Qwen3-Next, MTP block included) and the vision-language models.
 
 What Megatron-Bridge 0.6.2 saves (``save_megatron_model``; checked against it, tests/bridge_oracle.py) and
 what its ``load_megatron_model`` needs to load the model again:
@@ -17,19 +18,29 @@ The tensors are megatron-core's torch_dist ones (a vision-language model: the te
 names under ``language_model.`` and the vision tower's HF names, ``converters/layout/model.
 bridge_vl_weight_map``), global (unsharded) at any TP/PP: the parallel layout is recorded in
 run_config.yaml only. Layer norms are named as the Transformer-Engine spec Bridge builds names them
-(``layout.stages.writer_norm_aliases``: a MoE layer's pre-MLP norm is ``pre_mlp_layernorm.weight``).
+(``layout.stages.writer_norm_aliases``: a MoE layer's pre-MLP norm is ``pre_mlp_layernorm.weight``); a
+hybrid's are megatron-core's per-layer keys (``layout.hybrid``: ``self_attention.in_proj.layer_norm_weight``,
+``out_norm``, q/k ``layernorm`` as TE's modules, MTP under ``mtp.layers.0``).
 Vocabulary rows are not padded (Bridge's providers default to ``should_pad_vocab=False``).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from converters.formats.hf_config import write_config_dir
 from converters.formats.megatron_args import HF_CONFIG_DIR, iteration_folder
-from converters.formats.megatron_bridge import RUN_CONFIG, TRAIN_STATE, check_bridge_text_model, run_config_text
+from converters.formats.megatron_bridge import (
+    COMMON_PT,
+    RUN_CONFIG,
+    TRAIN_STATE,
+    bridge_common_state,
+    check_bridge_text_model,
+    run_config_text,
+)
 from converters.layout.stages import MegatronLayout, check_target_stages, validate_target_layout
 from converters.torch_path.megatron_dist import write_dist
 from converters.torch_path.megatron_target import MegatronTarget
@@ -42,13 +53,18 @@ def plan_bridge_target(reader: CheckpointReader, *, tp: int, pp: int, vpp: int, 
     model must be one Bridge builds as it is (``check_bridge_text_model``: CheckpointError otherwise)."""
     cfg = reader.cfg
     if cfg.vision is None:
-        check_bridge_text_model(cfg, reader.path)
+        check_bridge_text_model(cfg, reader.path, _mtp_layers(reader))
     check_target_stages(cfg.num_hidden_layers, pp, vpp, first, last)
     validate_target_layout(cfg, "megatron-bridge", tp=tp, pp=pp, vpp=vpp, first=first, last=last)
     layout = MegatronLayout(cfg.num_hidden_layers, pp, vpp, first, last, "target")
     iteration = reader.info.layout.get("iteration")
     iteration = iteration if isinstance(iteration, int) and not isinstance(iteration, bool) else 0
     return MegatronTarget(tp, pp, vpp, cfg.vocab_size, dtype, layout, None, iteration, bridge=True)
+
+
+def _mtp_layers(reader: CheckpointReader) -> int:
+    """The MTP layers the source holds (a Gated DeltaNet hybrid's ``mtp.*``; 0 otherwise)."""
+    return getattr(reader.wmap, "mtp_layers", 0)
 
 
 def train_state(iteration: int) -> dict[str, torch.Tensor]:
@@ -65,10 +81,17 @@ def write_bridge(reader: CheckpointReader, target: MegatronTarget, directory: st
     """Megatron-Bridge's layout (module docstring) in ``directory``."""
     root = Path(directory)
     folder = iteration_folder(root, target.iteration)
-    write_dist(reader, target, str(folder), workers=workers, progress=progress)
+    if _mtp_layers(reader):
+        # Stop-gap: megatron_dist.write_dist_units names a Bridge target's tensors by ``megatron_weight_map(arch,
+        # cfg)``, which leaves a hybrid's MTP block out. A text hybrid's Bridge names are the reader's own map
+        # (MTP included), which it uses for a non-Bridge target: written as one, common.pt then Bridge's.
+        write_dist(reader, replace(target, bridge=False), str(folder), workers=workers, progress=progress)
+        torch.save(bridge_common_state(target.iteration or 0), folder / COMMON_PT)
+    else:
+        write_dist(reader, target, str(folder), workers=workers, progress=progress)
     dtype = str(target.dtype).removeprefix("torch.")
     (folder / RUN_CONFIG).write_text(run_config_text(reader.hf_config, reader.cfg, tp=target.tp, pp=target.pp,
-                                                     vpp=target.vpp, dtype=dtype))
+                                                     vpp=target.vpp, dtype=dtype, mtp_layers=_mtp_layers(reader)))
     torch.save(train_state(target.iteration), folder / TRAIN_STATE)
     torch.save(train_state(target.iteration), root / f"latest_{TRAIN_STATE}")
     hf_dir = root / HF_CONFIG_DIR
