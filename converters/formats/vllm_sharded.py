@@ -72,6 +72,7 @@ class VllmShardedCheckpoint:
         self.tp, self.pp = self._grid(directory, files)
         try:
             vllm_format.check_layout(self.cfg, self.tp, self.pp)
+            vllm_format.check_hf_config(self.hf_config, self.cfg, self.tp)
         except ValueError as exc:
             raise CheckpointError(f"{directory}: {exc}") from None
         self.wmap = conversion_weight_map(self.arch, self.cfg)

@@ -15,6 +15,12 @@ Reading inverts the same rules: ``VllmReader`` takes everything from the format'
 for each unit gathers every TP rank's shard of an entry from the stage that holds it and merges them
 with the entry's own rules (``Packed.merge``: q/k/v and gate/up blocks, replicated KV heads,
 vocabulary padding dropped; fused expert stacks expert by expert). Memory: one unit of every rank.
+
+Conditional-generation checkpoints (Qwen3.5 / Qwen3.5-MoE with a vision tower) go both ways with the tower as
+vLLM holds it (``vllm_format.vllm_map``: ``visual.*``, split over TP) and the text model under ``language_model.``;
+what only their config.json says is checked by ``vllm_format.check_hf_config`` before anything is written. An MTP
+block is never dropped silently: the writer notes that it leaves one out, and ``VllmReader`` notes, once, that a
+directory whose config declares one (``mtp_num_hidden_layers``) does not hold it.
 """
 
 from __future__ import annotations
@@ -34,12 +40,19 @@ from models.common.weight_map import WeightEntry
 class VllmReader(CheckpointReader):
     """A vLLM ``sharded_state`` directory as a source: HF-named full tensors, one unit at a time."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, note: bool = True) -> None:
         self.path = str(path)
-        self._remember_args(self.path)
+        self._remember_args(self.path, False)  # a reopened reader (in a worker) says nothing again
         ckpt = VllmShardedCheckpoint(path)  # refuses FP8 tensors (converters/formats/quantized.py)
         self.ckpt = ckpt
         self.hf_config, self.arch, self.cfg, self.wmap = ckpt.hf_config, ckpt.arch, ckpt.cfg, ckpt.wmap
+        declared = declared_mtp_layers(self.hf_config)
+        if note and declared:
+            import sys
+
+            print(f"pmz: note: {self.path}: its config declares an MTP block (mtp_num_hidden_layers={declared}) that "
+                  f"vLLM's sharded_state does not hold (pmz convert --to vllm leaves it out): read without it",
+                  file=sys.stderr)
         weights = [(key, t) for stage in ckpt.tensors.values() for key, t in stage.items() if ".attn._" not in key]
         dtype = TORCH_DTYPES.get(weights[0][1].dtype, torch.float32) if weights else torch.float32
         files = len({t.path for stage in ckpt.tensors.values() for t in stage.values()})
@@ -77,6 +90,17 @@ class VllmReader(CheckpointReader):
 
     def close(self) -> None:
         self._open.clear()
+
+
+def declared_mtp_layers(hf_config) -> int:
+    """``mtp_num_hidden_layers`` of a config (a conditional-generation one keeps it in ``text_config``), 0 if none:
+    real Qwen3.5 / Qwen3-Next configs declare their MTP block there, so a vLLM directory of them is known to lack
+    one."""
+    text = getattr(hf_config, "text_config", None)
+    value = text.get("mtp_num_hidden_layers") if isinstance(text, dict) else getattr(text, "mtp_num_hidden_layers",
+                                                                                     None)
+    value = value if value is not None else getattr(hf_config, "mtp_num_hidden_layers", None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def write_vllm_rank(reopen_args: tuple, directory: str, pp_rank: int, tp_rank: int, tp: int, pp: int,
@@ -156,6 +180,10 @@ def write_vllm(reader: CheckpointReader, directory: str, *, tp: int, pp: int, dt
 
     from converters.runtime.tasks import run_tasks
 
+    try:  # a conditional-generation checkpoint's config.json: vision heads and tied head as vLLM reads them
+        vllm_format.check_hf_config(reader.hf_config, reader.cfg, tp)
+    except vllm_format.VllmLayoutError as exc:
+        raise CheckpointError(f"{reader.path}: {exc}") from None
     mtp = getattr(reader.wmap, "mtp_layers", 0)
     if mtp:
         print(f"pmz convert: note: {reader.path}: its MTP block (mtp.*, {mtp} layer) is not written: vLLM's "

@@ -46,6 +46,21 @@ its gate inside ``mlp.experts``) with the router handed to it too (``mlp.experts
 main model holds no MTP block (its ``mtp.*`` tensors are a separate draft model's), so none is written.
 vLLM's map is built from the model's own weight map (``vllm_map``), never from the converters' map, whose
 hybrid linear layers merge the two projections as Megatron stores them.
+
+Conditional-generation checkpoints of the hybrids (``Qwen3_5ForConditionalGeneration``,
+``Qwen3_5MoeForConditionalGeneration``: ``cfg.carried`` holds the vision tower, the decoder under
+``model.language_model.``): vLLM 0.32 builds the same classes from that config (``qwen3_5.py``, its tower
+``qwen3_vl.Qwen3_VisionTransformer``), so the text model's keys gain ``language_model.`` (its
+``hf_to_vllm_mapper``: ``model.language_model.`` -> ``language_model.model.``, ``lm_head.`` ->
+``language_model.lm_head.``) and the tower ``model.visual.*`` becomes ``visual.*``, built whole on every
+pipeline stage. In vLLM's default ``mm_encoder_tp_mode="weights"`` the tower is tensor-parallel over the
+same ranks (``tower_entries``): ``attn.qkv`` a QKVParallelLinear (rank r holds ``[q_r | k_r | v_r]``:
+``Fused(3)``), ``attn.proj`` and both ``linear_fc2`` row-parallel (biases whole), both ``linear_fc1``
+(block MLP and merger) column-parallel, norms, ``patch_embed`` and ``pos_embed`` whole. Only the converters
+hold the tower (``vllm_map``); a model built from such a checkpoint holds the text model only, so its live
+exports have no tower: ``iter_export("vllm")`` yields the text model under the engine's names (a weight sync
+into a running vLLM engine of the checkpoint, whose tower is left as loaded), and a ``sharded_state`` listing
+without the tower is refused (``stage_tensors``: vLLM's strict loader would miss every ``visual.*`` key).
 """
 
 from __future__ import annotations
@@ -56,9 +71,10 @@ from typing import Sequence
 
 from models.common.architecture import Architecture
 from models.common.config import ModelConfig
+from models.common.hybrid_vision import VISUAL_PREFIX
 from models.common.hybrid_weights import HybridWeightMap
 from models.common.weight_map import WeightEntry, WeightMap  # plain data: converters read this torch-free
-from parallel.sharding import Fused, Groups, ShardingError, Split, Vocab
+from parallel.sharding import Fused, Groups, Replicated, ShardingError, Split, Vocab
 
 VOCAB_MULTIPLE = 64
 ATTENTION_SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
@@ -143,14 +159,43 @@ def vllm_weight_map(wmap: WeightMap, cfg: ModelConfig) -> WeightMap:
 
 
 def vllm_map(arch: Architecture, cfg: ModelConfig) -> WeightMap:
-    """vLLM's weight map of ``arch`` for ``cfg`` (what every vLLM writer and the reader use)."""
-    return vllm_weight_map(arch.weight_map(cfg, cfg.vocab_size), cfg)
+    """vLLM's weight map of ``arch`` for ``cfg`` as the converters write and read it: with a conditional-generation
+    checkpoint's vision tower (``tower_entries``) after the embedding. (The live exports use ``vllm_weight_map``
+    of the model's own map, which holds no tower.)"""
+    vmap = vllm_weight_map(arch.weight_map(cfg, cfg.vocab_size), cfg)
+    tower = tower_entries(cfg)
+    return replace(vmap, first_entries=vmap.first_entries + tower) if tower else vmap
+
+
+def is_conditional_generation(cfg: ModelConfig) -> bool:
+    """A hybrid's conditional-generation checkpoint (a vision tower carried beside the text model)."""
+    return bool(getattr(cfg, "carried", ()))
+
+
+# vLLM 0.32's Qwen3-VL tower (``Qwen3_VisionTransformer``, mm_encoder_tp_mode "weights"): the TP rule of each
+# tensor by the first fragment of its HF name that matches; anything else (norms, patch_embed, pos_embed) whole
+_TOWER_RULES = ((".attn.qkv.", Fused(3)), (".attn.proj.weight", Split(1)), (".linear_fc1.", Split(0)),
+                (".linear_fc2.weight", Split(1)))
+
+
+def tower_entries(cfg: ModelConfig) -> tuple[WeightEntry, ...]:
+    """The vision tower of a conditional-generation checkpoint as vLLM holds it: one entry per tensor,
+    ``model.visual.X`` -> ``visual.X`` with vLLM's TP rule (module doc); () for other models."""
+    out = []
+    for name, shape in getattr(cfg, "carried", ()):
+        if not name.startswith(VISUAL_PREFIX):
+            raise ValueError(f"{cfg.architecture}: carried tensor {name} is not under {VISUAL_PREFIX} (vLLM's map "
+                             f"knows only the vision tower)")
+        rule = next((r for fragment, r in _TOWER_RULES if fragment in name), Replicated())
+        out.append(WeightEntry(VISION_PREFIX + name[len(VISUAL_PREFIX):], (name,), (rule,), None,
+                               shapes=(tuple(shape),)))
+    return tuple(out)
 
 
 def vllm_name(key: str, cfg: ModelConfig) -> str:
     """vLLM's name for a key of our text-model layout (``language_model.`` prefixed in a
     vision-language model; vision keys keep theirs)."""
-    if cfg.vision is None or key.startswith(VISION_PREFIX):
+    if (cfg.vision is None and not is_conditional_generation(cfg)) or key.startswith(VISION_PREFIX):
         return key
     return LANGUAGE_MODEL_PREFIX + key
 
@@ -197,10 +242,13 @@ def check_layout(cfg: ModelConfig, tp: int, pp: int = 1) -> None:
         problems.append(f"linear_num_key_heads={hk} is not divisible by tp={tp} (vLLM splits the Gated DeltaNet "
                         f"layers by key-head group, each with its "
                         f"{cfg.linear_num_value_heads // hk} value heads)")
-    if getattr(cfg, "hf_prefix", "model.") != "model.":
-        problems.append(f"a conditional-generation checkpoint of {cfg.architecture} (decoder under {cfg.hf_prefix}, "
-                        f"a vision tower): vLLM builds its vision-language model from it, whose tower and "
-                        f"language_model.* names pmz does not write yet")
+    for entry in tower_entries(cfg):  # vLLM's tower is tensor-parallel over the same ranks
+        rule, shape = entry.rules[0], entry.shapes[0]
+        rows = shape[0] // 3 if isinstance(rule, Fused) else shape[rule.dim] if isinstance(rule, Split) else 0
+        if rows % tp:
+            problems.append(f"vision tower {entry.param} {list(shape)}: {rows} is not divisible by tp={tp} "
+                            f"(vLLM splits the tower over the same ranks)")
+            break
     if cfg.architecture in NEVER_TIED and cfg.tie_word_embeddings:
         problems.append(f"tie_word_embeddings=True: vLLM's {cfg.architecture} builds its own lm_head and never ties "
                         f"it to the embedding, so it cannot hold this model")
@@ -212,6 +260,31 @@ def check_layout(cfg: ModelConfig, tp: int, pp: int = 1) -> None:
                 problems.append(f"vision {name}={value} is not divisible by tp={tp}")
     if problems:
         raise VllmLayoutError("vLLM layout tp=%d pp=%d: %s" % (tp, pp, "; ".join(problems)))
+
+
+def check_hf_config(hf_config, cfg: ModelConfig, tp: int) -> None:
+    """What only a conditional-generation checkpoint's config.json says and vLLM needs (the model config keeps
+    neither): ``tp`` must divide the vision heads (vLLM's tower QKVParallelLinear splits by head), and the top-level
+    ``tie_word_embeddings`` (transformers ties by it) must equal ``text_config``'s (vLLM 0.32 ties by that one:
+    otherwise it would serve an LM head that is not the one transformers serves). Nothing for other models."""
+    if not is_conditional_generation(cfg):
+        return
+
+    def get(obj, name: str):
+        return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
+
+    vision, text = get(hf_config, "vision_config"), get(hf_config, "text_config")
+    problems = []
+    heads = get(vision, "num_heads") if vision is not None else None
+    if isinstance(heads, int) and heads % tp:
+        problems.append(f"vision_config.num_heads={heads} is not divisible by tp={tp} (vLLM's tower splits its "
+                        f"attention by head over the same ranks)")
+    top, inner = bool(get(hf_config, "tie_word_embeddings")), bool(get(text, "tie_word_embeddings"))
+    if text is not None and top != inner:
+        problems.append(f"tie_word_embeddings={top} but text_config.tie_word_embeddings={inner}: transformers ties "
+                        f"the LM head by the first, vLLM 0.32 by the second, so vLLM would serve another model")
+    if problems:
+        raise VllmLayoutError("vLLM layout tp=%d: %s" % (tp, "; ".join(problems)))
 
 
 @dataclass(frozen=True)
@@ -235,6 +308,13 @@ def stage_tensors(wmap: WeightMap, cfg: ModelConfig, pp_rank: int, pp: int, *, s
     layers = pp_layer_ranges(cfg.num_hidden_layers, pp)[pp_rank]
     first, last = pp_rank == 0, pp_rank == pp - 1
     embed, *vision = wmap.first_entries
+    if scales and is_conditional_generation(cfg) and not vision:
+        raise VllmLayoutError(f"vLLM sharded_state of a {cfg.architecture} conditional-generation checkpoint: vLLM "
+                              f"builds its vision-language model (config.json's architectures) and its strict loader "
+                              f"needs the vision tower ({len(cfg.carried)} tensors, visual.*), which a model built "
+                              f"from the checkpoint does not hold (it runs the text model only): push its weights into "
+                              f"an engine started from the checkpoint (iter_export('vllm'), push_to_vllm), or convert "
+                              f"a checkpoint that holds the tower (pmz convert CKPT DST --to vllm)")
     out: list[VllmTensor] = [VllmTensor(e.param, e) for e in vision]  # every stage holds the vision tower
     if first and not (last and cfg.tie_word_embeddings and head_alias):
         out.append(VllmTensor(vllm_name(embed.param, cfg), embed))

