@@ -31,11 +31,23 @@ What it measures
     a torch_dist EP2 x TP2 save, when asked for). Same timing and rounds; target (issue 22): ratio
     of medians >= 0.8, peak RSS <= 96 MiB.
 
+    ``--model qwen3.5`` / ``--model qwen3.5-moe`` (issue 33): a synthetic Gated DeltaNet hybrid HF
+    checkpoint (names and shapes from transformers' own model built on the meta device, experts per
+    expert; default hidden 2048, full attention 16/2 heads of 256 with the output gate, linear
+    attention 16 key / 32 value heads of 128, every 4th layer full, vocab 32000 untied, one MTP
+    block; dense ffn 6144, or 64 experts of 512 + a shared expert of 512, top-8), the layer count (a
+    multiple of 4) nearest ``--sizes`` (default 2 GB), written by pmz to Megatron legacy TP2 and
+    torch_dist TP2 for the Megatron sources. Directions: hf->hf (the copy path), hf->legacy (TP2),
+    hf->dist (TP2), legacy->hf, dist->hf, hf->vllm (TP2); every one but hf->hf takes the torch path
+    (the out_norm's minus one, per-component torch_dist keys). Same rounds and RSS as above; the
+    targets are issue 8's (ratio >= 0.8 by both ratios, peak RSS <= 96 MiB).
+
 How to run
     . .venv/bin/activate
     python tools/bench_convert.py                           # 1 and 8 GB, all directions (~15 min, 2 cores)
     python tools/bench_convert.py --sizes 1 --directions legacy->hf,dist->hf --reps 3
     python tools/bench_convert.py --model qwen3-moe --reps 5    # 8 GB legacy EP2 x TP2 -> HF (~5 min)
+    python tools/bench_convert.py --model qwen3.5 --sizes 2 --reps 3   # the hybrid, six directions
 
     Temp data (up to ~5x the checkpoint) goes under ``--workdir`` (default /tmp) and is deleted at
     the end (``--keep`` keeps it). The last line is machine-readable:
@@ -47,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -59,6 +72,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 COPY_TARGET = 0.8  # cp seconds / pmz seconds, whole process
 RSS_LIMIT_MIB = 64 + 32  # 64 MiB plus the copy path's default buffer (32 MiB)
+HYBRIDS = ("qwen3.5", "qwen3.5-moe")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -72,17 +86,24 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "default 1,8, qwen3-moe: 8)")
     p.add_argument("--directions", default=None, help="comma-separated conversions to time (default: all of the "
                    "model's; qwen3-moe: legacy->hf)")
-    p.add_argument("--model", choices=("dense", "qwen3-moe"), default="dense",
-                   help="dense: Llama/Qwen2 (--arch); qwen3-moe: Qwen3-MoE-shaped, legacy EP2 x TP2")
+    p.add_argument("--model", choices=("dense", "qwen3-moe") + HYBRIDS, default="dense",
+                   help="dense: Llama/Qwen2 (--arch); qwen3-moe: Qwen3-MoE-shaped, legacy EP2 x TP2; qwen3.5, "
+                        "qwen3.5-moe: Gated DeltaNet hybrids (TP2 Megatron and vLLM targets)")
     p.add_argument("--arch", choices=("llama", "qwen2"), default="llama", help="architecture of the dense model")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="dtype of the synthetic checkpoint")
     p.add_argument("--hidden", type=int, default=2048, help="hidden size")
     p.add_argument("--heads", type=int, default=None, help="attention heads (default 16, qwen3-moe: 32)")
-    p.add_argument("--kv-heads", type=int, default=4, help="KV heads")
-    p.add_argument("--head-dim", type=int, default=128, help="qwen3-moe: head_dim (q/k norm width)")
-    p.add_argument("--ffn", type=int, default=5632, help="MLP width (dense)")
-    p.add_argument("--experts", type=int, default=128, help="qwen3-moe: experts per layer (a multiple of EP=2)")
-    p.add_argument("--moe-ffn", type=int, default=768, help="qwen3-moe: expert width (a multiple of TP=2)")
+    p.add_argument("--kv-heads", type=int, default=None, help="KV heads (default 4, hybrids: 2)")
+    p.add_argument("--head-dim", type=int, default=None, help="qwen3-moe: head_dim (q/k norm width; default 128, "
+                   "hybrids: 256)")
+    p.add_argument("--ffn", type=int, default=None, help="MLP width (dense; default 5632, qwen3.5: 6144)")
+    p.add_argument("--experts", type=int, default=None, help="qwen3-moe: experts per layer (a multiple of EP=2; "
+                   "default 128, qwen3.5-moe: 64)")
+    p.add_argument("--moe-ffn", type=int, default=None, help="qwen3-moe: expert width (a multiple of TP=2; "
+                   "default 768, qwen3.5-moe: 512, also its shared expert's)")
+    p.add_argument("--linear-heads", default="16,32,128", help="hybrids: linear attention key heads, value heads, "
+                   "head dim")
+    p.add_argument("--no-mtp", action="store_true", help="hybrids: no MTP block")
     p.add_argument("--_layers", type=int, default=12, help=argparse.SUPPRESS)
     p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 32000, qwen3-moe: 151936)")
     p.add_argument("--compare", metavar="CHECKOUT", default=None,
@@ -95,11 +116,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--_setup", nargs=2, metavar=("HF_DIR", "MCORE_DIR"), help=argparse.SUPPRESS)
     p.add_argument("--_naive", nargs=2, metavar=("LEGACY_DIR", "HF_DIR"), help=argparse.SUPPRESS)
     p.add_argument("--_setup_moe", nargs=3, metavar=("HF_DIR", "LEGACY_DIR", "DIST_DIR"), help=argparse.SUPPRESS)
+    p.add_argument("--_count", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--_setup_hybrid", nargs=3, metavar=("HF_DIR", "LEGACY_DIR", "DIST_DIR"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    moe = args.model == "qwen3-moe"
-    args.sizes = args.sizes or ("8" if moe else "1,8")
-    args.directions = args.directions or ("legacy->hf" if moe else ",".join(DIRECTIONS))
+    moe, hybrid = args.model == "qwen3-moe", args.model in HYBRIDS
+    args.sizes = args.sizes or ("8" if moe else "2" if hybrid else "1,8")
+    args.directions = args.directions or ("legacy->hf" if moe else ",".join(HYBRID_DIRECTIONS if hybrid
+                                                                             else DIRECTIONS))
     args.heads = args.heads or (32 if moe else 16)
+    args.kv_heads = args.kv_heads or (2 if hybrid else 4)
+    args.head_dim = args.head_dim or (256 if hybrid else 128)
+    args.ffn = args.ffn or (6144 if hybrid else 5632)
+    args.experts = args.experts or (64 if hybrid else 128)
+    args.moe_ffn = args.moe_ffn or (512 if hybrid else 768)
     args.vocab = args.vocab or (151936 if moe else 32000)
     return args
 
@@ -238,6 +267,97 @@ def child_setup_moe(args: argparse.Namespace) -> None:
     print(json.dumps({"hf_bytes": total, "setup_convert_s": time.perf_counter() - t0}))
 
 
+def hybrid_config(args: argparse.Namespace, layers: int):
+    """The transformers text config of the synthetic hybrid (every 4th layer full attention, the last one
+    included, as in the released checkpoints)."""
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+
+    hk, hv, dh = (int(x) for x in args.linear_heads.split(","))
+    common = dict(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=layers,
+                  num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
+                  linear_num_key_heads=hk, linear_num_value_heads=hv, linear_key_head_dim=dh,
+                  linear_value_head_dim=dh, max_position_embeddings=4096, tie_word_embeddings=False,
+                  layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)])
+    if args.model == "qwen3.5":
+        return Qwen3_5TextConfig(**common, intermediate_size=args.ffn)
+    return Qwen3_5MoeTextConfig(**common, num_experts=args.experts, moe_intermediate_size=args.moe_ffn,
+                                shared_expert_intermediate_size=args.moe_ffn, num_experts_per_tok=min(8, args.experts))
+
+
+def hybrid_shapes(config) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every tensor a checkpoint of ``config`` stores: transformers' own model built on
+    the meta device (no memory), its fused experts written per expert as released checkpoints store them."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    shapes = {}
+    for name, t in model.state_dict().items():
+        if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2F, H]: gate rows then up rows per expert
+            base, (E, F2, H) = name.removesuffix("gate_up_proj"), t.shape
+            for e in range(E):
+                shapes.update({f"{base}{e}.gate_proj.weight": (F2 // 2, H), f"{base}{e}.up_proj.weight": (F2 // 2, H)})
+        elif name.endswith("mlp.experts.down_proj"):  # [E, H, F]
+            base, (E, H, F) = name.removesuffix("down_proj"), t.shape
+            shapes.update({f"{base}{e}.down_proj.weight": (H, F) for e in range(E)})
+        else:
+            shapes[name] = tuple(t.shape)
+    return shapes
+
+
+def child_setup_hybrid(args: argparse.Namespace) -> None:
+    """Synthetic Qwen3.5 / Qwen3.5-MoE HF checkpoint (one layer per file, MTP block in the last file) ->
+    Megatron legacy TP=2 and torch_dist TP=2 by pmz, each when a path is given (the parent deletes nothing:
+    HF is a source too)."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from converters import convert
+
+    hf_dir, legacy_dir, dist_dir = (Path(p) if p != "-" else None for p in args._setup_hybrid)
+    hf_dir.mkdir(parents=True)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    config = hybrid_config(args, args._layers)
+    shapes = hybrid_shapes(config)
+    full = [i for i, kind in enumerate(config.layer_types) if kind == "full_attention"][-1]
+    if not args.no_mtp:  # one MTP block: a full-attention layer with the model's MLP, its fc and norms
+        h = args.hidden
+        pre = f"model.layers.{full}."
+        shapes.update({"mtp.layers.0." + k.removeprefix(pre): v for k, v in list(shapes.items()) if k.startswith(pre)})
+        shapes.update({"mtp.fc.weight": (h, 2 * h), "mtp.pre_fc_norm_embedding.weight": (h,),
+                       "mtp.pre_fc_norm_hidden.weight": (h,), "mtp.norm.weight": (h,)})
+    gen = torch.Generator().manual_seed(0)
+
+    def tensor(name: str, shape: tuple) -> torch.Tensor:
+        t = torch.empty(shape, dtype=torch.float32)
+        if name.endswith("linear_attn.norm.weight"):  # the gated norm (plain RMSNorm) around 1
+            t.uniform_(0.9, 1.1, generator=gen)
+        elif "norm" in name or name.endswith(("A_log", "dt_bias")):  # zero-centred norms around 0
+            t.uniform_(-0.1, 0.1, generator=gen)
+        else:
+            t.uniform_(-0.05, 0.05, generator=gen)
+        return t.to(dtype)
+
+    def group(prefix: str | tuple):
+        return lambda: {k: tensor(k, v) for k, v in shapes.items() if k.startswith(prefix)}
+
+    groups = [group("model.embed_tokens.")] + [group(f"model.layers.{i}.") for i in range(args._layers)]
+    groups.append(group(("model.norm.", "lm_head.", "mtp.")))
+    total = write_sharded(hf_dir, groups)
+    config.dtype = dtype
+    config.save_pretrained(str(hf_dir))
+    if not args.no_mtp:
+        cfg_path = hf_dir / "config.json"
+        cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "mtp_num_hidden_layers": 1}, indent=2))
+    t0 = time.perf_counter()
+    if legacy_dir is not None:
+        convert(str(hf_dir), str(legacy_dir), to="megatron", tp=2)
+    if dist_dir is not None:
+        convert(str(hf_dir), str(dist_dir), to="megatron-dist", tp=2)
+    print(json.dumps({"hf_bytes": total, "setup_convert_s": time.perf_counter() - t0}))
+
+
 def child_naive(args: argparse.Namespace) -> None:
     """The peer: a load-all-and-merge converter, as the simple tools do it (every rank file loaded
     whole, TP shards concatenated, the whole HF state dict built in memory, then saved)."""
@@ -283,7 +403,8 @@ def run_child(cmd: list[str], env: dict | None = None, cwd: Path = ROOT) -> dict
         stdout, stderr = out.read(), err.read()
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:4])}... failed (exit {proc.returncode}):\n{stderr[-4000:]}")
-    return {"wall": wall, "maxrss_kb": ru.ru_maxrss, "stdout": stdout, "stderr": stderr}
+    return {"wall": wall, "cpu": ru.ru_utime + ru.ru_stime, "maxrss_kb": ru.ru_maxrss, "stdout": stdout,
+            "stderr": stderr}
 
 
 def dir_bytes(path: Path) -> int:
@@ -303,6 +424,17 @@ def layers_for(args: argparse.Namespace, size_gb: float) -> int:
     """Smallest even layer count whose checkpoint reaches ``size_gb`` (even: PP=2 splits it evenly);
     qwen3-moe: the layer count nearest to it (no PP; a layer is ~1.25 GB at the default shape)."""
     item = 2 if args.dtype == "bf16" else 4
+    if args.model in HYBRIDS:  # four layers (three linear, one full) at a time, from the meta model's shapes,
+        # counted in a child: torch imported here would be in every timed child's peak RSS (a fork copies the
+        # parent's pages, which ru_maxrss counts before exec)
+        shape = ["--model", args.model, "--hidden", str(args.hidden), "--heads", str(args.heads), "--kv-heads",
+                 str(args.kv_heads), "--head-dim", str(args.head_dim), "--ffn", str(args.ffn), "--experts",
+                 str(args.experts), "--moe-ffn", str(args.moe_ffn), "--vocab", str(args.vocab), "--linear-heads",
+                 args.linear_heads]
+        per4 = int(subprocess.run([sys.executable, str(Path(__file__).resolve()), *shape, "--_count"], check=True,
+                                  capture_output=True, text=True).stdout.split()[-1])
+        fixed = item * 2 * args.vocab * args.hidden
+        return 4 * max(1, round((size_gb * 1e9 - fixed) / (item * per4)))
     if args.model == "qwen3-moe":
         h, q, kv = args.hidden, args.heads * args.head_dim, args.kv_heads * args.head_dim
         per_layer = item * (2 * q * h + 2 * kv * h + 2 * args.head_dim + args.experts * h
@@ -324,6 +456,14 @@ DIRECTIONS = {  # name: (source dir key, pmz convert arguments)
     "legacy->legacy": ("legacy", ["--to", "megatron", "--tp", "1", "--pp", "2"]),
     "dist->legacy": ("dist", ["--to", "megatron", "--tp", "4", "--pp", "1"]),
 }
+HYBRID_DIRECTIONS = {  # --model qwen3.5 / qwen3.5-moe: every direction with a Megatron or vLLM side is torch path
+    "hf->hf": ("hf", ["--to", "hf"]),
+    "hf->legacy": ("hf", ["--to", "megatron", "--tp", "2"]),
+    "hf->dist": ("hf", ["--to", "megatron-dist", "--tp", "2"]),
+    "legacy->hf": ("legacy", ["--to", "hf"]),
+    "dist->hf": ("dist", ["--to", "hf"]),
+    "hf->vllm": ("hf", ["--to", "vllm", "--tp", "2"]),
+}
 MOE_DIRECTIONS = {  # --model qwen3-moe: sources are EP2 x TP2 (Megatron targets of MoE take the torch path)
     "legacy->hf": ("legacy", ["--to", "hf"]),
     "dist->hf": ("dist", ["--to", "hf"]),
@@ -341,10 +481,16 @@ def main(argv=None) -> int:
     if args._setup_moe:
         child_setup_moe(args)
         return 0
+    if args._setup_hybrid:
+        child_setup_hybrid(args)
+        return 0
+    if args._count:  # elements of four decoder layers of the hybrid (layers_for)
+        print(sum(math.prod(s) for k, s in hybrid_shapes(hybrid_config(args, 4)).items() if k.startswith("model.l")))
+        return 0
 
     t_script = time.perf_counter()
-    moe = args.model == "qwen3-moe"
-    table = MOE_DIRECTIONS if moe else DIRECTIONS
+    moe, hybrid = args.model == "qwen3-moe", args.model in HYBRIDS
+    table = MOE_DIRECTIONS if moe else HYBRID_DIRECTIONS if hybrid else DIRECTIONS
     directions = [d.strip() for d in args.directions.split(",") if d.strip()]
     unknown = [d for d in directions if d not in table]
     if unknown:
@@ -373,7 +519,8 @@ def main(argv=None) -> int:
             shape = ["--model", args.model, "--arch", args.arch, "--dtype", args.dtype, "--hidden", str(args.hidden),
                      "--heads", str(args.heads), "--kv-heads", str(args.kv_heads), "--ffn", str(args.ffn),
                      "--head-dim", str(args.head_dim), "--experts", str(args.experts), "--moe-ffn",
-                     str(args.moe_ffn), "--_layers", str(layers), "--vocab", str(args.vocab)]
+                     str(args.moe_ffn), "--_layers", str(layers), "--vocab", str(args.vocab),
+                     "--linear-heads", args.linear_heads] + (["--no-mtp"] if args.no_mtp else [])
             srcs = {"hf": work / "hf", "legacy": work / "legacy", "dist": work / "dist"}
             t0 = time.perf_counter()
             if moe:
@@ -387,6 +534,22 @@ def main(argv=None) -> int:
                 run_child(me + shape + ["--_setup_moe", str(srcs["hf"])]
                           + [str(srcs[k]) if k in wanted else "-" for k in ("legacy", "dist")])
                 remove(srcs["hf"])  # no direction reads it: the disk holds source + output + cp's copy
+                srcs = {k: v for k, v in srcs.items() if k in wanted}
+            elif hybrid:
+                wanted = {HYBRID_DIRECTIONS[d][0] for d in directions} | {"hf"}
+                hk, hv, dh = args.linear_heads.split(",")
+                print(f"\n== ~{size_gb:g} GB: synthetic {args.model} {args.dtype} hidden={args.hidden} "
+                      f"attention {args.heads}/{args.kv_heads}x{args.head_dim} linear {hk}/{hv}x{dh} "
+                      + (f"experts={args.experts}x{args.moe_ffn} " if args.model == "qwen3.5-moe" else
+                         f"ffn={args.ffn} ")
+                      + f"vocab={args.vocab} layers={layers} ({layers // 4} full){'' if args.no_mtp else ' + MTP'} "
+                      "-> HF -> " + ", ".join(n for k, n in (("legacy", "Megatron legacy TP=2"),
+                                                              ("dist", "torch_dist TP=2")) if k in wanted)
+                      + " (set-up, not timed) ...", flush=True)
+                r = run_child(me + shape + ["--_setup_hybrid", str(srcs["hf"])]
+                              + [str(srcs[k]) if k in wanted else "-" for k in ("legacy", "dist")])
+                print(f"  pmz set-up conversions (HF -> Megatron, in-process): "
+                      f"{json.loads(r['stdout'].splitlines()[-1])['setup_convert_s']:.1f} s", flush=True)
                 srcs = {k: v for k, v in srcs.items() if k in wanted}
             else:
                 print(f"\n== ~{size_gb:g} GB: synthetic {args.arch} {args.dtype} hidden={args.hidden} layers={layers} "
@@ -435,7 +598,10 @@ def main(argv=None) -> int:
                       f"pmz min {min(cv_s):5.2f} s med {t_cv:5.2f} s  ratio med {ratio:4.2f}x min {ratio_min:4.2f}x  "
                       f"peak RSS {rss:4.0f} MiB (cp {cp_rss:.0f} MiB)  load {load:.1f}", flush=True)
                 print(f"  {'':<15} cp runs: {', '.join(format(x, '.2f') for x in cp_s)}; "
-                      f"pmz runs: {', '.join(format(x, '.2f') for x in cv_s)}", flush=True)
+                      f"pmz runs: {', '.join(format(x, '.2f') for x in cv_s)}; CPU s (user+sys, whole tree) "
+                      f"med cp {statistics.median(r['cpu'] for r in cps):.2f}, pmz "
+                      f"{statistics.median(r['cpu'] for r in cvs):.2f}; load after {os.getloadavg()[0]:.1f}",
+                      flush=True)
                 if others:
                     o_s = [r["wall"] for r in others]
                     print(f"  {'':<15} --compare pmz min {min(o_s):5.2f} s med {statistics.median(o_s):5.2f} s  "
@@ -455,7 +621,8 @@ def main(argv=None) -> int:
             for p in srcs.values():
                 remove(p)
         print(f"\nscript wall time {time.perf_counter() - t_script:.0f} s")
-        summary = " ".join(f"{'qwen3-moe:' if moe else ''}{name}@{size:g}GB={ratio:.2f}x,min{ratio_min:.2f}x/"
+        tag = "qwen3-moe:" if moe else f"{args.model}:" if hybrid else ""
+        summary = " ".join(f"{tag}{name}@{size:g}GB={ratio:.2f}x,min{ratio_min:.2f}x/"
                            f"{rss:.0f}MiB" for (size, name), (ratio, ratio_min, rss) in results.items())
         # a noisy round only adds time: both ratios must reach the target (the median alone can be
         # flattered by slow cp rounds, the min alone by one lucky pmz round)
