@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from converters.formats.hf_config import config_from_fields, read_hf_config
+from converters.formats.hf_config import HFConfig, config_from_fields, read_hf_config
 from converters.formats.megatron_hybrid import (
     MODEL_TYPES,
     hybrid_arg_fields,
@@ -240,7 +240,8 @@ def hf_config_from_args(args: Any, *, arch: str | None, hf_config_dir: str | Non
             variant = arg_value(args, "experimental_attention_variant")
             raise CheckpointError(f"{where}: --arch {arch}, but the Megatron args have no Gated DeltaNet layers "
                                   f"(experimental_attention_variant={variant!r})")
-        return hybrid_hf_config(args, common, hybrid_model_type(args, arch, where), where)
+        return conditional_generation_config(args, hybrid_hf_config(args, common, hybrid_model_type(args, arch, where),
+                                                                    where))
     if arch == "qwen2":
         return config_from_fields("qwen2", **common, rope_parameters=rope)
     if arch in ("qwen2_moe", "qwen3_moe"):
@@ -260,7 +261,14 @@ def hf_config_from_args(args: Any, *, arch: str | None, hf_config_dir: str | Non
 
 
 def _check_against_args(config: Any, args: Any, where: str, hf_dir: str) -> None:
-    """An HF config (``--hf-config`` or the ``hf_config/`` sidecar) must describe the model the args do."""
+    """An HF config (``--hf-config`` or the ``hf_config/`` sidecar) must describe the model the args do (a
+    conditional-generation config through its ``text_config``)."""
+    recorded = arg_value(args, CONDITIONAL_GENERATION)
+    if (recorded is not None) != (getattr(config, "text_config", None) is not None) and is_hybrid_args(args):
+        kinds = ("conditional-generation", "text") if recorded else ("text", "conditional-generation")
+        raise CheckpointError(f"{where}: the Megatron args describe a {kinds[0]} model, the HF config at {hf_dir} a "
+                              f"{kinds[1]} one (text_config, vision_config)")
+    top, config = config, _text_view(config)
     hybrid = getattr(config, "model_type", None) in MODEL_TYPES.values()
     if is_hybrid_args(args) and not hybrid:
         raise CheckpointError(f"{where}: the Megatron args describe a Gated DeltaNet hybrid (experimental_attention_"
@@ -293,6 +301,10 @@ def _check_against_args(config: Any, args: Any, where: str, hf_dir: str) -> None
 
         cfg = architecture_for(config.model_type, hf_dir).model_config(config)
         bad += hybrid_mismatches(config, cfg, args, where, hf_dir)
+        if top is not config and getattr(top, "tie_word_embeddings", False) == arg_value(
+                args, "untie_embeddings_and_output_weights"):
+            bad.append(f"tie_word_embeddings={getattr(top, 'tie_word_embeddings', False)} vs untie_embeddings_and_"
+                       f"output_weights={arg_value(args, 'untie_embeddings_and_output_weights')}")
     padded = arg_value(args, "padded_vocab_size")
     if padded is not None and getattr(config, "vocab_size", 0) > padded:
         bad.append(f"vocab_size={config.vocab_size} exceeds the checkpoint's padded vocab {padded}")
@@ -344,4 +356,36 @@ def target_arg_fields(hf_config: Any, cfg, *, tp: int, pp: int, vpp: int, padded
         fields.update(moe_arg_fields(cfg, tp=tp, ep=ep, grouped_gemm=grouped_gemm))
     if getattr(cfg, "linear_num_key_heads", 0) or getattr(hf_config, "model_type", None) in MODEL_TYPES.values():
         fields.update(hybrid_arg_fields(cfg, mtp_layers))
+    if getattr(cfg, "carried", ()) and getattr(hf_config, "text_config", None) is not None:
+        top = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(vars(hf_config))
+        text = _text_view(hf_config)
+        fields["hf_model_type"] = getattr(text, "model_type", None)
+        fields[CONDITIONAL_GENERATION] = {k: v for k, v in top.items() if k != "text_config"}
     return fields
+
+
+# Megatron args of a conditional-generation checkpoint (Qwen3.5's ``Qwen3VLModel`` in Megatron-Bridge): the HF
+# config's top level without ``text_config`` (model_type, architectures, vision_config, token ids, tying), which
+# the args' text model completes into the config.json transformers reads (``conditional_generation_config``)
+CONDITIONAL_GENERATION = "hf_conditional_generation"
+
+
+def _text_view(config: Any) -> Any:
+    """The text config of a conditional-generation config (``text_config``, a dict in config.json views), else
+    the config itself."""
+    text = getattr(config, "text_config", None)
+    if text is None:
+        return config
+    return HFConfig(text) if isinstance(text, dict) else text
+
+
+def conditional_generation_config(args: Any, text: HFConfig) -> HFConfig:
+    """``text`` (a text model's config from the args) inside the conditional-generation config the args record
+    (``CONDITIONAL_GENERATION``), or ``text`` itself when they record none."""
+    top = arg_value(args, CONDITIONAL_GENERATION)
+    if top is None:
+        return text
+    inner = text.to_dict()
+    inner.pop("architectures", None)
+    inner.pop("transformers_version", None)
+    return HFConfig({**top, "text_config": inner})

@@ -22,12 +22,13 @@ def is_model_key(key: str) -> bool:
 def check_config_against_dist(cfg: Any, shapes: Mapping[str, tuple], config_path: str, where: str) -> None:
     """The sizes of an HF config (``cfg``: ModelConfig) against the global shapes of the tensors a
     torch_dist checkpoint holds (name -> shape), before per-layer tables are built from the config.
-    A vision-language model's text tensors are looked for under Megatron-Bridge's ``language_model.``.
+    A vision-language model's text tensors (and a Gated DeltaNet hybrid's conditional-generation checkpoint's,
+    ``cfg.carried``: Bridge's ``Qwen3VLModel``) are looked for under Megatron-Bridge's ``language_model.``.
 
     One CheckpointError naming the config file, the config values and the tensor shapes."""
     model = {k: tuple(s) for k, s in shapes.items() if is_model_key(k)}
     vision = getattr(cfg, "vision", None)
-    pre = BRIDGE_TEXT_PREFIX if vision is not None else ""
+    pre = BRIDGE_TEXT_PREFIX if vision is not None or getattr(cfg, "carried", ()) else ""
     emb_key, out_key, layers = pre + EMBEDDING, pre + OUTPUT, pre + "decoder.layers."
     adapters = sorted(k for k in model if ".adapter." in k or "lora" in k.lower())
     if adapters:

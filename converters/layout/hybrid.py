@@ -13,18 +13,34 @@ What megatron-core 0.19.2 saves for these models (Transformer-Engine spec, ``Gat
 * the MTP layer's decoder layer, ``mtp.layers.{k}.mtp_model_layer.*`` in memory (and in legacy rank
   files), saved as ``mtp.layers.{k}.transformer_layer.*`` in torch_dist (its backward-compatible name).
 
+A conditional-generation checkpoint (Megatron-Bridge's ``Qwen3VLModel``) holds all of that under
+``language_model.`` and its vision tower under ``vision_model.`` (``models/common/hybrid_vision``): in torch_dist
+the tower's blocks are stacked (``vision_model.decoder.layers.<param>`` ``[depth, ...]``, ``dist_unit_keys``
+gives the block's index), its ``qkv`` per head ``[q_h; k_h; v_h]`` (layout ``TOWER_QKV``: ``to_megatron`` /
+``to_hf``, the one place that order is written, both ways).
+
 The rest (legacy local layer numbers, TP splits, expert files) is ``converters/layout/stages``' and
 ``converters/layout/megatron``'s.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
 
-from converters.layout.megatron import packed_components
-from converters.layout.model import FINAL, Unit, is_hybrid
+from converters.layout.megatron import LayoutError, hf_to_megatron, megatron_to_hf, packed_components
+from converters.layout.model import EMBED, FINAL, Unit, is_hybrid
 from converters.layout.stages import absent_tensors, unit_megatron_keys_ep
+from models.common.hybrid_vision import (
+    MEGATRON_TOWER,
+    TOWER_BLOCK_MODULES,
+    TOWER_LAYERS,
+    TOWER_OTHER_MODULES,
+    TOWER_QKV,
+)
 from models.common.weight_map import PACKED, WeightEntry, WeightMap
+
+if TYPE_CHECKING:  # the key functions serve torch-free readers
+    import torch
 
 MTP_DIST_LAYER = (".mtp_model_layer.", ".transformer_layer.")  # torch_dist's name of the MTP decoder layer
 _LOCAL_EXPERTS, _DIST_EXPERTS = ".mlp.experts.local_experts.", ".mlp.experts.experts."
@@ -59,9 +75,64 @@ def unit_absent(wmap: Any, unit: Unit) -> dict[str, tuple[int, ...]]:
 
 def dist_name(key: str) -> str:
     """A hybrid's Megatron key (global layer number) as torch_dist stores it (the MTP layer renamed)."""
-    if key.startswith("mtp."):
+    if key.startswith(("mtp.", "language_model.mtp.")):
         return key.replace(*MTP_DIST_LAYER, 1)
     return key
+
+
+def tower_block(key: str) -> tuple[str, int] | None:
+    """(torch_dist's stacked key, block) of a vision-tower block tensor's Megatron key, else None."""
+    if not key.startswith(TOWER_LAYERS):
+        return None
+    block, rest = key[len(TOWER_LAYERS):].split(".", 1)
+    return TOWER_LAYERS + rest, int(block)
+
+
+def tower_depth(wmap: Any) -> int:
+    """The vision tower's blocks in a map (0 without a tower)."""
+    return len({tower_block(e.megatron)[1] for e in getattr(wmap, "carried_entries", ())
+                if e.megatron and tower_block(e.megatron)})
+
+
+def _tower_qkv_heads(entry: WeightEntry, cfg: Any, rows: int) -> tuple[int, int]:
+    heads = int(getattr(cfg, "vision_heads", 0))
+    if heads < 1 or rows % (3 * heads):
+        raise LayoutError(f"{entry.megatron}: {rows} rows are not 3 x {heads} vision heads")
+    return heads, rows // (3 * heads)
+
+
+def to_megatron(entry: WeightEntry, tensors: Sequence[torch.Tensor], cfg: Any, padded_vocab: int) -> torch.Tensor:
+    """``layout.megatron.hf_to_megatron`` plus the tower's ``TOWER_QKV``: HF ``[q; k; v]`` -> per head
+    ``[q_h; k_h; v_h]`` (Bridge's ``ConcatenatedQKVMapping`` with one query group per head)."""
+    if entry.megatron_layout != TOWER_QKV:
+        return hf_to_megatron(entry, tensors, cfg, padded_vocab)
+    t = tensors[0]
+    heads, hd = _tower_qkv_heads(entry, cfg, t.shape[0])
+    return t.reshape(3, heads, hd, *t.shape[1:]).transpose(0, 1).reshape(t.shape).contiguous()
+
+
+def to_hf(entry: WeightEntry, full: torch.Tensor, cfg: Any) -> list[torch.Tensor]:
+    """``layout.megatron.megatron_to_hf`` plus the inverse of ``to_megatron``'s ``TOWER_QKV``."""
+    if entry.megatron_layout != TOWER_QKV:
+        return megatron_to_hf(entry, full, cfg)
+    heads, hd = _tower_qkv_heads(entry, cfg, full.shape[0])
+    return [full.reshape(heads, 3, hd, *full.shape[1:]).transpose(0, 1).reshape(full.shape).contiguous()]
+
+
+def dist_lead(wmap: Any, key: str, index: tuple | None) -> tuple[int, ...]:
+    """The leading dims of the torch_dist tensor ``key`` that ``dist_unit_keys`` indexes with ``index``: the
+    tower's blocks ``(depth,)``, a layer's experts ``(E,)``, none without an index."""
+    if index is None:
+        return ()
+    return (tower_depth(wmap),) if key.startswith(TOWER_LAYERS) else (_experts(wmap),)
+
+
+def check_tower_tp(cfg: Any, tp: int, where: str) -> None:
+    """megatron-core splits the tower's attention by heads: ``tp`` must divide the vision heads."""
+    heads = int(getattr(cfg, "vision_heads", 0))
+    if getattr(cfg, "carried", ()) and heads % tp:
+        raise LayoutError(f"{where}: --tp {tp} does not divide the vision tower's num_heads={heads} (megatron-core "
+                          f"splits its attention by heads)")
 
 
 def dist_components(entry: WeightEntry, key: str) -> list[tuple[str, int | None]]:
@@ -100,7 +171,11 @@ def _te_modules(entries) -> list[str]:
 
 def _unit_modules(wmap: Any, unit: Unit, index: int | None) -> list[tuple[str, bool]]:
     """(TE module of ``unit`` with layer ``index`` filled in, whether it is a per-expert ``{e}`` template): the
-    layer's modules, or on ``FINAL`` the final norm and the MTP block's."""
+    layer's modules, on ``FINAL`` the final norm and the MTP block's, on ``EMBED`` the vision tower's."""
+    if unit == EMBED:
+        depth = tower_depth(wmap)
+        return ([(f"{TOWER_LAYERS}{b}.{m}", False) for b in range(depth) for m in TOWER_BLOCK_MODULES]
+                + [(MEGATRON_TOWER + m, False) for m in TOWER_OTHER_MODULES] if depth else [])
     if isinstance(unit, int):
         groups = [(wmap.layer_templates(unit), index)]
     elif unit == FINAL:
@@ -136,7 +211,10 @@ def dist_extra_states(wmap: Any, unit: Unit) -> list[tuple[str, str]]:
     out = []
     for module, per_expert in _unit_modules(wmap, unit, unit if isinstance(unit, int) else None):
         module = dist_name(module)
-        if per_expert:
+        block = tower_block(module + ".")
+        if block is not None:  # the tower's blocks are stacked
+            out.append((block[0][:-1], f"shard_{block[1]}_{tower_depth(wmap)}"))
+        elif per_expert:
             head, tail = module.split("local_experts.{e}.")
             out += [(f"{head}experts.{tail}", f"shard_{e}_{E}") for e in range(E)]
         else:
@@ -152,12 +230,15 @@ def _experts(wmap: Any) -> int:
 def dist_unit_keys(wmap: Any, unit: Unit) -> list[tuple[WeightEntry, list[tuple[str, int | None]], tuple | None]]:
     """(entry, its torch_dist tensors as (key, component rows or None), index into them) of every Megatron
     tensor of a hybrid's ``unit``: per-layer keys with the global layer number, ``PACKED`` entries one tensor
-    per component, experts ``(e,)`` of their layer's ``[E, ...]`` tensor, the MTP layer renamed."""
+    per component, experts ``(e,)`` of their layer's ``[E, ...]`` tensor, the MTP layer renamed, the vision
+    tower's blocks ``(b,)`` of the stacked ``[depth, ...]`` tensor."""
     layer = unit if isinstance(unit, int) else None
     out = []
     for entry, key, _ in unit_keys(wmap, unit, layer, 1):
-        expert = dist_expert(key)
-        if expert is not None:
+        expert, block = dist_expert(key), tower_block(key)
+        if block is not None:
+            out.append((entry, [(block[0], None)], (block[1],)))
+        elif expert is not None:
             out.append((entry, [(expert[0], None)], (expert[1],)))
         else:
             out.append((entry, dist_components(entry, key), None))

@@ -49,12 +49,9 @@ BRIDGE_TARGET = "--to megatron-bridge"
 
 def require_megatron_layout(cfg: ModelConfig, where: str, bridge: bool = False) -> None:
     """A vision-language model has a Megatron layout only as Megatron-Bridge saves it (torch_dist,
-    ``bridge``): Megatron-LM's legacy and plain torch_dist layouts have no names for its vision tower."""
-    if getattr(cfg, "carried", ()):
-        raise CheckpointError(f"{where}: a {cfg.architecture} conditional-generation checkpoint (text_config, "
-                              f"{len(cfg.carried)} vision-tower tensors under model.visual.) has no Megatron layout in "
-                              f"pmz yet (Megatron-Bridge's names for this tower are not written): convert it --to hf, "
-                              f"or convert a text-only (Qwen3_5ForCausalLM) checkpoint to Megatron")
+    ``bridge``): Megatron-LM's legacy and plain torch_dist layouts have no names for its vision tower. A Gated
+    DeltaNet hybrid's conditional-generation checkpoint (``cfg.carried``) has one in both Megatron formats
+    (Bridge's ``Qwen3VLModel`` names, ``models/common/hybrid_weights``)."""
     if cfg.vision is not None and not bridge:
         raise CheckpointError(f"{where}: {cfg.architecture} has no Megatron layout yet in Megatron-LM's formats "
                               f"(--to megatron, megatron-dist: no names for its vision tower); its Megatron layout is "
@@ -102,10 +99,12 @@ def is_hybrid(wmap: WeightMap) -> bool:
 
 
 def mtp_layers_of(names: Iterable[str], where: str) -> int:
-    """How many MTP layers a checkpoint's HF tensor names hold (``mtp.layers.{k}.*``; 0 without ``mtp.*``).
+    """How many MTP layers a checkpoint's HF tensor names (or Megatron keys) hold (``[language_model.]mtp.layers.
+    {k}.*``; 0 without ``mtp.*``).
     pmz carries one MTP layer (Megatron-Bridge's mapping names ``mtp.layers.0`` only): CheckpointError for
     more, or for ``mtp.*`` tensors without a layer."""
-    mtp = [n for n in names if n.startswith(MTP_PREFIX)]
+    mtp = [n.removeprefix(BRIDGE_TEXT_PREFIX) for n in names]  # Qwen3VLModel's MTP block is language_model.mtp.*
+    mtp = [n for n in mtp if n.startswith(MTP_PREFIX)]
     if not mtp:
         return 0
     layers = sorted({n.split(".")[2] for n in mtp if n.startswith(MTP_PREFIX + "layers.") and n.count(".") > 2})

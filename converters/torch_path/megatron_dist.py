@@ -22,8 +22,16 @@ import torch
 
 from converters.formats.megatron_bridge import CONTENT_METADATA
 from converters.formats.megatron_dist import DistCheckpoint
-from converters.layout.hybrid import dist_components, dist_expert, dist_extra_states, unit_absent
-from converters.layout.megatron import LayoutError, megatron_to_hf
+from converters.layout.hybrid import (
+    dist_components,
+    dist_expert,
+    dist_extra_states,
+    to_hf,
+    tower_block,
+    tower_depth,
+    unit_absent,
+)
+from converters.layout.megatron import LayoutError
 from converters.layout.model import EMBED, FINAL, Unit, conversion_weight_map, is_hybrid, megatron_weight_map
 from converters.layout.stages import (
     DIST_DATA_FILES,
@@ -107,7 +115,7 @@ class DistReader(CheckpointReader):
             parts = [self.read_tensor(key, idx) for key, _ in keys]  # a packed entry's components, in order
             try:
                 full = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-                out.update(zip(entry.hf, megatron_to_hf(entry, full, self.cfg)))
+                out.update(zip(entry.hf, to_hf(entry, full, self.cfg)))
             except LayoutError as exc:
                 raise CheckpointError(f"{self.it_dir}: {exc}") from exc
         return out
@@ -183,11 +191,17 @@ _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 def _put_hybrid_unit(put, reader: CheckpointReader, target, wmap, unit: Unit) -> None:
     """A Gated DeltaNet hybrid's unit as megatron-core saves it (``layout.hybrid``): every layer under its
     global number, ``in_proj`` / ``conv1d`` one global tensor per component, experts ``[E, ...]`` per layer,
-    the MTP block's layer as ``transformer_layer``, an empty ``_extra_state`` per Transformer-Engine module."""
+    the MTP block's layer as ``transformer_layer``, an empty ``_extra_state`` per Transformer-Engine module, a
+    conditional-generation checkpoint's vision-tower blocks stacked (``layout.hybrid.tower_block``)."""
     layer = unit if isinstance(unit, int) else None
     E = reader.cfg.moe.num_experts if reader.cfg.moe is not None else 0
     for entry, key, full in megatron_unit_tensors(reader, unit, layer, target.padded_vocab, target.dtype, wmap=wmap):
-        expert = dist_expert(key)
+        expert, block = dist_expert(key), tower_block(key)
+        if block is not None:  # the vision tower's blocks stacked [depth, ...]
+            chunk = full.reshape(1, *full.shape).contiguous()
+            put(block[0], (tower_depth(wmap), *full.shape), full.dtype, (block[1], *(0,) * full.dim()),
+                tuple(chunk.shape), chunk)
+            continue
         if expert is not None:
             chunk = full.reshape(1, *full.shape).contiguous()
             put(expert[0], (E, *full.shape), full.dtype, (expert[1], *(0,) * full.dim()), tuple(chunk.shape), chunk)

@@ -32,7 +32,7 @@ from converters.layout.experts import (
     pack_grouped,
     stored_key,
 )
-from converters.layout.hybrid import legacy_extra_states, unit_absent, unit_keys
+from converters.layout.hybrid import legacy_extra_states, to_hf, unit_absent, unit_keys
 from converters.layout.megatron import (
     COL1,
     GATE_UP,
@@ -41,7 +41,6 @@ from converters.layout.megatron import (
     LayoutError,
     hf_row_ranges,
     legacy_shards,
-    megatron_to_hf,
     merge_legacy,
     slices_of_shards,
     tp_split_kind,
@@ -51,6 +50,7 @@ from converters.layout.stages import RANK_FILE, extra_state_modules
 from converters.torch_path.megatron_target import MegatronTarget, megatron_unit_tensors
 from converters.torch_path.reader import TORCH_DTYPES, CheckpointReader, MappedFiles, ReaderInfo, reopen
 from models.common.errors import CheckpointError
+from models.common.hybrid_vision import TOWER_QKV
 from models.common.weight_map import PLAIN
 
 
@@ -129,8 +129,8 @@ class LegacyReader(CheckpointReader):
             try:
                 if grouped:  # transposed blocks of a GroupedMLP tensor: merged into new tensors
                     full = merge_legacy(entry, [s.contiguous() for s in shards], key)
-                    out.update((n, [t]) for n, t in zip(entry.hf, megatron_to_hf(entry, full, self.cfg)))
-                elif kind == ROW0:
+                    out.update((n, [t]) for n, t in zip(entry.hf, to_hf(entry, full, self.cfg)))
+                elif kind == ROW0 and entry.megatron_layout != TOWER_QKV:
                     ranges = hf_row_ranges(entry, self.cfg, shards[0].shape[0] * self.tp)
                     for name, r in zip(entry.hf, ranges):
                         out[name] = [_mapped(piece, files[self._shard_of(piece, shards)])
@@ -151,7 +151,7 @@ class LegacyReader(CheckpointReader):
                     out[entry.hf[0]] = [torch.cat(shards, dim=1, out=buf)]
                 else:  # a whole tensor first: column splits, packed components, values Megatron holds minus one
                     full = merge_legacy(entry, [s.clone() if kind == REPLICATED else s for s in shards], key)
-                    out.update((n, [t]) for n, t in zip(entry.hf, megatron_to_hf(entry, full, self.cfg)))
+                    out.update((n, [t]) for n, t in zip(entry.hf, to_hf(entry, full, self.cfg)))
             except LayoutError as exc:
                 raise CheckpointError(f"{self.it_dir}: {exc}") from exc
         return out

@@ -12,8 +12,8 @@ import torch
 
 from converters.formats.megatron_args import args_for_target
 from converters.formats.megatron_moe import check_ep_target
-from converters.layout.hybrid import unit_keys
-from converters.layout.megatron import hf_to_megatron, megatron_padded_vocab
+from converters.layout.hybrid import LayoutError, check_tower_tp, to_megatron, unit_keys
+from converters.layout.megatron import megatron_padded_vocab
 from converters.layout.model import Unit, require_megatron_layout
 from converters.layout.stages import (
     MegatronLayout,
@@ -47,6 +47,10 @@ def plan_megatron_target(reader: CheckpointReader, *, tp: int, pp: int, vpp: int
     validate_target_layout(cfg, "megatron" if fmt == "torch" else "megatron-dist", tp=tp, pp=pp, vpp=vpp,
                            first=first, last=last)
     check_ep_target(cfg, tp, ep, grouped_gemm)
+    try:
+        check_tower_tp(cfg, tp, reader.path)  # a conditional-generation hybrid's vision tower
+    except LayoutError as exc:
+        raise ValueError(str(exc)) from None
     padded = megatron_padded_vocab(cfg.vocab_size, tp, divisible_by)
     args = args_for_target(reader.hf_config, cfg, tp=tp, pp=pp, vpp=vpp, padded_vocab=padded, dtype=dtype, fmt=fmt,
                            divisible_by=divisible_by, first=first, last=last, ep=ep, grouped_gemm=grouped_gemm,
@@ -73,6 +77,6 @@ def megatron_unit_tensors(reader: CheckpointReader, unit: Unit, local_index: int
             continue
         # detach(): a new tensor object over the same data, without the Python attributes readers tag their
         # views with (``_pmz_mapped``...), which torch.save would otherwise pickle as a tensor subclass
-        full = hf_to_megatron(entry, [hf[n] for n in entry.hf], reader.cfg, padded_vocab).to(dtype).detach()
+        full = to_megatron(entry, [hf[n] for n in entry.hf], reader.cfg, padded_vocab).to(dtype).detach()
         out.append((entry, key, full))
     return out

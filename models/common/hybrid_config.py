@@ -44,6 +44,7 @@ class HybridModelConfig(ModelConfig):
     # checkpoint's vision tower, ``(name, shape)``: models/common/hybrid_vision.py), carried by conversions.
     hf_prefix: str = "model."
     carried: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    vision_heads: int = 0  # the carried tower's attention heads (its Megatron qkv is ordered per head)
 
     @property
     def rotary_dim(self) -> int:
@@ -152,7 +153,7 @@ def hybrid_checkpoint_config(hf_config: Any, read: Callable[[Any], HybridModelCo
     (``Qwen3_5Config`` / ``Qwen3_5MoeConfig``: ``read(text_config)``, the decoder under
     ``model.language_model.``, the vision tower carried, embeddings tied as the top-level config says, which
     is what transformers' ``Qwen3_5ForConditionalGeneration`` reads)."""
-    from models.common.hybrid_vision import TEXT_PREFIX, vision_tensors
+    from models.common.hybrid_vision import TEXT_PREFIX, vision_heads, vision_tensors
 
     text = getattr(hf_config, "text_config", None)
     if text is None:
@@ -163,7 +164,11 @@ def hybrid_checkpoint_config(hf_config: Any, read: Callable[[Any], HybridModelCo
     vision = getattr(hf_config, "vision_config", None)
     try:
         carried = vision_tensors(vision) if vision is not None else ()
+        heads = vision_heads(vision) if vision is not None else 0
     except (TypeError, ValueError) as exc:
         raise UnsupportedConfigError(f"{cfg.architecture}: vision_config: {exc}") from None
-    return replace(cfg, hf_prefix=TEXT_PREFIX, carried=carried,
+    if carried and (heads < 1 or carried[0][1][0] % heads):
+        raise UnsupportedConfigError(f"{cfg.architecture}: vision_config: hidden_size={carried[0][1][0]} is not "
+                                     f"divisible by num_heads={heads}")
+    return replace(cfg, hf_prefix=TEXT_PREFIX, carried=carried, vision_heads=heads,
                    tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)))

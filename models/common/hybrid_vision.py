@@ -9,6 +9,17 @@ of being dropped. Names and shapes are transformers 5.24's ``Qwen3_5VisionModel`
 with bias, a learned position table, ``depth`` pre-LayerNorm blocks (fused ``qkv`` with bias, ``proj``, a
 two-layer MLP with biases) and the patch merger (LayerNorm over one patch, two linears over the
 ``spatial_merge_size**2`` merged patches).
+
+In Megatron checkpoints (Megatron-Bridge 0.6.2's ``Qwen3VLModel``, mapping registry of ``qwen35_vl_bridge.py``)
+the tower is megatron-core's ViT under ``vision_model.`` (``MEGATRON_TOWER``): each block a Transformer-Engine
+layer (``linear_qkv`` with ``norm1`` fused as ``layer_norm_weight``/``layer_norm_bias``, ``linear_proj``,
+``linear_fc1`` with ``norm2`` fused, ``linear_fc2``), ``merger.patch_norm`` / ``linear_fc1`` (column-parallel) /
+``linear_fc2`` (row-parallel), ``patch_embed.proj`` (a Conv3d) and ``pos_embed`` (an Embedding) replicated.
+``qkv`` is megatron-core's ``linear_qkv`` with as many query groups as heads: HF ``[q; k; v]`` reordered per
+head ``[q_h; k_h; v_h]`` (Bridge's ``ConcatenatedQKVMapping``; layout ``TOWER_QKV``), split over TP by heads.
+``tower_megatron`` gives each tensor's name and split (``COLUMN``: dim 0 of the Megatron tensor, ``ROW``: dim 1,
+``REPLICATED``); torch_dist stacks the blocks (``vision_model.decoder.layers.<param>`` ``[depth, ...]``: the
+tower's config is homogeneous) where the text model keeps one key per layer.
 """
 
 from __future__ import annotations
@@ -17,6 +28,11 @@ from typing import Any
 
 VISUAL_PREFIX = "model.visual."
 TEXT_PREFIX = "model.language_model."  # the text decoder in a conditional-generation checkpoint
+MEGATRON_TOWER = "vision_model."  # the tower in Megatron-Bridge's Qwen3VLModel
+MEGATRON_TEXT = "language_model."  # the text GPT (and its MTP block) in the same model
+TOWER_LAYERS = MEGATRON_TOWER + "decoder.layers."
+TOWER_QKV = "tower_qkv_per_head"  # Megatron layout tag: HF [q; k; v] -> per head [q_h; k_h; v_h]
+COLUMN, ROW, REPLICATED = "column", "row", "replicated"  # how megatron-core splits a Megatron tensor over TP
 
 Shape = tuple[int, ...]
 
@@ -58,3 +74,52 @@ def vision_tensors(vision_config: Any) -> tuple[tuple[str, Shape], ...]:
             ("merger.linear_fc2.weight", (int(get("out_hidden_size")), merged)),
             ("merger.linear_fc2.bias", (int(get("out_hidden_size")),))]
     return tuple((VISUAL_PREFIX + name, shape) for name, shape in out)
+
+
+# HF block tensor -> (Megatron name in the block, TP split); the merger's likewise (Bridge's registry)
+_BLOCK = {
+    "norm1.weight": ("self_attention.linear_qkv.layer_norm_weight", REPLICATED),
+    "norm1.bias": ("self_attention.linear_qkv.layer_norm_bias", REPLICATED),
+    "norm2.weight": ("mlp.linear_fc1.layer_norm_weight", REPLICATED),
+    "norm2.bias": ("mlp.linear_fc1.layer_norm_bias", REPLICATED),
+    "attn.qkv.weight": ("self_attention.linear_qkv.weight", COLUMN),
+    "attn.qkv.bias": ("self_attention.linear_qkv.bias", COLUMN),
+    "attn.proj.weight": ("self_attention.linear_proj.weight", ROW),
+    "attn.proj.bias": ("self_attention.linear_proj.bias", REPLICATED),
+    "mlp.linear_fc1.weight": ("mlp.linear_fc1.weight", COLUMN),
+    "mlp.linear_fc1.bias": ("mlp.linear_fc1.bias", COLUMN),
+    "mlp.linear_fc2.weight": ("mlp.linear_fc2.weight", ROW),
+    "mlp.linear_fc2.bias": ("mlp.linear_fc2.bias", REPLICATED),
+}
+_OTHER = {
+    "patch_embed.proj.weight": ("patch_embed.proj.weight", REPLICATED),
+    "patch_embed.proj.bias": ("patch_embed.proj.bias", REPLICATED),
+    "pos_embed.weight": ("pos_embed.weight", REPLICATED),
+    "merger.norm.weight": ("merger.patch_norm.weight", REPLICATED),
+    "merger.norm.bias": ("merger.patch_norm.bias", REPLICATED),
+    "merger.linear_fc1.weight": ("merger.linear_fc1.weight", COLUMN),
+    "merger.linear_fc1.bias": ("merger.linear_fc1.bias", COLUMN),
+    "merger.linear_fc2.weight": ("merger.linear_fc2.weight", ROW),
+    "merger.linear_fc2.bias": ("merger.linear_fc2.bias", REPLICATED),
+}
+# the tower's Transformer-Engine modules (an empty ``_extra_state`` each in Bridge's checkpoints)
+TOWER_BLOCK_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+TOWER_OTHER_MODULES = ("merger.patch_norm", "merger.linear_fc1", "merger.linear_fc2")
+
+
+def tower_megatron(hf_name: str) -> tuple[str, str, bool]:
+    """(Megatron name, TP split, whether it is ``linear_qkv``) of a tower tensor's HF name."""
+    local = hf_name[len(VISUAL_PREFIX):]
+    if local.startswith("blocks."):
+        _, block, rest = local.split(".", 2)
+        name, split = _BLOCK[rest]
+        return f"{TOWER_LAYERS}{block}.{name}", split, rest.startswith("attn.qkv.")
+    name, split = _OTHER[local]
+    return MEGATRON_TOWER + name, split, False
+
+
+def vision_heads(vision_config: Any) -> int:
+    """The tower's attention heads (``num_heads``), for the per-head ``qkv`` order."""
+    heads = vision_config.get("num_heads") if isinstance(vision_config, dict) else getattr(vision_config, "num_heads",
+                                                                                             None)
+    return int(heads or 0)

@@ -47,6 +47,13 @@ MoE models), <-> Megatron ``mtp.layers.0.eh_proj``, ``enorm``, ``hnorm``, ``fina
 ``mtp.layers.{k}.mtp_model_layer.*`` (Bridge's ``_get_dense_mtp_mappings`` / ``_get_moe_mtp_mappings``).
 The model never loads them; the conversion map carries them on the last pipeline stage when a checkpoint
 holds them (``for_conversion(mtp_layers=1)``).
+
+A conditional-generation checkpoint (``cfg.carried``: the vision tower, ``models/common/hybrid_vision.py``) is
+Megatron-Bridge's ``Qwen3VLModel`` in Megatron: every text and MTP name above under ``language_model.`` and each
+tower tensor one entry after the embedding (first pipeline stage, where Megatron builds pre-process modules),
+named ``vision_model.*`` with its TP split as a rule on the Megatron tensor (``Split(0)`` column-parallel,
+``Split(1)`` row-parallel, ``Replicated``; the model never loads the tower, so only the converters apply them)
+and the ``qkv`` tensors in layout ``TOWER_QKV`` (per head ``[q_h; k_h; v_h]``, ``converters/layout/hybrid``).
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from models.common.hybrid_config import HybridModelConfig
+from models.common.hybrid_vision import COLUMN, MEGATRON_TEXT, ROW, TOWER_QKV, tower_megatron
 from models.common.weight_map import (
     GATE_UP_STACKED,
     MINUS_ONE,
@@ -85,7 +93,7 @@ class HybridWeightMap(WeightMap):
     the MTP block (templates ``{i}`` = MTP layer, and its fc and norms); ``mtp_layers``: how many MTP layers
     ``entries``/the converters carry (0 in the model's map, which never loads them). ``carried_entries``: the
     tensors of a conditional-generation checkpoint that the model does not hold (its vision tower,
-    ``cfg.carried``), one plain entry each with no Megatron name, after the embedding in the converters' map."""
+    ``cfg.carried``), one entry each with its Megatron name (module doc), after the embedding in the converters' map."""
 
     linear_layer_entries: tuple[WeightEntry, ...] = ()
     linear_layers: frozenset[int] = frozenset()
@@ -129,30 +137,32 @@ def hybrid_decoder_weight_map(cfg: HybridModelConfig, padded_vocab_size: int, *,
     with ``cfg.moe``, sparse ones on ``cfg.sparse_layers()``; ``interleaved``: Qwen3-Next's fused
     linear projections (module doc)."""
     h = cfg.hidden_size
-    dec = _LayerTables(cfg, padded_vocab_size, f"{hf_prefix}layers.{{i}}.", "decoder.layers.{i}.",
+    mc = MEGATRON_TEXT if cfg.carried else ""  # Bridge's Qwen3VLModel holds the text GPT as language_model
+    dec = _LayerTables(cfg, padded_vocab_size, f"{hf_prefix}layers.{{i}}.", mc + "decoder.layers.{i}.",
                        "model.layers.{i}.", interleaved)
     linear, merged = dec.linear()
     full = dec.full_attention()
     dense, sparse = dec.dense_mlp(), dec.sparse_mlp(hf_prefix)
-    mtp = _LayerTables(cfg, padded_vocab_size, MTP_PREFIX + "layers.{i}.", MTP_LAYER_MEGATRON,
+    mtp = _LayerTables(cfg, padded_vocab_size, MTP_PREFIX + "layers.{i}.", mc + MTP_LAYER_MEGATRON,
                        MTP_PREFIX + "layers.{i}.", interleaved)
-    mtp_mlp = mtp.sparse_mlp(MTP_PREFIX, "decoder.layers.{i}.") if cfg.moe is not None else mtp.dense_mlp()
+    mtp_mlp = mtp.sparse_mlp(MTP_PREFIX, mtp=True) if cfg.moe is not None else mtp.dense_mlp()
     mtp_layer = mtp.full_attention() + mtp_mlp + mtp.norms("full", cfg.moe is not None)
     rep = Replicated()
     mtp_head = (
-        WeightEntry("mtp.fc.weight", ("mtp.fc.weight",), (Split(0),), "mtp.layers.0.eh_proj.weight",
+        WeightEntry("mtp.fc.weight", ("mtp.fc.weight",), (Split(0),), mc + "mtp.layers.0.eh_proj.weight",
                     shapes=((h, 2 * h),)),
-        *(WeightEntry(f"mtp.{hf}.weight", (f"mtp.{hf}.weight",), (rep,), f"mtp.layers.0.{mc}.weight", shapes=((h,),))
-          for hf, mc in (("pre_fc_norm_embedding", "enorm"), ("pre_fc_norm_hidden", "hnorm"),
-                         ("norm", "final_layernorm"))),
+        *(WeightEntry(f"mtp.{hf}.weight", (f"mtp.{hf}.weight",), (rep,), f"{mc}mtp.layers.0.{name}.weight",
+                      shapes=((h,),))
+          for hf, name in (("pre_fc_norm_embedding", "enorm"), ("pre_fc_norm_hidden", "hnorm"),
+                           ("norm", "final_layernorm"))),
     )
     vocab = Vocab(cfg.vocab_size, padded_vocab_size)
     first = (WeightEntry("model.embed_tokens.weight", (hf_prefix + "embed_tokens.weight",), (vocab,),
-                         "embedding.word_embeddings.weight", VOCAB_PADDED, shapes=((cfg.vocab_size, h),)),)
-    last = [WeightEntry("model.norm.weight", (hf_prefix + "norm.weight",), (rep,), "decoder.final_layernorm.weight",
-                        shapes=((h,),))]
+                         mc + "embedding.word_embeddings.weight", VOCAB_PADDED, shapes=((cfg.vocab_size, h),)),)
+    last = [WeightEntry("model.norm.weight", (hf_prefix + "norm.weight",), (rep,),
+                        mc + "decoder.final_layernorm.weight", shapes=((h,),))]
     if not cfg.tie_word_embeddings:
-        last.append(WeightEntry("lm_head.weight", (hf_lm_head,), (vocab,), "output_layer.weight", VOCAB_PADDED,
+        last.append(WeightEntry("lm_head.weight", (hf_lm_head,), (vocab,), mc + "output_layer.weight", VOCAB_PADDED,
                                 shapes=((cfg.vocab_size, h),)))
     return HybridWeightMap(
         full + dense + dec.norms("full", False), first, tuple(last), full + sparse + dec.norms("full", True),
@@ -162,8 +172,15 @@ def hybrid_decoder_weight_map(cfg: HybridModelConfig, padded_vocab_size: int, *,
         conversion_linear=merged + dense + dec.norms("linear", False),
         conversion_linear_moe=merged + sparse + dec.norms("linear", True),
         mtp_layer_entries=mtp_layer, mtp_head_entries=mtp_head,
-        carried_entries=tuple(WeightEntry(name, (name,), (Replicated(),), None, shapes=(shape,))
-                              for name, shape in cfg.carried))
+        carried_entries=tuple(_tower_entry(name, shape) for name, shape in cfg.carried))
+
+
+def _tower_entry(name: str, shape: tuple[int, ...]) -> WeightEntry:
+    """A vision-tower tensor (module doc): its Megatron name, megatron-core's TP split as the rule, ``qkv``
+    reordered per head."""
+    megatron, split, qkv = tower_megatron(name)
+    rule = Split(0) if split == COLUMN else Split(1) if split == ROW and len(shape) > 1 else Replicated()
+    return WeightEntry(name, (name,), (rule,), megatron, TOWER_QKV if qkv else PLAIN, shapes=(shape,))
 
 
 class _LayerTables:
@@ -247,17 +264,17 @@ class _LayerTables:
                        "mlp.linear_fc2.weight"),
         )
 
-    def sparse_mlp(self, hf_prefix: str, mc_from: str | None = None) -> tuple[WeightEntry, ...]:
-        """The sparse MLP of ``moe_decoder_weight_map`` (decoder under ``hf_prefix``); ``mc_from``: its Megatron
-        layer prefix, renamed to this table's (the MTP layer's); empty without ``cfg.moe``."""
+    def sparse_mlp(self, hf_prefix: str, mtp: bool = False) -> tuple[WeightEntry, ...]:
+        """The sparse MLP of ``moe_decoder_weight_map`` (decoder under ``hf_prefix``), its Megatron names under this
+        table's layer prefix (``language_model.`` in a conditional-generation checkpoint), internal names the MTP
+        layer's with ``mtp``; empty without ``cfg.moe``."""
         if self.cfg.moe is None:
             return ()
         entries = [e for e in moe_decoder_weight_map(self.cfg, self.padded_vocab, hf_prefix=hf_prefix).moe_layer_entries
                    if ".mlp." in e.param]
-        if mc_from is None:
-            return tuple(entries)
-        return tuple(replace(e, param=self.param + "mlp." + e.param.split(".mlp.", 1)[1],
-                             megatron=self.mc_layer + e.megatron[len(mc_from):]) for e in entries)
+        layer = "decoder.layers.{i}."  # moe_decoder_weight_map's Megatron layer prefix
+        return tuple(replace(e, param=self.param + "mlp." + e.param.split(".mlp.", 1)[1] if mtp else e.param,
+                             megatron=self.mc_layer + e.megatron[len(layer):]) for e in entries)
 
     def norms(self, attention: str, sparse: bool) -> tuple[WeightEntry, ...]:
         """The two layer norms, named in Megatron by the module that holds them (Transformer Engine fuses the
