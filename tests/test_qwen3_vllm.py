@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.test_vllm import LOGPROB_TOL, SCALE, _load, _load_dir, _max_diff, _transformers_logprobs
+from tests.test_vllm import LOGPROB_TOL, _load, _load_dir, _max_diff, _transformers_logprobs, as_param_names
 from tests.vllm_harness import run_clients
 from tests.workers_vllm import PROMPTS, vllm_suite
 
@@ -120,13 +120,7 @@ def test_iter_export_vllm_equals_sharded_state_tensors(run, case):
         for r in range(n):
             ours = _load(d / f"export-tp{n}.rank{r}.safetensors")
             files = _load_dir(d / f"sharded-tp{n}", f"model-rank-{r}-part-*.safetensors")
-            renamed = {}
-            for key, tensor in files.items():
-                if SCALE in key:
-                    continue
-                for alias, name in aliases:
-                    key = key.replace(alias, name)
-                renamed[key] = tensor
+            renamed = as_param_names(files, aliases)
             assert set(ours) == set(renamed), sorted(set(ours) ^ set(renamed))[:6]
             bad = [k for k in ours if not torch.equal(ours[k], renamed[k])]
             assert not bad, f"tp {n} rank {r}: {bad[:6]}"

@@ -135,6 +135,21 @@ def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
 SCALE = ".attn._"
 
 
+def as_param_names(files: dict[str, torch.Tensor], aliases) -> dict[str, torch.Tensor]:
+    """sharded_state file tensors under the names ``iter_export("vllm")`` yields: vLLM writes a tensor two modules
+    share under the alphabetically smaller alias in its files but names it by the first registered module in
+    ``named_parameters()``; ``aliases`` are ``(file name part, parameter name part)`` pairs. Attention scales
+    (``SCALE``, buffers vLLM makes itself) are left out."""
+    renamed = {}
+    for key, tensor in files.items():
+        if SCALE in key:
+            continue
+        for alias, name in aliases:
+            key = key.replace(alias, name)
+        renamed[key] = tensor
+    return renamed
+
+
 @pytest.mark.parametrize("case,n", [("qwen2_vllm", 1), ("qwen2_vllm", 2), ("llama_vllmtied", 2)])
 def test_iter_export_vllm_equals_vllm_own_loaders(run, case, n):
     """Our vLLM shards, assembled from TP2xPP2 training shards, equal bitwise what vLLM's own

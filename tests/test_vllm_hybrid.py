@@ -30,7 +30,7 @@ import torch
 
 from tests.distributed import run_distributed
 from tests.test_fp8_export import ref_dequantize, ref_quantize
-from tests.test_vllm import _load_dir, _max_diff
+from tests.test_vllm import _load_dir, _max_diff, as_param_names
 from tests.vllm_harness import run_clients
 from tests.workers_vllm import PROMPTS, prompt_batch
 from tests.workers_vllm_hybrid import configs, export_suite
@@ -46,7 +46,6 @@ BF16_FACTOR = 4.0
 # shared-expert gate, embedding, LM head
 QUANTIZED = re.compile(r"(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.|shared_expert\.)?(gate|up|down)_proj|"
                        r"linear_attn\.(in_proj_qkv|in_proj_z|in_proj_qkvz|out_proj))\.weight$")
-SCALE = ".attn._"
 # Relative RMS difference of transformers' logits on the FP8 Qwen3.5 directory against the unquantized model's:
 # 0.198 measured (the dense models of tests/test_fp8_export.py: 0.05-0.064, bound 0.15; the Gated DeltaNet
 # layers carry the weights' e4m3 rounding along their state); a misplaced scale block moves logits by O(1)
@@ -161,13 +160,7 @@ def test_live_exports_equal_pmz_convert(live, name):
             written = _load_dir(d / f"live-tp{tp}", f"model-rank-{r}-part-*.safetensors")
             assert sorted(written) == sorted(converted)
             assert [k for k in written if not _bitwise(written[k], converted[k])] == [], (tp, r)
-            renamed = {}
-            for key, tensor in converted.items():
-                if SCALE in key:
-                    continue
-                for alias, param in ALIASES:
-                    key = key.replace(alias, param)
-                renamed[key] = tensor
+            renamed = as_param_names(converted, ALIASES)
             exported = _load(d / f"export-tp{tp}.rank{r}.safetensors")
             assert sorted(exported) == sorted(renamed)
             assert [k for k in exported if not _bitwise(exported[k], renamed[k])] == [], (tp, r)
