@@ -14,8 +14,14 @@ this process stands in for the tower's Transformer-Engine modules the same way, 
 as ``layer_norm_weight`` + ``layer_norm_bias``, then the column-parallel ``weight`` + ``bias``),
 ``TERowParallelLinear`` and ``TEDotProductAttention`` (megatron's local core attention) from here, and the
 patch merger (``Qwen3VLModel`` builds its spec) ``TENorm`` (LayerNorm ``weight`` + ``bias``),
-``TEColumnParallelLinear`` / ``TERowParallelLinear``; each keeps TE's empty ``_extra_state``. Only the parameter names, shapes and checkpoint layout matter for the
-jobs (no vision forward is run).
+``TEColumnParallelLinear`` / ``TERowParallelLinear``; each keeps TE's empty ``_extra_state``. Only the
+parameter names, shapes and checkpoint layout matter for the jobs (no vision forward is run).
+
+Measured (megatron-bridge 0.6.2, megatron-core 0.19.2): Bridge's Qwen3VLModel checkpoint holds the tower's
+blocks stacked, ``vision_model.decoder.layers.<param>`` ``[depth, ...]`` (linear_qkv / linear_proj / linear_fc1 /
+linear_fc2 weight and bias, the fused LayerNorms' ``layer_norm_weight`` / ``layer_norm_bias``, ``_extra_state``
+``shard_{b}_{depth}``), ``vision_model.merger.{patch_norm,linear_fc1,linear_fc2}.*``, ``vision_model.patch_embed.
+proj.{weight,bias}``, ``vision_model.pos_embed.weight``, and the text model per layer under ``language_model.``.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from converters.formats.megatron_moe import arg_value, dist_expert_key
 from converters.formats.pickles import Record, TorchDtype, read_pickle
 from converters.formats.tensors import RawTensor, StridedTensor
 from converters.formats.torch_zip import read_torch_archive
-from converters.layout.hybrid import dist_unit_keys
+from converters.layout.hybrid import dist_lead, dist_unit_keys
 from converters.layout.megatron import megatron_full_shape
 from converters.layout.model import (
     BRIDGE_TEXT_PREFIX,
@@ -239,7 +239,7 @@ class DistCheckpoint:
             raise CheckpointError(f"{where}: the Megatron args say mtp_num_layers={recorded}, the checkpoint holds "
                                   f"{mtp} MTP layer(s) (mtp.layers.*)")
         self.arch, self.cfg, self.wmap = model_from_config(config, self.path, megatron="torch_dist", mtp_layers=mtp)
-        self.text_prefix = BRIDGE_TEXT_PREFIX if self.cfg.vision is not None else ""
+        self.text_prefix = BRIDGE_TEXT_PREFIX if self.cfg.vision is not None or getattr(self.cfg, "carried", ()) else ""
         self.skipped = skipped_summary({**self.tensors, **{k: None for k in self.objects}})
         emb = self.tensors.get(self.text_prefix + EMBEDDING)
         self.padded_vocab = emb.size[0] if emb is not None and emb.size else self.cfg.vocab_size
@@ -349,7 +349,7 @@ class DistCheckpoint:
             for unit in all_units(self.cfg):
                 for entry, keys, idx in self.unit_keys(unit):
                     full = megatron_full_shape(entry, shapes, self.cfg, self.padded_vocab)
-                    lead = (self.cfg.moe.num_experts,) if idx is not None else ()
+                    lead = dist_lead(self.wmap, keys[0][0], idx)
                     out.update((key, (*lead, rows or full[0], *full[1:])) for key, rows in keys)
             return list(out.items())
         L = self.cfg.num_hidden_layers

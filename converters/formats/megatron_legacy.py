@@ -49,7 +49,7 @@ from models.common.errors import CheckpointError
 from models.common.weight_map import WeightEntry, hf_shapes
 
 MAX_RANK_FILES = 1 << 16  # tp x pp x ep of any real job is far below
-_LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_LOCAL_LAYER = re.compile(r"^(?:language_model\.)?decoder\.layers\.(\d+)\.")
 
 
 def rank_file_object(args: Any, iteration: int | None, state: dict) -> dict:
