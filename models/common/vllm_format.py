@@ -287,6 +287,19 @@ def check_hf_config(hf_config, cfg: ModelConfig, tp: int) -> None:
         raise VllmLayoutError("vLLM layout tp=%d: %s" % (tp, "; ".join(problems)))
 
 
+def check_sharded_state_source(wmap: WeightMap, cfg: ModelConfig) -> None:
+    """VllmLayoutError when ``wmap`` cannot give every key of a ``sharded_state`` file of ``cfg``: a conditional-
+    generation checkpoint's map without the vision tower (the map of a model built from it: vLLM's strict loader
+    would miss every ``visual.*`` key). ``stage_tensors`` checks it for every sharded_state listing."""
+    if is_conditional_generation(cfg) and len(wmap.first_entries) < 1 + len(cfg.carried):
+        raise VllmLayoutError(f"vLLM sharded_state of a {cfg.architecture} conditional-generation checkpoint: vLLM "
+                              f"builds its vision-language model (config.json's architectures) and its strict loader "
+                              f"needs the vision tower ({len(cfg.carried)} tensors, visual.*), which a model built "
+                              f"from the checkpoint does not hold (it runs the text model only): push its weights into "
+                              f"an engine started from the checkpoint (iter_export('vllm'), push_to_vllm), or convert "
+                              f"a checkpoint that holds the tower (pmz convert CKPT DST --to vllm)")
+
+
 @dataclass(frozen=True)
 class VllmTensor:
     """One tensor of a vLLM rank's state: its key and, for weights, the weight-map entry it packs."""
@@ -308,13 +321,8 @@ def stage_tensors(wmap: WeightMap, cfg: ModelConfig, pp_rank: int, pp: int, *, s
     layers = pp_layer_ranges(cfg.num_hidden_layers, pp)[pp_rank]
     first, last = pp_rank == 0, pp_rank == pp - 1
     embed, *vision = wmap.first_entries
-    if scales and is_conditional_generation(cfg) and not vision:
-        raise VllmLayoutError(f"vLLM sharded_state of a {cfg.architecture} conditional-generation checkpoint: vLLM "
-                              f"builds its vision-language model (config.json's architectures) and its strict loader "
-                              f"needs the vision tower ({len(cfg.carried)} tensors, visual.*), which a model built "
-                              f"from the checkpoint does not hold (it runs the text model only): push its weights into "
-                              f"an engine started from the checkpoint (iter_export('vllm'), push_to_vllm), or convert "
-                              f"a checkpoint that holds the tower (pmz convert CKPT DST --to vllm)")
+    if scales:
+        check_sharded_state_source(wmap, cfg)
     out: list[VllmTensor] = [VllmTensor(e.param, e) for e in vision]  # every stage holds the vision tower
     if first and not (last and cfg.tie_word_embeddings and head_alias):
         out.append(VllmTensor(vllm_name(embed.param, cfg), embed))
