@@ -360,24 +360,3 @@ def test_mtp_block_left_out_of_vllm_with_a_note_and_quantized_in_fp8_hf(run, tmp
             assert _bitwise(saved[k], source[k]), k
     without = _load_dir(run["out"]["qwen3_5"] / "fp8-hf", "*.safetensors")
     assert all(_bitwise(saved[k], t) for k, t in without.items())
-
-
-def test_conditional_generation_checkpoint_refused_for_vllm(tmp_path):
-    """A Qwen3_5ForConditionalGeneration checkpoint, converted or built into a model: vLLM would build its
-    vision-language model from that config (tower and language_model.* names), which pmz does not write yet:
-    refused in one line before anything is written or any collective runs."""
-    from converters.engine import convert
-    from models.common.export import ExportError
-    from models.qwen3_5 import build_parallel_model
-    from tests.test_hybrid_checkpoints import conditional_generation_checkpoint
-
-    path, _ = conditional_generation_checkpoint(tmp_path, "qwen3_5")
-    with pytest.raises(ValueError) as info:
-        convert(path, tmp_path / "converted", to="vllm", tp=1)
-    assert "\n" not in str(info.value) and "conditional-generation checkpoint of qwen3_5" in str(info.value)
-    assert not (tmp_path / "converted").exists()
-    model = build_parallel_model(path)
-    with pytest.raises(ExportError) as info:
-        model.save_vllm_sharded_state(tmp_path / "vllm", tp=1)
-    assert "\n" not in str(info.value) and "conditional-generation checkpoint of qwen3_5" in str(info.value)
-    assert not (tmp_path / "vllm").exists()

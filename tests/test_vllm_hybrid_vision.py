@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_vllm import _load_dir
+from tests.test_vllm import _load, _load_dir, as_param_names
+from tests.test_vllm_hybrid import ALIASES
 from tests.vllm_harness import run_clients
 from tests.workers_vllm_hybrid import FULL, configs
 
@@ -31,20 +32,6 @@ MODELS = ("qwen3_5", "qwen3_5_moe")
 # out_hidden_size = the text hidden size; 4 heads split over TP 2
 VISION = dict(depth=2, hidden_size=64, intermediate_size=96, num_heads=4, out_hidden_size=64, patch_size=4,
               num_position_embeddings=16, spatial_merge_size=2)
-SCALE = ".attn._"  # the attention scale scalars of vLLM's state (not parameters: not exported)
-# vLLM names a module registered twice (the MoE router, the shared expert and its gate) by the alphabetically smaller
-# path in its state dict and by the first registered in named_parameters() (iter_export("vllm"))
-ALIASES = (("mlp.experts.gate.weight", "mlp.gate.weight"),
-           ("mlp.experts._shared_experts._layer.expert_gate.weight", "mlp.shared_expert_gate.weight"),
-           ("mlp.experts._shared_experts._layer.", "mlp.shared_expert."))
-
-
-def _load(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(path))
-
-
 def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
@@ -143,12 +130,8 @@ def test_live_vllm_export_of_condgen_model_is_the_engine_text_state(run, name, t
         # vLLM's state dict (the reference, loaded by vLLM from the HF checkpoint) names a module registered twice
         # under every path; the sharded_state files (checked against it above) hold each tensor once, under the
         # alphabetically smaller path: renamed to the first path, their keys are the parameter names
-        names = []
-        for key in _load_dir(run["out"][name] / "convert-tp2", f"model-rank-{rank}-part-*.safetensors"):
-            if SCALE not in key and not key.startswith("visual."):
-                for alias, param in ALIASES:
-                    key = key.replace(alias, param)
-                names.append(key)
+        files = _load_dir(run["out"][name] / "convert-tp2", f"model-rank-{rank}-part-*.safetensors")
+        names = [k for k in as_param_names(files, ALIASES) if not k.startswith("visual.")]
         reference = _load(Path(f"{run['out'][name] / 'state'}.rank{rank}.reference.safetensors"))
         assert sorted(exported) == sorted(names) and all(k.startswith("language_model.") for k in exported)
         assert [k for k in exported if k not in reference or not _bitwise(exported[k], reference[k])] == [], rank

@@ -206,7 +206,8 @@ def _state_rank(rank: int, args: dict, port: int, out: str) -> None:
                           distributed_executor_backend="mp" if tp * pp > 1 else None).create_engine_config()
 
     def has_experts(model: str) -> bool:
-        return bool(json.load(open(os.path.join(model, "config.json"))).get("num_experts"))
+        cfg = json.load(open(os.path.join(model, "config.json")))  # a conditional-generation one: under text_config
+        return bool(cfg.get("num_experts") or cfg.get("text_config", {}).get("num_experts"))
 
     # vLLM creates its expert-parallel group only when the current config has experts: set up with one that does
     ref_config = config(next((c["model"] for c in cases if has_experts(c["model"])), cases[0]["model"]), "auto")

@@ -253,6 +253,7 @@ def save_vllm_sharded_state(model, directory, *, tp: int, pp: int = 1, dtype: to
     def check_layout() -> None:
         try:
             vllm_format.check_layout(model.config, tp, pp)
+            vllm_format.check_sharded_state_source(model.weight_map, model.config)
         except vllm_format.VllmLayoutError as exc:
             raise ExportError(str(exc)) from None
 
