@@ -48,6 +48,13 @@ class HFReader(CheckpointReader):
         # per-expert views into experts stored fused (``formats.hf.per_expert_views``): mapped byte ranges
         self.views = {name: ckpt.tensors[name] for name in ckpt.views}
         self._mapped = MappedFiles()
+        self._files = files
+
+    def release_pages(self) -> None:
+        """Also closes the safetensors files (reopened on the next read): the library maps each file and
+        keeps every page read resident while its handle is open."""
+        super().release_pages()
+        self._files.close()
 
     def validate(self) -> None:
         """Nothing left to check: ``HFCheckpoint`` checked the files, the names and the shapes."""
@@ -261,8 +268,13 @@ def write_hf(reader: CheckpointReader, directory: str, dtype: torch.dtype, *, ma
 
 def _write_hf_range(reopen_args: tuple, plan: FilePlan, directory: str, dtype: torch.dtype, lo: int, hi: int) -> int:
     reader = reopen(reopen_args)
+
+    def read_unit_pieces(unit: Unit) -> dict[str, list[torch.Tensor]]:
+        reader.release_pages()  # the previous unit is written: its mapped source pages leave resident memory
+        return reader.read_unit_pieces(unit)
+
     try:
-        return write_shard_range(plan, directory, dtype, lo, hi, reader.read_unit_pieces)
+        return write_shard_range(plan, directory, dtype, lo, hi, read_unit_pieces)
     finally:
         reader.close()
 

@@ -107,6 +107,15 @@ class CheckpointReader:
             cached = self.__dict__["_hf_shapes"] = hf_shapes(self.cfg, self.wmap)
         return cached
 
+    def release_pages(self) -> None:
+        """Let go of the resident pages of every file this reader maps (``MappedFiles.release``): called
+        between units by writers that are done with the previous unit's pieces, so the mapped source does
+        not stay resident as a conversion walks through it (resident memory then holds about one unit,
+        whatever the checkpoint's size)."""
+        for value in list(vars(self).values()):
+            if isinstance(value, MappedFiles):
+                value.release()
+
     def close(self) -> None:
         pass
 
@@ -134,6 +143,16 @@ class MappedFiles:
                 # ACCESS_COPY (MAP_PRIVATE): a writable buffer for torch.frombuffer; nothing writes to it
                 self.maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         return self.maps[path]
+
+    def release(self) -> None:
+        """``madvise(MADV_DONTNEED)`` over every mapping: the pages read so far leave resident memory (they
+        are clean file pages of a private mapping nothing writes to, so a later read faults them back in
+        from the file, unchanged; tensors over them stay valid)."""
+        if not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        for m in self.maps.values():
+            if len(m):
+                m.madvise(mmap.MADV_DONTNEED)
 
     def tensor(self, t: RawTensor | StridedTensor) -> torch.Tensor:
         dtype = TORCH_DTYPES[t.dtype]
