@@ -26,7 +26,6 @@ Vocabulary rows are not padded (Bridge's providers default to ``should_pad_vocab
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -34,10 +33,8 @@ import torch
 from converters.formats.hf_config import write_config_dir
 from converters.formats.megatron_args import HF_CONFIG_DIR, iteration_folder
 from converters.formats.megatron_bridge import (
-    COMMON_PT,
     RUN_CONFIG,
     TRAIN_STATE,
-    bridge_common_state,
     check_bridge_text_model,
     run_config_text,
 )
@@ -81,14 +78,7 @@ def write_bridge(reader: CheckpointReader, target: MegatronTarget, directory: st
     """Megatron-Bridge's layout (module docstring) in ``directory``."""
     root = Path(directory)
     folder = iteration_folder(root, target.iteration)
-    if _mtp_layers(reader):
-        # Stop-gap: megatron_dist.write_dist_units names a Bridge target's tensors by ``megatron_weight_map(arch,
-        # cfg)``, which leaves a hybrid's MTP block out. A text hybrid's Bridge names are the reader's own map
-        # (MTP included), which it uses for a non-Bridge target: written as one, common.pt then Bridge's.
-        write_dist(reader, replace(target, bridge=False), str(folder), workers=workers, progress=progress)
-        torch.save(bridge_common_state(target.iteration or 0), folder / COMMON_PT)
-    else:
-        write_dist(reader, target, str(folder), workers=workers, progress=progress)
+    write_dist(reader, target, str(folder), workers=workers, progress=progress)  # Bridge's names, MTP included
     dtype = str(target.dtype).removeprefix("torch.")
     (folder / RUN_CONFIG).write_text(run_config_text(reader.hf_config, reader.cfg, tp=target.tp, pp=target.pp,
                                                      vpp=target.vpp, dtype=dtype, mtp_layers=_mtp_layers(reader)))

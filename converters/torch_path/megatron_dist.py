@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from converters.formats.megatron_bridge import CONTENT_METADATA
+from converters.formats.megatron_bridge import bridge_common_state
 from converters.formats.megatron_dist import DistCheckpoint
 from converters.layout.hybrid import (
     dist_components,
@@ -134,7 +134,9 @@ def write_dist_units(reopen_args: tuple, target, directory: str, units: list, fi
     """Write ``units`` into ``file_name``; returns (key, global_shape, dtype, offsets, sizes, storage) records."""
     reader = reopen(reopen_args)
     L = reader.cfg.num_hidden_layers
-    wmap = megatron_weight_map(reader.arch, reader.cfg) if target.bridge else reader.wmap
+    # a Bridge target's names (Bridge's for vision-language models), a hybrid's MTP block included
+    wmap = megatron_weight_map(reader.arch, reader.cfg, getattr(reader.wmap, "mtp_layers", 0)) if target.bridge \
+        else reader.wmap
     prefix = layer_prefix(wmap)  # decoder.layers. (language_model.decoder.layers. for Bridge's VL models)
     # megatron-core stacks layers only when they are uniform: with dense layers between MoE ones
     # every key carries its global layer number (norms still under their TE names)
@@ -273,7 +275,7 @@ def write_dist(reader: CheckpointReader, target, directory: str, *, workers: int
         pickle.dump(metadata, f)
     common: dict[str, Any] = {"args": target.args, "checkpoint_version": 3.0, "iteration": target.iteration or 0}
     if target.bridge:  # no Megatron args: Bridge describes the model in run_config.yaml
-        common = {"checkpoint_version": 3.0, "iteration": target.iteration or 0, "content_metadata": CONTENT_METADATA}
+        common = bridge_common_state(target.iteration or 0)
     torch.save(common, Path(directory) / "common.pt")
     (Path(directory) / "metadata.json").write_text(json.dumps(DIST_METADATA_JSON))
 
