@@ -207,8 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
                                "directories are created)")
     p.add_argument("--to", required=True, choices=TARGETS,
                    help="target format (megatron-bridge: torch_dist as Megatron-Bridge saves a model, iter_N/ with "
-                        "run_config.yaml: Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen3.5, Qwen3.5-MoE, Qwen3-Next, "
-                        "Qwen2-VL, Qwen2.5-VL)")
+                        "run_config.yaml: Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen3.5, Qwen3.5-MoE (text and "
+                        "conditional-generation checkpoints), Qwen3-Next, Qwen2-VL, Qwen2.5-VL)")
     p.add_argument("--tp", type=_positive_int, metavar="N",
                    help="target tensor-parallel size (Megatron and vLLM targets; default: a Megatron source's, else 1)")
     p.add_argument("--pp", type=_positive_int, metavar="N",

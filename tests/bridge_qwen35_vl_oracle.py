@@ -8,7 +8,10 @@ The jobs and results are ``tests/bridge_gdn_oracle.py``'s (``write``: Bridge imp
 ``save_megatron_model``s it -> checkpoint keys and shapes; ``load``: a checkpoint loaded strictly into the model
 Bridge builds (``"via": "dist_checkpointing"``: megatron-core ``dist_checkpointing.load(strict=RAISE_ALL)`` and
 ``load_state_dict(strict=True)``) and compared bitwise with what Bridge imports from the HF directory; ``export``:
-Bridge's Megatron -> HF export), run by that module with its CPU stand-ins for the text model. On top of them,
+Bridge's Megatron -> HF export), run by that module with its CPU stand-ins for the text model. A ``load`` of a
+checkpoint with run_config.yaml (pmz's ``--to megatron-bridge`` output) goes through Bridge's own loader, which
+instantiates the ``Qwen35VLModelProvider`` / ``Qwen35VLMoEModelProvider`` the file names and builds its
+Qwen3VLModel with the same stand-ins (``config_diff`` against the provider Bridge derives from HF). On top of them,
 this process stands in for the tower's Transformer-Engine modules the same way, with LayerNorm: megatron-core's
 ``get_vit_layer_with_transformer_engine_spec`` takes ``TELayerNormColumnParallelLinear`` (a LayerNorm fused in
 as ``layer_norm_weight`` + ``layer_norm_bias``, then the column-parallel ``weight`` + ``bias``),

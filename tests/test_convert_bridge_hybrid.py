@@ -163,11 +163,3 @@ def test_what_bridge_builds_otherwise_is_refused(tmp_path, capsys):
     assert "MTP block and its last layer (3) is linear_attention" in line, line
     assert json.loads(Path(path, "config.json").read_text())["mtp_num_hidden_layers"] == 1
 
-
-def test_conditional_generation_checkpoint_is_refused(tmp_path, capsys):
-    """A Qwen3_5ForConditionalGeneration checkpoint: Bridge's Qwen3.5-VL names are not written yet."""
-    from tests.test_hybrid_checkpoints import conditional_generation_checkpoint
-
-    path, _ = conditional_generation_checkpoint(tmp_path, "qwen3_5")
-    line = _refused(path, tmp_path, capsys)
-    assert "conditional-generation checkpoint" in line and "--to megatron-bridge" in line, line

@@ -4,7 +4,11 @@ reshards bitwise, the tower on the first pipeline stage, its ``qkv`` per head (c
 re-derived here from megatron-core's ``linear_qkv`` definition, not the converter's function); against real
 Megatron-Bridge 0.6.2 (tests/bridge_qwen35_vl_oracle.py, one subprocess): Bridge's own checkpoint of the model
 converts to HF bitwise, and our ``--to megatron-dist`` output has Bridge's keys and shapes and loads strictly into
-the Qwen3VLModel Bridge builds, every weight bitwise what Bridge imports from HF."""
+the Qwen3VLModel Bridge builds, every weight bitwise what Bridge imports from HF; our ``--to megatron-bridge``
+output (dense TP2, MoE PP2, MTP included) loads with Bridge's own loader (``load_model_config`` on our
+run_config.yaml naming its Qwen3.5-VL provider, ``build_and_load_model``) strictly and bitwise, the provider's
+fields equal those Bridge derives from HF, keys and run_config.yaml fields equal Bridge's own checkpoint's, and
+pmz reads it back to the HF tensors and config.json bitwise."""
 
 from __future__ import annotations
 
@@ -47,10 +51,39 @@ def _trained_norms(path: str, mtp: bool) -> dict:
     return tensors
 
 
+def _bridge_checkpoint(root, name: str) -> str:
+    """A conditional-generation checkpoint Megatron-Bridge builds with its MTP block: the layout tests' text
+    config with the last layer full attention (megatron-core builds the MTP layer from the last layer's spec),
+    ``text_config.mtp_num_hidden_layers: 1`` (Bridge's provider reads it there) and a random MTP block."""
+    from transformers import (
+        Qwen3_5Config,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeForConditionalGeneration,
+    )
+
+    from tests.workers_qwen3_5 import configs
+    from tests.workers_qwen3_next import configs as moe_configs
+
+    text = configs()["mixed"] if name == "qwen3_5" else moe_configs()["qwen3_5_moe"]
+    text.layer_types = ["linear_attention"] * (text.num_hidden_layers - 1) + ["full_attention"]
+    text.mtp_num_hidden_layers = 1
+    cls, config_cls = ((Qwen3_5ForConditionalGeneration, Qwen3_5Config) if name == "qwen3_5" else
+                       (Qwen3_5MoeForConditionalGeneration, Qwen3_5MoeConfig))
+    torch.manual_seed(13)
+    path = root / f"{name}_bridge"
+    cls(config_cls(text_config=text.to_dict(), vision_config=VISION)).save_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
+    assert config["text_config"]["mtp_num_hidden_layers"] == 1 and config["text_config"]["layer_types"][-1] == \
+        "full_attention", config["text_config"]
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """name -> (HF directory with the MTP block, its tensors); ``name + "_plain"`` the same model without MTP
-    (Bridge builds the MTP layer from the last decoder layer's spec, and these configs end in a linear layer)."""
+    (Bridge builds the MTP layer from the last decoder layer's spec, and these configs end in a linear layer);
+    ``name + "_bridge"`` one Bridge builds with MTP (``_bridge_checkpoint``)."""
     import shutil
 
     root = tmp_path_factory.mktemp("cg")
@@ -60,6 +93,8 @@ def checkpoints(tmp_path_factory):
         out[name + "_plain"] = (plain, _trained_norms(plain, mtp=False))
         shutil.copytree(plain, root / f"{name}_mtp")
         out[name] = (str(root / f"{name}_mtp"), _trained_norms(str(root / f"{name}_mtp"), mtp=True))
+        path = _bridge_checkpoint(root, name)
+        out[name + "_bridge"] = (path, _trained_norms(path, mtp=True))
     return out
 
 
@@ -158,26 +193,59 @@ def test_tp_must_divide_vision_heads(tmp_path, checkpoints):
         assert not (tmp_path / target).exists()
 
 
-def test_against_megatron_bridge(tmp_path, checkpoints):
+# layouts of --to megatron-bridge checked against Bridge: the dense model TP2, the MoE model PP2
+BRIDGE_LAYOUTS = {"qwen3_5": {"tp": 2}, "qwen3_5_moe": {"pp": 2}}
+PROVIDERS = {"qwen3_5": "megatron.bridge.models.qwen_vl.qwen35_vl_provider.Qwen35VLModelProvider",
+             "qwen3_5_moe": "megatron.bridge.models.qwen_vl.qwen35_vl_provider.Qwen35VLMoEModelProvider"}
+# run_config.yaml fields that record the parallel layout (ours: the one converted to) or that the oracle's CPU run
+# sets otherwise in Bridge's own file (bridge_gdn_oracle._cpu); provider fields Bridge derives from the HF path
+RUNTIME_FIELDS = {"tensor_model_parallel_size", "pipeline_model_parallel_size", "moe_token_dispatcher_type",
+                  "moe_permute_fusion"}
+CONFIG_FIELDS_NOT_WRITTEN = {"hf_model_id"}
+
+
+@pytest.fixture(scope="module")
+def bridge(tmp_path_factory, checkpoints):
+    """One run of real Megatron-Bridge 0.6.2 (tests/bridge_qwen35_vl_oracle.py) for the module: it writes its own
+    checkpoint of the MTP-less Qwen3.5 model and of both ``_bridge`` models (MTP included), loads our
+    --to megatron-dist output of both MTP-less models into the Qwen3VLModel it builds (megatron-core's strict
+    dist_checkpointing.load), and loads our --to megatron-bridge output of both ``_bridge`` models with its own
+    loader (``load_model_config`` on our run_config.yaml, ``build_and_load_model``)."""
+    from converters.engine import convert
+    from tests.bridge_run import run_bridge_oracle
+
+    root = tmp_path_factory.mktemp("cg_bridge")
+    jobs = [{"op": "write", "hf": checkpoints["qwen3_5_plain"][0], "out": str(root / "bridge"), "mtp": False}]
+    jobs += [{"op": "write", "hf": checkpoints[f"{name}_bridge"][0], "out": str(root / f"real_{name}")}
+             for name in BRIDGE_LAYOUTS]
+    for name in ("qwen3_5", "qwen3_5_moe"):
+        convert(checkpoints[name + "_plain"][0], root / f"ours_{name}", to="megatron-dist", tp=2, workers=1)
+        jobs.append({"op": "load", "ckpt": str(root / f"ours_{name}" / "release"), "mtp": False,
+                     "hf": checkpoints[name + "_plain"][0], "via": "dist_checkpointing"})
+    ours = {name: convert(checkpoints[f"{name}_bridge"][0], root / f"mb_{name}", to="megatron-bridge", workers=1,
+                          **layout) for name, layout in BRIDGE_LAYOUTS.items()}
+    jobs += [{"op": "load", "ckpt": str(ours[name]), "hf": checkpoints[f"{name}_bridge"][0]} for name in ours]
+    written, *real, dense, moe, mb_dense, mb_moe = run_bridge_oracle("bridge_qwen35_vl_oracle.py", jobs, root,
+                                                                     timeout=600)
+    return {"root": root, "written": written, "real": dict(zip(BRIDGE_LAYOUTS, real)),
+            "dist_loads": {"qwen3_5": dense, "qwen3_5_moe": moe}, "ours": ours,
+            "bridge_loads": {"qwen3_5": mb_dense, "qwen3_5_moe": mb_moe}}
+
+
+def test_against_megatron_bridge(bridge, checkpoints):
     """Real Megatron-Bridge 0.6.2 builds Qwen3VLModel from the HF directories (Qwen3.5 and Qwen3.5-MoE):
     its checkpoint -> pmz -> HF is the original HF bitwise; our --to megatron-dist output (TP 2) holds exactly
     Bridge's keys with its global shapes (tower stacked, text per layer, _extra_state items alike) and loads into
     Bridge's model with megatron-core's strict dist_checkpointing.load, every weight bitwise what Bridge imports."""
     from converters.engine import convert
-    from tests.bridge_run import run_bridge_oracle
 
-    jobs = [{"op": "write", "hf": checkpoints["qwen3_5_plain"][0], "out": str(tmp_path / "bridge"), "mtp": False}]
-    for name in ("qwen3_5", "qwen3_5_moe"):
-        convert(checkpoints[name + "_plain"][0], tmp_path / f"ours_{name}", to="megatron-dist", tp=2, workers=1)
-        jobs.append({"op": "load", "ckpt": str(tmp_path / f"ours_{name}" / "release"), "mtp": False,
-                     "hf": checkpoints[name + "_plain"][0], "via": "dist_checkpointing"})
-    written, *loads = run_bridge_oracle("bridge_qwen35_vl_oracle.py", jobs, tmp_path, timeout=600)
-    for name, load in zip(("qwen3_5", "qwen3_5_moe"), loads):
+    root, written = bridge["root"], bridge["written"]
+    for name, load in bridge["dist_loads"].items():
         assert load["compared"] > 70 and (load["mismatched"], load["missing"], load["unexpected"]) == ([], [], []), \
             (name, load)
     from torch.distributed.checkpoint import FileSystemReader
 
-    meta = FileSystemReader(str(tmp_path / "ours_qwen3_5" / "release")).read_metadata().state_dict_metadata
+    meta = FileSystemReader(str(root / "ours_qwen3_5" / "release")).read_metadata().state_dict_metadata
     # Bridge keeps the vocabulary unpadded and its common state inside the checkpoint; pmz pads the rows as
     # Megatron-LM does (a multiple of 128 * tp) and writes common.pt
     vocab = ("language_model.embedding.word_embeddings.weight", "language_model.output_layer.weight")
@@ -187,7 +255,72 @@ def test_against_megatron_bridge(tmp_path, checkpoints):
     assert ours == theirs
     assert sum(k.startswith("vision_model.") for k in theirs) > 20
     plain, source = checkpoints["qwen3_5_plain"]
-    convert(tmp_path / "bridge", tmp_path / "bridge_hf", to="hf", hf_config=plain, workers=1)
-    back = _tensors(tmp_path / "bridge_hf")
+    convert(root / "bridge", root / "bridge_hf", to="hf", hf_config=plain, workers=1)
+    back = _tensors(root / "bridge_hf")
     assert back.keys() == source.keys()
     assert [n for n in source if not torch.equal(back[n], source[n])] == []
+
+
+# ------------------------------------------------------------------------------ --to megatron-bridge
+
+
+@pytest.mark.parametrize("name", list(BRIDGE_LAYOUTS))
+def test_real_bridge_loads_our_megatron_bridge_output(bridge, name):
+    """Bridge's own loader instantiates the Qwen3.5-VL provider our run_config.yaml names, with the public
+    fields (vision_config included) its bridge derives from the HF directory, and loads our checkpoint strictly
+    into the Qwen3VLModel it builds: every tensor (tower, text, MTP) bitwise what it imports from HF."""
+    load = bridge["bridge_loads"][name]
+    assert load["loader"] == PROVIDERS[name], load
+    assert load["compared"] > 80 and (load["mismatched"], load["missing"], load["unexpected"]) == ([], [], []), load
+    assert set(load["config_diff"]) <= CONFIG_FIELDS_NOT_WRITTEN, load["config_diff"]
+    keys = _bridge_keys(bridge["ours"][name])
+    assert any(k.startswith("language_model.mtp.layers.0.") for k in keys)
+    assert any(k.startswith("vision_model.decoder.layers.") for k in keys)
+
+
+def _bridge_keys(ckpt) -> dict:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    (it,) = glob.glob(f"{ckpt}/iter_*")
+    meta = FileSystemReader(it).read_metadata().state_dict_metadata
+    return {k: list(v.size) if hasattr(v, "size") else "object" for k, v in meta.items()}
+
+
+@pytest.mark.parametrize("name", list(BRIDGE_LAYOUTS))
+def test_megatron_bridge_output_is_bridges(bridge, name):
+    """Our --to megatron-bridge checkpoint holds Bridge's own keys, global shapes (vocabulary unpadded) and
+    ``_extra_state`` items (but the common state: we write common.pt); every field of our run_config.yaml's
+    ``model`` equals the one in Bridge's own file for the same HF directory (``vision_config``: each field we
+    write equals Bridge's record, which adds transformers' defaults), but the parallel layout and the oracle's
+    CPU switches."""
+    import yaml
+
+    ours = _bridge_keys(bridge["ours"][name])
+    theirs = {k: v for k, v in bridge["real"][name]["keys"].items() if not k.startswith("common_state")}
+    assert ours == theirs
+    (it,) = glob.glob(f"{bridge['ours'][name]}/iter_*")
+    mine = yaml.safe_load(open(f"{it}/run_config.yaml"))["model"]
+    real = yaml.safe_load(bridge["real"][name]["run_config"])["model"]
+    assert mine["_target_"] == real["_target_"] == PROVIDERS[name]
+    vision = mine.pop("vision_config")
+    assert {k: (v, real["vision_config"].get(k)) for k, v in vision.items() if real["vision_config"].get(k) != v} == {}
+    differ = {k: (v, real.get(k, "absent")) for k, v in mine.items() if k not in RUNTIME_FIELDS and real.get(k) != v}
+    assert not differ, differ
+    assert mine["mtp_num_layers"] == 1 and mine["position_embedding_type"] == "mrope"
+    layout = BRIDGE_LAYOUTS[name]
+    assert (mine["tensor_model_parallel_size"], mine["pipeline_model_parallel_size"]) == \
+        (layout.get("tp", 1), layout.get("pp", 1))
+
+
+@pytest.mark.parametrize("name", list(BRIDGE_LAYOUTS))
+def test_megatron_bridge_round_trip(bridge, checkpoints, tmp_path, name):
+    """HF -> --to megatron-bridge -> HF: the tower, MTP and text tensors and config.json, bitwise."""
+    from converters.engine import convert
+
+    path, source = checkpoints[f"{name}_bridge"]
+    out = convert(bridge["ours"][name], tmp_path / "hf", to="hf", workers=1)
+    back = _tensors(out)
+    assert back.keys() == source.keys()
+    assert any(k.startswith("mtp.") for k in back) and any(k.startswith("model.visual.") for k in back)
+    assert [n for n in source if not torch.equal(back[n], source[n])] == []
+    assert (out / "config.json").read_bytes() == open(f"{path}/config.json", "rb").read()

@@ -48,6 +48,14 @@ HYBRID_BLOCK_SPEC = ("megatron.core.models.gpt.experimental_attention_variant_mo
 # the provider Bridge instantiates per architecture: Qwen2.5-VL has one; Qwen2-VL has none (see docs/formats.md)
 PROVIDERS = {"qwen2_5_vl": "megatron.bridge.models.qwen_vl.qwen25_vl_provider.Qwen25VLModelProvider",
              **{arch: GPT_PROVIDER for arch in TEXT_BRIDGES}}
+# a Qwen3.5 / Qwen3.5-MoE conditional-generation checkpoint (``cfg.carried``: a vision tower) is Bridge's
+# Qwen35VLBridge / Qwen35VLMoEBridge, which build Qwen3VLModel from these providers (``hybrid_vision_fields``)
+VL_HYBRID_PROVIDERS = {"qwen3_5": "megatron.bridge.models.qwen_vl.qwen35_vl_provider.Qwen35VLModelProvider",
+                       "qwen3_5_moe": "megatron.bridge.models.qwen_vl.qwen35_vl_provider.Qwen35VLMoEModelProvider"}
+HYBRID_VISION_CONFIGS = {
+    "qwen3_5": "transformers.models.qwen3_5.configuration_qwen3_5.Qwen3_5VisionConfig",
+    "qwen3_5_moe": "transformers.models.qwen3_5_moe.configuration_qwen3_5_moe.Qwen3_5MoeVisionConfig"}
+QWEN35_VL_MROPE_SECTION = (11, 11, 10)  # what Bridge's Qwen3.5-VL bridges set when the text config names none
 VISION_CONFIGS = {"qwen2_5_vl": "transformers.models.qwen2_5_vl.configuration_qwen2_5_vl.Qwen2_5_VLVisionConfig",
                   "qwen2_vl": "transformers.models.qwen2_vl.configuration_qwen2_vl.Qwen2VLVisionConfig"}
 
@@ -159,10 +167,6 @@ def check_bridge_text_model(cfg: Any, where: str, mtp_layers: int = 0) -> None:
     Gated DeltaNet hybrids what ``_check_hybrid`` lists (``mtp_layers``: the MTP layers the checkpoint
     holds). CheckpointError naming the source and what differs otherwise."""
     hint = "--to megatron-dist writes the torch_dist checkpoint megatron-core loads"
-    if getattr(cfg, "carried", ()):  # Qwen3.5 conditional generation: Bridge's Qwen3.5-VL layout is not written
-        raise CheckpointError(f"{where}: a {cfg.architecture} conditional-generation checkpoint ({len(cfg.carried)} "
-                              f"vision-tower tensors) has no --to megatron-bridge output in pmz yet (Bridge's "
-                              f"Qwen3.5-VL names are not written): convert a text-only checkpoint, or --to hf")
     if cfg.architecture not in TEXT_BRIDGES:
         raise CheckpointError(f"{where}: Megatron-Bridge 0.6.2 has no bridge for {cfg.architecture} (it has "
                               f"{', '.join(TEXT_BRIDGES)}, qwen2_5_vl); {hint}")
@@ -270,15 +274,16 @@ def run_config_text(hf_config: Any, cfg: Any, *, tp: int, pp: int, vpp: int, dty
     the vision-language models, ``bridge_text_fields`` for the text ones; the rest keep the provider's
     defaults, the layer spec included: Transformer Engine's) and the ``checkpoint`` fields its resume path
     reads. ``dtype``: the torch dtype name of the tensors ("float32", "bfloat16", "float16"); ``mtp_layers``:
-    the MTP layers written (a hybrid's; ``mtp_num_layers``). A further provider (Qwen3.5-VL's
-    ``Qwen35VLModelProvider``) is one more entry in ``PROVIDERS`` and its fields one more branch below.
+    the MTP layers written (a hybrid's; ``mtp_num_layers``). A Qwen3.5 / Qwen3.5-MoE conditional-generation
+    checkpoint (``cfg.carried``) names Bridge's Qwen3.5-VL provider (``bridge_provider``): the text hybrid's fields
+    and ``hybrid_vision_fields``.
 
     Qwen2-VL: Megatron-Bridge 0.6.2 has no provider for it, so ``model`` names none (``_target_``
     left out): the fields describe the model, but Bridge itself cannot build it."""
     vision = cfg.vision is not None
     qkv_bias, linear_bias = bridge_biases(cfg) if not vision else (cfg.qkv_bias, False)
     model: dict[str, Any] = {}
-    provider = PROVIDERS.get(cfg.architecture)
+    provider = bridge_provider(cfg)
     if provider:
         model["_target_"] = provider
     model.update({
@@ -302,14 +307,49 @@ def run_config_text(hf_config: Any, cfg: Any, *, tp: int, pp: int, vpp: int, dty
         model.update(_vision_fields(hf_config, cfg))
     else:
         model.update(bridge_text_fields(cfg, mtp_layers))
+    if getattr(cfg, "carried", ()):
+        model.pop("autocast_dtype")  # the Qwen3.5-VL bridges leave it (their text bridges set bfloat16)
+        model.update(hybrid_vision_fields(hf_config, cfg, dtype))
     checkpoint = {"ckpt_format": "torch_dist", "save_optim": False, "save_rng": False, "fully_parallel_save": True}
     kind = "a vision-language model" if vision else f"a {cfg.architecture} model"
+    if getattr(cfg, "carried", ()):
+        kind = f"a {cfg.architecture} conditional-generation model (text, vision tower, MTP)"
     head = (f"# Written by pmz (parallel model zoo): Megatron-Bridge's layout of {kind}.\n"
             "# Megatron-Bridge's load_megatron_model instantiates `model`; its resume path reads `checkpoint`.\n")
     if not provider:
         head += (f"# Megatron-Bridge has no provider for {cfg.architecture}: `model` describes it but names no "
                  f"_target_.\n")
     return head + _yaml({"checkpoint": checkpoint, "model": model})
+
+
+def bridge_provider(cfg: Any) -> str | None:
+    """The provider class Bridge 0.6.2 instantiates for ``cfg`` (None: it has none): Qwen3.5-VL's for a hybrid's
+    conditional-generation checkpoint, else the architecture's (``PROVIDERS``)."""
+    if getattr(cfg, "carried", ()):
+        return VL_HYBRID_PROVIDERS[cfg.architecture]
+    return PROVIDERS.get(cfg.architecture)
+
+
+def hybrid_vision_fields(hf_config: Any, cfg: Any, dtype: str) -> dict[str, Any]:
+    """What Bridge 0.6.2's ``Qwen35VLBridge`` / ``Qwen35VLMoEBridge.provider_bridge`` set beyond the text
+    hybrid's fields (``bridge_text_fields``, read from ``text_config``): M-RoPE with the text config's
+    ``mrope_section`` (Bridge's [11, 11, 10] when it names none), bos/eos from ``text_config``, the vision token
+    ids from the top level (left to the provider's defaults, which are transformers', when absent), and
+    ``vision_config``: the HF tower config as Bridge records it (``_target_`` its transformers class, its fields,
+    ``dtype`` the parameters' dtype, which Bridge sets on it). ``dtype``: torch dtype name of the tensors."""
+    text = hf_config.text_config if isinstance(hf_config.text_config, dict) else hf_config.text_config.to_dict()
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    fields: dict[str, Any] = {"position_embedding_type": "mrope",
+                              "mrope_section": list(rope.get("mrope_section") or QWEN35_VL_MROPE_SECTION),
+                              "bos_token_id": text.get("bos_token_id"), "eos_token_id": text.get("eos_token_id")}
+    for key in ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"):
+        if getattr(hf_config, key, None) is not None:
+            fields[key] = getattr(hf_config, key)
+    vision = dict(hf_config.vision_config or {})
+    vision.pop("transformers_version", None)
+    fields["vision_config"] = {"_target_": HYBRID_VISION_CONFIGS[cfg.architecture], **vision,
+                               "dtype": {"_target_": f"torch.{dtype}", "_call_": False}}
+    return fields
 
 
 def _vision_fields(hf_config: Any, cfg: Any) -> dict[str, Any]:

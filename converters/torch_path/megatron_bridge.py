@@ -1,6 +1,7 @@
 """Writing Megatron-Bridge's checkpoint layout (``pmz convert --to megatron-bridge``): the text models Bridge
 0.6.2 has bridges for (Llama, Qwen2, Qwen3, Qwen3-MoE; the Gated DeltaNet hybrids Qwen3.5, Qwen3.5-MoE and
-Qwen3-Next, MTP block included) and the vision-language models.
+Qwen3-Next, MTP block included; Qwen3.5 / Qwen3.5-MoE conditional-generation checkpoints as Bridge's
+``Qwen3VLModel``, vision tower included) and the vision-language models.
 
 What Megatron-Bridge 0.6.2 saves (``save_megatron_model``; checked against it, tests/bridge_oracle.py) and
 what its ``load_megatron_model`` needs to load the model again:
