@@ -22,11 +22,10 @@ from models.common.sources import (
     CheckpointError,
     RandomSource,
     RenamedSource,
-    SafetensorsSource,
     TensorSource,
     read_config_json,
 )
-from models.common.weights import hf_shapes, load_weights, validate_source
+from models.common.weights import checkpoint_source, hf_shapes, load_weights, validate_source
 from parallel.config import ParallelConfig, ParallelConfigError
 from parallel.groups import ParallelGroups, build_groups
 from parallel.lm_head_loss import check_chunk_tokens
@@ -106,9 +105,9 @@ def build_model(arch: Architecture, source: Any, parallel_config: ParallelConfig
         from models.common.blocks.lora import check_lora_config
 
         lora_targets = check_lora_config(cfg, wmap, lora, parallel_config, hf_shapes(cfg, wmap))
-    if isinstance(source, (str, os.PathLike)):
-        tensor_source = SafetensorsSource(source)
-    if tensor_source is not None and arch.hf_key_aliases:
+    if isinstance(source, (str, os.PathLike)):  # fused experts read per expert, as the converters read them
+        tensor_source = checkpoint_source(source, cfg, arch.canonical_name if arch.hf_key_aliases else None, where)
+    elif tensor_source is not None and arch.hf_key_aliases:
         tensor_source = RenamedSource(tensor_source, arch.canonical_name, where)
     if tensor_source is not None:
         allowed = ("lm_head.weight",) if cfg.tie_word_embeddings else ()

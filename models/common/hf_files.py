@@ -1,6 +1,7 @@
 """The files of an HF model directory, read without torch: config.json, the tokenizer and
 generation files (copied as they are), and the safetensors files with their index, validated once
-(``SafetensorsFiles``): the model loader and both conversion paths take their tensors from here."""
+(``SafetensorsFiles``): the model loader and both conversion paths take their tensors from here, experts
+stored fused as per-expert byte ranges (``per_expert_views``)."""
 
 from __future__ import annotations
 
@@ -313,3 +314,45 @@ def check_tensors(shapes: Mapping[str, Sequence[int]], expected: Mapping[str, Se
         problems.append(f"{len(extra)} unexpected tensor(s): {', '.join(extra[:8])}{' ...' if len(extra) > 8 else ''}")
     if problems:
         raise CheckpointError(f"{where}: " + "; ".join(problems))
+
+
+FUSED_GATE_UP, FUSED_DOWN = ".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"
+
+
+def per_expert_views(path: str, stored_as: dict[str, str], tensors: dict[str, StoredTensor],
+                     cfg: Any) -> tuple[dict[str, StoredTensor], dict[str, str]]:
+    """The checkpoint's tensors under the weight map's per-expert names: experts stored fused
+    (``mlp.experts.gate_up_proj [E, 2F, H]``, gate rows then up rows per expert, and ``down_proj [E, H, F]``,
+    as transformers holds them in memory and Qwen3.5-MoE / Qwen3.6 releases store them) become one view per
+    expert (``mlp.experts.{e}.gate_proj.weight`` ...): each is a contiguous byte range of the fused tensor,
+    so both conversion paths read it as any stored tensor and the model loader (``weights.checkpoint_source``)
+    maps only the experts a rank loads: the one rule for fused experts. Others pass through (``stored_as``:
+    weight-map name -> stored name). Returns (name -> where its bytes are, name -> the stored tensor it is in).
+    CheckpointError for a fused tensor of another shape, or a layer holding both forms."""
+    out: dict[str, StoredTensor] = {}
+    origin: dict[str, str] = {}
+    moe = getattr(cfg, "moe", None)
+    for name, stored in stored_as.items():
+        t = tensors[stored]
+        if moe is None or not name.endswith((FUSED_GATE_UP, FUSED_DOWN)):
+            out[name], origin[name] = t, stored
+            continue
+        prefix, gate_up = name.rsplit(".", 1)[0] + ".", name.endswith(FUSED_GATE_UP)
+        E, H, F = moe.num_experts, cfg.hidden_size, moe.moe_intermediate_size  # every sparse layer's width
+        want = (E, 2 * F, H) if gate_up else (E, H, F)
+        if tuple(t.shape) != want:
+            what = "E, 2 * moe_intermediate_size, hidden_size" if gate_up else "E, hidden_size, moe_intermediate_size"
+            raise CheckpointError(f"{path}: fused experts {name} have shape {tuple(t.shape)}, the config implies "
+                                  f"{want} ({what})")
+        each = t.nbytes // E
+        parts = (("gate_proj", 0), ("up_proj", each // 2)) if gate_up else (("down_proj", 0),)
+        for e in range(E):
+            for part, at in parts:
+                view = f"{prefix}{e}.{part}.weight"
+                if view in stored_as:
+                    raise CheckpointError(f"{path}: {prefix} holds its experts twice, fused ({name}) and per expert "
+                                          f"({view})")
+                shape = (F, H) if gate_up else (H, F)
+                out[view] = StoredTensor(t.path, t.offset + e * each + at, t.dtype, shape, each // len(parts))
+                origin[view] = stored
+    return out, origin

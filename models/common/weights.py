@@ -11,12 +11,14 @@ Internal names are vLLM's: ``model.layers.{i}.self_attn.qkv_proj`` holds this ra
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+import mmap
+import os
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from models.common.hf_files import check_tensors
-from models.common.sources import CheckpointError, TensorSource
+from models.common.hf_files import SafetensorsFiles, StoredTensor, canonical_names, check_tensors, per_expert_views
+from models.common.sources import CheckpointError, RenamedSource, SafetensorsSource, TensorSource
 from models.common.weight_map import (  # noqa: F401
     GATE_UP_STACKED,
     IGNORED_SUFFIXES,
@@ -29,7 +31,67 @@ from models.common.weight_map import (  # noqa: F401
     hf_shapes,
 )
 from parallel.collectives import gather_shards
-from parallel.sharding import Replicated
+from parallel.sharding import Piece, Replicated, read_piece
+
+_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def checkpoint_source(directory: str | os.PathLike, cfg: Any, rename: Callable[[str], str] | None = None,
+                      where: str | None = None) -> TensorSource:
+    """The tensors of an HF directory as the loader reads them: the validated safetensors files
+    (``hf_files.SafetensorsFiles``), under the weight map's names (``rename``: another key layout of the
+    same model, ``Architecture.canonical_name``), and experts stored fused read per expert through
+    ``hf_files.per_expert_views``, the rule the converters read them by (``ExpertViewSource``)."""
+    where = where or str(directory)
+    files = SafetensorsFiles(directory)
+    source: TensorSource = SafetensorsSource(directory, files)
+    stored_as = {name: name for name in files.names()}
+    if rename is not None:
+        source = RenamedSource(source, rename, where)
+        stored_as = canonical_names(files.names(), rename, where)
+    views, origin = per_expert_views(where, stored_as, files.tensors, cfg)
+    fused = {name: view for name, view in views.items() if name not in stored_as}
+    if not fused:
+        return source
+    shapes = {name: tuple(view.shape) for name, view in views.items()}
+    return ExpertViewSource(source, shapes, fused, {name: files.file_of(stored) for name, stored in origin.items()})
+
+
+class ExpertViewSource(TensorSource):
+    """A checkpoint whose experts are stored fused (``mlp.experts.gate_up_proj [E, 2F, H]``, ``down_proj
+    [E, H, F]``), read under the weight map's per-expert names: each view is the byte range
+    ``per_expert_views`` gives that expert's gate, up or down rows, mapped from its file, so a rank
+    touches only the experts it loads (and, within one, only its TP rows). Other tensors come from
+    ``source``."""
+
+    def __init__(self, source: TensorSource, shapes: dict[str, tuple[int, ...]], views: dict[str, StoredTensor],
+                 files: dict[str, str]) -> None:
+        self.source, self.shapes, self.views, self.files = source, shapes, views, files
+        self._maps: dict[str, mmap.mmap] = {}
+
+    def names(self) -> set[str]:
+        return set(self.shapes)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.shapes[name]
+
+    def file_of(self, name: str) -> str:
+        """The file (name within the directory) holding ``name``, or the fused tensor it is a view of."""
+        return self.files[name]
+
+    def read(self, name: str, piece: Piece, dtype: torch.dtype | None = None) -> torch.Tensor:
+        view = self.views.get(name)
+        if view is None:
+            return self.source.read(name, piece, dtype)
+        if view.dtype not in _TORCH_DTYPES:
+            raise CheckpointError(f"{view.path}: {name} (a view of fused experts) is {view.dtype}, not a float dtype")
+        if view.path not in self._maps:
+            with open(view.path, "rb") as f:  # ACCESS_COPY: a writable buffer for frombuffer; nothing writes to it
+                self._maps[view.path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        itemsize = torch.empty((), dtype=_TORCH_DTYPES[view.dtype]).element_size()
+        full = torch.frombuffer(self._maps[view.path], dtype=_TORCH_DTYPES[view.dtype], count=view.nbytes // itemsize,
+                                offset=view.offset).view(view.shape)
+        return read_piece(lambda idx: full[idx], view.shape, piece, dtype)
 
 
 def validate_source(source: TensorSource, expected: dict[str, tuple[int, ...]], where: str,

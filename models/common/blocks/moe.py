@@ -34,7 +34,7 @@ from torch import nn
 from models.common.blocks.mlp import ParallelMLP
 from models.common.config import ModelConfig
 from parallel.collectives import gather_for_replicas, group_size, reduce_from_group, scatter_to_sequence
-from parallel.experts import dispatch, route
+from parallel.experts import choose_kernel, dispatch, route
 from parallel.groups import ParallelGroups
 
 
@@ -113,8 +113,9 @@ class ParallelMoE(nn.Module):
         share = self._token_share(tokens)
         logits = F.linear(share, self.gate.weight)
         weights, experts, probs = route(logits, self.moe.top_k, self.moe.norm_topk_prob)
-        routed = self.dispatch(share, experts, weights, self.experts.w13_weight, self.experts.w2_weight,
-                               self.num_experts, self.groups.ep_group, kernel=self.experts_kernel)
+        run = _eagerly if torch.compiler.is_compiling() and self._dispatch_eagerly(share) else _call
+        routed = run(self.dispatch, share, experts, weights, self.experts.w13_weight, self.experts.w2_weight,
+                     self.num_experts, self.groups.ep_group, kernel=self.experts_kernel)
         if share is not tokens:
             routed = gather_for_replicas(routed, self.groups.tp_group)[: tokens.shape[0]]
         if self.token_mask is not None:
@@ -125,12 +126,30 @@ class ParallelMoE(nn.Module):
             out = out + shared.reshape(-1, h)
         return out.view(s, b, h)
 
+    def _dispatch_eagerly(self, share: torch.Tensor) -> bool:
+        """Under ``torch.compile`` (``compile=True``) the dispatch runs eagerly where its shapes depend on the
+        routing: the per-expert loop (row counts on the host) and expert parallelism (all-to-all splits).
+        Dynamo would specialise the layer on every count vector it meets and recompile (measured: 160 s
+        for one step of a 4-layer Qwen3.5-MoE on CPU, then eager once its recompile limit is hit); the grouped
+        kernel at ep=1 keeps the counts on the device and stays in the graph."""
+        kernel = choose_kernel(share, self.experts.w13_weight, self.experts.w2_weight, self.experts_kernel)
+        return self.groups.ep_size > 1 or kernel == "loop"
+
     def _mask_share(self, mask: torch.Tensor) -> torch.Tensor:
         """The token mask cut like the tokens (this TP rank's share)."""
         tp = self.groups.tp_size
         if tp > 1:
             mask = F.pad(mask, (0, (-mask.shape[0]) % tp)).chunk(tp)[self.groups.tp_rank]
         return mask.to(torch.float32)
+
+
+def _call(fn, *args, **kwargs):
+    return fn(*args, **kwargs)
+
+
+@torch.compiler.disable(reason="routing-dependent shapes: see ParallelMoE._dispatch_eagerly")
+def _eagerly(fn, *args, **kwargs):
+    return fn(*args, **kwargs)
 
 
 @contextmanager
