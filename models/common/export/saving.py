@@ -3,7 +3,8 @@
 Both are collective over every rank and atomic (``_StagedDirectory``: a temporary sibling
 directory renamed by global rank 0; any rank's failure is agreed on by all ranks, nothing is left
 half-written, no rank is left waiting). The tensors come from the same bucket plans and exports as
-live export (``buckets.py``); each file is written once, by one rank.
+live export (``buckets.py``); each file is written once, by one rank. ``save_pretrained`` also writes the
+source checkpoint's tensors the model does not hold (``_carried``: a hybrid's MTP block and vision tower).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from models.common.export.buckets import (
     iter_export,
     plan_buckets,
 )
-from models.common.weights import export_hf_state, hf_shapes
+from models.common.weights import IGNORED_SUFFIXES, export_hf_state, hf_shapes
 
 
 def _file_names(count: int) -> list[str]:
@@ -86,12 +87,12 @@ class _StagedDirectory:
             dist.broadcast_object_list(name, src=0)
         self.tmp = self.target.parent / name[0]
 
-    def check(self, *checks) -> None:
-        """Run ``(fn, *args)`` checks on every rank and agree (before anything is written)."""
+    def check(self, *checks) -> list:
+        """Run ``(fn, *args)`` checks on every rank and agree (before anything is written); their results."""
         self.failure.run(_check_destination, self.target)
-        for fn, *args in checks:
-            self.failure.run(fn, *args)
+        results = [self.failure.run(fn, *args) for fn, *args in checks]
         self.raise_if_failed()
+        return results
 
     def open(self) -> None:
         import shutil
@@ -163,17 +164,29 @@ def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, max_s
     them as they come). Atomic and failure-agreeing (``_StagedDirectory``): no half-written
     ``directory``, no rank left waiting. Needs a filesystem every writing rank sees at the same path.
 
+    Tensors of the source checkpoint the model does not hold (``_carried``: a Gated DeltaNet hybrid's MTP block
+    ``mtp.*`` and a conditional-generation checkpoint's vision tower ``model.visual.*``, which the model leaves
+    unread as transformers' CausalLM classes do) are written too, bitwise from ``model.source_dir`` (cast to
+    ``dtype`` only where it differs from the stored dtype, so the directory holds one dtype), in files of their
+    own after the model's (each written by one rank, global rank ``j % world`` for the j-th), listed in the
+    index; planned, and refused if the source no longer holds them, before anything is written. Without them
+    transformers' conditional-generation class would start a random tower and the MTP block that config.json
+    declares would be gone. ``merge_lora``/LoRA change nothing there: adapters sit on the text model only.
+
     ``quantization="fp8"``: linear weights as block-wise FP8 with ``<name>_scale_inv`` and
     ``quantization_config`` in config.json (``fp8.py``), quantized in fp32 from the parameters;
     ``dtype`` is then the dtype of the other tensors. Files are planned on the parameters' bytes, so
-    FP8 files come out smaller than ``max_shard_size``.
+    FP8 files come out smaller than ``max_shard_size``. Carried tensors stay unquantized (they are
+    copied, not trained: the tower has no FP8 role in ``fp8.py``, and the MTP block is written as stored, unlike
+    ``pmz convert --quantize fp8`` which quantizes it), and their linear modules are added to
+    ``modules_to_not_convert`` so that loaders read them as stored.
     """
     import json
 
     from models.common.hf_files import save_safetensors
 
     staged = _StagedDirectory(directory, "save_pretrained")
-    staged.check((_check_saveable, model, merge_lora, quantization))
+    _, carried = staged.check((_check_saveable, model, merge_lora, quantization), (_carried, model))
     limit = _parse_shard_size(max_shard_size)
     hf_config = model.hf_config
     groups = model.groups
@@ -181,7 +194,8 @@ def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, max_s
     dtype = dtype or source_dtype
     element_size = torch.empty((), dtype=source_dtype if quantization else dtype).element_size()
     plans = plan_buckets(model, limit, element_size)
-    names = _file_names(len(plans))
+    carried_files = _plan_carried(carried[1] if carried else (), dtype, limit)
+    names = _file_names(len(plans) + len(carried_files))
     staged.open()
     shapes = hf_shapes(model.config, model.weight_map)
     named = _source_tensors(model, merge_lora)
@@ -198,6 +212,10 @@ def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, max_s
         if writer:
             staged.run(save_safetensors, tensors, staged.tmp / file_name, metadata={"format": "pt"})
         del tensors
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    for j, (layout, file_name) in enumerate(zip(carried_files, names[len(plans):])):
+        if staged.rank == j % world:
+            staged.run(_write_carried, carried[0], layout, dtype, staged.tmp / file_name)
 
     def stored(plan):  # (name, shape, dtype) of what the plan's file holds
         quantized = {n for e in plan.entries if quantization and fp8.is_quantized(e) for n in e.hf}
@@ -205,16 +223,104 @@ def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, max_s
 
     def finish(tmp) -> None:
         _copy_source_files(model, tmp)
-        qconfig = fp8.quantization_config(model.weight_map, model.config.num_hidden_layers) if quantization else None
+        qconfig = None
+        if quantization:
+            qconfig = fp8.quantization_config(model.weight_map, model.config.num_hidden_layers)
+            qconfig["modules_to_not_convert"] += [n.removesuffix(".weight") for layout in carried_files
+                                                  for n, shape in layout if n.endswith(".weight") and len(shape) == 2]
         _saved_config(hf_config, dtype, qconfig).save_pretrained(str(tmp))
-        if len(plans) > 1:
-            files = [(stored(plan), file_name) for plan, file_name in zip(plans, names)]
+        files = [(stored(plan), file_name) for plan, file_name in zip(plans, names)]
+        files += [([(n, shape, dtype) for n, shape in layout], file_name)
+                  for layout, file_name in zip(carried_files, names[len(plans):])]
+        if len(files) > 1:
             size = sum(math.prod(shape) * dt.itemsize for layout, _ in files for _, shape, dt in layout)
             index = {"metadata": {"total_size": size},
                      "weight_map": {name: file_name for layout, file_name in files for name, _, _ in layout}}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
     staged.commit(finish)
+
+
+Layout = tuple[tuple[str, tuple[int, ...]], ...]
+
+
+def _carried(model):
+    """``(source, ((name, shape), ...))``: the tensors of the model's source checkpoint that the model does not
+    hold, sorted by name, read through the loader's reader (``weights.checkpoint_source``: the validated files,
+    fused experts as per-expert views, as the model's own experts are written); None when there are none.
+
+    Only a Gated DeltaNet hybrid leaves checkpoint tensors unread (``builder._unloaded_tensors``: the MTP block,
+    a conditional-generation checkpoint's vision tower); a model built from a transformers config or a tensor
+    source has no ``source_dir`` and nothing to carry. What is carried is what the directory holds beyond the
+    model's weight map (a tied checkpoint's ``lm_head.weight`` and ``IGNORED_SUFFIXES`` excepted: the loader
+    skips them too). ExportError naming the directory and a tensor when it no longer reads as the checkpoint
+    the model was built from: gone or unreadable, a tensor the model holds missing or of another shape there, or
+    a tower tensor the config declares (``cfg.carried``) or an MTP tensor (shape from the MTP block's weight-map
+    entries) missing or of another shape; carrying would then write another checkpoint's tensors, or none."""
+    from models.common.errors import CheckpointError
+    from models.common.hybrid_weights import MTP_PREFIX, HybridWeightMap
+    from models.common.weights import checkpoint_source
+
+    directory, wmap, cfg = getattr(model, "source_dir", None), model.weight_map, model.config
+    if directory is None or not isinstance(wmap, HybridWeightMap):
+        return None
+    what = f"{directory} (the model's source directory, whose tensors the model does not hold are carried)"
+    try:
+        source = checkpoint_source(directory, cfg, where=what)
+    except (CheckpointError, OSError) as exc:
+        raise ExportError(f"{what}: no longer readable: {exc}") from None
+    held = hf_shapes(cfg, wmap)
+    names = source.names()
+    tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    extra = sorted(n for n in names if n not in held and n not in tied and not n.endswith(IGNORED_SUFFIXES))
+    mtp = {int(n.split(".")[2]) for n in extra if n.startswith(MTP_PREFIX + "layers.") and n.count(".") > 2
+           and n.split(".")[2].isdigit()}
+    expected = {**hf_shapes(cfg, wmap.for_conversion(max(mtp) + 1 if mtp else 0)), **dict(cfg.carried)}
+    for name in [*held, *dict(cfg.carried)]:
+        if name not in names:
+            raise ExportError(f"{what}: does not hold {name} (moved or changed since the model was built?)")
+    for name in sorted(names & set(expected)):
+        if tuple(source.shape(name)) != tuple(expected[name]):
+            raise ExportError(f"{what}: {name} has shape {tuple(source.shape(name))} there, the model's config "
+                              f"gives {tuple(expected[name])} (changed since the model was built)")
+    if not extra:
+        return None
+    return source, tuple((n, tuple(source.shape(n))) for n in extra)
+
+
+def _plan_carried(layout: Layout, dtype: torch.dtype, limit: int) -> list[Layout]:
+    """The carried tensors in files of at most ``limit`` bytes in ``dtype`` (one tensor alone may be larger)."""
+    files: list[Layout] = []
+    current: list[tuple[str, tuple[int, ...]]] = []
+    size = 0
+    for name, shape in layout:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if current and size + nbytes > limit:
+            files.append(tuple(current))
+            current, size = [], 0
+        current.append((name, shape))
+        size += nbytes
+    return files + ([tuple(current)] if current else [])
+
+
+_CASTABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _write_carried(source, layout: Layout, dtype: torch.dtype, path) -> None:
+    """One file of carried tensors, each read whole in its stored dtype and cast only where ``dtype`` differs."""
+    from models.common.hf_files import save_safetensors
+    from parallel.sharding import Piece
+
+    tensors = {}
+    for name, _ in layout:
+        t = source.read(name, Piece(None))
+        if t.dtype != dtype:
+            if t.dtype not in _CASTABLE:
+                raise ExportError(f"{name}: stored as {t.dtype} in the source, which is not cast to {dtype} "
+                                  f"(only float16/bfloat16/float32/float64 tensors are)")
+            t = t.to(dtype)
+        tensors[name] = t.contiguous()
+    save_safetensors(tensors, path, metadata={"format": "pt"})
 
 
 def _copy_source_files(model, directory) -> None:

@@ -1,0 +1,174 @@
+"""``save_pretrained`` of a Gated DeltaNet hybrid built from a checkpoint holding tensors the model does not hold
+(the vision tower of a ``Qwen3_5ForConditionalGeneration`` checkpoint, the MTP block): they are written beside the
+trained text model, bitwise from the source (cast only to another ``dtype``), listed in the index. Checked against
+transformers (its conditional-generation class loads the directory with no missing or unexpected key and gives
+our trained model's logits) and against the source's own tensors; a source directory moved after the build is
+refused on every rank with nothing written. One 2-rank gloo run (TP2) does every save."""
+
+from __future__ import annotations
+
+import glob
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.distributed import run_distributed
+
+VOCAB_IDS = (2, 9)  # the evaluation batch's shape
+
+
+def _tensors(directory) -> dict:
+    out = {}
+    for f in sorted(glob.glob(f"{directory}/*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def _add_condgen_mtp(path: str) -> None:
+    """An MTP block (a copy-shaped full-attention layer with the model's MLP, fc and norms, random values) at the
+    top level of a conditional-generation checkpoint, and ``text_config.mtp_num_hidden_layers: 1``, as real Qwen3.5
+    releases hold them."""
+    config = json.loads(Path(path, "config.json").read_text())
+    text = config["text_config"]
+    full, h = text["layer_types"].index("full_attention"), text["hidden_size"]
+    tensors = load_file(f"{path}/model.safetensors")
+    gen = torch.Generator().manual_seed(21)
+    layer = f"model.language_model.layers.{full}."
+    for name, t in list(tensors.items()):
+        if name.startswith(layer):
+            tensors["mtp.layers.0." + name[len(layer):]] = torch.randn(t.shape, generator=gen) * 0.05
+    tensors["mtp.fc.weight"] = torch.randn(h, 2 * h, generator=gen) * 0.05
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{norm}.weight"] = torch.randn(h, generator=gen) * 0.1
+    save_file(tensors, f"{path}/model.safetensors", metadata={"format": "pt"})
+    text["mtp_num_hidden_layers"] = 1
+    Path(path, "config.json").write_text(json.dumps(config, indent=2))
+
+
+def _worker(paths: dict, out: str) -> dict:
+    """Rank body: the CondGen model trained one SGD step and saved; the text model saved (fp32, bf16, FP8); the
+    moved source refused."""
+    import os
+
+    from models.common.export import ExportError
+    from models.qwen3_5 import build_parallel_model
+    from parallel import ParallelConfig
+
+    result = {}
+    model = build_parallel_model(paths["condgen"], ParallelConfig(tp=2))
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (2, 11), generator=torch.Generator().manual_seed(3))
+    model(ids, labels=ids.clone(), return_logits=False).loss.backward()
+    model.finalize_grads()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    model.save_pretrained(f"{out}/condgen")
+    evaluation = torch.randint(0, vocab, VOCAB_IDS, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        result["logits"] = model(evaluation, gather_logits=True).logits
+    text = build_parallel_model(paths["text"], ParallelConfig(tp=2))
+    text.save_pretrained(f"{out}/text", max_shard_size=20_000)  # several text files and carried files
+    text.save_pretrained(f"{out}/text-bf16", dtype=torch.bfloat16)
+    text.save_pretrained(f"{out}/text-fp8", quantization="fp8")
+    moved = build_parallel_model(paths["moved"], ParallelConfig(tp=2))
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        os.rename(paths["moved"], paths["moved"] + "-elsewhere")
+    torch.distributed.barrier()
+    try:
+        moved.save_pretrained(f"{out}/moved")
+    except ExportError as exc:
+        result["moved"] = str(exc)
+    return result
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    from tests.test_convert_hybrid import add_mtp
+    from tests.test_hybrid_checkpoints import conditional_generation_checkpoint
+    from tests.workers_qwen3_5 import configs, write_model
+
+    root = tmp_path_factory.mktemp("save_carried")
+    condgen, _ = conditional_generation_checkpoint(root, "qwen3_5")
+    _add_condgen_mtp(condgen)
+    text = write_model(root, "text", configs()["tied_kv1"], seed=8)
+    add_mtp(text, seed=9)
+    moved = str(shutil.copytree(text, root / "moved"))
+    paths = {"condgen": condgen, "text": text, "moved": moved}
+    out = root / "out"
+    out.mkdir()
+    ranks = run_distributed(2, _worker, paths, str(out))
+    return {"paths": paths, "out": out, "ranks": ranks}
+
+
+def _carried(source: dict) -> dict:
+    return {n: t for n, t in source.items() if n.startswith(("model.visual.", "mtp."))}
+
+
+def test_condgen_save_loads_in_transformers_with_the_tower_and_mtp_bitwise(run):
+    """transformers' ``Qwen3_5ForConditionalGeneration`` loads the save with nothing missing or unexpected and gives
+    our trained model's text logits; tower and MTP tensors are the source's bitwise; the text tensors were
+    trained (differ from the source); the index names each tensor's file."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    saved_dir = run["out"] / "condgen"
+    hf, info = Qwen3_5ForConditionalGeneration.from_pretrained(saved_dir, dtype=torch.float32,
+                                                               output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    evaluation = torch.randint(0, hf.config.text_config.vocab_size, VOCAB_IDS,
+                               generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = hf.eval()(input_ids=evaluation).logits
+    ours = run["ranks"][0]["logits"]
+    assert (ours - ref).abs().max().item() < 1e-5
+    assert torch.equal(ours, run["ranks"][1]["logits"])
+    source, saved = _tensors(run["paths"]["condgen"]), _tensors(saved_dir)
+    carried = _carried(source)
+    assert any(n.startswith("mtp.") for n in carried) and any(n.startswith("model.visual.") for n in carried)
+    assert set(saved) == set(source)
+    assert all(torch.equal(saved[n], t) for n, t in carried.items())
+    assert not torch.equal(saved["model.language_model.embed_tokens.weight"],
+                           source["model.language_model.embed_tokens.weight"])
+    index = json.loads((saved_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(index) == set(saved)
+    assert all(n in load_file(str(saved_dir / f)) for n, f in index.items() if n in carried)
+    config = json.loads((saved_dir / "config.json").read_text())
+    assert config["text_config"]["mtp_num_hidden_layers"] == 1 and config["vision_config"]["depth"] == 2
+
+
+def test_text_checkpoint_keeps_mtp_bitwise_cast_and_unquantized(run):
+    """A text-only checkpoint with MTP: ``mtp.*`` bitwise in fp32 (files split at a small max_shard_size, every
+    one in the index), the source cast to bf16 in a bf16 save (one dtype throughout), kept as stored in an FP8
+    save and listed in ``modules_to_not_convert``."""
+    from transformers import AutoModelForCausalLM
+
+    source = _tensors(run["paths"]["text"])
+    mtp = _carried(source)
+    assert mtp and all(n.startswith("mtp.") for n in mtp)
+    saved = _tensors(run["out"] / "text")
+    assert set(saved) == set(source) and all(torch.equal(saved[n], t) for n, t in mtp.items())
+    index = json.loads((run["out"] / "text" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(index) == set(saved) and len(set(index.values())) > 2
+    _, info = AutoModelForCausalLM.from_pretrained(run["out"] / "text", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    bf16 = _tensors(run["out"] / "text-bf16")
+    assert all(t.dtype == torch.bfloat16 for t in bf16.values())
+    assert all(torch.equal(bf16[n], t.to(torch.bfloat16)) for n, t in mtp.items())
+    fp8 = _tensors(run["out"] / "text-fp8")
+    assert all(torch.equal(fp8[n], t) for n, t in mtp.items()) and not any(n.startswith("mtp.") and
+                                                                          n.endswith("_scale_inv") for n in fp8)
+    assert any(n.endswith("_scale_inv") for n in fp8)  # the text model's linears are quantized
+    kept = json.loads((run["out"] / "text-fp8" / "config.json").read_text())["quantization_config"]
+    assert "mtp.fc" in kept["modules_to_not_convert"]
+
+
+def test_moved_source_refused_with_nothing_written(run):
+    """The source directory moved after the build: refused on both ranks in one line naming the directory and a
+    tensor, before anything is written."""
+    moved = run["paths"]["moved"]
+    messages = [rank.get("moved") for rank in run["ranks"]]
+    assert all(m is not None and "\n" not in m and moved in m for m in messages), messages
+    assert not (run["out"] / "moved").exists() and not list(run["out"].glob(".moved*"))
