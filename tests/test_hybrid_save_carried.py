@@ -50,8 +50,8 @@ def _add_condgen_mtp(path: str) -> None:
 
 
 def _worker(paths: dict, out: str) -> dict:
-    """Rank body: the CondGen model trained one SGD step and saved; the text model saved (fp32, bf16, FP8); the
-    moved source refused."""
+    """Rank body: the CondGen model trained one SGD step and saved (fp32, FP8); the text model saved (fp32, bf16,
+    FP8); the moved source refused."""
     import os
 
     from models.common.export import ExportError
@@ -66,6 +66,7 @@ def _worker(paths: dict, out: str) -> dict:
     model.finalize_grads()
     torch.optim.SGD(model.parameters(), lr=0.5).step()
     model.save_pretrained(f"{out}/condgen")
+    model.save_pretrained(f"{out}/condgen-fp8", quantization="fp8")
     evaluation = torch.randint(0, vocab, VOCAB_IDS, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         result["logits"] = model(evaluation, gather_logits=True).logits
@@ -111,7 +112,8 @@ def _carried(source: dict) -> dict:
 def test_condgen_save_loads_in_transformers_with_the_tower_and_mtp_bitwise(run):
     """transformers' ``Qwen3_5ForConditionalGeneration`` loads the save with nothing missing or unexpected and gives
     our trained model's text logits; tower and MTP tensors are the source's bitwise; the text tensors were
-    trained (differ from the source); the index names each tensor's file."""
+    trained (differ from the source); the index names each tensor's file. An FP8 save keeps the tower as stored
+    and lists its linears in ``modules_to_not_convert``."""
     from transformers import Qwen3_5ForConditionalGeneration
 
     saved_dir = run["out"] / "condgen"
@@ -137,13 +139,21 @@ def test_condgen_save_loads_in_transformers_with_the_tower_and_mtp_bitwise(run):
     assert all(n in load_file(str(saved_dir / f)) for n, f in index.items() if n in carried)
     config = json.loads((saved_dir / "config.json").read_text())
     assert config["text_config"]["mtp_num_hidden_layers"] == 1 and config["vision_config"]["depth"] == 2
+    fp8 = _tensors(run["out"] / "condgen-fp8")  # the tower has no FP8 role: kept as stored, left to loaders as is
+    assert all(torch.equal(fp8[n], t) for n, t in carried.items() if n.startswith("model.visual."))
+    assert any(n.startswith("mtp.") and n.endswith("_scale_inv") for n in fp8)
+    assert not any(n.startswith("model.visual.") and n.endswith("_scale_inv") for n in fp8)
+    kept = json.loads((run["out"] / "condgen-fp8" / "config.json").read_text())["quantization_config"]
+    assert {"model.visual.blocks.0.attn.qkv", "model.visual.merger.linear_fc2"} <= set(kept["modules_to_not_convert"])
 
 
-def test_text_checkpoint_keeps_mtp_bitwise_cast_and_unquantized(run):
+def test_text_checkpoint_keeps_mtp_bitwise_cast_and_quantized_as_pmz_does(run, tmp_path):
     """A text-only checkpoint with MTP: ``mtp.*`` bitwise in fp32 (files split at a small max_shard_size, every
-    one in the index), the source cast to bf16 in a bf16 save (one dtype throughout), kept as stored in an FP8
-    save and listed in ``modules_to_not_convert``."""
+    one in the index), the source cast to bf16 in a bf16 save (one dtype throughout); in an FP8 save the MTP
+    tensors and ``quantization_config`` are what ``pmz convert --to hf --quantize fp8`` of the source writes."""
     from transformers import AutoModelForCausalLM
+
+    from converters.engine import convert
 
     source = _tensors(run["paths"]["text"])
     mtp = _carried(source)
@@ -157,12 +167,16 @@ def test_text_checkpoint_keeps_mtp_bitwise_cast_and_unquantized(run):
     bf16 = _tensors(run["out"] / "text-bf16")
     assert all(t.dtype == torch.bfloat16 for t in bf16.values())
     assert all(torch.equal(bf16[n], t.to(torch.bfloat16)) for n, t in mtp.items())
-    fp8 = _tensors(run["out"] / "text-fp8")
-    assert all(torch.equal(fp8[n], t) for n, t in mtp.items()) and not any(n.startswith("mtp.") and
-                                                                          n.endswith("_scale_inv") for n in fp8)
-    assert any(n.endswith("_scale_inv") for n in fp8)  # the text model's linears are quantized
-    kept = json.loads((run["out"] / "text-fp8" / "config.json").read_text())["quantization_config"]
-    assert "mtp.fc" in kept["modules_to_not_convert"]
+    convert(run["paths"]["text"], tmp_path / "pmz-fp8", to="hf", quantization="fp8")
+    ours, theirs = _tensors(run["out"] / "text-fp8"), _tensors(tmp_path / "pmz-fp8")
+    ours_mtp, theirs_mtp = _carried(ours), _carried(theirs)
+    assert any(n.endswith("_scale_inv") for n in theirs_mtp) and sorted(ours_mtp) == sorted(theirs_mtp)
+    assert all(ours_mtp[n].dtype == t.dtype and torch.equal(ours_mtp[n], t) for n, t in theirs_mtp.items())
+
+    def qconfig(path):
+        return json.loads((path / "config.json").read_text())["quantization_config"]
+
+    assert qconfig(run["out"] / "text-fp8") == qconfig(tmp_path / "pmz-fp8")
 
 
 def test_moved_source_refused_with_nothing_written(run):

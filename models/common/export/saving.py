@@ -10,6 +10,7 @@ source checkpoint's tensors the model does not hold (``_carried``: a hybrid's MT
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -176,17 +177,19 @@ def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, max_s
     ``quantization="fp8"``: linear weights as block-wise FP8 with ``<name>_scale_inv`` and
     ``quantization_config`` in config.json (``fp8.py``), quantized in fp32 from the parameters;
     ``dtype`` is then the dtype of the other tensors. Files are planned on the parameters' bytes, so
-    FP8 files come out smaller than ``max_shard_size``. Carried tensors stay unquantized (they are
-    copied, not trained: the tower has no FP8 role in ``fp8.py``, and the MTP block is written as stored, unlike
-    ``pmz convert --quantize fp8`` which quantizes it), and their linear modules are added to
-    ``modules_to_not_convert`` so that loaders read them as stored.
+    FP8 files come out smaller than ``max_shard_size``. Carried tensors follow ``fp8.py``'s roles as
+    ``pmz convert --to hf --quantize fp8`` does: the MTP block's linears (``fc``, its decoder layer's
+    projections) quantized from the source values, its norms and router kept (the router listed in
+    ``modules_to_not_convert``); the vision tower has no FP8 role for these models and stays unquantized, its
+    linear modules added to ``modules_to_not_convert`` so that loaders read them as stored.
     """
     import json
 
     from models.common.hf_files import save_safetensors
 
     staged = _StagedDirectory(directory, "save_pretrained")
-    _, carried = staged.check((_check_saveable, model, merge_lora, quantization), (_carried, model))
+    _, carried = staged.check((_check_saveable, model, merge_lora, quantization), (_carried, model, quantization))
+    source, carried_layout, fp8_carried, mtp_layers = carried or (None, (), frozenset(), 0)
     limit = _parse_shard_size(max_shard_size)
     hf_config = model.hf_config
     groups = model.groups
@@ -194,7 +197,7 @@ def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, max_s
     dtype = dtype or source_dtype
     element_size = torch.empty((), dtype=source_dtype if quantization else dtype).element_size()
     plans = plan_buckets(model, limit, element_size)
-    carried_files = _plan_carried(carried[1] if carried else (), dtype, limit)
+    carried_files = _plan_carried(carried_layout, dtype, limit)
     names = _file_names(len(plans) + len(carried_files))
     staged.open()
     shapes = hf_shapes(model.config, model.weight_map)
@@ -215,7 +218,7 @@ def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, max_s
     world = dist.get_world_size() if dist.is_initialized() else 1
     for j, (layout, file_name) in enumerate(zip(carried_files, names[len(plans):])):
         if staged.rank == j % world:
-            staged.run(_write_carried, carried[0], layout, dtype, staged.tmp / file_name)
+            staged.run(_write_carried, source, layout, dtype, fp8_carried, staged.tmp / file_name)
 
     def stored(plan):  # (name, shape, dtype) of what the plan's file holds
         quantized = {n for e in plan.entries if quantization and fp8.is_quantized(e) for n in e.hf}
@@ -225,12 +228,14 @@ def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, max_s
         _copy_source_files(model, tmp)
         qconfig = None
         if quantization:
-            qconfig = fp8.quantization_config(model.weight_map, model.config.num_hidden_layers)
-            qconfig["modules_to_not_convert"] += [n.removesuffix(".weight") for layout in carried_files
-                                                  for n, shape in layout if n.endswith(".weight") and len(shape) == 2]
+            roles = replace(model.weight_map, mtp_layers=mtp_layers) if mtp_layers else model.weight_map
+            qconfig = fp8.quantization_config(roles, model.config.num_hidden_layers)
+            kept = qconfig["modules_to_not_convert"]
+            kept += [n.removesuffix(".weight") for n, shape in carried_layout if n.endswith(".weight")
+                     and len(shape) == 2 and n not in fp8_carried and n.removesuffix(".weight") not in kept]
         _saved_config(hf_config, dtype, qconfig).save_pretrained(str(tmp))
         files = [(stored(plan), file_name) for plan, file_name in zip(plans, names)]
-        files += [([(n, shape, dtype) for n, shape in layout], file_name)
+        files += [([t for n, shape in layout for t in fp8.stored_layout(n, shape, n in fp8_carried, dtype)], file_name)
                   for layout, file_name in zip(carried_files, names[len(plans):])]
         if len(files) > 1:
             size = sum(math.prod(shape) * dt.itemsize for layout, _ in files for _, shape, dt in layout)
@@ -244,10 +249,11 @@ def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, max_s
 Layout = tuple[tuple[str, tuple[int, ...]], ...]
 
 
-def _carried(model):
-    """``(source, ((name, shape), ...))``: the tensors of the model's source checkpoint that the model does not
-    hold, sorted by name, read through the loader's reader (``weights.checkpoint_source``: the validated files,
-    fused experts as per-expert views, as the model's own experts are written); None when there are none.
+def _carried(model, quantization: str | None = None):
+    """``(source, ((name, shape), ...), FP8 names, MTP layers)``: the tensors of the model's source checkpoint
+    that the model does not hold, sorted by name, read through the loader's reader (``weights.checkpoint_source``:
+    the validated files, fused experts as per-expert views, as the model's own experts are written); None when
+    there are none.
 
     Only a Gated DeltaNet hybrid leaves checkpoint tensors unread (``builder._unloaded_tensors``: the MTP block,
     a conditional-generation checkpoint's vision tower); a model built from a transformers config or a tensor
@@ -256,7 +262,9 @@ def _carried(model):
     skips them too). ExportError naming the directory and a tensor when it no longer reads as the checkpoint
     the model was built from: gone or unreadable, a tensor the model holds missing or of another shape there, or
     a tower tensor the config declares (``cfg.carried``) or an MTP tensor (shape from the MTP block's weight-map
-    entries) missing or of another shape; carrying would then write another checkpoint's tensors, or none."""
+    entries) missing or of another shape; carrying would then write another checkpoint's tensors, or none.
+    FP8 names (``quantization``): the MTP tensors ``fp8.is_quantized`` stores as FP8 (the roles
+    ``pmz convert --quantize fp8`` reads, ``converters/torch_path/hf_fp8.role_map``)."""
     from models.common.errors import CheckpointError
     from models.common.hybrid_weights import MTP_PREFIX, HybridWeightMap
     from models.common.weights import checkpoint_source
@@ -285,7 +293,15 @@ def _carried(model):
                               f"gives {tuple(expected[name])} (changed since the model was built)")
     if not extra:
         return None
-    return source, tuple((n, tuple(source.shape(n))) for n in extra)
+    layers = max(mtp) + 1 if mtp else 0
+    quantized = frozenset()
+    if quantization and layers:
+        try:
+            quantized = frozenset(n for e in replace(wmap, mtp_layers=layers).mtp_entries() if fp8.is_quantized(e)
+                                  for n in e.hf if n in names)
+        except fp8.QuantizationError as exc:
+            raise ExportError(str(exc)) from None
+    return source, tuple((n, tuple(source.shape(n))) for n in extra), quantized, layers
 
 
 def _plan_carried(layout: Layout, dtype: torch.dtype, limit: int) -> list[Layout]:
@@ -306,14 +322,18 @@ def _plan_carried(layout: Layout, dtype: torch.dtype, limit: int) -> list[Layout
 _CASTABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _write_carried(source, layout: Layout, dtype: torch.dtype, path) -> None:
-    """One file of carried tensors, each read whole in its stored dtype and cast only where ``dtype`` differs."""
+def _write_carried(source, layout: Layout, dtype: torch.dtype, quantized: frozenset, path) -> None:
+    """One file of carried tensors, each read whole in its stored dtype and cast only where ``dtype`` differs
+    (``quantized``: stored as FP8 with its scales instead, ``fp8.quantize_named``)."""
     from models.common.hf_files import save_safetensors
     from parallel.sharding import Piece
 
     tensors = {}
     for name, _ in layout:
         t = source.read(name, Piece(None))
+        if name in quantized:
+            tensors.update((k, v.contiguous()) for k, v in fp8.quantize_named([(name, t)], True, dtype))
+            continue
         if t.dtype != dtype:
             if t.dtype not in _CASTABLE:
                 raise ExportError(f"{name}: stored as {t.dtype} in the source, which is not cast to {dtype} "
