@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from tests.distributed import run_distributed
 
 VOCAB_IDS = (2, 9)  # the evaluation batch's shape
+RESHAPED = "model.visual.pos_embed.weight"  # one row more in the "reshaped" source after the build
 
 
 def _tensors(directory) -> dict:
@@ -75,14 +76,19 @@ def _worker(paths: dict, out: str) -> dict:
     text.save_pretrained(f"{out}/text-bf16", dtype=torch.bfloat16)
     text.save_pretrained(f"{out}/text-fp8", quantization="fp8")
     moved = build_parallel_model(paths["moved"], ParallelConfig(tp=2))
+    reshaped = build_parallel_model(paths["reshaped"], ParallelConfig(tp=2))
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
         os.rename(paths["moved"], paths["moved"] + "-elsewhere")
+        tensors = load_file(f"{paths['reshaped']}/model.safetensors")
+        tensors[RESHAPED] = torch.cat([tensors[RESHAPED], tensors[RESHAPED][:1]])
+        save_file(tensors, f"{paths['reshaped']}/model.safetensors", metadata={"format": "pt"})
     torch.distributed.barrier()
-    try:
-        moved.save_pretrained(f"{out}/moved")
-    except ExportError as exc:
-        result["moved"] = str(exc)
+    for name, built in (("moved", moved), ("reshaped", reshaped)):
+        try:
+            built.save_pretrained(f"{out}/{name}")
+        except ExportError as exc:
+            result[name] = str(exc)
     return result
 
 
@@ -98,7 +104,8 @@ def run(tmp_path_factory):
     text = write_model(root, "text", configs()["tied_kv1"], seed=8)
     add_mtp(text, seed=9)
     moved = str(shutil.copytree(text, root / "moved"))
-    paths = {"condgen": condgen, "text": text, "moved": moved}
+    reshaped = str(shutil.copytree(condgen, root / "reshaped"))
+    paths = {"condgen": condgen, "text": text, "moved": moved, "reshaped": reshaped}
     out = root / "out"
     out.mkdir()
     ranks = run_distributed(2, _worker, paths, str(out))
@@ -179,10 +186,11 @@ def test_text_checkpoint_keeps_mtp_bitwise_cast_and_quantized_as_pmz_does(run, t
     assert qconfig(run["out"] / "text-fp8") == qconfig(tmp_path / "pmz-fp8")
 
 
-def test_moved_source_refused_with_nothing_written(run):
-    """The source directory moved after the build: refused on both ranks in one line naming the directory and a
-    tensor, before anything is written."""
-    moved = run["paths"]["moved"]
-    messages = [rank.get("moved") for rank in run["ranks"]]
-    assert all(m is not None and "\n" not in m and moved in m for m in messages), messages
-    assert not (run["out"] / "moved").exists() and not list(run["out"].glob(".moved*"))
+@pytest.mark.parametrize("case,named", [("moved", "model.safetensors"), ("reshaped", RESHAPED)])
+def test_changed_source_refused_with_nothing_written(run, case, named):
+    """The source directory moved, or a tower tensor reshaped, after the build: refused on both ranks in one line
+    naming the directory and the file or tensor, before anything is written."""
+    where = run["paths"][case]
+    messages = [rank.get(case) for rank in run["ranks"]]
+    assert all(m is not None and "\n" not in m and where in m and named in m for m in messages), messages
+    assert not (run["out"] / case).exists() and not list(run["out"].glob(f".{case}*"))

@@ -276,7 +276,8 @@ def _carried(model, quantization: str | None = None):
     try:
         source = checkpoint_source(directory, cfg, where=what)
     except (CheckpointError, OSError) as exc:
-        raise ExportError(f"{what}: no longer readable: {exc}") from None
+        example = f" such as {cfg.carried[0][0]}" if cfg.carried else ""
+        raise ExportError(f"{what}: no longer readable, its tensors{example} cannot be carried: {exc}") from None
     held = hf_shapes(cfg, wmap)
     names = source.names()
     tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
