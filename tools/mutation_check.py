@@ -195,6 +195,23 @@ MUTATIONS = (
               ("converters/layout/megatron.py", "for g in range(ng) for j in range(per) for part in (0, 1)]",
                "for g in range(ng) for j in range(per) for part in (1, 0)]")),
              ("tests/test_convert_hybrid.py",)),
+    Mutation("tower-qkv-not-per-head", "Qwen3.5's vision qkv written to Megatron as HF's [q; k; v] (no per-head "
+             "reorder; reading undoes none, so our own round trips stay bitwise)",
+             (("converters/layout/hybrid.py", "t.reshape(3, heads, hd, *t.shape[1:]).transpose(0, 1)",
+               "t.reshape(3, heads, hd, *t.shape[1:]).transpose(0, 0)"),
+              ("converters/layout/hybrid.py", "full.reshape(heads, 3, hd, *full.shape[1:]).transpose(0, 1)",
+               "full.reshape(heads, 3, hd, *full.shape[1:]).transpose(0, 0)")),
+             ("tests/test_convert_hybrid_vision.py",)),
+    Mutation("vllm-tower-qkv-contiguous", "Qwen3.5's vision qkv split over vLLM's TP ranks as contiguous rows "
+             "(not each rank's q, k and v)",
+             (("models/common/vllm_format.py", '_TOWER_RULES = ((".attn.qkv.", Fused(3)),',
+               '_TOWER_RULES = ((".attn.qkv.", Split(0)),'),),
+             ("tests/test_vllm_hybrid_vision.py",)),
+    Mutation("gdn-rounds-shortest-first", "packed sequences laid shortest first, so the state scan carries the "
+             "wrong sequences into the next round",
+             (("parallel/gated_delta_chunk.py", "seqs = sorted(sizes, key=lambda j: -sizes[j])",
+               "seqs = sorted(sizes, key=lambda j: sizes[j])"),),
+             ("tests/test_gated_delta_rule.py",)),
 )
 
 
