@@ -45,7 +45,7 @@ class HFReader(CheckpointReader):
                                mixed_dtypes((n, t.dtype, t.path) for n, t in ckpt.tensors.items()))
         # other key layouts of the same model (Qwen2-VL's in-memory names) read under the weight map's
         self.source = RenamedSource(files, self.arch.canonical_name, self.path) if self.arch.hf_key_aliases else files
-        # per-expert views into experts stored fused (``formats.hf.per_expert_views``): mapped byte ranges
+        # per-expert views into experts stored fused (``models.common.hf_files.per_expert_views``): mapped byte ranges
         self.views = {name: ckpt.tensors[name] for name in ckpt.views}
         self._mapped = MappedFiles()
         self._files = files

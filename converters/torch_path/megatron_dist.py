@@ -210,7 +210,7 @@ def _put_hybrid_unit(put, reader: CheckpointReader, target, wmap, unit: Unit) ->
             continue
         start = 0
         for name, rows in dist_components(entry, key):
-            part = full if rows is None else full[start:start + rows].contiguous()
+            part = full if rows is None else full[start:start + rows].clone()  # a slice saves its whole storage
             start += rows or 0
             put(name, tuple(part.shape), part.dtype, (0,) * part.dim(), tuple(part.shape), part)
     for module, suffix in dist_extra_states(wmap, unit):

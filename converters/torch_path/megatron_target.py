@@ -70,6 +70,7 @@ def megatron_unit_tensors(reader: CheckpointReader, unit: Unit, local_index: int
     local id at expert parallelism ``ep``; a hybrid's ``FINAL`` unit carries its MTP block (``layout.hybrid``);
     ``ep_rank`` given: only that EP rank's experts. ``wmap``:
     the Megatron names to write (default the reader's; Megatron-Bridge's for ``layout.model.megatron_weight_map``)."""
+    reader.release_pages()  # pages of units already read leave resident memory (what was taken stays readable)
     hf = reader.read_unit(unit)
     out = []
     for entry, key, rank in unit_keys(wmap or reader.wmap, unit, local_index, ep):

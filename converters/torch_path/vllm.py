@@ -143,6 +143,7 @@ def write_vllm_rank(reopen_args: tuple, directory: str, pp_rank: int, tp_rank: i
         values: dict[str, list[tuple[str, torch.Tensor]]] = {}  # key -> what is stored for it, until added
         done = 0  # wanted[:done] are in the parts: tensors go out in state-dict order as soon as they exist
         for unit in units:
+            reader.release_pages()  # pages of units already read leave resident memory
             hf = reader.read_unit(unit)
             for t in wanted[done:]:
                 if t.entry is not None and t.key not in values and all(n in hf for n in t.entry.hf):
