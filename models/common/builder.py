@@ -105,13 +105,15 @@ def build_model(arch: Architecture, source: Any, parallel_config: ParallelConfig
         from models.common.blocks.lora import check_lora_config
 
         lora_targets = check_lora_config(cfg, wmap, lora, parallel_config, hf_shapes(cfg, wmap))
+    unloaded: tuple[str, ...] = ()
     if isinstance(source, (str, os.PathLike)):  # fused experts read per expert, as the converters read them
         tensor_source = checkpoint_source(source, cfg, arch.canonical_name if arch.hf_key_aliases else None, where)
     elif tensor_source is not None and arch.hf_key_aliases:
         tensor_source = RenamedSource(tensor_source, arch.canonical_name, where)
     if tensor_source is not None:
         allowed = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
-        allowed += _unloaded_tensors(wmap, tensor_source.names())
+        unloaded = _unloaded_tensors(wmap, tensor_source.names())
+        allowed += unloaded
         validate_source(tensor_source, hf_shapes(cfg, wmap), where, allowed_extra=allowed)
     else:
         tensor_source = random_source(arch, cfg, parallel_config, seed)
@@ -127,6 +129,7 @@ def build_model(arch: Architecture, source: Any, parallel_config: ParallelConfig
     model.hf_config = hf_config  # what save_pretrained writes as config.json
     model.loss_chunk_tokens = loss_chunk_tokens
     model.source_dir = str(source) if isinstance(source, (str, os.PathLike)) else None  # tokenizer files for exports
+    model.unloaded_tensors = unloaded  # source tensors left unread (MTP, a vision tower): save_pretrained carries them
     load_weights(dict(model.named_parameters()), model.load_entries(), tensor_source, groups.tp_rank, groups.tp_size,
                  groups.ep_rank, groups.ep_size)
     if lora is not None:

@@ -270,8 +270,8 @@ def _carried(model, quantization: str | None = None):
     from models.common.weights import checkpoint_source
 
     directory, wmap, cfg = getattr(model, "source_dir", None), model.weight_map, model.config
-    if directory is None or not isinstance(wmap, HybridWeightMap):
-        return None
+    if directory is None or not isinstance(wmap, HybridWeightMap) or not getattr(model, "unloaded_tensors", ()):
+        return None  # nothing was left unread at build time (builder records it): nothing to carry
     what = f"{directory} (the model's source directory, whose tensors the model does not hold are carried)"
     try:
         source = checkpoint_source(directory, cfg, where=what)
