@@ -38,8 +38,9 @@ What it measures
     block; dense ffn 6144, or 64 experts of 512 + a shared expert of 512, top-8), the layer count (a
     multiple of 4) nearest ``--sizes`` (default 2 GB), written by pmz to Megatron legacy TP2 and
     torch_dist TP2 for the Megatron sources. Directions: hf->hf (the copy path), hf->legacy (TP2),
-    hf->dist (TP2), legacy->hf, dist->hf, hf->vllm (TP2); every one but hf->hf takes the torch path
-    (the out_norm's minus one, per-component torch_dist keys). Same rounds and RSS as above; the
+    hf->dist (TP2), legacy->hf, dist->hf, hf->vllm (TP2); for dense qwen3.5 every one but hf->vllm
+    takes the copy path (since 2026-11-26: the out_norm's minus one computed on its bytes), for
+    qwen3.5-moe the Megatron and vLLM ones the torch path. Same rounds and RSS as above; the
     targets are issue 8's (ratio >= 0.8 by both ratios, peak RSS <= 96 MiB).
 
 How to run
@@ -456,7 +457,7 @@ DIRECTIONS = {  # name: (source dir key, pmz convert arguments)
     "legacy->legacy": ("legacy", ["--to", "megatron", "--tp", "1", "--pp", "2"]),
     "dist->legacy": ("dist", ["--to", "megatron", "--tp", "4", "--pp", "1"]),
 }
-HYBRID_DIRECTIONS = {  # --model qwen3.5 / qwen3.5-moe: every direction with a Megatron or vLLM side is torch path
+HYBRID_DIRECTIONS = {  # --model qwen3.5: all but hf->vllm by the copy path; qwen3.5-moe: Megatron targets by torch
     "hf->hf": ("hf", ["--to", "hf"]),
     "hf->legacy": ("hf", ["--to", "megatron", "--tp", "2"]),
     "hf->dist": ("hf", ["--to", "megatron-dist", "--tp", "2"]),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 
-from converters.copy_path.ops import Copy, Interleave, Op, Zeros
+from converters.copy_path.ops import Copy, Data, Interleave, Op, Zeros
 from converters.runtime.tasks import check_stop
 from models.common.errors import CheckpointError
 
@@ -41,6 +41,8 @@ def fill_file(path: str, work: list[tuple[int, list[Op]]], buffer_bytes: int = D
                     writer.copy(fd_of(op.path), op.offset, op.n, op.path)
                 elif isinstance(op, Zeros):
                     writer.skip(op.n)
+                elif isinstance(op, Data):
+                    writer.put(op.data)
                 else:
                     writer.interleave(op, fd_of)
                 written += op.nbytes
@@ -51,6 +53,28 @@ def fill_file(path: str, work: list[tuple[int, list[Op]]], buffer_bytes: int = D
         os.close(out)
         fd_of.close()
     return written
+
+
+def read_ops(ops: list[Op]) -> bytes:
+    """The bytes a few small operations produce, in memory (a ``minus_one`` vector while planning)."""
+    out = bytearray()
+    for op in ops:
+        if isinstance(op, Copy):
+            fd = os.open(op.path, os.O_RDONLY)
+            try:
+                data = os.pread(fd, op.n, op.offset)
+            finally:
+                os.close(fd)
+            if len(data) != op.n:
+                raise CheckpointError(f"{op.path}: {op.n} bytes at offset {op.offset} cannot be read")
+            out += data
+        elif isinstance(op, Zeros):
+            out += bytes(op.n)
+        elif isinstance(op, Data):
+            out += op.data
+        else:
+            raise CheckpointError(f"internal: read_ops of {type(op).__name__}")
+    return bytes(out)
 
 
 class SourceFiles:
@@ -154,6 +178,17 @@ class BlockWriter:
             self.fill += m
             offset += m
             n -= m
+            if self.fill >= self.limit:
+                self._write(self.limit)
+
+    def put(self, data: bytes) -> None:
+        """``data`` itself (bytes computed while planning, ``ops.Data``)."""
+        view = memoryview(data)
+        while view:
+            m = min(len(view), self.limit - self.fill)
+            self.buf[self.fill:self.fill + m] = view[:m]
+            self.fill += m
+            view = view[m:]
             if self.fill >= self.limit:
                 self._write(self.limit)
 

@@ -47,8 +47,9 @@ from converters.formats.megatron_dist import dist_metadata
 from converters.formats.megatron_legacy import rank_file_object
 from converters.formats.tensors import TAG_TO_TORCH_NAME
 from converters.formats.torch_zip import archive_bytes, layout_archive
+from converters.layout.hybrid import dist_components, dist_extra_states, legacy_extra_states, unit_keys
 from converters.layout.megatron import COL1, LayoutError, megatron_full_shape, megatron_padded_vocab, tp_split_kind
-from converters.layout.model import EMBED, FINAL, require_megatron_layout
+from converters.layout.model import EMBED, FINAL, is_hybrid, require_megatron_layout
 from converters.layout.stages import (
     DIST_DATA_FILES,
     DIST_METADATA_JSON,
@@ -90,7 +91,7 @@ def plan_copy_target(source: RawSource, *, fmt: str, tp: int, pp: int, vpp: int,
     cfg = source.cfg
     if cfg.moe is not None:
         raise Unsupported("Megatron targets of mixture-of-experts models (the torch path writes them)")
-    refuse_hybrid(source.wmap)
+    refuse_hybrid(cfg, source.wmap)
     require_megatron_layout(cfg, source.path)
     check_target_stages(cfg.num_hidden_layers, pp, vpp, first, last)
     validate_target_layout(cfg, fmt, tp=tp, pp=pp, vpp=vpp, first=first, last=last)
@@ -98,7 +99,9 @@ def plan_copy_target(source: RawSource, *, fmt: str, tp: int, pp: int, vpp: int,
     padded = megatron_padded_vocab(cfg.vocab_size, tp, divisible_by)
     args = target_arg_fields(source.hf_config, cfg, tp=tp, pp=pp, vpp=vpp, padded_vocab=padded,
                              dtype_name=TAG_TO_TORCH_NAME[tag], fmt="torch" if fmt == "megatron" else "torch_dist",
-                             divisible_by=divisible_by, first=first, last=last)
+                             divisible_by=divisible_by, first=first, last=last,
+                             mtp_layers=getattr(source.wmap, "mtp_layers", 0))
+    source.plan_megatron_values()  # a hybrid's output norms (HF - 1): Unsupported for a NaN, before any write
     layout = MegatronLayout(cfg.num_hidden_layers, pp, vpp, first, last, "target")
     iteration = getattr(source, "iteration", None)
     return CopyTarget(fmt, tp, pp, vpp, padded, tag, layout, args, iteration if isinstance(iteration, int) else None,
@@ -151,9 +154,11 @@ def _legacy_file(source: RawSource, target: CopyTarget, directory: Path, p: int,
         name = "model" if target.vpp == 1 else f"model{v}"
         chunk = state.setdefault(name, {})
         for unit, local in target.layout.stage_units(p, v):
-            for entry, key in unit_megatron_keys(source.wmap, unit, local):
+            for entry, key, _ in unit_keys(source.wmap, unit, local, 1):  # a hybrid's MTP block on FINAL
                 chunk[key] = add(key, entry, name)
-            chunk.update({f"{m}._extra_state": None for m in extra_state_modules(unit, local)})
+            modules = (legacy_extra_states(source.wmap, unit, local, 1, True) if is_hybrid(source.wmap)
+                       else extra_state_modules(unit, local))
+            chunk.update({f"{m}._extra_state": None for m in modules})
         if source.cfg.tie_word_embeddings and target.pp > 1 and p == target.pp - 1 and v == target.vpp - 1:
             # Megatron's last stage keeps its own copy of the tied embedding as output_layer.weight.
             entry = source.wmap.first_entries[0]
@@ -245,6 +250,9 @@ def _dist_files(source: RawSource, target: CopyTarget, directory: Path) -> tuple
         name = f"__{i}_0.distcp"
         pos, headers, work = 0, [], []
         for unit in units[i::n_files]:
+            if is_hybrid(source.wmap):
+                pos = _hybrid_dist_unit(source, target, unit, name, pos, headers, work, tensors, bytes_keys, extra)
+                continue
             layer = None if unit in (EMBED, FINAL) else int(unit)
             for entry, key in unit_megatron_keys(source.wmap, unit, layer):
                 full, ops = shard_ops(source, entry, target.hf_shapes, target.padded_vocab, 1, 0, key)
@@ -268,6 +276,36 @@ def _dist_files(source: RawSource, target: CopyTarget, directory: Path) -> tuple
                     pos += len(extra)
         plans.append(_FilePlan(str(directory / name), pos, headers, work))
     return plans, pw.dumps(dist_metadata(tensors, bytes_keys, target.tag))
+
+
+def _hybrid_dist_unit(source: RawSource, target: CopyTarget, unit, name: str, pos: int, headers: list, work: list,
+                      tensors: dict, bytes_keys: list, extra: bytes) -> int:
+    """A dense Gated DeltaNet hybrid's unit in data file ``name`` from offset ``pos``, as the torch path's
+    ``_put_hybrid_unit`` lays it out (``layout.hybrid``: every layer under its global number, ``in_proj`` /
+    ``conv1d`` one global tensor per component, the MTP layer as ``transformer_layer``, then an empty
+    ``_extra_state`` per Transformer-Engine module); returns the offset after it."""
+    layer = unit if isinstance(unit, int) else None
+    for entry, key, _ in unit_keys(source.wmap, unit, layer, 1):
+        full, ops = shard_ops(source, entry, target.hf_shapes, target.padded_vocab, 1, 0, key)
+        start = 0
+        for gkey, rows in dist_components(entry, key):
+            shape = full if rows is None else (rows, *full[1:])
+            if rows is not None:
+                segments = full_segments(entry, source.cfg, target.hf_shapes, target.padded_vocab)
+                ops = full_rows_ops(source, segments, [(start, start + rows)], 0, row_nbytes(full, target.tag))
+                start += rows
+            nbytes = sum(op.nbytes for op in ops)
+            lay = layout_archive(pw.dumps(pw.tensor("0", target.tag, shape)), [nbytes], base=pos)
+            headers += lay.pieces
+            work.append((lay.storage_offsets[0], ops, nbytes))
+            tensors.setdefault(gkey, {"size": shape, "chunks": []})["chunks"].append(
+                ((0,) * len(shape), shape, name, pos, lay.size))
+            pos = lay.end
+    for module, suffix in dist_extra_states(source.wmap, unit):
+        bytes_keys.append((f"{module}._extra_state/{suffix}", name, pos, len(extra)))
+        headers.append((pos, extra))
+        pos += len(extra)
+    return pos
 
 
 # ------------------------------------------------------------------------------------- writing

@@ -16,9 +16,21 @@ from typing import Any
 from converters.copy_path.ops import Copy, Interleave, Op, PlannedTensor, Unsupported, Zeros, merge_copies
 from converters.copy_path.sources import RawSource
 from converters.formats.tensors import ITEMSIZE
-from converters.layout.megatron import COL1, GATE_UP, REPLICATED, ROW0, LayoutError, megatron_full_shape, tp_split_kind
+from converters.layout.megatron import (
+    BLOCKS,
+    COL1,
+    GATE_UP,
+    REPLICATED,
+    ROW0,
+    LayoutError,
+    blocks_shard_rows,
+    hf_row_ranges,
+    megatron_full_shape,
+    packed_components,
+    tp_split_kind,
+)
 from models.common.errors import CheckpointError
-from models.common.weight_map import GATE_UP_STACKED, PLAIN, QKV_INTERLEAVED, VOCAB_PADDED, WeightEntry
+from models.common.weight_map import GATE_UP_STACKED, MINUS_ONE, VOCAB_PADDED, WeightEntry
 
 
 def row_nbytes(shape: tuple[int, ...], tag: str) -> int:
@@ -75,16 +87,9 @@ def _band(parts: tuple, first: int, rows: int, b0: int, b1: int) -> Op:
 def full_segments(entry: WeightEntry, cfg: Any, hf_shapes: dict,
                   padded_vocab: int) -> list[tuple[str | None, int, int]]:
     """The Megatron full tensor of ``entry`` as consecutive row ranges of its HF tensors
-    (``(hf_name, a, b)``; ``None`` for zero rows)."""
+    (``(hf_name, a, b)``; ``None`` for zero rows): ``layout.megatron.hf_row_ranges`` (the rule the torch
+    path's readers use) turned around, plus the stacked gate/up and the vocab padding."""
     layout = entry.megatron_layout
-    if layout == QKV_INTERLEAVED:
-        nh, ng, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        if nh % ng:
-            raise LayoutError(f"num_attention_heads={nh} not divisible by num_query_groups={ng}")
-        q, k, v = entry.hf
-        nq = nh // ng * hd
-        return [seg for g in range(ng) for seg in ((q, g * nq, (g + 1) * nq), (k, g * hd, (g + 1) * hd),
-                                                   (v, g * hd, (g + 1) * hd))]
     if layout == GATE_UP_STACKED:
         return [(n, 0, hf_shapes[n][0]) for n in entry.hf]
     if layout == VOCAB_PADDED:
@@ -92,9 +97,25 @@ def full_segments(entry: WeightEntry, cfg: Any, hf_shapes: dict,
         if padded_vocab < rows:
             raise LayoutError(f"{entry.megatron}: padded vocab {padded_vocab} < vocab {rows}")
         return [(entry.hf[0], 0, rows)] + ([(None, 0, padded_vocab - rows)] if padded_vocab > rows else [])
-    if layout == PLAIN:
-        return [(entry.hf[0], 0, hf_shapes[entry.hf[0]][0])]
-    raise LayoutError(f"unknown Megatron layout {layout!r}")
+    full_rows = megatron_full_shape(entry, hf_shapes, cfg, padded_vocab)[0]
+    placed = []  # (full row, hf name, hf row, rows)
+    for name, ranges in zip(entry.hf, hf_row_ranges(entry, cfg, full_rows)):
+        h = 0
+        for a, b in ranges:
+            placed.append((a, name, h, b - a))
+            h += b - a
+    segments, row = [], 0
+    for a, name, h, n in sorted(placed):
+        if a != row:
+            raise LayoutError(f"{entry.megatron}: rows {row}..{a} of {full_rows} come from no HF tensor")
+        if segments and segments[-1][0] == name and segments[-1][2] == h:
+            segments[-1] = (name, segments[-1][1], h + n)
+        else:
+            segments.append((name, h, h + n))
+        row = a + n
+    if row != full_rows:
+        raise LayoutError(f"{entry.megatron}: rows {row}..{full_rows} come from no HF tensor")
+    return segments
 
 
 def full_rows_ops(source: RawSource, segments: list, rows: list[tuple[int, int]], b0: int, b1: int) -> list[Op]:
@@ -118,11 +139,16 @@ def shard_ops(source: RawSource, entry: WeightEntry, hf_shapes: dict, padded: in
               key: str) -> tuple[tuple[int, ...], list[Op]]:
     """(shape, operations) of TP rank ``t``'s legacy shard of ``entry`` (``tp=1``: the full tensor)."""
     full = megatron_full_shape(entry, hf_shapes, source.cfg, padded)
+    kind = REPLICATED if tp == 1 else tp_split_kind(entry, len(full))
+    if entry.megatron_layout == MINUS_ONE:  # computed while planning (``sources.plan_megatron_values``)
+        ops = source.planned[entry.hf[0]].megatron_ops
+        if ops is None or kind != REPLICATED:
+            raise CheckpointError(f"internal: {key} ({kind}) has no planned Megatron value")
+        return full, ops
     segments = full_segments(entry, source.cfg, hf_shapes, padded)
     tag = source.planned[entry.hf[0]].dtype
     width = row_nbytes(full, tag)
     rows = full[0]
-    kind = REPLICATED if tp == 1 else tp_split_kind(entry, len(full))
     if kind == REPLICATED:
         return full, full_rows_ops(source, segments, [(0, rows)], 0, width)
     if kind == ROW0:
@@ -136,6 +162,9 @@ def shard_ops(source: RawSource, entry: WeightEntry, hf_shapes: dict, padded: in
         half, s = rows // 2, rows // (2 * tp)
         return (2 * s, *full[1:]), full_rows_ops(source, segments, [(t * s, (t + 1) * s),
                                                                      (half + t * s, half + (t + 1) * s)], 0, width)
+    if kind == BLOCKS:  # the t-th row chunk of every component
+        spans = blocks_shard_rows(packed_components(entry), tp, t, key)
+        return (rows // tp, *full[1:]), full_rows_ops(source, segments, spans, 0, width)
     if kind == COL1:
         if full[1] % tp:
             raise LayoutError(f"{key}: size {full[1]} of dim 1 not divisible by tp={tp}")

@@ -15,9 +15,20 @@ from dataclasses import dataclass
 from typing import Union
 
 from converters.formats.tensors import RawTensor
-from converters.layout.megatron import COL1, GATE_UP, REPLICATED, ROW0, LayoutError, hf_row_ranges, tp_split_kind
+from converters.layout.megatron import (
+    BLOCKS,
+    COL1,
+    GATE_UP,
+    REPLICATED,
+    ROW0,
+    LayoutError,
+    blocks_shard_rows,
+    hf_row_ranges,
+    packed_components,
+    tp_split_kind,
+)
 from models.common.errors import CheckpointError
-from models.common.weight_map import GATE_UP_STACKED, WeightEntry
+from models.common.weight_map import GATE_UP_STACKED, MINUS_ONE, WeightEntry
 
 
 class Unsupported(Exception):
@@ -64,7 +75,20 @@ class Zeros:
         return self.n
 
 
-Op = Union[Copy, Interleave, Zeros]
+@dataclass(frozen=True)
+class Data:
+    """Bytes computed while planning: a Gated DeltaNet output norm's ``minus_one`` values
+    (``layout.megatron.shift_bytes``), one small vector per layer -- the only tensors that are not byte
+    ranges of the source."""
+
+    data: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+
+Op = Union[Copy, Interleave, Zeros, Data]
 
 
 @dataclass(frozen=True)
@@ -128,6 +152,9 @@ class PlannedTensor:
     shape: tuple[int, ...]
     dtype: str
     ops: list[Op]
+    # a ``minus_one`` tensor: the operations of its Megatron value (a Megatron source's stored bytes, carried
+    # to a Megatron target as stored; from an HF source set by ``sources.plan_megatron_values``)
+    megatron_ops: list[Op] | None = None
 
 
 def megatron_entry_ops(entry: WeightEntry, blocks: list[Block], full_shape: tuple[int, ...], cfg,
@@ -141,6 +168,8 @@ def megatron_entry_ops(entry: WeightEntry, blocks: list[Block], full_shape: tupl
         if entry.megatron_layout == GATE_UP_STACKED:
             half = full_shape[0] // 2
             ranges = [[(0, half)], [(half, full_shape[0])]]
+        elif entry.megatron_layout == MINUS_ONE:  # the stored (Megatron) value; sources turn it into HF's
+            ranges = [[(0, full_shape[0])]]
         else:
             ranges = hf_row_ranges(entry, cfg, full_shape[0])
     except LayoutError as exc:
@@ -172,4 +201,16 @@ def legacy_blocks(entry: WeightEntry, shards: list[RawTensor], key: str) -> list
     if kind == COL1:
         width = shards[0].shape[1]
         return [Block(0, t * width, s) for t, s in enumerate(shards)]
+    if kind == BLOCKS:  # rank t: the t-th row chunk of every component
+        out = []
+        for t, s in enumerate(shards):
+            local = 0
+            try:
+                spans = blocks_shard_rows(packed_components(entry), len(shards), t, key)
+            except LayoutError as exc:
+                raise CheckpointError(str(exc)) from exc
+            for a, b in spans:
+                out.append(Block(a, 0, s.rows(local, local + b - a)))
+                local += b - a
+        return out
     raise Unsupported(f"{key}: split {kind}")

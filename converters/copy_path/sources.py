@@ -9,6 +9,14 @@ anything is written. Sources the copy path does not cover (dtype changes, stride
 grouped-GEMM ``GroupedMLP`` experts, whose blocks are transposed) raise ``Unsupported`` and the
 engine takes the torch path.
 
+Dense Gated DeltaNet hybrids (Qwen3.5 text, MTP block included) are planned from the same rules as the
+torch path: ``layout.megatron.hf_row_ranges`` places the gated ``linear_qkv`` and the packed ``in_proj``
+/ ``conv1d`` components (legacy TP shards: ``blocks_shard_rows``; torch_dist: one tensor per component,
+``DistCheckpoint.unit_keys``); the output norm, which Megatron holds minus one, is read while planning and
+its other value computed on its bytes (``layout.megatron.shift_bytes``, ``ops.Data``), the stored one kept
+for Megatron targets (``PlannedTensor.megatron_ops``). Mixture-of-experts hybrids and conditional-generation
+checkpoints stay with the torch path on the Megatron side (``refuse_hybrid``).
+
 Mixture-of-experts models (Qwen2-MoE, Qwen3-MoE) are planned like dense ones: every expert is a
 plain weight-map entry of its own (``WeightEntry.expert``), so its TP shards are byte ranges (fc1
 ``[gate_r; up_r]``: row ranges; fc2: rows interleaved over TP) like a dense MLP's. Legacy files
@@ -24,9 +32,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from converters.copy_path.io import read_ops
 from converters.copy_path.ops import (
     Block,
     Copy,
+    Data,
     PlannedTensor,
     Unsupported,
     Zeros,
@@ -40,11 +50,11 @@ from converters.formats.megatron_dist import DistCheckpoint, DistTensor
 from converters.formats.megatron_legacy import LegacyCheckpoint
 from converters.formats.tensors import TAG_TO_TORCH_NAME, RawTensor
 from converters.layout.experts import GROUPED_GEMM
-from converters.layout.megatron import megatron_full_shape
-from converters.layout.model import EMBED, FINAL, Unit, all_units, is_hybrid, unit_entries
-from converters.layout.stages import absent_tensors
+from converters.layout.hybrid import unit_absent
+from converters.layout.megatron import LayoutError, megatron_full_shape, shift_bytes
+from converters.layout.model import Unit, all_units, is_hybrid, unit_entries
 from models.common.errors import CheckpointError
-from models.common.weight_map import WeightEntry, hf_shapes
+from models.common.weight_map import MINUS_ONE, WeightEntry, hf_shapes
 
 
 class RawSource:
@@ -70,12 +80,29 @@ class RawSource:
         paths lay out the same HF files (MoE layers: experts expanded to every expert's names)."""
         return [(unit, unit_entries(self.wmap, unit)) for unit in all_units(self.cfg)]
 
+    def _plan_hf_values(self) -> None:
+        """A Megatron source's ``minus_one`` tensors: the stored bytes kept as ``megatron_ops`` (a Megatron
+        target carries them as stored, as the torch path does), the HF value computed from them
+        (``layout.megatron.shift_bytes``, + 1 in fp32)."""
+        for entry in _minus_one_entries(self):
+            pt = self.planned[entry.hf[0]]
+            pt.megatron_ops = pt.ops
+            pt.ops = [Data(_shift(read_ops(pt.ops), pt.dtype, 1.0, entry.hf[0]))]
+
+    def plan_megatron_values(self) -> None:
+        """The Megatron values of the ``minus_one`` tensors (HF - 1, in fp32, rounded) for a Megatron target,
+        computed now, before anything is written: ``Unsupported`` where there is no one answer (a NaN)."""
+        for entry in _minus_one_entries(self):
+            pt = self.planned[entry.hf[0]]
+            if pt.megatron_ops is None:
+                pt.megatron_ops = [Data(_shift(read_ops(pt.ops), pt.dtype, -1.0, entry.hf[0]))]
+
     def _plan_absent(self, tag: str) -> None:
         """Zeros for the HF tensors a Megatron checkpoint does not store (``absent_tensors``: the
         gate of a Qwen2-MoE shared expert of width 0), in the checkpoint's dtype as the torch path's
         readers make them."""
         for unit in all_units(self.cfg):
-            for name, shape in absent_tensors(self.wmap, unit).items():
+            for name, shape in unit_absent(self.wmap, unit).items():
                 self.planned[name] = PlannedTensor(tuple(shape), tag, [Zeros(nbytes(shape, tag))])
 
     def dtype(self) -> str:
@@ -123,7 +150,7 @@ class LegacyRawSource(RawSource):
         self.path = ckpt.path
         self.layout, self.iteration = args_layout(ckpt.args), ckpt.iteration
         self._set_model(ckpt)
-        refuse_hybrid(self.wmap)
+        refuse_hybrid(self.cfg, self.wmap)
         if self.cfg.moe is not None and ckpt.expert_layout == GROUPED_GEMM:
             # each expert a transposed block of weight1/weight2: not byte ranges (before validating:
             # the torch path validates it all again)
@@ -144,6 +171,7 @@ class LegacyRawSource(RawSource):
                     self.planned.update(megatron_entry_ops(entry, blocks, full, self.cfg, str(ckpt.it_dir)))
         self._plan_absent(ckpt.dtype)
         self.check_shapes()
+        self._plan_hf_values()
 
 
 class DistRawSource(RawSource):
@@ -156,46 +184,62 @@ class DistRawSource(RawSource):
         self.path = str(ckpt.it_dir)
         self.layout, self.iteration = ckpt.layout, ckpt.iteration
         self._set_model(ckpt)
-        refuse_hybrid(self.wmap)
+        refuse_hybrid(self.cfg, self.wmap)
         ckpt.validate()
         shapes = hf_shapes(self.cfg, self.wmap)
         self.planned = {}
         by_lead: dict[str, dict[tuple[int, ...], list]] = {}
         for unit in all_units(self.cfg):
-            if unit in (EMBED, FINAL):
-                entries = [(e, e.megatron, None) for e in (self.wmap.first_entries if unit == EMBED
-                                                            else self.wmap.last_entries)]
-            else:  # the torch path's keys: stacked or per layer, experts at [layer, expert] or [expert]
-                entries = ckpt.layer_keys(int(unit))
-            for entry, key, index in entries:
+            # the torch path's keys: stacked or per layer, experts at [layer, expert] or [expert]; a hybrid's
+            # per layer, ``in_proj`` / ``conv1d`` one tensor per component (rows of the full tensor, in order)
+            for entry, keys, index in ckpt.unit_keys(unit):
                 full = megatron_full_shape(entry, shapes, self.cfg, ckpt.padded_vocab)
                 lead = () if index is None else (index,) if isinstance(index, int) else tuple(index)
-                if key not in by_lead:
-                    by_lead[key] = _chunks_by_lead(ckpt.tensors[key], len(lead))
-                blocks = []
-                for chunk in by_lead[key].get(lead, ()):
-                    t = ckpt.chunk(key, chunk)
-                    if not isinstance(t, RawTensor):
-                        raise Unsupported(f"{ckpt.it_dir / chunk.file}: chunk of {key} is not a contiguous tensor")
-                    offs = chunk.offsets
-                    for d, i in enumerate(lead):  # drop the leading dims: this layer's (and expert's) slice
-                        t = t.index(i - offs[d])
-                    offs = offs[len(lead):]
-                    if len(offs) > 2 and any(offs[2:]):
-                        raise Unsupported(f"{key}: chunked beyond dim 1")
-                    col = offs[1] * _trailing(full[2:]) if len(offs) > 1 else 0
-                    blocks.append(Block(offs[0] if offs else 0, col, t))
+                blocks, start = [], 0
+                for key, rows in keys:
+                    if key not in by_lead:
+                        by_lead[key] = _chunks_by_lead(ckpt.tensors[key], len(lead))
+                    for chunk in by_lead[key].get(lead, ()):
+                        t = ckpt.chunk(key, chunk)
+                        if not isinstance(t, RawTensor):
+                            raise Unsupported(f"{ckpt.it_dir / chunk.file}: chunk of {key} is not a contiguous tensor")
+                        offs = chunk.offsets
+                        for d, i in enumerate(lead):  # drop the leading dims: this layer's (and expert's) slice
+                            t = t.index(i - offs[d])
+                        offs = offs[len(lead):]
+                        if len(offs) > 2 and any(offs[2:]):
+                            raise Unsupported(f"{key}: chunked beyond dim 1")
+                        col = offs[1] * _trailing(full[2:]) if len(offs) > 1 else 0
+                        blocks.append(Block(start + (offs[0] if offs else 0), col, t))
+                    start += rows or 0
                 self.planned.update(megatron_entry_ops(entry, blocks, full, self.cfg, str(ckpt.it_dir)))
         self._plan_absent(ckpt.dtype)
         self.check_shapes()
+        self._plan_hf_values()
 
 
-def refuse_hybrid(wmap) -> None:
-    """``Unsupported`` for a Gated DeltaNet hybrid on the Megatron side: its output norm is held minus one
-    (arithmetic, not bytes) and its packed ``in_proj`` / ``conv1d`` split into components; the torch path
-    converts it (HF -> HF stays a byte copy)."""
-    if is_hybrid(wmap):
-        raise Unsupported("Megatron checkpoints of the Gated DeltaNet hybrids (the torch path converts them)")
+def refuse_hybrid(cfg, wmap) -> None:
+    """``Unsupported`` for the Gated DeltaNet hybrids the copy path leaves to the torch path on the Megatron
+    side: mixture-of-experts ones (Qwen3.5-MoE, Qwen3-Next: their Megatron targets are the torch path's, and
+    their sources stay with it too) and conditional-generation checkpoints (the vision tower's per-head
+    ``qkv`` and stacked blocks). Dense Qwen3.5 text checkpoints, MTP block included, are byte ranges but for
+    the output norms' ``minus_one`` values (``ops.Data``)."""
+    if is_hybrid(wmap) and cfg.moe is not None:
+        raise Unsupported("Megatron checkpoints of mixture-of-experts Gated DeltaNet hybrids (the torch path)")
+    if is_hybrid(wmap) and getattr(cfg, "carried", ()):
+        raise Unsupported("Megatron checkpoints of conditional-generation hybrids (the torch path)")
+
+
+def _minus_one_entries(source: RawSource) -> list[WeightEntry]:
+    """The weight-map entries (global names) whose Megatron value is the HF value minus one."""
+    return [e for _, entries in source.units() for e in entries if e.megatron_layout == MINUS_ONE]
+
+
+def _shift(data: bytes, tag: str, delta: float, name: str) -> bytes:
+    try:
+        return shift_bytes(data, tag, delta)
+    except LayoutError as exc:  # a NaN, or a dtype without the rule: the torch path's arithmetic decides
+        raise Unsupported(f"{name}: {exc}") from None
 
 
 def _chunks_by_lead(tensor: DistTensor, n: int) -> dict[tuple[int, ...], list]:

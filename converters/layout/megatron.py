@@ -23,7 +23,8 @@ module knows what the tags mean:
   minus_one        Megatron holds the HF value minus one (the Gated DeltaNet output norm is a plain
                    RMSNorm in HF, zero-centred in megatron-core); computed in fp32 and rounded to the
                    tensor's dtype, each way. A Megatron source's value is carried to a Megatron target
-                   as stored (``MEGATRON_VALUE``), so reshards stay bitwise.
+                   as stored (``MEGATRON_VALUE``), so reshards stay bitwise. ``shift_bytes`` is the same
+                   arithmetic on raw bytes for the torch-free copy path (tested bitwise against torch).
 
 "Full" always means torch_dist's global tensor, so both Megatron formats share the HF conversion.
 """
@@ -122,10 +123,7 @@ def split_tp(kind: str, full: torch.Tensor, tp: int, name: str = "",
     if kind == REPLICATED:
         return [full] * tp
     if kind == BLOCKS:
-        if any(rows % tp for rows in blocks):
-            raise LayoutError(f"{name}: components of {list(blocks)} rows are not divisible by tp={tp}")
-        parts = [c.chunk(tp, dim=0) for c in full.split(list(blocks), dim=0)]
-        return [torch.cat([p[r] for p in parts], dim=0) for r in range(tp)]
+        return [torch.cat([full[a:b] for a, b in blocks_shard_rows(blocks, tp, r, name)], dim=0) for r in range(tp)]
     if kind == GATE_UP:
         if full.shape[0] % (2 * tp):
             raise LayoutError(f"{name}: linear_fc1 rows {full.shape[0]} not divisible by 2*tp = {2 * tp}")
@@ -135,6 +133,14 @@ def split_tp(kind: str, full: torch.Tensor, tp: int, name: str = "",
     if full.shape[dim] % tp:
         raise LayoutError(f"{name}: size {full.shape[dim]} of dim {dim} not divisible by tp={tp}")
     return [t.contiguous() for t in full.chunk(tp, dim=dim)]
+
+
+def blocks_shard_rows(blocks: Sequence[int], tp: int, r: int, name: str = "") -> list[tuple[int, int]]:
+    """Rows of a ``BLOCKS`` full tensor (components of ``blocks`` rows) that legacy TP rank ``r`` holds, in
+    order: the r-th chunk of every component (``parallel.sharding.Blocks``, the model's own rule)."""
+    if any(rows % tp for rows in blocks):
+        raise LayoutError(f"{name}: components of {list(blocks)} rows are not divisible by tp={tp}")
+    return list(Blocks(tuple(blocks)).piece((sum(blocks),), r, tp).spans)
 
 
 def merge_tp(kind: str, shards: Sequence[torch.Tensor], name: str = "",
@@ -316,9 +322,52 @@ def hf_row_ranges(entry: WeightEntry, cfg: ModelConfig, full_rows: int) -> list[
         if full_rows < cfg.vocab_size:
             raise LayoutError(f"{entry.megatron}: {full_rows} rows, fewer than vocab_size={cfg.vocab_size}")
         return [[(0, cfg.vocab_size)]]
+    if layout == PACKED:  # each part's rows as its rule packs them at TP 1 (``hf_to_megatron``), parts in order
+        out, start = [], 0
+        for rule, shape in zip(entry.rules, entry.shapes or ()):
+            spans = rule.piece(tuple(shape), 0, 1).spans if isinstance(rule, (Blocks, Groups)) else ()
+            placed = []
+            for a, b in spans or ((0, shape[0]),):
+                placed.append((a, start, start + b - a))
+                start += b - a
+            out.append([(s, e) for _, s, e in sorted(placed)])  # in the HF tensor's row order
+        if start != full_rows:
+            raise LayoutError(f"{entry.megatron}: {full_rows} rows, expected {start} "
+                              f"({' + '.join(map(str, packed_components(entry)))})")
+        return out
     if layout == PLAIN:
         return [[(0, full_rows)]]
     raise LayoutError(f"{entry.megatron}: layout {layout!r} is not a row split")
+
+
+def shift_bytes(data: bytes, tag: str, delta: float) -> bytes:
+    """``minus_one`` without torch: ``(x.float() + delta).to(dtype)`` of the little-endian values in ``data``
+    (``tag`` F32 / BF16 / F16; ``delta`` -1 HF -> Megatron, +1 back), bitwise what ``hf_to_megatron`` /
+    ``megatron_to_hf`` compute. The sum is taken in Python's double and rounded to fp32 (correctly rounded
+    fp32 arithmetic: 53 >= 2 * 24 + 2 bits, so the double rounding is exact), then to the tensor's dtype
+    round-to-nearest-even as torch does. A NaN is refused (LayoutError): torch's own result for it depends on
+    which of its kernels ran (scalar 0x7FC0 or vectorised 0xFFFF for bfloat16), so there is no one answer."""
+    import struct
+
+    if tag == "BF16":
+        values = [struct.unpack("<f", struct.pack("<I", u << 16))[0] for (u,) in struct.iter_unpack("<H", data)]
+    elif tag in ("F32", "F16"):
+        values = [v for (v,) in struct.iter_unpack("<f" if tag == "F32" else "<e", data)]
+    else:
+        raise LayoutError(f"minus_one values in {tag}")
+    out = bytearray()
+    for v in values:
+        if v != v:
+            raise LayoutError("a NaN among minus_one values")
+        r = struct.pack("<f", v + delta)  # fp32 result
+        if tag == "F32":
+            out += r
+        elif tag == "F16":
+            out += struct.pack("<e", struct.unpack("<f", r)[0])
+        else:
+            (bits,) = struct.unpack("<I", r)
+            out += struct.pack("<H", (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
+    return bytes(out)
 
 
 def slices_of_shards(shards: Sequence[torch.Tensor], ranges: list[tuple[int, int]]) -> list[torch.Tensor]:
