@@ -38,10 +38,14 @@ CONTROL = Mutation("control", "no change: the copy must pass (else a 'caught' be
 
 MUTATIONS = (
     Mutation("kv-swap-megatron", "k/v swapped identically in the Megatron writer and reader",
-             (("converters/layout/megatron.py", "k.reshape(ng, hd, *rest), v.reshape(ng, hd, *rest)]",
-               "v.reshape(ng, hd, *rest), k.reshape(ng, hd, *rest)]"),
-              ("converters/layout/megatron.py", "return [t.reshape(-1, *rest).contiguous() for t in (q, k, v)]",
-               "return [t.reshape(-1, *rest).contiguous() for t in (q, v, k)]")),
+             (("converters/layout/megatron.py",
+               "parts = [q.reshape(ng, nh // ng * hd, *rest), k.reshape(ng, hd, *rest), v.reshape(ng, hd, *rest)]",
+               "parts = [q.reshape(ng, nh // ng * hd, *rest), v.reshape(ng, hd, *rest), k.reshape(ng, hd, *rest)]"),
+              ("converters/layout/megatron.py",
+               "q, k, v = grouped.split([nh // ng * hd, hd, hd], dim=1)\n"
+               "    return [t.reshape(-1, *rest).contiguous() for t in (q, k, v)]",
+               "q, k, v = grouped.split([nh // ng * hd, hd, hd], dim=1)\n"
+               "    return [t.reshape(-1, *rest).contiguous() for t in (q, v, k)]")),
              ("tests/test_convert_megatron.py", "tests/test_convert_roundtrip.py")),
     Mutation("gate-up-swap-megatron", "gate/up order swapped in Megatron linear_fc1 (writer and reader)",
              (("converters/layout/megatron.py",
