@@ -189,3 +189,24 @@ def test_minus_one_bytes_on_random_fp32():
         got = torch.frombuffer(bytearray(shift_bytes(x.numpy().tobytes(), "F32", delta)), dtype=torch.int32)
         assert torch.equal(got, (x + delta).view(torch.int32))
 
+
+
+def test_cli_conversions_never_import_torch(sources, tmp_path):
+    """``pmz convert`` of Qwen3.5 HF -> legacy and torch_dist -> HF runs without torch (the copy path's promise:
+    no tensors in Python, memory bounded by its buffers)."""
+    import subprocess
+    import sys
+
+    probe = ("import runpy, sys\n"
+             "sys.argv = ['pmz'] + sys.argv[1:]\n"
+             "try:\n"
+             "    runpy.run_module('converters.cli', run_name='__main__')\n"
+             "except SystemExit as e:\n"
+             "    assert not e.code, e.code\n"
+             "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    root = Path(__file__).resolve().parents[1]
+    cases = [(sources["hf"], ["--to", "megatron", "--tp", "2"]), (sources["dist"], ["--to", "hf"])]
+    for i, (src, to) in enumerate(cases):
+        proc = subprocess.run([sys.executable, "-c", probe, "convert", src, str(tmp_path / f"out{i}"), *to, "--quiet"],
+                              cwd=root, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
