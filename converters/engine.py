@@ -138,7 +138,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
     split is kept when ``pp`` is not given.
     MoE models take the copy path to HF targets (not from grouped-GEMM experts) and the torch path to
     Megatron ones; the Gated DeltaNet hybrids' Megatron checkpoints take the copy path for dense Qwen3.5
-    (text, MTP block included) both ways, the torch path for the MoE hybrids and conditional-generation ones.
+    (text or conditional-generation, MTP block included) both ways, the torch path for the MoE hybrids.
     Missing parent directories of ``dst`` are created. Raises CheckpointError/ValueError with
     nothing left at ``dst`` (nor any directory created for it).
     """

@@ -3,8 +3,9 @@ against the torch path (``PMZ_COPY_PATH=0``), which test_convert_hybrid checks a
 Megatron-Bridge.
 
 * HF -> legacy (TP2 x PP2, PP2 x VPP2), HF -> torch_dist (TP2), legacy -> HF, torch_dist -> HF, legacy ->
-  torch_dist and torch_dist -> legacy reshards, fp32 and bf16, MTP block included, tied embeddings too: both
-  paths write the same files (``test_copy_targets``' comparison: every rank file's keys in order, args and
+  torch_dist and torch_dist -> legacy reshards, fp32 and bf16, MTP block included, tied embeddings too, and a
+  conditional-generation checkpoint with its vision tower (HF <-> legacy / torch_dist): both paths write the
+  same files (``test_copy_targets``' comparison: every rank file's keys in order, args and
   tensors; torch_dist metadata, chunk files, common.pt and every tensor, HF and Megatron values; HF
   safetensors byte for byte), and the copy path was taken.
 * The GDN output norms (Megatron holds HF - 1) are set to values whose - 1 / + 1 round in their dtype: the copy
@@ -28,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from converters.engine import convert
 from tests.test_convert_hybrid import _configs, add_mtp, assert_same, dist_state
 from tests.test_copy_targets import _same_dist, _same_rank_file, _torch_path, _tree
+from tests.test_hybrid_checkpoints import conditional_generation_checkpoint
 
 NORM = "linear_attn.norm.weight"
 
@@ -80,6 +82,12 @@ def sources(tmp_path_factory) -> dict[str, str]:
     add_mtp(out["hf_tied"], 1)
     _torch_path(out["hf_tied"], root / "legacy_tied", to="megatron", tp=2, pp=2, workers=1)
     out["legacy_tied"] = str(root / "legacy_tied")
+    # a conditional-generation checkpoint (transformers' Qwen3_5ForConditionalGeneration): its vision tower
+    # on the first stage, per-head qkv, stacked blocks in torch_dist; output norms near 0 (x - 1 rounds)
+    out["cg"], _ = conditional_generation_checkpoint(root, "qwen3_5")
+    for name, to in (("cg_legacy", "megatron"), ("cg_dist", "megatron-dist")):
+        _torch_path(out["cg"], root / name, to=to, tp=2, pp=2 if to == "megatron" else 1, workers=1)
+        out[name] = str(root / name)
     return out
 
 
@@ -110,7 +118,9 @@ CASES = [("hf", "megatron", dict(tp=2, pp=2)), ("hf", "megatron", dict(pp=2, vpp
          ("hf", "megatron-dist", dict(tp=2)), ("legacy", "hf", {}), ("dist", "hf", {}),
          ("legacy", "megatron-dist", dict(tp=1, pp=1)), ("dist", "megatron", dict(tp=2, pp=2)),
          ("hf_bf16", "megatron", dict(tp=2)), ("legacy_bf16", "hf", {}),
-         ("hf_tied", "megatron", dict(pp=2)), ("hf_tied", "megatron-dist", {}), ("legacy_tied", "hf", {})]
+         ("hf_tied", "megatron", dict(pp=2)), ("hf_tied", "megatron-dist", {}), ("legacy_tied", "hf", {}),
+         ("cg", "megatron", dict(tp=2, pp=2)), ("cg", "megatron-dist", dict(tp=2)), ("cg_legacy", "hf", {}),
+         ("cg_dist", "hf", {}), ("cg_dist", "megatron", dict(tp=2, pp=2))]
 
 
 @pytest.mark.parametrize("source, to, kw", CASES, ids=[f"{s}-{t}-{''.join(f'{k}{v}' for k, v in kw.items())}"
@@ -121,7 +131,7 @@ def test_copy_path_writes_what_the_torch_path_writes(sources, tmp_path, used, so
     convert(src, tmp_path / "fast", to=to, workers=2, **kw)
     assert used[-1] is True, "the copy path was not taken"
     _same_output(tmp_path / "slow", tmp_path / "fast")
-    if to == "megatron":  # the MTP block is there (on the last stage)
+    if to == "megatron" and not source.startswith("cg"):  # the MTP block is there (on the last stage)
         assert glob.glob(f"{tmp_path / 'fast'}/*/mp_rank_*/model_optim_rng.pt")
         last = sorted(glob.glob(f"{tmp_path / 'fast'}/*/mp_rank_*/model_optim_rng.pt"))[-1]
         keys = [k for v in torch.load(last, weights_only=False).values() if isinstance(v, dict) for k in v]
@@ -210,3 +220,4 @@ def test_cli_conversions_never_import_torch(sources, tmp_path):
         proc = subprocess.run([sys.executable, "-c", probe, "convert", src, str(tmp_path / f"out{i}"), *to, "--quiet"],
                               cwd=root, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr
+

@@ -47,7 +47,15 @@ from converters.formats.megatron_dist import dist_metadata
 from converters.formats.megatron_legacy import rank_file_object
 from converters.formats.tensors import TAG_TO_TORCH_NAME
 from converters.formats.torch_zip import archive_bytes, layout_archive
-from converters.layout.hybrid import dist_components, dist_extra_states, legacy_extra_states, unit_keys
+from converters.layout.hybrid import (
+    check_tower_tp,
+    dist_components,
+    dist_extra_states,
+    legacy_extra_states,
+    tower_block,
+    tower_depth,
+    unit_keys,
+)
 from converters.layout.megatron import COL1, LayoutError, megatron_full_shape, megatron_padded_vocab, tp_split_kind
 from converters.layout.model import EMBED, FINAL, is_hybrid, require_megatron_layout
 from converters.layout.stages import (
@@ -95,6 +103,10 @@ def plan_copy_target(source: RawSource, *, fmt: str, tp: int, pp: int, vpp: int,
     require_megatron_layout(cfg, source.path)
     check_target_stages(cfg.num_hidden_layers, pp, vpp, first, last)
     validate_target_layout(cfg, fmt, tp=tp, pp=pp, vpp=vpp, first=first, last=last)
+    try:
+        check_tower_tp(cfg, tp, source.path)  # a conditional-generation hybrid's vision tower, as the torch path
+    except LayoutError as exc:
+        raise ValueError(str(exc)) from None
     tag = source.dtype()
     padded = megatron_padded_vocab(cfg.vocab_size, tp, divisible_by)
     args = target_arg_fields(source.hf_config, cfg, tp=tp, pp=pp, vpp=vpp, padded_vocab=padded,
@@ -288,18 +300,22 @@ def _hybrid_dist_unit(source: RawSource, target: CopyTarget, unit, name: str, po
     for entry, key, _ in unit_keys(source.wmap, unit, layer, 1):
         full, ops = shard_ops(source, entry, target.hf_shapes, target.padded_vocab, 1, 0, key)
         start = 0
-        for gkey, rows in dist_components(entry, key):
+        block = tower_block(key)
+        for gkey, rows in [(block[0], None)] if block else dist_components(entry, key):
             shape = full if rows is None else (rows, *full[1:])
+            gshape, offsets, chunk = shape, (0,) * len(shape), shape
+            if block is not None:  # a vision-tower block: its slice [b] of the stacked [depth, ...] tensor
+                gshape, offsets, chunk = (tower_depth(source.wmap), *shape), (block[1], *offsets), (1, *shape)
             if rows is not None:
                 segments = full_segments(entry, source.cfg, target.hf_shapes, target.padded_vocab)
                 ops = full_rows_ops(source, segments, [(start, start + rows)], 0, row_nbytes(full, target.tag))
                 start += rows
             nbytes = sum(op.nbytes for op in ops)
-            lay = layout_archive(pw.dumps(pw.tensor("0", target.tag, shape)), [nbytes], base=pos)
+            lay = layout_archive(pw.dumps(pw.tensor("0", target.tag, chunk)), [nbytes], base=pos)
             headers += lay.pieces
             work.append((lay.storage_offsets[0], ops, nbytes))
-            tensors.setdefault(gkey, {"size": shape, "chunks": []})["chunks"].append(
-                ((0,) * len(shape), shape, name, pos, lay.size))
+            tensors.setdefault(gkey, {"size": gshape, "chunks": []})["chunks"].append(
+                (offsets, chunk, name, pos, lay.size))
             pos = lay.end
     for module, suffix in dist_extra_states(source.wmap, unit):
         bytes_keys.append((f"{module}._extra_state/{suffix}", name, pos, len(extra)))

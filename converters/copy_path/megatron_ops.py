@@ -16,6 +16,7 @@ from typing import Any
 from converters.copy_path.ops import Copy, Interleave, Op, PlannedTensor, Unsupported, Zeros, merge_copies
 from converters.copy_path.sources import RawSource
 from converters.formats.tensors import ITEMSIZE
+from converters.layout.hybrid import row_ranges
 from converters.layout.megatron import (
     BLOCKS,
     COL1,
@@ -24,7 +25,6 @@ from converters.layout.megatron import (
     ROW0,
     LayoutError,
     blocks_shard_rows,
-    hf_row_ranges,
     megatron_full_shape,
     packed_components,
     tp_split_kind,
@@ -87,8 +87,9 @@ def _band(parts: tuple, first: int, rows: int, b0: int, b1: int) -> Op:
 def full_segments(entry: WeightEntry, cfg: Any, hf_shapes: dict,
                   padded_vocab: int) -> list[tuple[str | None, int, int]]:
     """The Megatron full tensor of ``entry`` as consecutive row ranges of its HF tensors
-    (``(hf_name, a, b)``; ``None`` for zero rows): ``layout.megatron.hf_row_ranges`` (the rule the torch
-    path's readers use) turned around, plus the stacked gate/up and the vocab padding."""
+    (``(hf_name, a, b)``; ``None`` for zero rows): ``layout.hybrid.row_ranges`` (``layout.megatron.hf_row_ranges``,
+    the rule the torch path's readers use, and the vision tower's per-head qkv)
+    turned around, plus the stacked gate/up and the vocab padding."""
     layout = entry.megatron_layout
     if layout == GATE_UP_STACKED:
         return [(n, 0, hf_shapes[n][0]) for n in entry.hf]
@@ -99,7 +100,7 @@ def full_segments(entry: WeightEntry, cfg: Any, hf_shapes: dict,
         return [(entry.hf[0], 0, rows)] + ([(None, 0, padded_vocab - rows)] if padded_vocab > rows else [])
     full_rows = megatron_full_shape(entry, hf_shapes, cfg, padded_vocab)[0]
     placed = []  # (full row, hf name, hf row, rows)
-    for name, ranges in zip(entry.hf, hf_row_ranges(entry, cfg, full_rows)):
+    for name, ranges in zip(entry.hf, row_ranges(entry, cfg, full_rows)):
         h = 0
         for a, b in ranges:
             placed.append((a, name, h, b - a))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Union
 
 from converters.formats.tensors import RawTensor
+from converters.layout.hybrid import row_ranges
 from converters.layout.megatron import (
     BLOCKS,
     COL1,
@@ -23,7 +24,6 @@ from converters.layout.megatron import (
     ROW0,
     LayoutError,
     blocks_shard_rows,
-    hf_row_ranges,
     packed_components,
     tp_split_kind,
 )
@@ -171,7 +171,7 @@ def megatron_entry_ops(entry: WeightEntry, blocks: list[Block], full_shape: tupl
         elif entry.megatron_layout == MINUS_ONE:  # the stored (Megatron) value; sources turn it into HF's
             ranges = [[(0, full_shape[0])]]
         else:
-            ranges = hf_row_ranges(entry, cfg, full_shape[0])
+            ranges = row_ranges(entry, cfg, full_shape[0])
     except LayoutError as exc:
         raise CheckpointError(f"{where}: {exc}") from exc
     out = {}

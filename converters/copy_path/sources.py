@@ -14,8 +14,9 @@ torch path: ``layout.megatron.hf_row_ranges`` places the gated ``linear_qkv`` an
 / ``conv1d`` components (legacy TP shards: ``blocks_shard_rows``; torch_dist: one tensor per component,
 ``DistCheckpoint.unit_keys``); the output norm, which Megatron holds minus one, is read while planning and
 its other value computed on its bytes (``layout.megatron.shift_bytes``, ``ops.Data``), the stored one kept
-for Megatron targets (``PlannedTensor.megatron_ops``). Mixture-of-experts hybrids and conditional-generation
-checkpoints stay with the torch path on the Megatron side (``refuse_hybrid``).
+for Megatron targets (``PlannedTensor.megatron_ops``). Conditional-generation checkpoints carry their vision
+tower (per-head ``qkv``: ``layout.hybrid.row_ranges``; torch_dist's stacked blocks). Mixture-of-experts hybrids
+stay with the torch path on the Megatron side (``refuse_hybrid``).
 
 Mixture-of-experts models (Qwen2-MoE, Qwen3-MoE) are planned like dense ones: every expert is a
 plain weight-map entry of its own (``WeightEntry.expert``), so its TP shards are byte ranges (fc1
@@ -221,13 +222,11 @@ class DistRawSource(RawSource):
 def refuse_hybrid(cfg, wmap) -> None:
     """``Unsupported`` for the Gated DeltaNet hybrids the copy path leaves to the torch path on the Megatron
     side: mixture-of-experts ones (Qwen3.5-MoE, Qwen3-Next: their Megatron targets are the torch path's, and
-    their sources stay with it too) and conditional-generation checkpoints (the vision tower's per-head
-    ``qkv`` and stacked blocks). Dense Qwen3.5 text checkpoints, MTP block included, are byte ranges but for
-    the output norms' ``minus_one`` values (``ops.Data``)."""
+    their sources stay with it too). Dense Qwen3.5, text or conditional-generation (vision tower: its per-head
+    ``qkv`` is row ranges, ``layout.hybrid.row_ranges``), MTP block included, is byte ranges but for the output
+    norms' ``minus_one`` values (``ops.Data``)."""
     if is_hybrid(wmap) and cfg.moe is not None:
         raise Unsupported("Megatron checkpoints of mixture-of-experts Gated DeltaNet hybrids (the torch path)")
-    if is_hybrid(wmap) and getattr(cfg, "carried", ()):
-        raise Unsupported("Megatron checkpoints of conditional-generation hybrids (the torch path)")
 
 
 def _minus_one_entries(source: RawSource) -> list[WeightEntry]:

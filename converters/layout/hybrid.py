@@ -17,7 +17,8 @@ A conditional-generation checkpoint (Megatron-Bridge's ``Qwen3VLModel``) holds a
 ``language_model.`` and its vision tower under ``vision_model.`` (``models/common/hybrid_vision``): in torch_dist
 the tower's blocks are stacked (``vision_model.decoder.layers.<param>`` ``[depth, ...]``, ``dist_unit_keys``
 gives the block's index), its ``qkv`` per head ``[q_h; k_h; v_h]`` (layout ``TOWER_QKV``: ``to_megatron`` /
-``to_hf``, the one place that order is written, both ways).
+``to_hf`` reshape, both ways; ``row_ranges`` states the same order as row ranges for the copy path, and
+tests/test_copy_path_hybrid.py holds the two paths' outputs equal).
 
 The rest (legacy local layer numbers, TP splits, expert files) is ``converters/layout/stages``' and
 ``converters/layout/megatron``'s.
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
 
-from converters.layout.megatron import LayoutError, hf_to_megatron, megatron_to_hf, packed_components
+from converters.layout.megatron import LayoutError, hf_row_ranges, hf_to_megatron, megatron_to_hf, packed_components
 from converters.layout.model import EMBED, FINAL, Unit, is_hybrid
 from converters.layout.stages import absent_tensors, unit_megatron_keys_ep
 from models.common.hybrid_vision import (
@@ -117,6 +118,15 @@ def to_hf(entry: WeightEntry, full: torch.Tensor, cfg: Any) -> list[torch.Tensor
         return megatron_to_hf(entry, full, cfg)
     heads, hd = _tower_qkv_heads(entry, cfg, full.shape[0])
     return [full.reshape(heads, 3, hd, *full.shape[1:]).transpose(0, 1).reshape(full.shape).contiguous()]
+
+
+def row_ranges(entry: WeightEntry, cfg: Any, full_rows: int) -> list[list[tuple[int, int]]]:
+    """``layout.megatron.hf_row_ranges`` plus ``TOWER_QKV``: HF ``[q; k; v]``'s rows as row ranges of the per-head
+    ``[q_h; k_h; v_h]`` Megatron tensor (what ``to_megatron`` / ``to_hf`` do by reshaping, for the copy path)."""
+    if entry.megatron_layout != TOWER_QKV:
+        return hf_row_ranges(entry, cfg, full_rows)
+    heads, hd = _tower_qkv_heads(entry, cfg, full_rows)
+    return [[((3 * h + part) * hd, (3 * h + part + 1) * hd) for part in range(3) for h in range(heads)]]
 
 
 def dist_lead(wmap: Any, key: str, index: tuple | None) -> tuple[int, ...]:
