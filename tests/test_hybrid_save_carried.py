@@ -186,6 +186,25 @@ def test_text_checkpoint_keeps_mtp_bitwise_cast_and_quantized_as_pmz_does(run, t
     assert qconfig(run["out"] / "text-fp8") == qconfig(tmp_path / "pmz-fp8")
 
 
+def test_condgen_fp8_save_is_pmz_fp8_of_its_plain_save(run, tmp_path):
+    """``save_pretrained(quantization="fp8")`` of the trained conditional-generation model writes exactly what
+    ``pmz convert --to hf --quantize fp8`` makes of its fp32 save (the same parameters, tower and MTP block): every
+    tensor bitwise under its name (text and MTP linears FP8 with their scales, the tower as stored) and the same
+    ``quantization_config`` (the tower's linears in ``modules_to_not_convert``: one rule, ``fp8.py``)."""
+    from converters.engine import convert
+
+    convert(run["out"] / "condgen", tmp_path / "pmz-fp8", to="hf", quantization="fp8")
+    ours, theirs = _tensors(run["out"] / "condgen-fp8"), _tensors(tmp_path / "pmz-fp8")
+    assert any(n.startswith("model.language_model.") and n.endswith("_scale_inv") for n in theirs)
+    assert sorted(ours) == sorted(theirs)
+    assert [n for n, t in theirs.items() if ours[n].dtype != t.dtype or not torch.equal(ours[n], t)] == []
+
+    def qconfig(path):
+        return json.loads((path / "config.json").read_text())["quantization_config"]
+
+    assert qconfig(run["out"] / "condgen-fp8") == qconfig(tmp_path / "pmz-fp8")
+
+
 @pytest.mark.parametrize("case,named", [("moved", "model.safetensors"), ("reshaped", RESHAPED)])
 def test_changed_source_refused_with_nothing_written(run, case, named):
     """The source directory moved, or a tower tensor reshaped, after the build: refused on both ranks in one line

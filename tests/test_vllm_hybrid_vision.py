@@ -10,7 +10,9 @@ the HF directory (the reference: its ``hf_to_vllm_mapper`` names, its tower's TP
 ``ShardedStateLoader`` from our converted directory; every tensor (text, tower, attention scales) must be equal,
 bitwise. The live export of a model built from such a checkpoint (``iter_export("vllm")``: the text model under
 the engine's names) is compared with the same reference; ``save_vllm_sharded_state`` of it is refused (the model
-holds no tower).
+holds no tower). FP8 (``--quantize fp8``, HF and vLLM TP 2, no vLLM process): each checkpoint with an MTP block
+against the text-only checkpoint of the same tensors, the tower against the source and the unquantized export, the
+kept tower modules against transformers' own ``nn.Linear`` modules.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ MODELS = ("qwen3_5", "qwen3_5_moe")
 # out_hidden_size = the text hidden size; 4 heads split over TP 2
 VISION = dict(depth=2, hidden_size=64, intermediate_size=96, num_heads=4, out_hidden_size=64, patch_size=4,
               num_position_embeddings=16, spatial_merge_size=2)
+TOWER, TEXT = "model.visual.", "model.language_model."  # a conditional-generation checkpoint's HF prefixes
+
+
 def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
@@ -63,6 +68,49 @@ def write_condgen(root: Path, name: str, seed: int) -> Path:
     path = root / name
     model.save_pretrained(path)
     return path
+
+
+def with_mtp(source: Path, path: Path) -> Path:
+    """A copy of a conditional-generation checkpoint with an MTP block (``mtp.*``, random values shaped as a
+    full-attention layer with the model's MLP, ``fc`` and norms), declared by text_config's
+    ``mtp_num_hidden_layers`` as in real checkpoints."""
+    from safetensors.torch import save_file
+
+    src = Path(shutil.copytree(source, path))
+    tensors = _load(src / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    full = config["text_config"]["layer_types"].index(FULL)
+    gen, h = torch.Generator().manual_seed(5), config["text_config"]["hidden_size"]
+    prefix = f"{TEXT}layers.{full}."
+    for key, t in list(tensors.items()):
+        if key.startswith(prefix):
+            tensors["mtp.layers.0." + key[len(prefix):]] = torch.randn(t.shape, generator=gen) * 0.05
+    tensors["mtp.fc.weight"] = torch.randn(h, 2 * h, generator=gen) * 0.05
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{norm}.weight"] = torch.randn(h, generator=gen) * 0.1
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    config["text_config"]["mtp_num_hidden_layers"] = 1
+    (src / "config.json").write_text(json.dumps(config))
+    return src
+
+
+def text_only(condgen: Path, path: Path) -> Path:
+    """The text-only checkpoint of the same tensors (transformers' CausalLM layout: ``model.language_model.X`` ->
+    ``model.X``, the tower dropped, ``lm_head`` and ``mtp.*`` as they are; config.json = text_config)."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True)
+    tensors = _load(condgen / "model.safetensors")
+    save_file({_text_name(k): t for k, t in tensors.items() if not k.startswith(TOWER)},
+              str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((condgen / "config.json").read_text())
+    arch = config["architectures"][0].replace("ForConditionalGeneration", "ForCausalLM")
+    (path / "config.json").write_text(json.dumps({**config["text_config"], "architectures": [arch]}))
+    return path
+
+
+def _text_name(key: str) -> str:
+    return "model." + key[len(TEXT):] if key.startswith(TEXT) else key
 
 
 @pytest.fixture(scope="module")
@@ -145,8 +193,8 @@ def test_live_vllm_export_of_condgen_model_is_the_engine_text_state(run, name, t
 def test_condgen_vllm_refusals_before_any_write(run, tmp_path):
     """What vLLM cannot hold is refused in one line naming the numbers, nothing written: vision heads that TP does
     not divide (vLLM's tower splits by head; the widths alone would split), and a top-level tie_word_embeddings that
-    text_config contradicts (transformers ties by the first, vLLM by the second); FP8 shards (not checked for the
-    tower yet). A vLLM directory with such a config is refused as a source too."""
+    text_config contradicts (transformers ties by the first, vLLM by the second). A vLLM directory with such a
+    config is refused as a source too."""
     from converters.engine import convert
 
     def edited(source: Path, folder: str, change) -> Path:
@@ -171,10 +219,6 @@ def test_condgen_vllm_refusals_before_any_write(run, tmp_path):
     message = str(info.value)
     assert "\n" not in message and "tie_word_embeddings=False but text_config.tie_word_embeddings=True" in message
     assert not (tmp_path / "mixed-tp1").exists()
-    with pytest.raises(ValueError) as info:  # the tower's tensors have no FP8 role (fp8.py) yet
-        convert(run["src"]["qwen3_5"], tmp_path / "fp8", to="vllm", tp=1, quantization="fp8")
-    assert "\n" not in str(info.value) and "visual." in str(info.value) and "no FP8 role" in str(info.value)
-    assert not (tmp_path / "fp8").exists()
     vllm_dir = edited(run["out"]["qwen3_5"] / "convert-tp2", "mixed-vllm", untied_top)
     with pytest.raises(ValueError, match="text_config.tie_word_embeddings=True"):
         convert(vllm_dir, tmp_path / "back", to="hf")
@@ -186,25 +230,10 @@ def test_condgen_mtp_block_left_out_with_a_note_both_ways(run, tmp_path, capfd):
     ``mtp_num_hidden_layers`` as in real checkpoints): ``--to vllm`` writes the same rank files as without it and
     says so on stderr; converting that directory back says that the block its config declares is not there, and
     gives every other tensor back bitwise."""
-    from safetensors.torch import save_file
-
     from converters.engine import convert
 
-    src = shutil.copytree(run["src"]["qwen3_5"], tmp_path / "mtp")
+    src = with_mtp(run["src"]["qwen3_5"], tmp_path / "mtp")
     tensors = _load(src / "model.safetensors")
-    config = json.loads((src / "config.json").read_text())
-    full = config["text_config"]["layer_types"].index(FULL)
-    gen, h = torch.Generator().manual_seed(5), config["text_config"]["hidden_size"]
-    prefix = f"model.language_model.layers.{full}."
-    for key, t in list(tensors.items()):
-        if key.startswith(prefix):
-            tensors["mtp.layers.0." + key[len(prefix):]] = torch.randn(t.shape, generator=gen) * 0.05
-    tensors["mtp.fc.weight"] = torch.randn(h, 2 * h, generator=gen) * 0.05
-    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        tensors[f"mtp.{norm}.weight"] = torch.randn(h, generator=gen) * 0.1
-    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
-    config["text_config"]["mtp_num_hidden_layers"] = 1
-    (src / "config.json").write_text(json.dumps(config))
     capfd.readouterr()
     convert(src, tmp_path / "vllm", to="vllm", tp=2, workers=2)
     assert "MTP block (mtp.*, 1 layer) is not written" in capfd.readouterr().err
@@ -218,3 +247,84 @@ def test_condgen_mtp_block_left_out_with_a_note_both_ways(run, tmp_path, capfd):
     back = _load_dir(tmp_path / "back", "*.safetensors")
     assert sorted(back) == sorted(k for k in tensors if not k.startswith("mtp."))
     assert all(_bitwise(back[k], tensors[k]) for k in back)
+
+
+@pytest.fixture(scope="module")
+def fp8_run(run, tmp_path_factory):
+    """``pmz convert --quantize fp8`` (HF, and vLLM at TP 2) of each conditional-generation checkpoint with an MTP
+    block, and of the text-only checkpoint of the same tensors (``text_only``): the reference it must match."""
+    from converters.engine import convert
+
+    root = tmp_path_factory.mktemp("vllm_hybrid_vision_fp8")
+    out = {}
+    for name in MODELS:
+        d = out[name] = root / name
+        condgen = with_mtp(run["src"][name], d / "condgen")
+        for which, src in (("condgen", condgen), ("text", text_only(condgen, d / "text"))):
+            convert(src, d / f"{which}-hf", to="hf", quantization="fp8", workers=2)
+            convert(src, d / f"{which}-tp2", to="vllm", tp=2, quantization="fp8", workers=2)
+    return out
+
+
+def _qconfig(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())["quantization_config"]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_fp8_hf_of_condgen_is_the_text_only_fp8_with_the_tower_as_stored(run, fp8_run, name):
+    """``--to hf --quantize fp8`` of a conditional-generation checkpoint: the text model and MTP block exactly what
+    the text-only checkpoint of the same tensors gives (FP8 weights, scales, kept tensors, bitwise, under
+    ``model.language_model.``), the tower the source's tensors bitwise with no scales, and ``quantization_config``
+    the text-only one (names under ``model.language_model.``) plus exactly the tower modules transformers'
+    conditional-generation class builds as ``nn.Linear`` (instantiated on meta), by their module names."""
+    import transformers
+
+    d = fp8_run[name]
+    source, ours, text = (_load_dir(p, "*.safetensors") for p in (d / "condgen", d / "condgen-hf", d / "text-hf"))
+    tower = [k for k in source if k.startswith(TOWER)]
+    assert tower and [k for k in tower if not _bitwise(ours[k], source[k])] == []
+    rest = {_text_name(k): t for k, t in ours.items() if not k.startswith(TOWER)}
+    assert sorted(rest) == sorted(text) and any(k.startswith("mtp.") and k.endswith("_scale_inv") for k in text)
+    assert [k for k in text if not _bitwise(rest[k], text[k])] == []
+    qconfig, text_qconfig = _qconfig(d / "condgen-hf"), _qconfig(d / "text-hf")
+    kept = qconfig.pop("modules_to_not_convert")
+    assert qconfig == {k: v for k, v in text_qconfig.items() if k != "modules_to_not_convert"}
+    assert [_text_name(m) for m in kept if not m.startswith(TOWER)] == text_qconfig["modules_to_not_convert"]
+    config = json.loads((d / "condgen-hf" / "config.json").read_text())
+    cls = getattr(transformers, config["architectures"][0])
+    with torch.device("meta"):
+        hf = cls(cls.config_class.from_dict({k: v for k, v in config.items() if k != "quantization_config"}))
+    linears = [n for n, m in hf.named_modules() if n.startswith(TOWER) and isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 4 * VISION["depth"] + 2
+    assert sorted(m for m in kept if m.startswith(TOWER)) == sorted(linears)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_fp8_vllm_of_condgen_is_the_text_only_fp8_with_the_tower_unquantized(run, fp8_run, name, tmp_path):
+    """``--to vllm --tp 2 --quantize fp8`` of a conditional-generation checkpoint: each rank's text tensors (FP8
+    weights, scales, vLLM's KV-scale scalars, kept tensors) are the text-only checkpoint's FP8 rank files bitwise
+    under ``language_model.``, its tower tensors the unquantized ``--to vllm --tp 2`` export's (no scales), and
+    config.json's ``quantization_config`` the HF FP8 export's (one rule: vLLM renames ``model.visual.`` to its
+    ``visual.`` layers). Back to HF the directory is refused as the text-only one is (an FP8 source)."""
+    from converters.engine import convert
+
+    d = fp8_run[name]
+    for rank in range(2):
+        pattern = f"model-rank-{rank}-part-*.safetensors"
+        ours, text = _load_dir(d / "condgen-tp2", pattern), _load_dir(d / "text-tp2", pattern)
+        plain = _load_dir(run["out"][name] / "convert-tp2", pattern)
+        tower = sorted(k for k in ours if k.startswith("visual."))
+        assert "visual.blocks.0.attn.qkv.weight" in tower
+        assert tower == sorted(k for k in plain if k.startswith("visual."))
+        assert [k for k in tower if not _bitwise(ours[k], plain[k])] == []
+        assert sorted(k for k in ours if not k.startswith("visual.")) == sorted("language_model." + k for k in text)
+        assert any(k.endswith("_scale_inv") for k in text)
+        assert [k for k in text if not _bitwise(ours["language_model." + k], text[k])] == [], rank
+    assert _qconfig(d / "condgen-tp2") == _qconfig(d / "condgen-hf")
+    messages = []
+    for which in ("condgen", "text"):
+        with pytest.raises(ValueError) as info:
+            convert(d / f"{which}-tp2", tmp_path / which, to="hf")
+        messages.append(str(info.value).replace(str(d / f"{which}-tp2"), "DIR"))
+        assert not (tmp_path / which).exists()
+    assert messages[0] == messages[1] and "quantization_config" in messages[0] and "\n" not in messages[0]

@@ -4,7 +4,9 @@ What is stored is ``models/common/export/fp8.py``'s rule, the one ``save_pretrai
 "fp8")`` follows: per weight-map entry, ``fp8.is_quantized`` says whether its HF tensors become
 ``float8_e4m3fn`` plus ``<name>_scale_inv`` (fp32, one per 128x128 block), ``fp8.quantize_named``
 makes them, ``fp8.stored_layout`` gives names, shapes and dtypes for planning, and
-``fp8.quantization_config`` goes into config.json. Everything else keeps the output dtype.
+``fp8.quantization_config`` goes into config.json. Everything else keeps the output dtype, a
+conditional-generation checkpoint's vision tower included (not in the role map: carried as stored, its
+linear modules listed in ``modules_to_not_convert`` by ``fp8.carried_linear_modules``).
 
 Files are laid out as ``write_hf`` lays them out (``hf_plan``: HF tensors in unit order, split at
 ``--max-shard-size`` counted on the unquantized bytes, so FP8 files come out smaller), each HF
@@ -87,7 +89,7 @@ def quantized_names(reader: CheckpointReader) -> set[str]:
 def check_fp8_target(reader: CheckpointReader, tp: int | None = None) -> None:
     """QuantizationError (one line, the numbers named) before anything is written: a weight-map entry
     with no FP8 role, or (``tp``: a vLLM target) a TP whose shard boundaries cut a 128x128 block."""
-    fp8.quantization_config(role_map(reader), reader.cfg.num_hidden_layers)  # every entry's role
+    quantization_config(reader)  # every entry's role
     quantized_names(reader)
     if tp is not None:
         from models.common import vllm_format
@@ -109,11 +111,17 @@ def plan_fp8(reader: CheckpointReader, dtype: torch.dtype, max_shard_bytes: int)
     return files
 
 
+def quantization_config(reader: CheckpointReader) -> dict:
+    """``fp8.quantization_config`` of the checkpoint: the text model's (and MTP block's) roles, and a
+    conditional-generation checkpoint's tower (``cfg.carried``: kept, its linears in ``modules_to_not_convert``)."""
+    return fp8.quantization_config(role_map(reader), reader.cfg.num_hidden_layers, getattr(reader.cfg, "carried", ()))
+
+
 def write_quantization_config(directory: str, reader: CheckpointReader) -> None:
     """Add ``fp8.quantization_config`` to the config.json already written in ``directory``."""
     path = Path(directory) / "config.json"
     data = json.loads(path.read_text())
-    data["quantization_config"] = fp8.quantization_config(role_map(reader), reader.cfg.num_hidden_layers)
+    data["quantization_config"] = quantization_config(reader)
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 

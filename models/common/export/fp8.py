@@ -28,6 +28,15 @@ Format (DeepSeek-V3's, as vLLM's ``Fp8LinearMethod`` and transformers' ``FineGra
     ``conv1d`` (vLLM builds it without a quantization config), ``A_log``, ``dt_bias`` and gated norm.
     The kept linear modules are listed in ``modules_to_not_convert`` so that loaders that would
     otherwise quantize every linear (vLLM: ``ignored_layers``; transformers on GPU) leave them alone.
+  * a Gated DeltaNet hybrid's conditional-generation vision tower (``cfg.carried``, HF ``model.visual.*``;
+    ``CARRIED_PREFIX``) is never quantized, whatever its names look like (``carried_role``): the text model
+    (and MTP block) is quantized exactly as in a text-only checkpoint, the tower stays in the output dtype
+    and its linear modules (``attn.qkv``, ``attn.proj``, ``mlp.linear_fc1/2``, ``merger.linear_fc1/2``) are
+    listed in ``modules_to_not_convert`` by their HF names (``carried_linear_modules``). Those are the names
+    transformers' ``Qwen3_5ForConditionalGeneration`` gives the modules, and vLLM 0.32 reads them too: its
+    ``Fp8Config.apply_vllm_mapper`` renames the list with the model's ``hf_to_vllm_mapper``
+    (``model.visual.`` -> ``visual.``) and ``is_layer_skipped`` matches each tower layer's prefix
+    (``visual.blocks.N.attn.qkv``, ``qkv`` being its own packed mapping) exactly.
 
 vLLM shards (``save_vllm_sharded_state``, ``iter_export("vllm")``): a rank's shard of a packed
 parameter is quantized as one tensor. vLLM (0.32, ``validate_fp8_block_shape`` and the block-scale
@@ -45,6 +54,8 @@ import re
 from typing import Iterable, Sequence
 
 import torch
+
+from models.common.hybrid_vision import VISUAL_PREFIX
 
 QUANTIZATIONS = ("fp8",)  # what ``quantization=`` accepts besides None
 BLOCK = 128  # rows and columns of one scale block
@@ -88,6 +99,11 @@ KEPT_ROLES = (
 # kept tensors of linear modules (transformers' nn.Linear, vLLM's LinearBase with the quant config)
 KEPT_LINEAR_ROLES = ("LM head", "MoE router", "shared-expert gate", "vision merger", "Gated DeltaNet b/a projection")
 MTP_LAYER = re.compile(r"^mtp\.layers\.")  # an MTP decoder layer's tensors take the decoder layers' roles
+# A hybrid's conditional-generation tower (HF names; module doc): kept whole, its linear modules listed as kept.
+# (Qwen2-VL's tower, quantized by the roles above, is named ``visual.*`` on disk and in our maps.)
+CARRIED_PREFIX = VISUAL_PREFIX
+CARRIED_LINEAR = re.compile(r"^model\.visual\.(blocks\.\d+\.(attn\.(qkv|proj)|mlp\.linear_fc[12])"
+                            r"|merger\.linear_fc[12])\.weight$")
 
 
 class QuantizationError(ValueError):
@@ -111,9 +127,27 @@ def role(param: str) -> tuple[str, bool]:
     raise QuantizationError(f"{param}: no FP8 role (models/common/export/fp8.py lists which tensors are quantized)")
 
 
+def carried_role(hf_name: str) -> tuple[str, bool]:
+    """``(role, False)`` of a conditional-generation tower tensor (HF name under ``CARRIED_PREFIX``): never
+    quantized; QuantizationError for any other name."""
+    if not hf_name.startswith(CARRIED_PREFIX):
+        raise QuantizationError(f"{hf_name}: not a carried vision-tower tensor ({CARRIED_PREFIX}*)")
+    return ("carried vision-tower linear" if CARRIED_LINEAR.match(hf_name) else "carried vision tower"), False
+
+
 def is_quantized(entry) -> bool:
-    """Whether a weight-map entry's tensors are stored as FP8 (the same for all its HF parts)."""
+    """Whether a weight-map entry's tensors are stored as FP8 (the same for all its HF parts); an entry of a
+    carried tower (vLLM's ``visual.*`` entries of a hybrid, whose HF parts are ``model.visual.*``) never is."""
+    if entry.hf and all(name.startswith(CARRIED_PREFIX) for name in entry.hf):
+        return any(carried_role(name)[1] for name in entry.hf)
     return role(entry.param)[1]
+
+
+def carried_linear_modules(carried: Iterable) -> list[str]:
+    """HF module names of the linear modules of a carried tower (``cfg.carried``: ``(HF name, shape)`` pairs, or
+    names), in its order; other carried names (norms, embeddings, an MTP block's tensors) give none."""
+    names = [c if isinstance(c, str) else c[0] for c in carried]
+    return [n.removesuffix(".weight") for n in names if CARRIED_LINEAR.match(n)]
 
 
 def scale_name(name: str) -> str:
@@ -176,20 +210,22 @@ def vllm_attention_scales(quantization) -> list[tuple[str, float]]:
     return [(name, VLLM_KV_SCALE_VALUE) for name in VLLM_KV_SCALES] if quantization else []
 
 
-def modules_to_not_convert(weight_map, num_layers: int) -> list[str]:
+def modules_to_not_convert(weight_map, num_layers: int, carried: Iterable = ()) -> list[str]:
     """HF module names of the kept linear modules (``KEPT_LINEAR_ROLES``), ``lm_head`` always first
-    (tied or not: transformers builds it as a Linear)."""
+    (tied or not: transformers builds it as a Linear), then a carried tower's (``carried_linear_modules``)."""
     names = ["lm_head"]
     for entry in weight_map.entries(range(num_layers)):
         what, quantized = role(entry.param)
         if not quantized and what in KEPT_LINEAR_ROLES and entry.param.endswith(".weight"):
             names += [h.removesuffix(".weight") for h in entry.hf if h.removesuffix(".weight") not in names]
-    return names
+    return names + [n for n in carried_linear_modules(carried) if n not in names]
 
 
-def quantization_config(weight_map, num_layers: int) -> dict:
-    """config.json's ``quantization_config`` for an FP8 export of a model with this weight map."""
-    return {**QUANTIZATION_CONFIG, "modules_to_not_convert": modules_to_not_convert(weight_map, num_layers)}
+def quantization_config(weight_map, num_layers: int, carried: Iterable = ()) -> dict:
+    """config.json's ``quantization_config`` for an FP8 export of a model with this weight map (and, for a
+    hybrid's conditional-generation checkpoint, the tower ``carried``: its config's ``carried``)."""
+    return {**QUANTIZATION_CONFIG,
+            "modules_to_not_convert": modules_to_not_convert(weight_map, num_layers, carried)}
 
 
 def _generic(name: str) -> str:

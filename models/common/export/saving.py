@@ -180,8 +180,8 @@ def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, max_s
     FP8 files come out smaller than ``max_shard_size``. Carried tensors follow ``fp8.py``'s roles as
     ``pmz convert --to hf --quantize fp8`` does: the MTP block's linears (``fc``, its decoder layer's
     projections) quantized from the source values, its norms and router kept (the router listed in
-    ``modules_to_not_convert``); the vision tower has no FP8 role for these models and stays unquantized, its
-    linear modules added to ``modules_to_not_convert`` so that loaders read them as stored.
+    ``modules_to_not_convert``); the vision tower is never quantized (``fp8.carried_role``), its linear
+    modules listed in ``modules_to_not_convert`` by ``fp8.carried_linear_modules``, the rule pmz reads too.
     """
     import json
 
@@ -229,10 +229,8 @@ def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, max_s
         qconfig = None
         if quantization:
             roles = replace(model.weight_map, mtp_layers=mtp_layers) if mtp_layers else model.weight_map
-            qconfig = fp8.quantization_config(roles, model.config.num_hidden_layers)
-            kept = qconfig["modules_to_not_convert"]
-            kept += [n.removesuffix(".weight") for n, shape in carried_layout if n.endswith(".weight")
-                     and len(shape) == 2 and n not in fp8_carried and n.removesuffix(".weight") not in kept]
+            tower = getattr(model.config, "carried", ()) if carried_layout else ()  # as pmz reads it: config order
+            qconfig = fp8.quantization_config(roles, model.config.num_hidden_layers, tower)
         _saved_config(hf_config, dtype, qconfig).save_pretrained(str(tmp))
         files = [(stored(plan), file_name) for plan, file_name in zip(plans, names)]
         files += [([t for n, shape in layout for t in fp8.stored_layout(n, shape, n in fp8_carried, dtype)], file_name)
