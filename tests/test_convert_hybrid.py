@@ -67,21 +67,25 @@ def _configs() -> dict:
     }
 
 
-def add_mtp(path: str, seed: int) -> None:
-    """An MTP block in the safetensors (a full-attention layer with the model's MLP, its fc and norms) and
-    ``mtp_num_hidden_layers`` in config.json, as real Qwen3.5 / Qwen3-Next checkpoints hold them."""
+def add_mtp(path, seed: int) -> None:
+    """An MTP block in the safetensors (a full-attention layer with the model's MLP, its fc and norms, random
+    values) and ``mtp_num_hidden_layers: 1`` in config.json, as real Qwen3.5 / Qwen3-Next checkpoints hold them;
+    a conditional-generation checkpoint's at the top level, declared in its ``text_config``."""
     tensors = load_file(f"{path}/model.safetensors")
     config = json.loads(Path(path, "config.json").read_text())
-    full = config["layer_types"].index(FULL)
-    gen, h = torch.Generator().manual_seed(seed), config["hidden_size"]
+    text = config.get("text_config", config)
+    full = text["layer_types"].index(FULL)
+    gen, h = torch.Generator().manual_seed(seed), text["hidden_size"]
+    layer = f"model.language_model.layers.{full}." if "text_config" in config else f"model.layers.{full}."
     for name, t in list(tensors.items()):
-        if name.startswith(f"model.layers.{full}."):
-            tensors["mtp.layers.0." + name.split(".", 3)[3]] = torch.randn(t.shape, generator=gen) * 0.05
+        if name.startswith(layer):
+            tensors["mtp.layers.0." + name[len(layer):]] = torch.randn(t.shape, generator=gen) * 0.05
     tensors["mtp.fc.weight"] = torch.randn(h, 2 * h, generator=gen) * 0.05
     for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
         tensors[f"mtp.{norm}.weight"] = torch.randn(h, generator=gen) * 0.1
     save_file(tensors, f"{path}/model.safetensors", metadata={"format": "pt"})
-    Path(path, "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}, indent=2))
+    text["mtp_num_hidden_layers"] = 1
+    Path(path, "config.json").write_text(json.dumps(config, indent=2))
 
 
 @pytest.fixture(scope="module")

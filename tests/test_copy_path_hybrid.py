@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from converters.engine import convert
 from tests.test_convert_hybrid import _configs, add_mtp, assert_same, dist_state
-from tests.test_copy_targets import _same_dist, _same_rank_file, _torch_path, _tree
+from tests.test_copy_targets import _same_dist, _same_rank_file, _torch_path, _tree, run_pmz_without_torch
 from tests.test_hybrid_checkpoints import conditional_generation_checkpoint
 
 NORM = "linear_attn.norm.weight"
@@ -204,20 +204,7 @@ def test_minus_one_bytes_on_random_fp32():
 def test_cli_conversions_never_import_torch(sources, tmp_path):
     """``pmz convert`` of Qwen3.5 HF -> legacy and torch_dist -> HF runs without torch (the copy path's promise:
     no tensors in Python, memory bounded by its buffers)."""
-    import subprocess
-    import sys
-
-    probe = ("import runpy, sys\n"
-             "sys.argv = ['pmz'] + sys.argv[1:]\n"
-             "try:\n"
-             "    runpy.run_module('converters.cli', run_name='__main__')\n"
-             "except SystemExit as e:\n"
-             "    assert not e.code, e.code\n"
-             "assert 'torch' not in sys.modules, 'torch was imported'\n")
-    root = Path(__file__).resolve().parents[1]
     cases = [(sources["hf"], ["--to", "megatron", "--tp", "2"]), (sources["dist"], ["--to", "hf"])]
     for i, (src, to) in enumerate(cases):
-        proc = subprocess.run([sys.executable, "-c", probe, "convert", src, str(tmp_path / f"out{i}"), *to, "--quiet"],
-                              cwd=root, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr
+        run_pmz_without_torch("convert", str(src), str(tmp_path / f"out{i}"), *to)
 

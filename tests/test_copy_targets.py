@@ -188,20 +188,28 @@ def test_a_dtype_change_takes_the_torch_path(sources, tmp_path, monkeypatch):
     assert {t.dtype for t in state["model"].values() if t is not None} == {torch.bfloat16}
 
 
+# ``pmz`` run as its module is, failing if it exits non-zero or imports torch (the copy path's promise)
+_TORCH_FREE_PROBE = ("import runpy, sys\n"
+                     "sys.argv = ['pmz'] + sys.argv[1:]\n"
+                     "try:\n"
+                     "    runpy.run_module('converters.cli', run_name='__main__')\n"
+                     "except SystemExit as e:\n"
+                     "    assert not e.code, e.code\n"
+                     "assert 'torch' not in sys.modules, 'torch was imported'\n")
+
+
+def run_pmz_without_torch(*args: str) -> None:
+    """Run ``pmz <args> --quiet`` in a fresh interpreter; assert it succeeds without importing torch."""
+    proc = subprocess.run([sys.executable, "-c", _TORCH_FREE_PROBE, *args, "--quiet"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_cli_conversion_to_megatron_never_imports_torch(sources, tmp_path):
-    probe = ("import runpy, sys\n"
-             "sys.argv = ['pmz'] + sys.argv[1:]\n"
-             "try:\n"
-             "    runpy.run_module('converters.cli', run_name='__main__')\n"
-             "except SystemExit as e:\n"
-             "    assert not e.code, e.code\n"
-             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     for i, (fmt, src) in enumerate([("megatron", sources["qwen2", "hf"]),
                                     ("megatron-dist", sources["qwen2", "megatron-222"])]):
         out = tmp_path / f"out{i}"
-        proc = subprocess.run([sys.executable, "-c", probe, "convert", str(src), str(out), "--to", fmt, "--tp", "2",
-                               "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr
+        run_pmz_without_torch("convert", str(src), str(out), "--to", fmt, "--tp", "2")
         assert (out / "latest_checkpointed_iteration.txt").is_file()
 
 

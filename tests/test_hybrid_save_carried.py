@@ -10,7 +10,6 @@ from __future__ import annotations
 import glob
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,27 +26,6 @@ def _tensors(directory) -> dict:
     for f in sorted(glob.glob(f"{directory}/*.safetensors")):
         out.update(load_file(f))
     return out
-
-
-def _add_condgen_mtp(path: str) -> None:
-    """An MTP block (a copy-shaped full-attention layer with the model's MLP, fc and norms, random values) at the
-    top level of a conditional-generation checkpoint, and ``text_config.mtp_num_hidden_layers: 1``, as real Qwen3.5
-    releases hold them."""
-    config = json.loads(Path(path, "config.json").read_text())
-    text = config["text_config"]
-    full, h = text["layer_types"].index("full_attention"), text["hidden_size"]
-    tensors = load_file(f"{path}/model.safetensors")
-    gen = torch.Generator().manual_seed(21)
-    layer = f"model.language_model.layers.{full}."
-    for name, t in list(tensors.items()):
-        if name.startswith(layer):
-            tensors["mtp.layers.0." + name[len(layer):]] = torch.randn(t.shape, generator=gen) * 0.05
-    tensors["mtp.fc.weight"] = torch.randn(h, 2 * h, generator=gen) * 0.05
-    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        tensors[f"mtp.{norm}.weight"] = torch.randn(h, generator=gen) * 0.1
-    save_file(tensors, f"{path}/model.safetensors", metadata={"format": "pt"})
-    text["mtp_num_hidden_layers"] = 1
-    Path(path, "config.json").write_text(json.dumps(config, indent=2))
 
 
 def _worker(paths: dict, out: str) -> dict:
@@ -100,7 +78,7 @@ def run(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("save_carried")
     condgen, _ = conditional_generation_checkpoint(root, "qwen3_5")
-    _add_condgen_mtp(condgen)
+    add_mtp(condgen, seed=21)
     text = write_model(root, "text", configs()["tied_kv1"], seed=8)
     add_mtp(text, seed=9)
     moved = str(shutil.copytree(text, root / "moved"))

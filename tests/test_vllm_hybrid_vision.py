@@ -27,7 +27,7 @@ import torch
 from tests.test_vllm import _load, _load_dir, as_param_names
 from tests.test_vllm_hybrid import ALIASES
 from tests.vllm_harness import run_clients
-from tests.workers_vllm_hybrid import FULL, configs
+from tests.workers_vllm_hybrid import configs
 
 MODELS = ("qwen3_5", "qwen3_5_moe")
 # a tower vLLM's CPU vision attention builds (head dim 16, as tests/test_vllm_vl.py's), merged width 256 = 4 x 64,
@@ -74,23 +74,10 @@ def with_mtp(source: Path, path: Path) -> Path:
     """A copy of a conditional-generation checkpoint with an MTP block (``mtp.*``, random values shaped as a
     full-attention layer with the model's MLP, ``fc`` and norms), declared by text_config's
     ``mtp_num_hidden_layers`` as in real checkpoints."""
-    from safetensors.torch import save_file
+    from tests.test_convert_hybrid import add_mtp
 
     src = Path(shutil.copytree(source, path))
-    tensors = _load(src / "model.safetensors")
-    config = json.loads((src / "config.json").read_text())
-    full = config["text_config"]["layer_types"].index(FULL)
-    gen, h = torch.Generator().manual_seed(5), config["text_config"]["hidden_size"]
-    prefix = f"{TEXT}layers.{full}."
-    for key, t in list(tensors.items()):
-        if key.startswith(prefix):
-            tensors["mtp.layers.0." + key[len(prefix):]] = torch.randn(t.shape, generator=gen) * 0.05
-    tensors["mtp.fc.weight"] = torch.randn(h, 2 * h, generator=gen) * 0.05
-    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        tensors[f"mtp.{norm}.weight"] = torch.randn(h, generator=gen) * 0.1
-    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
-    config["text_config"]["mtp_num_hidden_layers"] = 1
-    (src / "config.json").write_text(json.dumps(config))
+    add_mtp(src, seed=5)
     return src
 
 
