@@ -4,6 +4,10 @@ For tests, demos and tools on one machine (gloo on CPU); real jobs use ``torchru
 importing cost seconds per process, so callers run many cases inside one call. The function must be
 importable by module path (module level, or in a script with an ``if __name__ == "__main__"``
 guard). An exception on any rank is re-raised in the parent with that rank's traceback.
+
+The rendezvous store lives in the parent, on a port the OS chose when the store bound it: there is
+no window between picking a free port and binding it in which another process can take it (the
+race ``free_port`` has), and no rank's exit can take the store down while others still use it.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import queue as queue_mod
 import socket
 import time
 import traceback
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -20,19 +25,22 @@ import torch.multiprocessing as mp
 
 
 def free_port() -> int:
+    """A port free now (for launchers that must name one up front, e.g. torchrun's environment);
+    another process may take it before it is bound, so prefer a store bound to port 0."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn, args, queue, backend: str) -> None:
+def _entry(rank: int, world: int, port: int, fn, args, queue, backend: str, timeout: float) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world)
+        store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False, timeout=timedelta(seconds=timeout))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
         result = fn(*args)
-        # Rank 0 hosts the rendezvous store: a rank done early (e.g. one that only raised local errors)
-        # must not take it down while others still create their groups.
+        # A rank done early (e.g. one that only raised local errors) waits for the others, so every
+        # rank's result is in before any group is destroyed.
         dist.barrier()
         queue.put((rank, "ok", result))
     except BaseException:  # noqa: BLE001 - report everything to the parent
@@ -46,8 +54,10 @@ def run_distributed(world: int, fn, *args, timeout: float = 900.0, backend: str 
     """``[fn(*args) on rank r for r in range(world)]``, each rank in its own process (one thread each)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue, backend), daemon=True)
+    # the parent holds the store (port 0: the OS picks one as it binds) until every rank has ended
+    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout))
+    procs = [ctx.Process(target=_entry, args=(r, world, store.port, fn, args, queue, backend, timeout), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -70,6 +80,7 @@ def run_distributed(world: int, fn, *args, timeout: float = 900.0, backend: str 
         p.join(timeout=5 if errors else timeout)
         if p.is_alive():
             p.terminate()
+    del store
     if errors:
         raise RuntimeError("distributed worker failed\n" + "\n".join(errors))
     return [results[r] for r in range(world)]

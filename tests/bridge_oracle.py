@@ -256,9 +256,8 @@ def _load(ckpt: str, hf: str) -> dict:
 def main(jobs_path: str, result_path: str) -> None:
     import torch.distributed as dist
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(20000 + os.getpid() % 20000))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    # one rank: an in-process store, no port to pick (a port derived from the pid could be taken)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(1, 1)

@@ -441,7 +441,7 @@ def test_read_only_destination_parent(hf, tmp_path):
 def test_absurd_config_fails_fast_without_allocating(hf, tmp_path, key, value, to):
     """A config.json claiming 10^9 layers (or a huge hidden/vocab size) is compared with the tensors
     present before any per-layer table is built: one line naming config.json and the number, well
-    inside a 4 GiB address-space limit and a short time."""
+    inside a 4 GiB address-space limit (no wall-time bound: the subprocess timeout only guards a hang)."""
     import json
 
     src = tmp_path / "src"
@@ -453,13 +453,11 @@ def test_absurd_config_fails_fast_without_allocating(hf, tmp_path, key, value, t
     def limit_memory() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
 
-    start = time.monotonic()
     proc = pmz("convert", src, tmp_path / "out" / "x", "--to", to, "--quiet", env=_env(), preexec_fn=limit_memory,
                timeout=120)
     assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
     line = one_error_line(proc.stderr)
     assert str(src / "config.json") in line and f"{key}={value}" in line, line
-    assert time.monotonic() - start < 60
     assert not (tmp_path / "out").exists()
     # inspect and verify read the same config
     proc = pmz("inspect", src, env=_env(), preexec_fn=limit_memory, timeout=120)
