@@ -181,12 +181,12 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
     src, hf_config = location.path, hf_config or location.hf_config_dir
     # --ep and --moe-grouped-gemm lay out a Megatron target's experts: the torch path writes MoE targets
     # Megatron-Bridge's layout (run_config.yaml, its names) is written by the torch path
-    by_copy = quantization is None and to not in ("vllm", "megatron-bridge")  # and FP8: the copy path moves bytes
-    if by_copy and ep in (None, 1) and not moe_grouped_gemm and _convert_by_copy(
+    by_copy = quantization is None and to != "megatron-bridge"  # and FP8: the copy path moves bytes
+    if by_copy and _convert_by_copy(
             src, dst_path, to=to, overwrite=overwrite, hf_config=hf_config, arch=arch, vocab_size=vocab_size,
             dtype=wanted_dtype, shard_bytes=shard_bytes, workers=workers, progress=progress, tp=tp, pp=pp, vpp=vpp,
-            divisible_by=make_vocab_size_divisible_by, first=first_stage_layers, last=last_stage_layers,
-            written=written):
+            ep=ep, grouped_gemm=moe_grouped_gemm, divisible_by=make_vocab_size_divisible_by,
+            first=first_stage_layers, last=last_stage_layers, written=written):
         return dst_path
     out_dtype = parse_dtype(wanted_dtype)
     reader = open_reader(src, arch=arch, hf_config=hf_config, vocab_size=vocab_size)
@@ -287,7 +287,8 @@ def source_layout(reader: Any) -> dict[str, Any]:
 
 def _convert_by_copy(src, dst_path: Path, *, to: str, overwrite: bool, hf_config, arch, vocab_size,
                      dtype: str | None, shard_bytes: int, workers: int, progress: bool, tp: int | None = None,
-                     pp: int | None = None, vpp: int | None = None, divisible_by: int = 128,
+                     pp: int | None = None, vpp: int | None = None, ep: int | None = None,
+                     grouped_gemm: bool | None = None, divisible_by: int = 128,
                      first: int | None = None, last: int | None = None, written: dict | None = None) -> bool:
     """The copy path (no torch, byte ranges moved by system calls: ``converters/copy_path/hf.py`` for
     HF targets, ``converters/copy_path/megatron.py`` for Megatron ones) when the source allows it and
@@ -309,6 +310,18 @@ def _convert_by_copy(src, dst_path: Path, *, to: str, overwrite: bool, hf_config
         with Staging(dst_path, overwrite) as tmp:
             write_hf_by_copy(source, str(tmp), max_shard_bytes=shard_bytes, workers=workers, progress=progress)
         return True
+    if to == "vllm":
+        from converters.copy_path.vllm import plan_vllm_target, write_vllm_by_copy
+
+        try:
+            vtarget = plan_vllm_target(source, tp=tp or 1, pp=pp or 1)
+        except Unsupported:
+            return False
+        _record(written, tp=vtarget.tp, pp=vtarget.pp)
+        with Staging(dst_path, overwrite) as tmp:
+            write_vllm_by_copy(source, vtarget, str(tmp), max_shard_bytes=shard_bytes, workers=workers,
+                               progress=progress, files_from=hf_config or (str(src) if source.format == "hf" else None))
+        return True
     from converters.copy_path.megatron import plan_copy_target, write_megatron_by_copy
 
     # the source's layout when none is asked for, as the torch path (source_layout) does
@@ -318,10 +331,13 @@ def _convert_by_copy(src, dst_path: Path, *, to: str, overwrite: bool, hf_config
         first, last = layout.get("first"), layout.get("last")
     try:
         target = plan_copy_target(source, fmt=to, tp=tp or layout.get("tp", 1), pp=pp, vpp=vpp or 1,
-                                  divisible_by=divisible_by, first=first, last=last)
-    except Unsupported:  # a mixture-of-experts target
+                                  divisible_by=divisible_by, first=first, last=last, ep=ep or layout.get("ep", 1),
+                                  grouped_gemm=layout.get("grouped_gemm", False) if grouped_gemm is None
+                                  else grouped_gemm)
+    except Unsupported:  # a layout the copy path does not write: the torch path does
         return False
-    _record(written, tp=target.tp, pp=target.pp, vpp=target.vpp, ep=1, first=first, last=last)
+    _record(written, tp=target.tp, pp=target.pp, vpp=target.vpp, ep=getattr(target, "ep", 1), first=first,
+            last=last)
     with Staging(dst_path, overwrite) as tmp:
         write_megatron_by_copy(source, target, str(tmp), workers=workers, progress=progress,
                                hf_config_dir=hf_config)

@@ -92,12 +92,13 @@ class CopyTarget:
 
 
 def plan_copy_target(source: RawSource, *, fmt: str, tp: int, pp: int, vpp: int, divisible_by: int,
-                     first: int | None = None, last: int | None = None) -> CopyTarget:
+                     first: int | None = None, last: int | None = None, ep: int = 1,
+                     grouped_gemm: bool = False) -> CopyTarget:
     """Validate the target layout for the model (ParallelConfigError names the numbers);
     ``Unsupported`` for a mixture-of-experts model: its Megatron targets (expert parallel rank
     files, stacked experts, the expert args) are the torch path's."""
     cfg = source.cfg
-    if cfg.moe is not None:
+    if cfg.moe is not None or ep != 1 or grouped_gemm:
         raise Unsupported("Megatron targets of mixture-of-experts models (the torch path writes them)")
     refuse_hybrid(cfg, source.wmap)
     require_megatron_layout(cfg, source.path)
