@@ -32,6 +32,7 @@ from converters.copy_path.io import (
     thread_buffer,
     write_lock,
 )
+from converters.copy_path.megatron_moe import dist_placement, layer_extra_states, stacks_layers
 from converters.copy_path.megatron_ops import full_rows_ops, full_segments, row_nbytes, shard_ops
 from converters.copy_path.ops import Interleave, Op, Unsupported, Zeros
 from converters.copy_path.sources import RawSource, refuse_hybrid
@@ -45,6 +46,7 @@ from converters.formats.megatron_args import (
 )
 from converters.formats.megatron_dist import dist_metadata
 from converters.formats.megatron_legacy import rank_file_object
+from converters.formats.megatron_moe import check_ep_target
 from converters.formats.tensors import TAG_TO_TORCH_NAME
 from converters.formats.torch_zip import archive_bytes, layout_archive
 from converters.layout.hybrid import (
@@ -61,12 +63,11 @@ from converters.layout.model import EMBED, FINAL, is_hybrid, require_megatron_la
 from converters.layout.stages import (
     DIST_DATA_FILES,
     DIST_METADATA_JSON,
-    LINEAR_MODULES,
+    LAYER_PREFIX,
     RANK_FILE,
     MegatronLayout,
     check_target_stages,
     extra_state_modules,
-    stacked_key,
     unit_megatron_keys,
     validate_target_layout,
 )
@@ -89,36 +90,38 @@ class CopyTarget:
     args: dict
     iteration: int | None
     hf_shapes: dict = field(default_factory=dict)
+    ep: int = 1  # expert parallel (MoE): rank files mp_rank_TT[_PPP]_EEE, each with its E/ep local experts
 
 
 def plan_copy_target(source: RawSource, *, fmt: str, tp: int, pp: int, vpp: int, divisible_by: int,
                      first: int | None = None, last: int | None = None, ep: int = 1,
                      grouped_gemm: bool = False) -> CopyTarget:
-    """Validate the target layout for the model (ParallelConfigError names the numbers);
-    ``Unsupported`` for a mixture-of-experts model: its Megatron targets (expert parallel rank
-    files, stacked experts, the expert args) are the torch path's."""
+    """Validate the target layout for the model as the torch path does, in its order and with its
+    messages (ParallelConfigError / ValueError name the numbers); ``Unsupported`` for what the torch path
+    writes: grouped-GEMM experts (``GroupedMLP``'s transposed blocks) and the mixture-of-experts hybrids."""
     cfg = source.cfg
-    if cfg.moe is not None or ep != 1 or grouped_gemm:
-        raise Unsupported("Megatron targets of mixture-of-experts models (the torch path writes them)")
     refuse_hybrid(cfg, source.wmap)
     require_megatron_layout(cfg, source.path)
     check_target_stages(cfg.num_hidden_layers, pp, vpp, first, last)
     validate_target_layout(cfg, fmt, tp=tp, pp=pp, vpp=vpp, first=first, last=last)
+    check_ep_target(cfg, tp, ep, grouped_gemm)
     try:
         check_tower_tp(cfg, tp, source.path)  # a conditional-generation hybrid's vision tower, as the torch path
     except LayoutError as exc:
         raise ValueError(str(exc)) from None
+    if grouped_gemm:
+        raise Unsupported("grouped-GEMM expert targets (GroupedMLP weight1/weight2 hold each expert transposed)")
     tag = source.dtype()
     padded = megatron_padded_vocab(cfg.vocab_size, tp, divisible_by)
     args = target_arg_fields(source.hf_config, cfg, tp=tp, pp=pp, vpp=vpp, padded_vocab=padded,
                              dtype_name=TAG_TO_TORCH_NAME[tag], fmt="torch" if fmt == "megatron" else "torch_dist",
-                             divisible_by=divisible_by, first=first, last=last,
+                             divisible_by=divisible_by, first=first, last=last, ep=ep, grouped_gemm=grouped_gemm,
                              mtp_layers=getattr(source.wmap, "mtp_layers", 0))
     source.plan_megatron_values()  # a hybrid's output norms (HF - 1): Unsupported for a NaN, before any write
     layout = MegatronLayout(cfg.num_hidden_layers, pp, vpp, first, last, "target")
     iteration = getattr(source, "iteration", None)
     return CopyTarget(fmt, tp, pp, vpp, padded, tag, layout, args, iteration if isinstance(iteration, int) else None,
-                      hf_shapes(cfg, source.wmap))
+                      hf_shapes(cfg, source.wmap), ep)
 
 
 def _args_node(target: CopyTarget) -> pw.NewObj:
@@ -136,17 +139,19 @@ class _FilePlan:
 
 
 def _legacy_file(source: RawSource, target: CopyTarget, directory: Path, p: int, t: int,
-                 bands: dict[tuple, dict]) -> _FilePlan:
-    """Rank file (p, t). Column-parallel shards (``linear_proj``, ``linear_fc2``) are not filled per
-    file: their source rows are read once for all TP ranks (``bands``, see ``scatter_bands``)."""
+                 bands: dict[tuple, dict], e: int = 0) -> _FilePlan:
+    """Rank file (p, t, e): the non-expert tensors of stage ``p`` (in every EP rank's file, as Megatron
+    writes them) and EP rank ``e``'s local experts. Column-parallel shards (``linear_proj``, ``linear_fc2``)
+    are not filled per file: their source rows are read once for all TP (and EP) ranks holding them
+    (``bands``, see ``scatter_bands``)."""
     storages: list[tuple[list[Op] | None, int]] = []
     state: dict[str, Any] = {}
     scattered: list[tuple[int, tuple]] = []
 
-    def add(key: str, entry: WeightEntry, chunk_name: str) -> pw.Reduce:
+    def add(key: str, entry: WeightEntry, chunk_name: str, rank: int | None = None) -> pw.Reduce:
         shape, ops = shard_ops(source, entry, target.hf_shapes, target.padded_vocab, target.tp, t, key)
         full = megatron_full_shape(entry, target.hf_shapes, source.cfg, target.padded_vocab)
-        group = (p, chunk_name, key)
+        group = (p, chunk_name, key, rank)  # an expert's local key names another expert on each EP rank
         if group not in bands and target.tp > 1 and tp_split_kind(entry, len(full)) == COL1 and any(
                 isinstance(op, Interleave) for op in ops):
             # this rank's band cuts through source rows (an HF or torch_dist source, or a TP
@@ -155,7 +160,7 @@ def _legacy_file(source: RawSource, target: CopyTarget, directory: Path, p: int,
             segments = full_segments(entry, source.cfg, target.hf_shapes, target.padded_vocab)
             width = row_nbytes(full, source.planned[entry.hf[0]].dtype)
             bands[group] = {"ops": full_rows_ops(source, segments, [(0, full[0])], 0, width), "width": width,
-                            "outputs": [None] * target.tp}
+                            "outputs": [[] for _ in range(target.tp)]}
         if group in bands:
             scattered.append((len(storages), group))
             storages.append((None, sum(op.nbytes for op in ops)))
@@ -163,14 +168,16 @@ def _legacy_file(source: RawSource, target: CopyTarget, directory: Path, p: int,
             storages.append((ops, sum(op.nbytes for op in ops)))
         return pw.tensor(str(len(storages) - 1), target.tag, shape)
 
+    hybrid = is_hybrid(source.wmap)
     for v in range(target.vpp):
         name = "model" if target.vpp == 1 else f"model{v}"
         chunk = state.setdefault(name, {})
         for unit, local in target.layout.stage_units(p, v):
-            for entry, key, _ in unit_keys(source.wmap, unit, local, 1):  # a hybrid's MTP block on FINAL
-                chunk[key] = add(key, entry, name)
-            modules = (legacy_extra_states(source.wmap, unit, local, 1, True) if is_hybrid(source.wmap)
-                       else extra_state_modules(unit, local))
+            for entry, key, rank in unit_keys(source.wmap, unit, local, target.ep):  # a hybrid's MTP block on FINAL
+                if rank is None or rank == e:
+                    chunk[key] = add(key, entry, name, rank)
+            modules = (legacy_extra_states(source.wmap, unit, local, 1, True) if hybrid
+                       else extra_state_modules(unit, local, source.wmap, target.ep, e))
             chunk.update({f"{m}._extra_state": None for m in modules})
         if source.cfg.tie_word_embeddings and target.pp > 1 and p == target.pp - 1 and v == target.vpp - 1:
             # Megatron's last stage keeps its own copy of the tied embedding as output_layer.weight.
@@ -178,28 +185,31 @@ def _legacy_file(source: RawSource, target: CopyTarget, directory: Path, p: int,
             chunk["output_layer.weight"] = add("output_layer.weight", entry, name)
     obj = rank_file_object(_args_node(target), target.iteration, state)
     lay = layout_archive(pw.dumps(obj), [n for _, n in storages])
-    path = str(directory / legacy_rank_dir_name(t, p, target.pp) / RANK_FILE)
+    path = str(directory / legacy_rank_dir_name(t, p, target.pp, e, target.ep) / RANK_FILE)
     for i, group in scattered:
-        bands[group]["outputs"][t] = (path, lay.storage_offsets[i])
+        bands[group]["outputs"][t].append((path, lay.storage_offsets[i]))
     return _FilePlan(path, lay.end, lay.pieces,
                      [(off, ops, n) for off, (ops, n) in zip(lay.storage_offsets, storages) if ops is not None])
 
 
-def scatter_bands(ops: list[Op], width: int, outputs: list[tuple[str, int]], buffer_bytes: int) -> int:
-    """Write column band ``t`` of the rows ``ops`` produce to ``outputs[t]`` (path, offset), reading
-    each source row once: a TP split by columns would otherwise read every row ``tp`` times. Rows
-    are read into one buffer (``read_rows``) and each band is written from it with ``pwritev`` (one
-    buffer per row, ``WRITE_BYTES`` at a time, holding the output's ``write_lock``): no copy in
-    this process."""
+def scatter_bands(ops: list[Op], width: int, outputs: list, buffer_bytes: int) -> int:
+    """Write column band ``t`` of the rows ``ops`` produce to ``outputs[t]`` (path, offset) -- or to each
+    of a list of them: a MoE model's non-expert shard is in every EP rank's file --, reading each source
+    row once: a TP split by columns would otherwise read every row ``tp`` times (``tp * ep``). Rows are
+    read into one buffer (``read_rows``) and each band is written from it with ``pwritev`` (one buffer
+    per row, ``WRITE_BYTES`` at a time, holding the output's ``write_lock``): no copy in this process."""
 
     tp = len(outputs)
     band = width // tp
+    dests = [[(t, path, off) for path, off in ([out] if isinstance(out, tuple) else out)]
+             for t, out in enumerate(outputs)]
+    flat = [d for per_band in dests for d in per_band]
     fd_of = SourceFiles()
     outs: list[int] = []
 
     row = 0
     try:
-        for path, _ in outputs:
+        for _, path, _ in flat:
             try:
                 outs.append(os.open(path, os.O_WRONLY))
             except OSError as exc:
@@ -211,7 +221,7 @@ def scatter_bands(ops: list[Op], width: int, outputs: list[tuple[str, int]], buf
         band_views: dict[tuple[int, int], list] = {}
         keep_bands = tp * step <= RowViews.BUDGET
         per_write = max(1, WRITE_BYTES // band)  # rows per write (why: copy_path.io.WRITE_BYTES)
-        locks = [write_lock(path) for path, _ in outputs]
+        locks = [write_lock(path) for _, path, _ in flat]
         for op in ops:
             if isinstance(op, Zeros):  # not produced for column-parallel weights; holes are zeros anyway
                 row += op.nbytes // width
@@ -225,7 +235,7 @@ def scatter_bands(ops: list[Op], width: int, outputs: list[tuple[str, int]], buf
                 k = min(step, rows - r)
                 block = buf[: k * width]
                 read_rows(parts, fd_of, r, block, width, reads)
-                for t, (fd, (path, dst)) in enumerate(zip(outs, outputs)):
+                for fd, lock, (t, path, dst) in zip(outs, locks, flat):
                     views = band_views.get((k, t))
                     if views is None:
                         views = row_views(block, k, width, t * band, band)
@@ -234,7 +244,7 @@ def scatter_bands(ops: list[Op], width: int, outputs: list[tuple[str, int]], buf
                                 band_views.clear()
                             band_views[(k, t)] = views
                     try:
-                        with locks[t]:
+                        with lock:
                             for i in range(0, k, per_write):
                                 pwritev_all(fd, views[i:i + per_write], dst + (row + r + i) * band)
                     except OSError as exc:
@@ -255,6 +265,8 @@ def _dist_files(source: RawSource, target: CopyTarget, directory: Path) -> tuple
     units = [u for u, _ in source.units()]
     n_files = max(1, min(DIST_DATA_FILES, len(units)))
     L = source.cfg.num_hidden_layers
+    E = source.cfg.moe.num_experts if source.cfg.moe is not None else 0
+    stacked = stacks_layers(source.wmap, L)
     extra = archive_bytes(pw.dumps([None]))
     tensors: dict[str, dict] = {}
     bytes_keys: list[tuple[str, str, int, int]] = []
@@ -271,9 +283,10 @@ def _dist_files(source: RawSource, target: CopyTarget, directory: Path) -> tuple
                 full, ops = shard_ops(source, entry, target.hf_shapes, target.padded_vocab, 1, 0, key)
                 if layer is None:
                     gkey, gshape, offsets, chunk = key, full, (0,) * len(full), full
-                else:
-                    gkey = stacked_key(key.replace(f"layers.{layer}.", "layers.{i}.", 1))
-                    gshape, offsets, chunk = (L, *full), (layer,) + (0,) * len(full), (1, *full)
+                else:  # stacked [L, ...] (experts [L, E, ...]), or per layer between dense and MoE layers
+                    gkey, gshape, offsets, chunk = dist_placement(source.wmap, key, layer, full, num_layers=L,
+                                                                  experts=E, stacked=stacked, args=target.args,
+                                                                  prefix=LAYER_PREFIX)
                 nbytes = sum(op.nbytes for op in ops)
                 lay = layout_archive(pw.dumps(pw.tensor("0", target.tag, chunk)), [nbytes], base=pos)
                 headers += lay.pieces
@@ -282,9 +295,9 @@ def _dist_files(source: RawSource, target: CopyTarget, directory: Path) -> tuple
                 meta["chunks"].append((offsets, chunk, name, pos, lay.size))
                 pos = lay.end
             if layer is not None:
-                for module in LINEAR_MODULES:
-                    bytes_keys.append((f"decoder.layers.{module}._extra_state/shard_{layer}_{L}", name, pos,
-                                       len(extra)))
+                for module, suffix in layer_extra_states(source.wmap, layer, num_layers=L, experts=E, stacked=stacked,
+                                                         prefix=LAYER_PREFIX):
+                    bytes_keys.append((f"{module}._extra_state/{suffix}", name, pos, len(extra)))
                     headers.append((pos, extra))
                     pos += len(extra)
         plans.append(_FilePlan(str(directory / name), pos, headers, work))
@@ -371,8 +384,8 @@ def write_megatron_by_copy(source: RawSource, target: CopyTarget, directory: str
     try:
         bands: dict[tuple, dict] = {}
         if target.fmt == "megatron":
-            plans = [_legacy_file(source, target, folder, p, t, bands) for p in range(target.pp)
-                     for t in range(target.tp)]
+            plans = [_legacy_file(source, target, folder, p, t, bands, e) for p in range(target.pp)
+                     for e in range(target.ep) for t in range(target.tp)]
         else:
             plans, metadata = _dist_files(source, target, folder)
     except LayoutError as exc:

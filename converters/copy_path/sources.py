@@ -50,7 +50,7 @@ from converters.formats.megatron_args import args_layout
 from converters.formats.megatron_dist import DistCheckpoint, DistTensor
 from converters.formats.megatron_legacy import LegacyCheckpoint
 from converters.formats.tensors import TAG_TO_TORCH_NAME, RawTensor
-from converters.layout.experts import GROUPED_GEMM
+from converters.layout.experts import GROUPED_GEMM, source_grouped_gemm
 from converters.layout.hybrid import unit_absent
 from converters.layout.megatron import LayoutError, megatron_full_shape, shift_bytes
 from converters.layout.model import Unit, all_units, is_hybrid, unit_entries
@@ -152,6 +152,7 @@ class LegacyRawSource(RawSource):
         self.layout, self.iteration = args_layout(ckpt.args), ckpt.iteration
         self._set_model(ckpt)
         refuse_hybrid(self.cfg, self.wmap)
+        self.layout["grouped_gemm"] = self.cfg.moe is not None and source_grouped_gemm(ckpt.args, ckpt.expert_layout)
         if self.cfg.moe is not None and ckpt.expert_layout == GROUPED_GEMM:
             # each expert a transposed block of weight1/weight2: not byte ranges (before validating:
             # the torch path validates it all again)
@@ -186,6 +187,9 @@ class DistRawSource(RawSource):
         self.layout, self.iteration = ckpt.layout, ckpt.iteration
         self._set_model(ckpt)
         refuse_hybrid(self.cfg, self.wmap)
+        if self.layout is not None and ckpt.args is not None:  # the expert layout a reshard keeps (by the args)
+            self.layout = {**self.layout, "grouped_gemm": self.cfg.moe is not None and source_grouped_gemm(
+                ckpt.args, getattr(ckpt, "expert_layout", None))}
         ckpt.validate()
         shapes = hf_shapes(self.cfg, self.wmap)
         self.planned = {}
