@@ -40,6 +40,7 @@ def inspect_checkpoint(path: str | os.PathLike, *, vocab_size: int | None = None
         "model": f"{cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {_ffn(cfg)}, "
                  f"heads {cfg.num_attention_heads} (kv {cfg.num_key_value_heads}, head_dim {cfg.head_dim}), "
                  f"vocab {cfg.vocab_size}, {'tied' if cfg.tie_word_embeddings else 'untied'} embeddings",
+        **_layer_mix(cfg),
         **_experts(cfg),
         "parallel_layout": ", ".join(f"{k}={v}" for k, v in layout.items()),
         "files": reader.info.files,
@@ -111,6 +112,19 @@ def _ffn(cfg) -> str:
     if dense == 0:
         return f"expert ffn {moe.moe_intermediate_size} (every layer MoE)"
     return f"ffn {cfg.intermediate_size} on {dense} dense layer{'s' if dense != 1 else ''}"
+
+
+def _layer_mix(cfg) -> dict[str, str]:
+    """A Gated DeltaNet hybrid's layer kinds (nothing for a model of attention layers only): how many
+    of each, where the full-attention ones sit, and the linear layers' heads."""
+    linear = sorted(cfg.linear_layers()) if hasattr(cfg, "linear_layers") else []
+    if not linear:
+        return {}
+    full = [i for i in range(cfg.num_hidden_layers) if i not in set(linear)]
+    return {"layers": f"{len(linear)} linear-attention (Gated DeltaNet: {cfg.linear_num_key_heads} key / "
+                      f"{cfg.linear_num_value_heads} value heads, dims {cfg.linear_key_head_dim}/"
+                      f"{cfg.linear_value_head_dim}) + {len(full)} full-attention (layers "
+                      f"{', '.join(map(str, full))})"}
 
 
 def _experts(cfg) -> dict[str, str]:

@@ -213,7 +213,20 @@ def _logits_diff(a: str, b: str, cfg, vocab_size: int | None, hf_config: str | N
     else:
         from transformers import AutoModelForImageTextToText as model_class
 
+    from transformers.utils import logging as hf_logging
+
     inputs = _prompt(cfg)
+    # transformers' notices about its own kernels (e.g. "falling back to its reference PyTorch
+    # implementation" for Gated DeltaNet on CPU) say nothing about the checkpoints: not passed through
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return _max_logits_diff(a, b, model_class, inputs, vocab_size, hf_config)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def _max_logits_diff(a: str, b: str, model_class, inputs: dict, vocab_size: int | None, hf_config: str | None) -> float:
     with tempfile.TemporaryDirectory(prefix="pmz-verify-") as tmp:
         outs = []
         for i, path in enumerate((a, b)):

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import builtins
 import json
-import os
 import sys
 import typing
 from pathlib import Path

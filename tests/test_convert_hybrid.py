@@ -594,3 +594,27 @@ def test_real_bridge_loads_what_pmz_writes(bridge, case):
     load = bridge["loads"][case]
     assert load["loader"] == "megatron.core.dist_checkpointing.load", load
     assert load["compared"] > 40 and not (load["mismatched"] or load["missing"] or load["unexpected"]), load
+
+
+def test_inspect_shows_the_layer_mix_and_verify_logits_says_only_its_own(hf, tmp_path):
+    """``pmz inspect`` of a hybrid names its layer kinds (counted from the HF config here, independently);
+    ``pmz verify --logits`` (a fresh interpreter, so transformers' once-only notices are not spent by other
+    tests) prints its own lines and no notice of transformers' about its kernels."""
+    import subprocess
+    import sys
+
+    from tests.test_convert_faults import pmz
+
+    text = json.loads(Path(hf["qwen3_5"], "config.json").read_text())
+    kinds = text["layer_types"]
+    full = [i for i, kind in enumerate(kinds) if kind == FULL]
+    res = pmz("inspect", hf["qwen3_5"])
+    line = next((x for x in res.stdout.splitlines() if x.startswith("layers ")), "")
+    assert res.returncode == 0 and f"{kinds.count(LIN)} linear-attention" in line, res.stdout + res.stderr
+    assert f"+ {len(full)} full-attention (layers {', '.join(map(str, full))})" in line, line
+    out = tmp_path / "legacy"
+    convert(hf["qwen3_5"], out, to="megatron", tp=2)
+    res = subprocess.run([sys.executable, "-m", "converters.cli", "verify", hf["qwen3_5"], str(out), "--logits"],
+                         capture_output=True, text=True, timeout=300, cwd=str(Path(__file__).resolve().parents[1]))
+    assert res.returncode == 0 and "max abs diff" in res.stdout, res.stdout + res.stderr
+    assert "[transformers]" not in res.stderr and "falling back" not in res.stderr, res.stderr

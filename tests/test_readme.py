@@ -67,3 +67,6 @@ def test_the_use_snippet_runs_under_torchrun_on_cpu(tmp_path):
     first, second = results.values()
     # the two ranks are one TP group: both report the same global losses
     assert first["loss"] == second["loss"] and first["first_loss"] == second["first_loss"], results
+    # the block says what it computed (rank 0 alone prints, so its line cannot interleave with another's)
+    said = f"loss {first['first_loss']:.4f} then {first['loss']:.4f}"
+    assert said in proc.stdout, (said, proc.stdout[-2000:])
