@@ -1,22 +1,20 @@
 """vLLM's internal weight layout, derived from the architecture's weight map (no second table).
 
 vLLM (0.32) holds, per tensor-parallel rank, parameters under the names our models use internally
-(``qkv_proj`` = ``[q_r | k_r | v_r]``, ``gate_up_proj`` = ``[gate_r | up_r]``), so a vLLM shard of
-rank ``r`` of ``N`` is the weight map's ``Packed`` rules applied at size ``N`` - with one change:
-vLLM pads the vocabulary to a multiple of 64 (``ParallelLMHead``/``VocabParallelEmbedding``) and
-then splits it evenly over TP, whatever padding the training job used. KV heads follow the same
-``KVHeads`` rule (replicated ``N / kv`` times when ``N > kv``), row-parallel biases are whole.
+(``qkv_proj`` = ``[q_r | k_r | v_r]``, ``gate_up_proj`` = ``[gate_r | up_r]``), so a vLLM shard of rank ``r``
+of ``N`` is the weight map's ``Packed`` rules applied at size ``N`` - with one change: vLLM pads the vocabulary
+to a multiple of 64 (``ParallelLMHead``/``VocabParallelEmbedding``) and then splits it evenly over TP, whatever
+padding the training job used. KV heads follow the ``KVHeads`` rule (replicated ``N / kv`` times when
+``N > kv``), row-parallel biases are whole.
 
-Names in ``sharded_state`` files: vLLM's loader matches the keys of ``model.state_dict()`` after
-dropping tensors that share memory with another (keeping the alphabetically smaller key). With tied
-embeddings the stage holding the LM head therefore expects ``lm_head.weight`` (not
-``model.embed_tokens.weight``); a first stage without the head keeps ``model.embed_tokens.weight``.
+Names in ``sharded_state`` files: vLLM's loader matches the keys of ``model.state_dict()`` after dropping
+tensors that share memory with another (keeping the alphabetically smaller key). With tied embeddings the stage
+holding the LM head therefore expects ``lm_head.weight``; a first stage without the head keeps the embedding's.
 Each attention layer also carries four fp32 scalars (``self_attn.attn._k_scale``, ``_v_scale``,
 ``_q_scale``, ``_prob_scale``; 1.0 for unquantized KV caches) that the strict loader requires.
 
-Pipeline stages follow ``vllm.distributed.utils.get_pp_indices`` (without the
-``VLLM_PP_LAYER_PARTITION`` override): equal layer counts, the remainder given one each to the
-stages before the last.
+Pipeline stages follow ``vllm.distributed.utils.get_pp_indices`` (without ``VLLM_PP_LAYER_PARTITION``):
+equal layer counts, the remainder given one each to the stages before the last. Parts: ``split_parts``.
 
 Vision-language models (Qwen2-VL, Qwen2.5-VL, checked against vLLM 0.32 in tests/test_vllm_vl.py):
 vLLM wraps the text model, so its keys gain ``language_model.`` (``language_model.model.layers.N...``,
@@ -67,6 +65,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Sequence
 
 from models.common.architecture import Architecture
@@ -103,10 +102,7 @@ def entry_with_vocab_padding(entry: WeightEntry, padded: int | None) -> WeightEn
 
 def with_vocab_padding(wmap: WeightMap, padded: int) -> WeightMap:
     """The same weight map with every ``Vocab`` rule padding to ``padded`` rows."""
-
-    def fix(entry: WeightEntry) -> WeightEntry:
-        return entry_with_vocab_padding(entry, padded)
-
+    fix = partial(entry_with_vocab_padding, padded=padded)
     return replace(wmap, layer_entries=tuple(map(fix, wmap.layer_entries)),
                    first_entries=tuple(map(fix, wmap.first_entries)), last_entries=tuple(map(fix, wmap.last_entries)),
                    moe_layer_entries=tuple(map(fix, wmap.moe_layer_entries)))
@@ -466,10 +462,26 @@ def vllm_file_name(tp_rank: int, part: int, pp_rank: int = 0, pp: int = 1) -> st
     return f"model-rank-{tp_rank}-part-{part}.safetensors"
 
 
+def starts_part(filled: int, held: int, nbytes: int, limit: int) -> bool:
+    """vLLM's ``save_sharded_state`` part rule: a tensor of ``nbytes`` starts a new part when the current one
+    holds ``held`` tensors of ``filled`` bytes and would pass ``limit`` (a larger tensor gets a part alone)."""
+    return held > 0 and filled + nbytes > limit
+
+
+def split_parts(sizes: Sequence[int], limit: int) -> list[int]:
+    """Each tensor's part (``sizes``: a rank's tensor bytes in order): ``PartSplitter`` without the tensors."""
+    out, part, filled, held = [], 0, 0, 0
+    for n in sizes:
+        part, filled, held = (part + 1, 0, 0) if starts_part(filled, held, n, limit) else (part, filled, held)
+        out.append(part)
+        filled, held = filled + n, held + 1
+    return out
+
+
 class PartSplitter:
     """vLLM's ``save_sharded_state`` part rule for one rank's files: tensors are collected in order and
     ``write(tensors, part)`` is called for a part before the tensor that would take it past ``limit``
-    bytes (a single larger tensor gets a part of its own); ``close()`` writes the last part."""
+    bytes (``starts_part``); ``close()`` writes the last part."""
 
     def __init__(self, limit: int, write) -> None:
         self.limit, self.write = limit, write
@@ -477,7 +489,7 @@ class PartSplitter:
 
     def add(self, key: str, tensor) -> None:
         nbytes = tensor.numel() * tensor.element_size()
-        if self.current and self.size + nbytes > self.limit:
+        if starts_part(self.size, len(self.current), nbytes, self.limit):
             self.close()
         self.current[key] = tensor
         self.size += nbytes
