@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 
-from converters.copy_path.ops import Copy, Data, Interleave, Op, Zeros
+from converters.copy_path.ops import Copy, Data, Interleave, Op, Transposed, Zeros
 from converters.runtime.tasks import check_stop
 from models.common.errors import CheckpointError
 
@@ -43,6 +43,8 @@ def fill_file(path: str, work: list[tuple[int, list[Op]]], buffer_bytes: int = D
                     writer.skip(op.n)
                 elif isinstance(op, Data):
                     writer.put(op.data)
+                elif isinstance(op, Transposed):
+                    writer.put(transposed_bytes(op, fd_of))
                 else:
                     writer.interleave(op, fd_of)
                 written += op.nbytes
@@ -75,6 +77,46 @@ def read_ops(ops: list[Op]) -> bytes:
         else:
             raise CheckpointError(f"internal: read_ops of {type(op).__name__}")
     return bytes(out)
+
+
+_ELEMENT_FORMATS = {1: "B", 2: "H", 4: "I", 8: "Q"}  # memoryview formats moving elements of these sizes
+
+
+def ops_bytes(ops, fd_of) -> bytearray:
+    """The bytes ``ops`` produce, in memory (the input of a ``Transposed``: a bounded block)."""
+    out = bytearray(sum(op.nbytes for op in ops))
+    view, pos = memoryview(out), 0
+    for op in ops:
+        n = op.nbytes
+        if isinstance(op, Copy):
+            preadv_exact(fd_of(op.path), [view[pos:pos + n]], op.offset, op.path)
+        elif isinstance(op, Data):
+            view[pos:pos + n] = op.data
+        elif isinstance(op, Interleave):
+            read_rows(op.parts, fd_of, 0, view[pos:pos + n], n // op.rows)
+        elif isinstance(op, Transposed):
+            view[pos:pos + n] = transposed_bytes(op, fd_of)
+        pos += n  # Zeros: the buffer's own zeros
+    return out
+
+
+def transposed_bytes(op: Transposed, fd_of) -> bytearray:
+    """The bytes of ``op``: its input read (``ops_bytes``) and transposed element by element, one strided
+    slice assignment per row or column (whichever are fewer), in C."""
+    fmt = _ELEMENT_FORMATS.get(op.itemsize)
+    if fmt is None:
+        raise CheckpointError(f"internal: no transpose of {op.itemsize}-byte elements")
+    src = memoryview(ops_bytes(op.ops, fd_of)).cast(fmt)
+    out = bytearray(op.nbytes)
+    dst = memoryview(out).cast(fmt)
+    rows, cols = op.rows, op.cols
+    if rows <= cols:
+        for r in range(rows):  # input row r is output column r
+            dst[r::rows] = src[r * cols:(r + 1) * cols]
+    else:
+        for c in range(cols):  # input column c is output row c
+            dst[c * rows:(c + 1) * rows] = src[c::cols]
+    return out
 
 
 class SourceFiles:

@@ -32,9 +32,9 @@ from converters.copy_path.io import (
     thread_buffer,
     write_lock,
 )
-from converters.copy_path.megatron_moe import dist_placement, layer_extra_states, stacks_layers
+from converters.copy_path.megatron_moe import dist_placement, grouped_weight, layer_extra_states, stacks_layers
 from converters.copy_path.megatron_ops import full_rows_ops, full_segments, row_nbytes, shard_ops
-from converters.copy_path.ops import Interleave, Op, Unsupported, Zeros
+from converters.copy_path.ops import Interleave, Op, Zeros
 from converters.copy_path.sources import RawSource, refuse_hybrid
 from converters.formats import pickles as pw
 from converters.formats.hf_config import write_config_dir
@@ -49,6 +49,7 @@ from converters.formats.megatron_legacy import rank_file_object
 from converters.formats.megatron_moe import check_ep_target
 from converters.formats.tensors import TAG_TO_TORCH_NAME
 from converters.formats.torch_zip import archive_bytes, layout_archive
+from converters.layout.experts import GROUPED_GEMM, SEQUENTIAL, fc_of, stored_key
 from converters.layout.hybrid import (
     check_tower_tp,
     dist_components,
@@ -91,6 +92,7 @@ class CopyTarget:
     iteration: int | None
     hf_shapes: dict = field(default_factory=dict)
     ep: int = 1  # expert parallel (MoE): rank files mp_rank_TT[_PPP]_EEE, each with its E/ep local experts
+    experts: str = SEQUENTIAL  # legacy expert module (``layout.experts``): SequentialMLP or GroupedMLP
 
 
 def plan_copy_target(source: RawSource, *, fmt: str, tp: int, pp: int, vpp: int, divisible_by: int,
@@ -109,8 +111,6 @@ def plan_copy_target(source: RawSource, *, fmt: str, tp: int, pp: int, vpp: int,
         check_tower_tp(cfg, tp, source.path)  # a conditional-generation hybrid's vision tower, as the torch path
     except LayoutError as exc:
         raise ValueError(str(exc)) from None
-    if grouped_gemm:
-        raise Unsupported("grouped-GEMM expert targets (GroupedMLP weight1/weight2 hold each expert transposed)")
     tag = source.dtype()
     padded = megatron_padded_vocab(cfg.vocab_size, tp, divisible_by)
     args = target_arg_fields(source.hf_config, cfg, tp=tp, pp=pp, vpp=vpp, padded_vocab=padded,
@@ -121,7 +121,7 @@ def plan_copy_target(source: RawSource, *, fmt: str, tp: int, pp: int, vpp: int,
     layout = MegatronLayout(cfg.num_hidden_layers, pp, vpp, first, last, "target")
     iteration = getattr(source, "iteration", None)
     return CopyTarget(fmt, tp, pp, vpp, padded, tag, layout, args, iteration if isinstance(iteration, int) else None,
-                      hf_shapes(cfg, source.wmap), ep)
+                      hf_shapes(cfg, source.wmap), ep, GROUPED_GEMM if grouped_gemm else SEQUENTIAL)
 
 
 def _args_node(target: CopyTarget) -> pw.NewObj:
@@ -168,16 +168,30 @@ def _legacy_file(source: RawSource, target: CopyTarget, directory: Path, p: int,
             storages.append((ops, sum(op.nbytes for op in ops)))
         return pw.tensor(str(len(storages) - 1), target.tag, shape)
 
+    def add_ops(shape: tuple[int, ...], ops: list[Op]) -> pw.Reduce:
+        storages.append((ops, sum(op.nbytes for op in ops)))
+        return pw.tensor(str(len(storages) - 1), target.tag, shape)
+
     hybrid = is_hybrid(source.wmap)
     for v in range(target.vpp):
         name = "model" if target.vpp == 1 else f"model{v}"
         chunk = state.setdefault(name, {})
         for unit, local in target.layout.stage_units(p, v):
+            grouped: dict[str, dict[int, tuple]] = {}  # GroupedMLP weight1/weight2: local expert -> its shard
             for entry, key, rank in unit_keys(source.wmap, unit, local, target.ep):  # a hybrid's MTP block on FINAL
-                if rank is None or rank == e:
+                if rank is not None and rank != e:
+                    continue
+                stored, slot = stored_key(key, target.experts)
+                if slot is None:
                     chunk[key] = add(key, entry, name, rank)
+                else:
+                    grouped.setdefault(stored, {})[slot] = shard_ops(source, entry, target.hf_shapes,
+                                                                     target.padded_vocab, target.tp, t, key)
+            for stored, by_slot in grouped.items():  # after the layer's other tensors, as the torch path
+                chunk[stored] = add_ops(*grouped_weight(fc_of(stored), [by_slot[i] for i in sorted(by_slot)],
+                                                        target.tag))
             modules = (legacy_extra_states(source.wmap, unit, local, 1, True) if hybrid
-                       else extra_state_modules(unit, local, source.wmap, target.ep, e))
+                       else extra_state_modules(unit, local, source.wmap, target.ep, e, target.experts))
             chunk.update({f"{m}._extra_state": None for m in modules})
         if source.cfg.tie_word_embeddings and target.pp > 1 and p == target.pp - 1 and v == target.vpp - 1:
             # Megatron's last stage keeps its own copy of the tied embedding as output_layer.weight.

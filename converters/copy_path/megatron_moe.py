@@ -16,6 +16,9 @@ import re
 from types import SimpleNamespace
 from typing import Any
 
+from converters.copy_path.megatron_ops import select
+from converters.copy_path.ops import Op, PlannedTensor, Transposed
+from converters.formats.tensors import ITEMSIZE
 from converters.layout.stages import LINEAR_MODULES, stacked_key, stores_shared_expert, writer_norm_aliases
 
 _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
@@ -65,4 +68,38 @@ def layer_extra_states(wmap: Any, layer: int, *, num_layers: int, experts: int, 
     return out
 
 
-__all__ = ["stacks_layers", "dist_placement", "layer_extra_states"]
+TRANSPOSE_BYTES = 4 << 20  # input bytes of one Transposed op: what a worker thread holds (twice) while it runs
+
+
+def transposed_ops(shape: tuple[int, int], tag: str, ops: list[Op], limit: int | None = None) -> list[Op]:
+    """Operations producing the transpose of the ``[rows, cols]`` matrix ``ops`` produce: ``Transposed`` ops
+    of consecutive column bands of it (rows of the transpose), each reading at most ``limit`` bytes
+    (default ``TRANSPOSE_BYTES``; one column at least)."""
+    limit = limit or TRANSPOSE_BYTES
+    rows, cols = shape
+    size = ITEMSIZE[tag]
+    band = max(1, limit // max(1, rows * size))
+    whole = PlannedTensor((rows, cols), tag, ops)
+    out: list[Op] = []
+    for c0 in range(0, cols, band):
+        c1 = min(cols, c0 + band)
+        part = ops if (c0, c1) == (0, cols) else select(whole, 0, rows, c0 * size, c1 * size)
+        out.append(Transposed(rows, c1 - c0, size, tuple(part)))
+    return out
+
+
+def grouped_weight(fc: int, shards: list[tuple[tuple[int, ...], list[Op]]],
+                   tag: str) -> tuple[tuple[int, int], list[Op]]:
+    """(shape, operations) of ``GroupedMLP``'s ``weight{fc}`` from the SequentialMLP shards (shape, ops) of
+    its local experts in order: each shard transposed, one after the other (``layout.experts.pack_grouped``:
+    ``weight1`` ``[H, E_local*2F/tp]``, ``weight2`` ``[E_local*F/tp, H]``)."""
+    ops: list[Op] = []
+    for shape, shard in shards:
+        ops += transposed_ops((shape[0], shape[1]), tag, shard)
+    first = shards[0][0]
+    n = len(shards)
+    return ((first[1], n * first[0]) if fc == 1 else (n * first[1], first[0])), ops
+
+
+__all__ = ["stacks_layers", "dist_placement", "layer_extra_states", "transposed_ops", "grouped_weight",
+           "TRANSPOSE_BYTES"]

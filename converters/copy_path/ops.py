@@ -88,7 +88,25 @@ class Data:
         return len(self.data)
 
 
-Op = Union[Copy, Interleave, Zeros, Data]
+@dataclass(frozen=True)
+class Transposed:
+    """The transpose of the ``[rows, cols]`` row-major matrix of ``itemsize``-byte elements that ``ops``
+    produce: ``cols`` rows of ``rows`` elements. A grouped-GEMM expert (``GroupedMLP``'s ``weight1`` /
+    ``weight2`` hold each expert transposed) is not a byte range of a SequentialMLP or HF tensor; it is
+    read into memory and transposed there (``io.transposed_bytes``), a bounded block at a time: planners
+    cut a big matrix into ops of a few column bands each (``megatron_moe.transposed_ops``)."""
+
+    rows: int
+    cols: int
+    itemsize: int
+    ops: tuple
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.cols * self.itemsize
+
+
+Op = Union[Copy, Interleave, Zeros, Data, Transposed]
 
 
 @dataclass(frozen=True)
