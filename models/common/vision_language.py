@@ -50,16 +50,25 @@ class VisionFeatures:
     features: torch.Tensor  # [n, hidden]: images' features, then videos'
     batch_index: torch.Tensor  # [n]
     seq_index: torch.Tensor  # [n]
+    # Qwen3-VL: the DeepStack features of the same tokens, ``[n, K * hidden]`` (feature k in columns
+    # ``k*hidden:(k+1)*hidden``), added after decoder layer k; None for towers without DeepStack
+    deepstack: torch.Tensor | None = None
 
 
 class ParallelVisionLanguageModel(ParallelCausalLM):
     """A tensor/sequence/pipeline-parallel Qwen2-VL-family model (``models.qwen2_vl``, ``models.qwen2_5_vl``)."""
 
+    tower_class = ParallelVisionTower  # the vision tower (Qwen3-VL sets its own, blocks/vision_qwen3.py)
+
     def __init__(self, cfg, groups: ParallelGroups, weight_map, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None) -> None:
         super().__init__(cfg, groups, weight_map, dtype=dtype, device=device)
         # The tower feeds the embeddings, so it lives with them on the first pipeline stage.
-        self.visual = ParallelVisionTower(cfg.vision, groups, dtype, device) if self.is_first_stage else None
+        self.visual = self.tower_class(cfg.vision, groups, dtype, device) if self.is_first_stage else None
+
+    def tower_width(self) -> int:
+        """Columns of one row of the tower's output (the features of one placeholder token)."""
+        return self.config.hidden_size
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
@@ -213,7 +222,7 @@ class ParallelVisionLanguageModel(ParallelCausalLM):
             local = self.visual(torch.cat([items[i] for i in mine]), grid[mine])
         else:  # nothing to encode here: a zero term keeps the tower in this rank's backward
             anchor = sum(p.sum() for p in self.visual.parameters()) * 0.0
-            local = anchor.new_zeros(0, self.config.hidden_size) + anchor
+            local = anchor.new_zeros(0, self.tower_width()) + anchor
         local = torch.nn.functional.pad(local, (0, 0, 0, max(load) - local.shape[0]))
         gathered = gather_from_sequence(gather_from_sequence(local, groups.ulysses_group), groups.cp_group)
         rows, seen = [], [0] * ranks  # each item's rows in its owner's block of max(load) rows
@@ -250,6 +259,11 @@ class ParallelVisionLanguageModel(ParallelCausalLM):
         h = self.model.embed_tokens(ids.t())  # [s(/tp), b, hidden]
         if multimodal is None:
             return h
+        return self._place_features(h, multimodal)
+
+    def _place_features(self, h: torch.Tensor, multimodal: VisionFeatures) -> torch.Tensor:
+        """``h [s(/tp), b, hidden]`` (a padded or packed batch, this TP rank's slice under SP) with each
+        feature written at its placeholder's slot."""
         features, batch_index, seq_index = multimodal.features, multimodal.batch_index, multimodal.seq_index
         groups = self.groups
         if groups.sequence_parallel and groups.tp_size > 1:  # keep the features of this rank's slice

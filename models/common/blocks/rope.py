@@ -56,9 +56,12 @@ def inv_freq(rope: RopeConfig, head_dim: int, max_position_embeddings: int, seq_
 class RotaryEmbedding(torch.nn.Module):
     """cos/sin tables for given positions: ``position_ids [b, s] -> cos, sin [s, b, 1, head_dim]``."""
 
-    def __init__(self, rope: RopeConfig, head_dim: int, max_position_embeddings: int) -> None:
+    def __init__(self, rope: RopeConfig, head_dim: int, max_position_embeddings: int, *,
+                 mrope_interleaved: bool = False) -> None:
         super().__init__()
         self.rope = rope
+        # Qwen3-VL: M-RoPE sections interleaved over the frequencies (``mrope_angles_interleaved``)
+        self.mrope_interleaved = mrope_interleaved
         self.head_dim = head_dim
         self.max_position_embeddings = max_position_embeddings
         self.register_buffer("inv_freq", inv_freq(rope, head_dim, max_position_embeddings), persistent=False)
@@ -73,7 +76,8 @@ class RotaryEmbedding(torch.nn.Module):
             if seq_len > self.max_position_embeddings:
                 freq = inv_freq(self.rope, self.head_dim, self.max_position_embeddings, seq_len, position_ids.device)
         if position_ids.dim() == 3:  # M-RoPE rows [3, b, s]: each frequency section follows its own row
-            angles = mrope_angles(position_ids, freq.to(position_ids.device), self.rope.mrope_section)
+            rows = mrope_angles_interleaved if self.mrope_interleaved else mrope_angles
+            angles = rows(position_ids, freq.to(position_ids.device), self.rope.mrope_section)
         else:
             angles = position_ids.t().unsqueeze(-1).float() * freq.to(position_ids.device)  # [s, b, hd/2]
         emb = torch.cat((angles, angles), dim=-1).unsqueeze(2)  # [s, b, 1, hd]
@@ -91,6 +95,24 @@ def mrope_angles(position_ids: torch.Tensor, freq: torch.Tensor, sections: tuple
     angles = position_ids.permute(0, 2, 1).unsqueeze(-1).float() * freq  # [3, s, b, hd/2]
     parts = angles.split(list(sections), dim=-1)
     return torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)
+
+
+def mrope_angles_interleaved(position_ids: torch.Tensor, freq: torch.Tensor,
+                             sections: tuple[int, ...] | None) -> torch.Tensor:
+    """Qwen3-VL's interleaved M-RoPE angles ``[s, b, head_dim/2]`` from rows ``[3, b, s]``: frequency j
+    follows the temporal row, except ``j % 3 == 1`` below ``3 * sections[1]`` (height row) and
+    ``j % 3 == 2`` below ``3 * sections[2]`` (width row), as transformers' ``Qwen3VLTextRotaryEmbedding``
+    recomposes them (T/H/W interleaved; the remaining high indices stay temporal)."""
+    if sections is None or len(sections) != 3:
+        raise ValueError(f"interleaved M-RoPE needs three mrope_section values, got {sections!r}")
+    if position_ids.shape[0] != 3:
+        raise ValueError(f"M-RoPE position ids must have 3 rows (temporal, height, width), got {position_ids.shape[0]}")
+    angles = position_ids.permute(0, 2, 1).unsqueeze(-1).float() * freq  # [3, s, b, hd/2]
+    j = torch.arange(freq.shape[-1], device=freq.device)
+    row = torch.zeros_like(j)
+    for r in (1, 2):
+        row[(j % 3 == r) & (j < 3 * sections[r])] = r
+    return angles.gather(0, row.view(1, 1, 1, -1).expand(1, *angles.shape[1:]))[0]
 
 
 _rotate_half = rotate_half
