@@ -17,7 +17,7 @@ A conditional-generation checkpoint (Megatron-Bridge's ``Qwen3VLModel``) holds a
 ``language_model.`` and its vision tower under ``vision_model.`` (``models/common/hybrid_vision``): in torch_dist
 the tower's blocks are stacked (``vision_model.decoder.layers.<param>`` ``[depth, ...]``, ``dist_unit_keys``
 gives the block's index), its ``qkv`` per head ``[q_h; k_h; v_h]`` (layout ``TOWER_QKV``: ``to_megatron`` /
-``to_hf`` reshape, both ways; ``row_ranges`` states the same order as row ranges for the copy path, and
+``to_hf`` place rows by ``row_ranges``, the one statement of that order, which the copy path reads too, and
 tests/test_copy_path_hybrid.py holds the two paths' outputs equal).
 
 The rest (legacy local layer numbers, TP splits, expert files) is ``converters/layout/stages``' and
@@ -104,25 +104,34 @@ def _tower_qkv_heads(entry: WeightEntry, cfg: Any, rows: int) -> tuple[int, int]
 
 def to_megatron(entry: WeightEntry, tensors: Sequence[torch.Tensor], cfg: Any, padded_vocab: int) -> torch.Tensor:
     """``layout.megatron.hf_to_megatron`` plus the tower's ``TOWER_QKV``: HF ``[q; k; v]`` -> per head
-    ``[q_h; k_h; v_h]`` (Bridge's ``ConcatenatedQKVMapping`` with one query group per head)."""
+    ``[q_h; k_h; v_h]`` (Bridge's ``ConcatenatedQKVMapping`` with one query group per head), placed by
+    ``row_ranges`` (the one statement of that order, which the copy path reads too)."""
     if entry.megatron_layout != TOWER_QKV:
         return hf_to_megatron(entry, tensors, cfg, padded_vocab)
+    import torch
+
     t = tensors[0]
-    heads, hd = _tower_qkv_heads(entry, cfg, t.shape[0])
-    return t.reshape(3, heads, hd, *t.shape[1:]).transpose(0, 1).reshape(t.shape).contiguous()
+    out = torch.empty_like(t)
+    rows = 0
+    for a, b in row_ranges(entry, cfg, t.shape[0])[0]:
+        out[a:b] = t[rows:rows + b - a]
+        rows += b - a
+    return out
 
 
 def to_hf(entry: WeightEntry, full: torch.Tensor, cfg: Any) -> list[torch.Tensor]:
-    """``layout.megatron.megatron_to_hf`` plus the inverse of ``to_megatron``'s ``TOWER_QKV``."""
+    """``layout.megatron.megatron_to_hf`` plus the inverse of ``to_megatron``'s ``TOWER_QKV`` (``row_ranges``)."""
     if entry.megatron_layout != TOWER_QKV:
         return megatron_to_hf(entry, full, cfg)
-    heads, hd = _tower_qkv_heads(entry, cfg, full.shape[0])
-    return [full.reshape(heads, 3, hd, *full.shape[1:]).transpose(0, 1).reshape(full.shape).contiguous()]
+    import torch
+
+    return [torch.cat([full[a:b] for a, b in row_ranges(entry, cfg, full.shape[0])[0]])]
 
 
 def row_ranges(entry: WeightEntry, cfg: Any, full_rows: int) -> list[list[tuple[int, int]]]:
-    """``layout.megatron.hf_row_ranges`` plus ``TOWER_QKV``: HF ``[q; k; v]``'s rows as row ranges of the per-head
-    ``[q_h; k_h; v_h]`` Megatron tensor (what ``to_megatron`` / ``to_hf`` do by reshaping, for the copy path)."""
+    """``layout.megatron.hf_row_ranges`` plus ``TOWER_QKV``: HF ``[q; k; v]``'s rows, in order, as row ranges of
+    the per-head ``[q_h; k_h; v_h]`` Megatron tensor (the torch path's ``to_megatron`` / ``to_hf`` and the copy
+    path both read it)."""
     if entry.megatron_layout != TOWER_QKV:
         return hf_row_ranges(entry, cfg, full_rows)
     heads, hd = _tower_qkv_heads(entry, cfg, full_rows)

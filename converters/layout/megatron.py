@@ -23,8 +23,9 @@ module knows what the tags mean:
   minus_one        Megatron holds the HF value minus one (the Gated DeltaNet output norm is a plain
                    RMSNorm in HF, zero-centred in megatron-core); computed in fp32 and rounded to the
                    tensor's dtype, each way. A Megatron source's value is carried to a Megatron target
-                   as stored (``MEGATRON_VALUE``), so reshards stay bitwise. ``shift_bytes`` is the same
-                   arithmetic on raw bytes for the torch-free copy path (tested bitwise against torch).
+                   as stored (``MEGATRON_VALUE``), so reshards stay bitwise. One implementation for both
+                   paths: ``shift_bytes`` on raw bytes (the torch-free copy path), ``shifted`` on a
+                   tensor's bytes (the torch path); tested bitwise against torch's arithmetic.
 
 "Full" always means torch_dist's global tensor, so both Megatron formats share the HF conversion.
 """
@@ -246,7 +247,7 @@ def hf_to_megatron(entry: WeightEntry, tensors: Sequence[torch.Tensor], cfg: Mod
         source = getattr(tensors[0], MEGATRON_VALUE, None)  # read from a Megatron checkpoint: carried as stored
         if source is not None:
             return source
-        return (tensors[0].float() - 1).to(tensors[0].dtype)
+        return shifted(tensors[0], -1.0)
     if layout == GATE_UP_STACKED:
         return torch.cat(list(tensors), dim=0)
     if layout == VOCAB_PADDED:
@@ -274,7 +275,7 @@ def megatron_to_hf(entry: WeightEntry, full: torch.Tensor, cfg: ModelConfig) -> 
                               f"({' + '.join(map(str, packed_components(entry)))})")
         return [t.contiguous() for t in entry.packed.merge([full], entry.shapes)]
     if layout == MINUS_ONE:
-        hf = (full.float() + 1).to(full.dtype)
+        hf = shifted(full, 1.0)
         setattr(hf, MEGATRON_VALUE, full)
         return [hf]
     if layout == GATE_UP_STACKED:
@@ -340,13 +341,28 @@ def hf_row_ranges(entry: WeightEntry, cfg: ModelConfig, full_rows: int) -> list[
     raise LayoutError(f"{entry.megatron}: layout {layout!r} is not a row split")
 
 
-def shift_bytes(data: bytes, tag: str, delta: float) -> bytes:
-    """``minus_one`` without torch: ``(x.float() + delta).to(dtype)`` of the little-endian values in ``data``
-    (``tag`` F32 / BF16 / F16; ``delta`` -1 HF -> Megatron, +1 back), bitwise what ``hf_to_megatron`` /
-    ``megatron_to_hf`` compute. The sum is taken in Python's double and rounded to fp32 (correctly rounded
-    fp32 arithmetic: 53 >= 2 * 24 + 2 bits, so the double rounding is exact), then to the tensor's dtype
-    round-to-nearest-even as torch does. A NaN is refused (LayoutError): torch's own result for it depends on
-    which of its kernels ran (scalar 0x7FC0 or vectorised 0xFFFF for bfloat16), so there is no one answer."""
+def shifted(t: torch.Tensor, delta: float) -> torch.Tensor:
+    """``minus_one`` on the torch path: ``shift_bytes`` of the tensor's bytes (a norm-sized vector), so both
+    paths run one implementation; a NaN is kept as it is (``nan="keep"``)."""
+    import torch
+
+    tag = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}.get(t.dtype)
+    if tag is None:
+        raise LayoutError(f"minus_one values in {t.dtype}")
+    data = t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+    out = shift_bytes(data, tag, delta, nan="keep")
+    return torch.frombuffer(bytearray(out), dtype=t.dtype).reshape(t.shape)
+
+
+def shift_bytes(data: bytes, tag: str, delta: float, nan: str = "refuse") -> bytes:
+    """``minus_one`` arithmetic: ``(x.float() + delta).to(dtype)`` of the little-endian values in ``data``
+    (``tag`` F32 / BF16 / F16; ``delta`` -1 HF -> Megatron, +1 back), bitwise what torch computes for every
+    non-NaN value (tests/test_copy_path_hybrid.py checks every bf16/fp16 value). The sum is taken in Python's
+    double and rounded to fp32 (correctly rounded fp32 arithmetic: 53 >= 2 * 24 + 2 bits, so the double
+    rounding is exact), then to the tensor's dtype round-to-nearest-even as torch does. torch's own result for a
+    NaN depends on which of its kernels ran (scalar 0x7FC0 or vectorised 0xFFFF for bfloat16), so there is no
+    one answer: ``nan="refuse"`` (the copy path, which then leaves the tensor to the torch path) raises
+    LayoutError, ``nan="keep"`` (the torch path, through ``shifted``) keeps the NaN's bits as they are."""
     import struct
 
     if tag == "BF16":
@@ -356,9 +372,13 @@ def shift_bytes(data: bytes, tag: str, delta: float) -> bytes:
     else:
         raise LayoutError(f"minus_one values in {tag}")
     out = bytearray()
-    for v in values:
+    width = 4 if tag == "F32" else 2
+    for i, v in enumerate(values):
         if v != v:
-            raise LayoutError("a NaN among minus_one values")
+            if nan != "keep":
+                raise LayoutError("a NaN among minus_one values")
+            out += data[i * width:(i + 1) * width]
+            continue
         r = struct.pack("<f", v + delta)  # fp32 result
         if tag == "F32":
             out += r
