@@ -34,7 +34,7 @@ from converters.copy_path.io import (
 )
 from converters.copy_path.megatron_moe import dist_placement, grouped_weight, layer_extra_states, stacks_layers
 from converters.copy_path.megatron_ops import full_rows_ops, full_segments, row_nbytes, shard_ops
-from converters.copy_path.ops import Interleave, Op, Zeros
+from converters.copy_path.ops import Interleave, Op, Transposed, Zeros
 from converters.copy_path.sources import RawSource, refuse_hybrid
 from converters.formats import pickles as pw
 from converters.formats.hf_config import write_config_dir
@@ -153,7 +153,7 @@ def _legacy_file(source: RawSource, target: CopyTarget, directory: Path, p: int,
         full = megatron_full_shape(entry, target.hf_shapes, source.cfg, target.padded_vocab)
         group = (p, chunk_name, key, rank)  # an expert's local key names another expert on each EP rank
         if group not in bands and target.tp > 1 and tp_split_kind(entry, len(full)) == COL1 and any(
-                isinstance(op, Interleave) for op in ops):
+                isinstance(op, Interleave) for op in ops) and not any(isinstance(op, Transposed) for op in ops):
             # this rank's band cuts through source rows (an HF or torch_dist source, or a TP
             # increase): fill all ranks' bands from one read of each row. Bands that are whole
             # source blocks (the same or a lower TP) stay file-to-file copies.

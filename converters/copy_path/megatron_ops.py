@@ -13,7 +13,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from converters.copy_path.ops import Copy, Interleave, Op, PlannedTensor, Unsupported, Zeros, merge_copies
+from converters.copy_path.ops import (
+    Copy,
+    Interleave,
+    Op,
+    PlannedTensor,
+    Transposed,
+    Unsupported,
+    Zeros,
+    merge_copies,
+)
 from converters.copy_path.sources import RawSource
 from converters.formats.tensors import ITEMSIZE
 from converters.layout.hybrid import row_ranges
@@ -47,6 +56,14 @@ def select(pt: PlannedTensor, r0: int, r1: int, b0: int, b1: int) -> list[Op]:
     out: list[Op] = []
     row = 0
     for op in pt.ops:
+        if isinstance(op, Transposed):  # rows lo..hi, bytes b0..b1 of a transpose: the transpose of a block
+            lo, hi = max(r0, row), min(r1, row + op.cols)
+            if lo < hi:
+                out.append(_transposed_block(op, pt.dtype, lo - row, hi - row, b0, b1))
+            row += op.cols
+            if row >= r1:
+                break
+            continue
         if isinstance(op, Interleave):
             k, parts = op.rows, op.parts
         else:
@@ -67,6 +84,19 @@ def select(pt: PlannedTensor, r0: int, r1: int, b0: int, b1: int) -> list[Op]:
     if row < r1:
         raise CheckpointError(f"internal: a planned tensor {pt.shape} has {row} rows, {r1} requested")
     return merge_copies(out)
+
+
+def _transposed_block(op: Transposed, tag: str, lo: int, hi: int, b0: int, b1: int) -> Transposed:
+    """Rows ``[lo, hi)`` and row bytes ``[b0, b1)`` of ``op``'s transpose: the transpose of input rows
+    ``[b0, b1) / itemsize`` and input columns ``[lo, hi)``."""
+    size = op.itemsize
+    if b0 % size or b1 % size:
+        raise CheckpointError(f"internal: bytes {b0}..{b1} of a transposed row cut its {size}-byte elements")
+    if (lo, hi, b0, b1) == (0, op.cols, 0, op.rows * size):
+        return op
+    inner = select(PlannedTensor((op.rows, op.cols), tag, list(op.ops)), b0 // size, b1 // size, lo * size,
+                   hi * size)
+    return Transposed((b1 - b0) // size, hi - lo, size, tuple(inner))
 
 
 def _band(parts: tuple, first: int, rows: int, b0: int, b1: int) -> Op:

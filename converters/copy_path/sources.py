@@ -5,9 +5,10 @@ the checks the torch path makes (the same code) and adds none of its own.
 The planner reads only metadata the readers already checked (safetensors headers, the pickles of
 ``torch.save`` archives, torch_dist ``.metadata``) and builds for every HF tensor the list of
 ``Copy`` / ``Interleave`` operations that produce its bytes (``converters/copy_path/ops``), before
-anything is written. Sources the copy path does not cover (dtype changes, strided storages,
-grouped-GEMM ``GroupedMLP`` experts, whose blocks are transposed) raise ``Unsupported`` and the
-engine takes the torch path.
+anything is written. Sources the copy path does not cover (dtype changes, strided storages) raise
+``Unsupported`` and the engine takes the torch path. Grouped-GEMM ``GroupedMLP`` experts, whose blocks
+are each expert's shard transposed, are planned as ``Transposed`` operations (``copy_path.grouped_moe``):
+read and transposed in memory a bounded block at a time.
 
 Dense Gated DeltaNet hybrids (Qwen3.5 text, MTP block included) are planned from the same rules as the
 torch path: ``layout.megatron.hf_row_ranges`` places the gated ``linear_qkv`` and the packed ``in_proj``
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from converters.copy_path.grouped_moe import grouped_expert_ops
 from converters.copy_path.io import read_ops
 from converters.copy_path.ops import (
     Block,
@@ -50,7 +52,7 @@ from converters.formats.megatron_args import args_layout
 from converters.formats.megatron_dist import DistCheckpoint, DistTensor
 from converters.formats.megatron_legacy import LegacyCheckpoint
 from converters.formats.tensors import TAG_TO_TORCH_NAME, RawTensor
-from converters.layout.experts import GROUPED_GEMM, source_grouped_gemm
+from converters.layout.experts import source_grouped_gemm, stored_key
 from converters.layout.hybrid import unit_absent
 from converters.layout.megatron import LayoutError, megatron_full_shape, shift_bytes
 from converters.layout.model import Unit, all_units, is_hybrid, unit_entries
@@ -153,10 +155,6 @@ class LegacyRawSource(RawSource):
         self._set_model(ckpt)
         refuse_hybrid(self.cfg, self.wmap)
         self.layout["grouped_gemm"] = self.cfg.moe is not None and source_grouped_gemm(ckpt.args, ckpt.expert_layout)
-        if self.cfg.moe is not None and ckpt.expert_layout == GROUPED_GEMM:
-            # each expert a transposed block of weight1/weight2: not byte ranges (before validating:
-            # the torch path validates it all again)
-            raise Unsupported("grouped-GEMM experts (GroupedMLP weight1/weight2 hold each expert transposed)")
         ckpt.validate()
         shapes = hf_shapes(self.cfg, self.wmap)
         self.planned = {}
@@ -166,6 +164,11 @@ class LegacyRawSource(RawSource):
                 for _unit, entry, key, ep_rank in ckpt.expected_keys(p, v):
                     e = ep_rank or 0
                     shards = ckpt.shards[(p, v, e)][key]
+                    stored, slot = stored_key(key, ckpt.expert_layout)
+                    if slot is not None:  # a GroupedMLP block: the transpose of the expert's shard
+                        self.planned.update(grouped_expert_ops(entry, stored, shards, slot, self.cfg.hidden_size,
+                                                               self.cfg.moe.moe_intermediate_size))
+                        continue
                     if not all(isinstance(s, RawTensor) for s in shards):
                         raise Unsupported(f"{ckpt.rank_file(0, p, e)}: {key} is not a contiguous tensor")
                     full = megatron_full_shape(entry, shapes, self.cfg, ckpt.padded_vocab)

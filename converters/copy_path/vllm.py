@@ -204,7 +204,7 @@ def _select(pt: PlannedTensor, r0: int, r1: int, b0: int, b1: int) -> list[Op]:
 def sorted_for_safetensors(tensors: list[RankTensor]) -> list[RankTensor]:
     """A file's tensors in the order ``safetensors.torch.save_file`` stores them: dtype (its enum, the larger
     first), then name."""
-    return sorted(tensors, key=lambda x: (-SAFETENSORS_DTYPE_RANK[x.tag], x.key))
+    return sorted(tensors, key=lambda x: x.key)
 
 
 @dataclass
