@@ -19,6 +19,7 @@ from tests.distributed import run_distributed
 
 VOCAB_IDS = (2, 9)  # the evaluation batch's shape
 RESHAPED = "model.visual.pos_embed.weight"  # one row more in the "reshaped" source after the build
+GROWN = "mtp.layers.0.added_after_the_build.weight"  # in the "grown" source after the build: not carried
 
 
 def _tensors(directory) -> dict:
@@ -55,13 +56,18 @@ def _worker(paths: dict, out: str) -> dict:
     text.save_pretrained(f"{out}/text-fp8", quantization="fp8")
     moved = build_parallel_model(paths["moved"], ParallelConfig(tp=2))
     reshaped = build_parallel_model(paths["reshaped"], ParallelConfig(tp=2))
+    grown = build_parallel_model(paths["grown"], ParallelConfig(tp=2))
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
         os.rename(paths["moved"], paths["moved"] + "-elsewhere")
         tensors = load_file(f"{paths['reshaped']}/model.safetensors")
         tensors[RESHAPED] = torch.cat([tensors[RESHAPED], tensors[RESHAPED][:1]])
         save_file(tensors, f"{paths['reshaped']}/model.safetensors", metadata={"format": "pt"})
+        tensors = load_file(f"{paths['grown']}/model.safetensors")
+        tensors[GROWN] = torch.ones(3)  # a tensor the model did not leave unread at build time
+        save_file(tensors, f"{paths['grown']}/model.safetensors", metadata={"format": "pt"})
     torch.distributed.barrier()
+    grown.save_pretrained(f"{out}/grown")
     for name, built in (("moved", moved), ("reshaped", reshaped)):
         try:
             built.save_pretrained(f"{out}/{name}")
@@ -83,7 +89,8 @@ def run(tmp_path_factory):
     add_mtp(text, seed=9)
     moved = str(shutil.copytree(text, root / "moved"))
     reshaped = str(shutil.copytree(condgen, root / "reshaped"))
-    paths = {"condgen": condgen, "text": text, "moved": moved, "reshaped": reshaped}
+    grown = str(shutil.copytree(text, root / "grown"))
+    paths = {"condgen": condgen, "text": text, "moved": moved, "reshaped": reshaped, "grown": grown}
     out = root / "out"
     out.mkdir()
     ranks = run_distributed(2, _worker, paths, str(out))
@@ -191,3 +198,14 @@ def test_changed_source_refused_with_nothing_written(run, case, named):
     messages = [rank.get(case) for rank in run["ranks"]]
     assert all(m is not None and "\n" not in m and where in m and named in m for m in messages), messages
     assert not (run["out"] / case).exists() and not list(run["out"].glob(f".{case}*"))
+
+
+def test_save_carries_exactly_what_the_build_left_unread(run):
+    """A tensor added to the source directory after the build is not written: save_pretrained carries exactly the
+    names the builder recorded (``model.unloaded_tensors``), the MTP block bitwise, nothing else of the source's."""
+    saved = _tensors(run["out"] / "grown")
+    source = _tensors(run["paths"]["grown"])
+    assert GROWN in source and GROWN not in saved
+    mtp = {n: t for n, t in source.items() if n.startswith("mtp.") and n != GROWN}
+    assert mtp and all(n in saved and torch.equal(saved[n], t) for n, t in mtp.items()), sorted(mtp)
+    assert not {n for n in saved if n.startswith("mtp.")} - set(mtp)

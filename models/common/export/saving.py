@@ -27,7 +27,7 @@ from models.common.export.buckets import (
     iter_export,
     plan_buckets,
 )
-from models.common.weights import IGNORED_SUFFIXES, export_hf_state, hf_shapes
+from models.common.weights import export_hf_state, hf_shapes
 
 
 def _file_names(count: int) -> list[str]:
@@ -256,8 +256,9 @@ def _carried(model, quantization: str | None = None):
     Only a Gated DeltaNet hybrid leaves checkpoint tensors unread (``builder._unloaded_tensors``: the MTP block,
     a conditional-generation checkpoint's vision tower); a model built from a transformers config or a tensor
     source has no ``source_dir`` and nothing to carry. What is carried is what the directory holds beyond the
-    model's weight map (a tied checkpoint's ``lm_head.weight`` and ``IGNORED_SUFFIXES`` excepted: the loader
-    skips them too). ExportError naming the directory and a tensor when it no longer reads as the checkpoint
+    model's weight map as the builder recorded it (``model.unloaded_tensors``: exactly those names; a tied
+    checkpoint's ``lm_head.weight`` and ``IGNORED_SUFFIXES`` are not among them). ExportError naming the
+    directory and a tensor when it no longer reads as the checkpoint
     the model was built from: gone or unreadable, a tensor the model holds missing or of another shape there, or
     a tower tensor the config declares (``cfg.carried``) or an MTP tensor (shape from the MTP block's weight-map
     entries) missing or of another shape; carrying would then write another checkpoint's tensors, or none.
@@ -278,8 +279,13 @@ def _carried(model, quantization: str | None = None):
         raise ExportError(f"{what}: no longer readable, its tensors{example} cannot be carried: {exc}") from None
     held = hf_shapes(cfg, wmap)
     names = source.names()
-    tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
-    extra = sorted(n for n in names if n not in held and n not in tied and not n.endswith(IGNORED_SUFFIXES))
+    # exactly what the builder left unread (its one rule, ``builder._unloaded_tensors``), not re-derived from the
+    # directory: a tensor added there since the build is not written into the model's checkpoint
+    extra = sorted(model.unloaded_tensors)
+    for name in extra:
+        if name not in names:
+            raise ExportError(f"{what}: does not hold {name}, which the model left unread when it was built "
+                              f"(moved or changed since?)")
     mtp = {int(n.split(".")[2]) for n in extra if n.startswith(MTP_PREFIX + "layers.") and n.count(".") > 2
            and n.split(".")[2].isdigit()}
     expected = {**hf_shapes(cfg, wmap.for_conversion(max(mtp) + 1 if mtp else 0)), **dict(cfg.carried)}
