@@ -1,0 +1,211 @@
+"""Qwen3-VL (learned-position vision tower with DeepStack, Qwen3 text with interleaved M-RoPE) against
+transformers' ``Qwen3VLForConditionalGeneration`` (fp32, CPU; gloo for two ranks), on the cases and
+batches of tests/workers_qwen3_vl.py: two images of different sizes and a two-frame video in one batch, a
+mixed batch with a text-only row (right and left padding), a packed batch; two SGD steps with every vision
+and text gradient compared; ``save_pretrained`` bitwise. One group of processes per world size runs every
+layout of that size. Positions must be ``torch.equal`` to transformers' ``get_rope_index``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.workers_qwen3_vl import (
+    BATCHES,
+    QWEN3_VL_CASES,
+    qwen3_vl_batch,
+    qwen3_vl_packed_batch,
+    suite,
+    write_qwen3_vl_model,
+)
+from tests.workers_vl import _inputs, _segments
+
+FP32_TOL = 1e-5
+GRAD_REL_TOL = 1e-4
+
+LAYOUTS = {
+    1: [("q3_untied", {}), ("q3_tied", {}), ("q3_tied", {}, {"forward_backward": True, "microbatches": 2})],
+    2: [("q3_tied", {"tp": 2, "sequence_parallel": True}), ("q3_untied", {"tp": 2}),
+        ("q3_untied", {"cp": 2}), ("q3_tied", {"ulysses": 2}),
+        ("q3_tied", {"cp": 2}, {"forward_backward": True}),
+        # the tower and the two DeepStack-fed layers on the first stage, the last layer and the head on the second
+        ("q3_untied", {"pp": 2, "num_layers_in_first_pipeline_stage": 2}, {"forward_backward": True}),
+        # layer 1 (fed by DeepStack feature 1) on the second stage: refused on every rank
+        ("q3_tied", {"pp": 2, "num_layers_in_first_pipeline_stage": 1}, {"refused": True})],
+}
+
+
+@pytest.fixture(scope="module")
+def q3_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen3_vl")
+    return tuple(sorted((name, write_qwen3_vl_model(root, name, seed=20 + i)) for i, name in enumerate(QWEN3_VL_CASES)))
+
+
+@functools.lru_cache(maxsize=None)
+def _records(world: int, dirs: tuple) -> list[tuple]:
+    if world == 1:
+        return suite(dict(dirs), LAYOUTS[1])
+    per_rank = run_distributed(world, suite, dict(dirs), LAYOUTS[world])
+    return [rec for rank_records in per_rank for rec in rank_records]
+
+
+METRICS = {"logits": r"logits_.*", "loss": r"loss_.*|step\d_loss.*", "grads": r"grads_.*", "saved": "saved_tensors"}
+
+
+@pytest.mark.parametrize(("world", "metric"), [(w, m) for w in sorted(LAYOUTS) for m in sorted(METRICS)])
+def test_qwen3_vl_parity(q3_dirs, world, metric):
+    records = [r for r in _records(world, q3_dirs) if r[2] != "refused"]
+    pat = re.compile(METRICS[metric])
+    selected = [r for r in records if pat.fullmatch(r[2])]
+    if metric in ("loss", "grads"):  # every layout (forward_backward ones have no logits or save records)
+        assert {(case, layout) for case, layout, *_ in selected} == {
+            (case, layout) for case, layout, *_ in records}, f"layouts without {metric} records"
+    assert selected, f"no {metric} records"
+    bound = GRAD_REL_TOL if metric == "grads" else 0.0 if metric == "saved" else FP32_TOL
+    bad = [f"{case} {layout} {name}={value:.3g}" for case, layout, name, value in selected if not value <= bound]
+    assert not bad, "; ".join(bad)
+
+
+def test_pipeline_stage_without_the_deepstack_features_is_refused(q3_dirs):
+    refused = [r for r in _records(2, q3_dirs) if r[2] == "refused"]
+    assert len(refused) == 2, refused  # both ranks
+    for *_, message in refused:
+        assert re.search(r"decoder layers 0\.\.1 take DeepStack features .* layer\(s\) \[1\] sit on \(stage, chunk\) "
+                         r"\[\(1, 0\)\]", message), message
+
+
+# ------------------------------------------------------------------ positions, weights, bad input
+@pytest.fixture(scope="module")
+def hf3(q3_dirs):
+    from transformers import Qwen3VLForConditionalGeneration
+
+    return {name: Qwen3VLForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
+            for name, d in q3_dirs}
+
+
+@pytest.fixture(scope="module")
+def ours3(q3_dirs):
+    from models.qwen3_vl import build_parallel_model
+
+    return {name: build_parallel_model(d).eval() for name, d in q3_dirs}
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("kind", sorted(BATCHES))
+@pytest.mark.parametrize("name", sorted(QWEN3_VL_CASES))
+def test_positions_match_get_rope_index(hf3, ours3, name, kind, side):
+    """Videos frame by frame (each frame behind its timestamp takes a grid (1, h, w)): ``torch.equal``."""
+    batch = qwen3_vl_batch(name, kind, seed=3, padding_side=side)
+    grids = {k: batch[k] for k in ("image_grid_thw", "video_grid_thw")}
+    want = hf3[name].model.get_rope_index(batch["input_ids"], mm_token_type_ids=batch["mm_token_type_ids"],
+                                          attention_mask=batch["attention_mask"],
+                                          **{k: None if v is None else v.clone() for k, v in grids.items()})[0]
+    got = ours3[name].rope_positions(batch["input_ids"], attention_mask=batch["attention_mask"],
+                                     mm_token_type_ids=batch["mm_token_type_ids"], **grids)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("name", sorted(QWEN3_VL_CASES))
+def test_packed_positions_match_each_segment(hf3, ours3, name):
+    packed = qwen3_vl_packed_batch(name, seed=5)
+    want = [hf3[name].model.get_rope_index(seg["input_ids"], mm_token_type_ids=seg["mm_token_type_ids"],
+                                           image_grid_thw=seg.get("image_grid_thw"),
+                                           video_grid_thw=seg.get("video_grid_thw"))[0][:, 0]
+            for seg in _segments(packed, hf3[name].config)]
+    got = ours3[name].rope_positions(packed["input_ids"], cu_seqlens=packed["cu_seqlens"],
+                                     image_grid_thw=packed["image_grid_thw"], video_grid_thw=packed["video_grid_thw"])
+    assert torch.equal(got.reshape(3, -1), torch.cat(want, dim=1))
+
+
+def test_transformers_writes_the_names_we_read(q3_dirs, ours3):
+    """transformers 5.24 saves Qwen3-VL under its in-memory names; our weight map lists exactly those."""
+    from safetensors import safe_open
+
+    from models.common.weights import hf_shapes
+
+    path = Path(dict(q3_dirs)["q3_untied"])
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        on_disk = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    model = ours3["q3_untied"]
+    assert hf_shapes(model.config, model.weight_map) == on_disk
+    assert "model.visual.deepstack_merger_list.1.norm.weight" in on_disk and "model.visual.pos_embed.weight" in on_disk
+
+
+def test_deepstack_and_interleaving_matter(hf3, ours3):
+    """The parity tests can fail: without the DeepStack additions, or with Qwen2-VL's sectioned M-RoPE,
+    the logits move far beyond the bound."""
+    from models.common.causal_lm import ParallelCausalLM
+
+    model, hf = ours3["q3_untied"], hf3["q3_untied"]
+    batch = _inputs(qwen3_vl_batch("q3_untied", "images_and_video"))
+    with torch.no_grad():
+        ref = hf(**batch).logits
+        exact = model(**batch, gather_logits=True).logits
+        model.run_layers = functools.partial(ParallelCausalLM.run_layers, model)
+        try:
+            plain = model(**batch, gather_logits=True).logits
+        finally:
+            del model.run_layers
+        model.rotary.mrope_interleaved = False
+        try:
+            sectioned = model(**batch, gather_logits=True).logits
+        finally:
+            model.rotary.mrope_interleaved = True
+    valid = batch["attention_mask"].bool()
+    assert (exact - ref)[valid].abs().max() <= 1e-5
+    assert (plain - ref)[valid].abs().max() > 1e-2 and (sectioned - ref)[valid].abs().max() > 1e-3
+
+
+def test_placeholders_not_matching_a_sample_are_refused(ours3):
+    """Tokens moved between samples (totals unchanged): one line naming the run and the grid, before the tower."""
+    from models.qwen3_vl.positions import VisionInputError
+
+    model = ours3["q3_untied"]
+    batch = qwen3_vl_batch("q3_untied", "mixed")
+    ids = batch["input_ids"].clone()
+    image = QWEN3_VL_CASES["q3_untied"]["image_token_id"]
+    ids[0, (ids[0] == image).nonzero()[0, 0]] = 5  # row 0's first image loses a token
+    ids[1, 3] = image  # the text-only row gains one
+    bad = {**batch, "input_ids": ids, "mm_token_type_ids": None}
+    encoded = []
+    hook = model.visual.register_forward_hook(lambda *a: encoded.append(1))
+    try:
+        with pytest.raises(VisionInputError, match=r"the image tokens \d+\.\.\d+ of row 0 are 5 tokens but image 0 "
+                                                   r"has grid \(t, h, w\) = \(1, 6, 4\), i\.e\. 6 tokens"):
+            model(**_inputs(bad))
+    finally:
+        hook.remove()
+    assert not encoded
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"deepstack_visual_indexes": [0, 3]}, r"deepstack_visual_indexes=\[0, 3\] names block\(s\) \[3\] but the tower "
+                                           r"has depth=3 \(blocks 0\.\.2\)"),
+    ({"deepstack_visual_indexes": [1, 1]}, r"deepstack_visual_indexes=\[1, 1\] lists a block twice"),
+    ({"deepstack_visual_indexes": [0, 1, 2], "depth": 3, "_layers": 2},
+     r"3 DeepStack features .* but the text model has num_hidden_layers=2"),
+    ({"hidden_act": "relu"}, r"vision_config\.hidden_act='relu' is not supported"),
+])
+def test_bad_configs_are_refused_in_one_line(q3_dirs, tmp_path, change, match):
+    from models.common.config import UnsupportedConfigError
+    from models.qwen3_vl import build_parallel_model
+
+    src = tmp_path / "src"
+    shutil.copytree(dict(q3_dirs)["q3_untied"], src)
+    data = json.loads((src / "config.json").read_text())
+    change = dict(change)
+    if "_layers" in change:
+        data["text_config"]["num_hidden_layers"] = change.pop("_layers")
+    data["vision_config"].update(change)
+    (src / "config.json").write_text(json.dumps(data))
+    with pytest.raises(UnsupportedConfigError, match=match) as err:
+        build_parallel_model(src)
+    assert "\n" not in str(err.value)
