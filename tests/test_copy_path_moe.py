@@ -1,18 +1,23 @@
-"""Mixture-of-experts conversions to HF on the copy path (converters/copy_path/, no torch), against
-the torch path (``PMZ_COPY_PATH=0``) and against the HF model each checkpoint was made from.
+"""Mixture-of-experts conversions on the copy path (converters/copy_path/, no torch), against the torch
+path (``PMZ_COPY_PATH=0``) and against the HF model each checkpoint was made from.
 
 * Sources written by pmz (the torch path's Megatron writers) from transformers' Qwen2-MoE (with a
   shared expert and a dense layer: torch_dist keys per layer; without one: zero-size tensors and a
   gate Megatron does not store) and Qwen3-MoE (q/k norms, no shared expert): legacy EP2, TP2 x EP2,
   TP2 x PP2 x EP2, PP2 x VPP2 x EP4, TP2 x EP4, Transformer Engine's grouped names, torch_dist EP2
-  and TP2 x EP4, and the HF directories themselves (HF -> HF).
+  and TP2 x EP4, grouped-GEMM ``GroupedMLP`` (transposed expert blocks), and the HF directories
+  themselves (HF -> HF).
 * Sources written by real megatron-core (tests/megatron_qwen3_oracle.py, tests/megatron_moe_oracle.py):
   Qwen3-MoE TP2 x EP2 legacy and torch_dist (stacked experts ``[L, E, 2F, H]``), Qwen2-MoE with a
   shared expert and a dense middle layer (torch_dist per global layer), TP2 x EP2, both formats.
 * Every one converts to HF on the copy path (the engine's ``_convert_by_copy`` returns True) into
   the torch path's files byte for byte, whose tensors are the reference HF model's.
-* What stays on the torch path: grouped-GEMM ``GroupedMLP`` sources (transposed expert blocks) and
-  Megatron targets of MoE models; damaged sources give the torch path's one-line error.
+* Megatron targets (legacy at TP/PP/VPP/EP, SequentialMLP or GroupedMLP experts, and torch_dist) from HF
+  and Megatron sources: the copy path writes the torch path's file set; every file that is not a
+  ``torch.save`` archive byte for byte, every archive the same objects (keys in order, args, tensor bytes,
+  torch_dist metadata: ``torch.save`` itself writes a random serialization id, so no two of its runs are
+  byte-identical); without importing torch; HF -> Megatron -> HF gives the HF tensors back bitwise;
+  a bad layout gives the torch path's one-line error with nothing written.
 """
 
 from __future__ import annotations
@@ -155,29 +160,13 @@ def test_moe_to_hf_on_the_copy_path_is_the_torch_paths_bytes(models, tmp_path, m
     assert_same_tensors(Path(models["hf"][model]), fast)
 
 
-def test_grouped_gemm_experts_stay_on_the_torch_path(models, tmp_path, paths_taken):
-    """GroupedMLP's weight1/weight2 hold each expert transposed: not a byte range; the torch path
-    converts it (and gives the model back)."""
+def test_grouped_gemm_sources_on_the_copy_path(models, tmp_path, monkeypatch, paths_taken):
+    """GroupedMLP's weight1/weight2 hold each expert transposed: the copy path reads them as transposed
+    blocks (``ops.Transposed``) and writes the torch path's HF files, which give the model back."""
     src = tmp_path / "gg"
     convert(models["hf"]["qwen3"], src, to="megatron", tp=2, ep=2, moe_grouped_gemm=True, workers=1)
-    convert(src, tmp_path / "hf", to="hf", workers=2)
-    assert paths_taken[-1] is False
-    assert_same_tensors(Path(models["hf"]["qwen3"]), tmp_path / "hf")
-
-
-@pytest.mark.parametrize("source,options", [("qwen3-hf", dict()), ("shared-tp2ep2", dict(tp=1)),
-                                            ("shared-dist-tp2ep2", dict())])
-def test_megatron_targets_of_moe_models_take_the_torch_path(models, tmp_path, monkeypatch, paths_taken, source,
-                                                            options):
-    import converters.copy_path.megatron as copy_megatron
-
-    monkeypatch.setattr(copy_megatron, "write_megatron_by_copy", lambda *a, **k: pytest.fail("copy path writer"))
-    model, src = models["sources"][source]
-    convert(src, tmp_path / "mc", to="megatron", workers=1, **options)
-    assert paths_taken == [False]
-    convert(tmp_path / "mc", tmp_path / "hf", to="hf", workers=1)
-    assert paths_taken == [False, True]
-    assert_same_tensors(Path(models["hf"][model]), tmp_path / "hf")
+    fast, _ = both_paths(src, tmp_path / "out", paths_taken, monkeypatch)
+    assert_same_tensors(Path(models["hf"]["qwen3"]), fast)
 
 
 def test_cli_moe_conversion_to_hf_never_imports_torch(models, tmp_path):
@@ -371,3 +360,136 @@ def test_row_views_kept_per_grid_are_the_rows_of_each_block(monkeypatch, iov_max
         assert raw[start + col] == 0xff
         raw[start + col] = rng.getrandbits(8)
     assert views.kept == sum(map(len, views.cache.values())) <= views.BUDGET
+
+
+# ---------------------------------------------------------------------------------------------- Megatron targets
+
+# (source, target format, options): HF -> legacy / torch_dist at TP/PP/VPP/EP, Megatron -> Megatron reshards
+# (EP and TP changed, legacy <-> torch_dist, Transformer Engine's names read), grouped-GEMM targets and sources
+MEGATRON_TARGETS = {
+    "qwen3-hf legacy tp2 ep2": ("qwen3-hf", "megatron", dict(tp=2, ep=2)),
+    "shared-hf legacy tp1 pp2 ep2": ("shared-hf", "megatron", dict(pp=2, ep=2)),
+    "plain-hf legacy tp2 pp2 vpp2 ep2": ("plain-hf", "megatron", dict(tp=2, pp=2, vpp=2, ep=2)),
+    "qwen3-hf dist tp2 ep2": ("qwen3-hf", "megatron-dist", dict(tp=2, ep=2)),
+    "shared-hf dist ep4 (per-layer keys)": ("shared-hf", "megatron-dist", dict(ep=4)),
+    "shared-tp2ep2 legacy tp1 ep4": ("shared-tp2ep2", "megatron", dict(tp=1, ep=4)),
+    "shared-tp2pp2ep2 kept": ("shared-tp2pp2ep2", "megatron", dict()),
+    "qwen3-dist-tp2ep2 legacy tp1 ep1": ("qwen3-dist-tp2ep2", "megatron", dict(tp=1, ep=1)),
+    "shared-pp2vpp2ep4 dist": ("shared-pp2vpp2ep4", "megatron-dist", dict()),
+    "qwen3-te-tp2ep2 legacy ep4": ("qwen3-te-tp2ep2", "megatron", dict(ep=4)),
+    "qwen3-hf grouped tp2 ep2": ("qwen3-hf", "megatron", dict(tp=2, ep=2, moe_grouped_gemm=True)),
+    "shared-tp2ep2 grouped pp2 ep4": ("shared-tp2ep2", "megatron", dict(pp=2, ep=4, moe_grouped_gemm=True)),
+    "plain-hf dist grouped ep2": ("plain-hf", "megatron-dist", dict(ep=2, moe_grouped_gemm=True)),
+}
+
+
+def same_megatron_output(torch_out: Path, copy_out: Path) -> None:
+    """The two Megatron checkpoints hold the same files: the same names, every file that is not a
+    ``torch.save`` archive byte for byte, rank files and torch_dist checkpoints the same objects
+    (``tests/test_copy_targets``: keys in order, args, tensors bitwise, metadata)."""
+    from tests.test_copy_targets import _same_dist, _same_rank_file, _tree
+
+    assert _tree(copy_out) == _tree(torch_out)
+    for rel in _tree(torch_out):
+        if rel.name == "model_optim_rng.pt":
+            _same_rank_file(torch_out / rel, copy_out / rel)
+        elif rel.suffix not in (".distcp", ".pt") and rel.name != ".metadata":
+            assert (copy_out / rel).read_bytes() == (torch_out / rel).read_bytes(), rel
+        elif rel.name == ".metadata":
+            _same_dist(torch_out / rel.parent, copy_out / rel.parent)
+
+
+def both_paths_megatron(src: Path, out: Path, taken: list[bool], monkeypatch, to: str, **options) -> Path:
+    """``src`` -> ``to`` by the copy path (asserted taken) and by the torch path, the same output
+    (``same_megatron_output``); returns the copy path's."""
+    fast, slow = out / "copy", out / "torch"
+    convert(src, fast, to=to, workers=2, **options)
+    assert taken[-1] is True, f"{src}: the copy path was not taken"
+    monkeypatch.setenv("PMZ_COPY_PATH", "0")
+    convert(src, slow, to=to, workers=1, **options)  # (in this process: worker processes cost seconds)
+    monkeypatch.delenv("PMZ_COPY_PATH")
+    same_megatron_output(slow, fast)
+    return fast
+
+
+@pytest.mark.parametrize("case", sorted(MEGATRON_TARGETS))
+def test_moe_megatron_targets_on_the_copy_path_are_the_torch_paths(models, tmp_path, monkeypatch, paths_taken, case):
+    name, to, options = MEGATRON_TARGETS[case]
+    model, src = models["sources"][name]
+    fast = both_paths_megatron(src, tmp_path, paths_taken, monkeypatch, to, **options)
+    if "grouped" in case and to == "megatron":
+        state = torch.load(next(fast.rglob("model_optim_rng.pt")), weights_only=False)
+        assert any(k.endswith("mlp.experts.weight1") for k in state.get("model", state.get("model0", {})))
+    convert(fast, tmp_path / "back", to="hf", workers=2)  # and back: the HF tensors bitwise
+    assert paths_taken[-1] is True
+    assert_same_tensors(Path(models["hf"][model]), tmp_path / "back")
+
+
+@pytest.mark.parametrize("to,options", [("megatron", dict(tp=1, ep=4)), ("megatron", dict(tp=2, pp=2)),
+                                        ("megatron-dist", dict())])
+def test_grouped_gemm_sources_to_megatron_on_the_copy_path(models, tmp_path, monkeypatch, paths_taken, to, options):
+    """A GroupedMLP source resharded (SequentialMLP at another EP, GroupedMLP kept at another TP/PP,
+    torch_dist) and with tiny transposition blocks (many ``Transposed`` bands per expert)."""
+    import converters.copy_path.grouped_moe as grouped_moe
+    import converters.copy_path.megatron_moe as megatron_moe
+
+    monkeypatch.setattr(grouped_moe, "TRANSPOSE_BYTES", 1000)  # an expert's [2F, H] = 8 KiB: bands of 3-8 rows
+    monkeypatch.setattr(megatron_moe, "TRANSPOSE_BYTES", 1500)
+    src = tmp_path / "gg"
+    convert(models["hf"]["shared"], src, to="megatron", tp=2, ep=2, moe_grouped_gemm=True, workers=1)
+    both_paths_megatron(src, tmp_path / "out", paths_taken, monkeypatch, to, **options)
+
+
+@pytest.mark.parametrize("name,to", [("q2_torch", "megatron"), ("q3_torch_dist", "megatron")])
+def test_megatron_core_moe_checkpoints_resharded_on_the_copy_path(megatron_core, tmp_path, monkeypatch, paths_taken,
+                                                                 name, to):
+    both_paths_megatron(megatron_core / name, tmp_path, paths_taken, monkeypatch, to, tp=1, ep=4)
+
+
+def test_cli_moe_conversion_to_megatron_never_imports_torch(models, tmp_path):
+    from tests.test_copy_targets import run_pmz_without_torch
+
+    hf = models["hf"]["qwen3"]
+    run_pmz_without_torch("convert", hf, str(tmp_path / "legacy"), "--to", "megatron", "--tp", "2", "--ep", "2",
+                          "--moe-grouped-gemm")
+    run_pmz_without_torch("convert", str(tmp_path / "legacy"), str(tmp_path / "dist"), "--to", "megatron-dist")
+    run_pmz_without_torch("convert", str(tmp_path / "dist"), str(tmp_path / "hf"), "--to", "hf")
+    assert_same_tensors(Path(hf), tmp_path / "hf")
+
+
+@pytest.mark.parametrize("flags,fragments", [(["--ep", "3"], ["num_experts=8", "--ep 3"]),
+                                             (["--tp", "2", "--ep", "16"], ["--ep 16"])])
+def test_bad_expert_layouts_fail_as_on_the_torch_path(models, tmp_path, capsys, monkeypatch, flags, fragments):
+    errors = {}
+    for copy_path in ("1", "0"):
+        monkeypatch.setenv("PMZ_COPY_PATH", copy_path)
+        dst = tmp_path / "out" / "mc"
+        before = snapshot(dst.parent)
+        assert pmz(["convert", models["hf"]["qwen3"], str(dst), "--to", "megatron", *flags]) == 1
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1, err
+        assert not dst.exists() and snapshot(dst.parent) == before
+        errors[copy_path] = err
+    assert errors["1"] == errors["0"]
+    for fragment in fragments:
+        assert fragment in errors["1"], errors["1"]
+
+
+def test_transposed_bytes_for_every_element_size():
+    """``io.transposed_bytes`` (the one computation of grouped-GEMM conversions) is the transpose, for
+    tall and wide matrices of 1-, 2-, 4- and 8-byte elements, from stored bytes and interleaved reads."""
+    import random
+    import struct
+
+    from converters.copy_path.io import transposed_bytes
+    from converters.copy_path.ops import Data, Transposed
+
+    rng = random.Random(3)
+    for size, fmt in ((1, "B"), (2, "H"), (4, "I"), (8, "Q")):
+        for rows, cols in ((3, 5), (5, 3), (1, 7), (7, 1), (4, 4)):
+            values = [rng.getrandbits(8 * size) for _ in range(rows * cols)]
+            data = struct.pack(f"<{rows * cols}{fmt}", *values)
+            halves = (Data(data[: len(data) // 2 // size * size]), Data(data[len(data) // 2 // size * size:]))
+            got = struct.unpack(f"<{rows * cols}{fmt}", bytes(transposed_bytes(Transposed(rows, cols, size, halves),
+                                                                               None)))
+            assert list(got) == [values[r * cols + c] for c in range(cols) for r in range(rows)]
