@@ -51,9 +51,12 @@ def compile_case(case: str, path: str, kwargs: dict, lr: float = 0.5) -> list[tu
 
 
 def train_side_by_side(tag: tuple, compiled, eager, hf, inputs: dict, ref_inputs: dict, *, pipeline: bool,
-                       lr: float, steps: int = 2) -> list[tuple]:
+                       lr: float, steps: int = 2, grad_diff=_grad_diff, prefix: str = "", eager_grads: bool = False,
+                       extra=None) -> list[tuple]:
     """SGD steps of the compiled model next to the eager one and transformers (``ref_inputs``: the same
-    sequences in transformers' form): each step's loss against both, and the compiled model's gradients."""
+    sequences in transformers' form): each step's loss against both, and the compiled model's gradients
+    (``grad_diff(model, hf)``); ``eager_grads`` records the eager model's too, ``extra(ref_output)`` more
+    ``(metric, value)`` pairs of transformers' output (e.g. its aux loss); metric names start with ``prefix``."""
     opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in (compiled, eager, hf)]
     records = []
     for step in range(steps):
@@ -61,11 +64,14 @@ def train_side_by_side(tag: tuple, compiled, eager, hf, inputs: dict, ref_inputs
             opt.zero_grad()
         loss = _step(compiled, inputs, pipeline)
         eager_loss = _step(eager, inputs, pipeline)
-        ref_loss = hf(**ref_inputs).loss
-        ref_loss.backward()
-        records += [(*tag, f"loss_step{step}", _max_diff(loss, ref_loss)),
-                    (*tag, f"grads_step{step}", _grad_diff(compiled, hf)),
-                    (*tag, f"loss_vs_eager_step{step}", _max_diff(loss, eager_loss))]
+        ref = hf(**ref_inputs)
+        ref.loss.backward()
+        records += [(*tag, f"{prefix}loss_step{step}", _max_diff(loss, ref.loss)),
+                    (*tag, f"{prefix}grads_step{step}", grad_diff(compiled, hf)),
+                    (*tag, f"{prefix}loss_vs_eager_step{step}", _max_diff(loss, eager_loss))]
+        if eager_grads:
+            records.append((*tag, f"eager_grads_step{step}", grad_diff(eager, hf)))
+        records += [(*tag, f"{prefix}{metric}_step{step}", value) for metric, value in (extra(ref) if extra else ())]
         for opt in opts:
             opt.step()
     return records

@@ -31,12 +31,13 @@ from tests.workers_qwen3_next import FOLDERS, _grad_rel, case
 
 
 def compile_case(path: str, kwargs: dict, steps: int = 2) -> list[tuple]:
-    """tests/workers_compile.train_side_by_side's loop: each step the compiled model, the eager model and
-    transformers take the same batch (right and left padding, ignored labels, the load-balancing loss),
-    record the loss against both and the compiled model's gradients (per-expert names), then an SGD step."""
+    """tests/workers_compile.train_side_by_side: each step the compiled model, the eager model and transformers
+    take the same batch (right and left padding, ignored labels, the load-balancing loss), record the loss
+    against both and both models' gradients (relative, per-expert names) and transformers' aux loss, then an
+    SGD step."""
     from transformers import AutoModelForCausalLM
 
-    from tests.workers_compile import _step
+    from tests.workers_compile import train_side_by_side
     from tests.workers_fused_loss import batch
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -47,22 +48,9 @@ def compile_case(path: str, kwargs: dict, steps: int = 2) -> list[tuple]:
     tag = (name, f"{pconfig.describe()} compile")
     ids, mask, labels = batch(hf.config.vocab_size)
     inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels, "output_router_logits": True}
-    opts = [torch.optim.SGD(m.parameters(), lr=LR) for m in (compiled, eager, hf)]
-    records = []
-    for step in range(steps):
-        for opt in opts:
-            opt.zero_grad()
-        loss = _step(compiled, inputs, False)
-        eager_loss = _step(eager, inputs, False)
-        ref = hf(**inputs)
-        ref.loss.backward()
-        records += [(*tag, f"compile_loss_step{step}", _max_diff(loss, ref.loss)),
-                    (*tag, f"compile_grads_step{step}", _grad_rel(compiled, hf)),
-                    (*tag, f"compile_loss_vs_eager_step{step}", _max_diff(loss, eager_loss)),
-                    (*tag, f"eager_grads_step{step}", _grad_rel(eager, hf)),
-                    (*tag, f"compile_aux_loss_value_step{step}", ref.aux_loss.item())]
-        for opt in opts:
-            opt.step()
+    records = train_side_by_side(tag, compiled, eager, hf, inputs, inputs, pipeline=False, lr=LR, steps=steps,
+                                 grad_diff=_grad_rel, prefix="compile_", eager_grads=True,
+                                 extra=lambda ref: [("aux_loss_value", ref.aux_loss.item())])
     from torch._dynamo.utils import counters
 
     return records + [(*tag, "compiled_no_graphs", float(counters["stats"]["unique_graphs"] == 0))]
