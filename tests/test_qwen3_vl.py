@@ -38,8 +38,10 @@ LAYOUTS = {
         ("q3_tied", {"cp": 2}, {"forward_backward": True}),
         # the tower and the two DeepStack-fed layers on the first stage, the last layer and the head on the second
         ("q3_untied", {"pp": 2, "num_layers_in_first_pipeline_stage": 2}, {"forward_backward": True}),
-        # layer 1 (fed by DeepStack feature 1) on the second stage: refused on every rank
-        ("q3_tied", {"pp": 2, "num_layers_in_first_pipeline_stage": 1}, {"refused": True})],
+        # the stage boundary inside the DeepStack layers: layer 1's feature travels to the second stage
+        ("q3_tied", {"pp": 2, "num_layers_in_first_pipeline_stage": 1}, {"forward_backward": True}),
+        # one layer per virtual chunk: feature 1 to global stage 1 (rank 1), nothing to the chunks after it
+        ("q3_tied", {"pp": 2, "vpp": 2}, {"forward_backward": True})],
 }
 
 
@@ -62,24 +64,31 @@ METRICS = {"logits": r"logits_.*", "loss": r"loss_.*|step\d_loss.*", "grads": r"
 
 @pytest.mark.parametrize(("world", "metric"), [(w, m) for w in sorted(LAYOUTS) for m in sorted(METRICS)])
 def test_qwen3_vl_parity(q3_dirs, world, metric):
-    records = [r for r in _records(world, q3_dirs) if r[2] != "refused"]
+    records = [r for r in _records(world, q3_dirs) if r[2] != "vision_share"]
     pat = re.compile(METRICS[metric])
     selected = [r for r in records if pat.fullmatch(r[2])]
     if metric in ("loss", "grads"):  # every layout (forward_backward ones have no logits or save records)
+        from parallel import ParallelConfig
+
         assert {(case, layout) for case, layout, *_ in selected} == {
             (case, layout) for case, layout, *_ in records}, f"layouts without {metric} records"
+        assert len({(case, layout) for case, layout, *_ in selected}) == len(LAYOUTS[world]), "layouts missing"
+        assert all(any(ParallelConfig(**kwargs).describe() in layout for c, layout, *_ in selected if c == case)
+                   for case, kwargs, *_ in LAYOUTS[world])
     assert selected, f"no {metric} records"
     bound = GRAD_REL_TOL if metric == "grads" else 0.0 if metric == "saved" else FP32_TOL
     bad = [f"{case} {layout} {name}={value:.3g}" for case, layout, name, value in selected if not value <= bound]
     assert not bad, "; ".join(bad)
 
 
-def test_pipeline_stage_without_the_deepstack_features_is_refused(q3_dirs):
-    refused = [r for r in _records(2, q3_dirs) if r[2] == "refused"]
-    assert len(refused) == 2, refused  # both ranks
-    for *_, message in refused:
-        assert re.search(r"decoder layers 0\.\.1 take DeepStack features .* layer\(s\) \[1\] sit on \(stage, chunk\) "
-                         r"\[\(1, 0\)\]", message), message
+def test_cp_and_ulysses_ranks_share_the_vision_work(q3_dirs):
+    """Each cp/ulysses rank encodes only its share of whole images/videos; the shares add up to every patch."""
+    records = [r for r in _records(2, q3_dirs) if r[2] == "vision_share"]
+    shared = {r[1] for r in records if re.search(r"(cp|ulysses)=2", r[1])}
+    assert len(shared) == 2, shared
+    for layout in shared:
+        shares = [r[3] for r in records if r[1] == layout]
+        assert all(share < 1.0 for share in shares) and sum(shares) == pytest.approx(1.0), (layout, shares)
 
 
 # ------------------------------------------------------------------ positions, weights, bad input

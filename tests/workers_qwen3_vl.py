@@ -201,17 +201,24 @@ def parity(case: str, path: str, pconfig: ParallelConfig, steps: int = 2, lr: fl
     hf = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
     model = build_parallel_model(path, pconfig)
     records = []
+    encoded = []  # patch rows this rank's tower encodes (cp/ulysses ranks share the images)
+    hook = model.visual.patch_embed.register_forward_hook(lambda mod, args, out: encoded.append(out.shape[0]))
     for kind in BATCHES:
         for side in ("right", "left"):
             batch = qwen3_vl_batch(case, kind, padding_side=side)
             if side == "left":
                 batch = _unscored_padding_predictions(batch)
+            encoded.clear()
             with torch.no_grad():
                 ours = model(**_inputs(batch), gather_logits=True)
                 ref = hf(**_inputs(batch))
+            if kind == "images_and_video" and side == "right":
+                total = sum(int(g.prod()) for key in ("image_grid_thw", "video_grid_thw") for g in batch[key])
+                records.append((*tag, "vision_share", sum(encoded) / total))
             valid = batch["attention_mask"].bool()
             records += [(*tag, f"logits_{kind}_{side}", _max_diff(ours.logits[valid], ref.logits[valid])),
                         (*tag, f"loss_{kind}_{side}", _max_diff(ours.loss, ref.loss))]
+    hook.remove()
     packed = qwen3_vl_packed_batch(case)
     with torch.no_grad():
         ours = model(**_inputs(packed), gather_logits=True)
@@ -269,26 +276,11 @@ def training_parity(case: str, path: str, pconfig: ParallelConfig, microbatches:
     return records
 
 
-def _refusal(case: str, path: str, pconfig: ParallelConfig) -> list[tuple]:
-    """A pipeline layout with a DeepStack-fed layer off the first stage: the error, on every rank."""
-    from models.qwen3_vl import build_parallel_model
-    from parallel.config import ParallelConfigError
-
-    try:
-        build_parallel_model(path, pconfig)
-        message = "built"
-    except ParallelConfigError as exc:
-        message = str(exc)
-    return [(case, pconfig.describe(), "refused", message)]
-
-
 def suite(dirs: dict[str, str], layouts: list[tuple]) -> list[tuple]:
     records = []
     for case, kwargs, *options in layouts:
         options = options[0] if options else {}
-        if options.get("refused"):
-            records += _refusal(case, dirs[case], ParallelConfig(**kwargs))
-        elif options.get("forward_backward"):
+        if options.get("forward_backward"):
             records += training_parity(case, dirs[case], ParallelConfig(**kwargs),
                                        microbatches=options.get("microbatches", 2))
         else:

@@ -15,8 +15,10 @@ ulysses ranks, ``forward_backward``) with Qwen3-VL's differences:
   feature placed on several TP ranks is summed over them (``copy_to_group``), as for the merged ones;
 - M-RoPE is interleaved (``rope.mrope_angles_interleaved``) and videos are positioned frame by frame
   (``positions.split_video_frames``, as transformers' ``get_rope_index``);
-- with pipeline parallelism the layers fed by DeepStack must all sit in the first stage's first chunk
-  (with the tower); a layout that puts one elsewhere is refused (``ParallelConfigError``) on every rank.
+- with pipeline parallelism the DeepStack tensor travels with the hidden states (``DeepStackChunk``):
+  the first chunk (tower, embedding) sends the columns of the layers it does not hold, each later chunk
+  adds those of its own layers and passes the tensor on while a later chunk still needs it; the
+  gradient comes back the same way to the tower.
 """
 
 from __future__ import annotations
@@ -29,44 +31,70 @@ import torch
 from models.common.blocks.rope import RotaryEmbedding
 from models.common.blocks.vision_qwen3 import Qwen3VisionTower
 from models.common.builder import build_model
+from models.common.training.pipeline_chunk import PipelineChunk
 from models.common.vision_language import ParallelVisionLanguageModel, VisionFeatures
 from models.qwen3_vl.architecture import ARCHITECTURE
 from models.qwen3_vl.positions import split_video_frames
-from parallel.config import ParallelConfig, ParallelConfigError
+from parallel.config import ParallelConfig
 from parallel.groups import ParallelGroups
 from parallel.pipeline_layout import stage_layer_ranges
 
 __all__ = ["ARCHITECTURE", "ParallelQwen3VL", "VisionFeatures", "build_parallel_model"]
 
 
-def check_deepstack_stages(cfg, pconfig: ParallelConfig) -> None:
-    """Every decoder layer fed by a DeepStack feature (0..K-1) must be in pipeline rank 0's first chunk."""
-    k = cfg.vision.deepstack_count
-    stages = stage_layer_ranges(cfg.num_hidden_layers, pconfig)
-    first = set(stages[0][0])
-    outside = [i for i in range(k) if i not in first]
-    if outside:
-        where = {i: (p, c) for p, chunks in enumerate(stages) for c, layers in enumerate(chunks) for i in layers}
-        raise ParallelConfigError(
-            f"qwen3_vl {pconfig.describe()}: decoder layers 0..{k - 1} take DeepStack features from the vision tower "
-            f"on pipeline stage 0, but layer(s) {outside} sit on (stage, chunk) {[where[i] for i in outside]}; "
-            f"put at least {k} layers on the first stage's first chunk (num_layers_in_first_pipeline_stage)")
+class DeepStackChunk(PipelineChunk):
+    """A pipeline chunk of Qwen3-VL: ``PipelineChunk`` plus the DeepStack tensor ``[T(/tp), 1, n * hidden]``
+    (the features of layers ``first_cols .. K-1``; zeros for a micro-batch without images) as a second
+    output while a later chunk holds a layer it feeds, and as a second input on every chunk after the first
+    that receives it."""
+
+    def __init__(self, lm, chunk: int, aux: bool = False) -> None:
+        if aux:
+            raise ValueError("qwen3_vl: a router carry beside the DeepStack tensor is not built")
+        super().__init__(lm, chunk, aux)
+        groups, k = lm.groups, lm.config.vision.deepstack_count
+        stages = stage_layer_ranges(lm.config.num_hidden_layers, groups.config)  # [pp rank][chunk] -> layers
+        pp = groups.pp_size
+        me = chunk * pp + groups.pp_rank  # global stage index (schedules number chunks v * pp + rank)
+        fed = {v * pp + p for p, chunks in enumerate(stages) for v, layers in enumerate(chunks)
+               if any(i < k for i in layers)}
+        self.first_cols = min(len(stages[0][0]), k)  # the first chunk's own layers take theirs at embed time
+        self.sends = any(stage > me for stage in fed) and k > self.first_cols
+        self.width = (k - self.first_cols) * lm.config.hidden_size
+
+    def forward(self, x: torch.Tensor, deepstack: torch.Tensor | None = None, position_ids=None, cu_seqlens=None,
+                seq=None, token_mask=None, inputs: dict | None = None):
+        lm = self._lm[0]
+        if self.first:
+            h = lm.embed_microbatch(x, inputs, seq)  # places the DeepStack features: lm._deepstack, offset 0
+            dense = lm._deepstack
+            if self.sends:
+                width = lm.config.hidden_size
+                passed = (dense[..., self.first_cols * width:].contiguous() if dense is not None
+                          else h.new_zeros(*h.shape[:2], self.width))
+        else:
+            h = x
+            lm._deepstack, lm._deepstack_first = deepstack, self.first_cols
+            passed = deepstack.view_as(deepstack) if deepstack is not None else None
+        h = lm.run_layers(h, self.layer_ids, position_ids, None, None if seq is not None else cu_seqlens, seq=seq)
+        out = self.lm_head(self.norm(h)) if self.last else h
+        return (out, passed) if self.sends else out
 
 
 class ParallelQwen3VL(ParallelVisionLanguageModel):
     """A tensor/sequence/pipeline-parallel Qwen3-VL; build it with ``build_parallel_model``."""
 
     tower_class = Qwen3VisionTower
+    pipeline_chunk_class = DeepStackChunk
 
     def __init__(self, cfg, groups: ParallelGroups, weight_map, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None) -> None:
-        if groups.pp_size > 1:
-            check_deepstack_stages(cfg, groups.config)
         super().__init__(cfg, groups, weight_map, dtype=dtype, device=device)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, mrope_interleaved=True)
         if device is not None:
             self.rotary.to(device)
-        self._deepstack: torch.Tensor | None = None  # [s(/tp), b, K * hidden] of the batch being embedded and run
+        self._deepstack: torch.Tensor | None = None  # [s(/tp), b, n * hidden] of the batch being embedded and run
+        self._deepstack_first = 0  # the layer whose feature sits in its first columns (pipeline stages after the first)
 
     def tower_width(self) -> int:
         return (1 + self.config.vision.deepstack_count) * self.config.hidden_size
@@ -84,15 +112,15 @@ class ParallelQwen3VL(ParallelVisionLanguageModel):
 
     # ---------------------------------------------------------------- DeepStack: placed with the features
     def embed_inputs(self, ids: torch.Tensor, multimodal: VisionFeatures | None = None) -> torch.Tensor:
-        self._deepstack = None
+        self._deepstack, self._deepstack_first = None, 0
         return super().embed_inputs(ids, multimodal)
 
     def embed_shard(self, ids: torch.Tensor, shard, batch=None, multimodal: VisionFeatures | None = None):
-        self._deepstack = None
+        self._deepstack, self._deepstack_first = None, 0
         return super().embed_shard(ids, shard, batch, multimodal)
 
     def embed_microbatch(self, ids: torch.Tensor, inputs: dict | None = None, seq=None) -> torch.Tensor:
-        self._deepstack = None
+        self._deepstack, self._deepstack_first = None, 0
         return super().embed_microbatch(ids, inputs, seq)
 
     @staticmethod
@@ -118,15 +146,16 @@ class ParallelQwen3VL(ParallelVisionLanguageModel):
                    max_seqlen: int | None = None, seq=None) -> torch.Tensor:
         """``ParallelCausalLM.run_layers``; after decoder layer k < K, DeepStack feature k is added at the
         visual tokens (``self._deepstack``, placed when this batch was embedded)."""
-        dense, k = self._deepstack, self.config.vision.deepstack_count
-        if dense is None or not any(i < k for i in layer_ids):
+        dense, k, first = self._deepstack, self.config.vision.deepstack_count, self._deepstack_first
+        fed = [i for i in layer_ids if first <= i < k] if dense is not None else []
+        if not fed:
             return super().run_layers(h, layer_ids, position_ids, attention_mask, cu_seqlens, max_seqlen, seq)
         width, segment = self.config.hidden_size, []
         for i in layer_ids:
             segment.append(i)
-            if i < k:
+            if i in fed:
                 h = super().run_layers(h, segment, position_ids, attention_mask, cu_seqlens, max_seqlen, seq)
-                h = h + dense[..., i * width:(i + 1) * width]
+                h = h + dense[..., (i - first) * width:(i - first + 1) * width]
                 segment = []
         if segment:
             h = super().run_layers(h, segment, position_ids, attention_mask, cu_seqlens, max_seqlen, seq)

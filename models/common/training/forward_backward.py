@@ -187,8 +187,9 @@ class _HeadInLoss(nn.Module):
 
 def loss_chunk(lm, chunk: int, aux: bool = False) -> PipelineChunk:
     """``PipelineChunk(lm, chunk, aux)`` whose last chunk outputs final-norm hidden states ``[T(/tp), 1,
-    hidden]`` instead of logits (the loss function runs the fused, chunked head)."""
-    module = PipelineChunk(lm, chunk, aux)
+    hidden]`` instead of logits (the loss function runs the fused, chunked head). A model whose stages
+    pass more than hidden states along names its chunk class (``pipeline_chunk_class``: Qwen3-VL's DeepStack)."""
+    module = getattr(lm, "pipeline_chunk_class", PipelineChunk)(lm, chunk, aux)
     if module.last:
         module.lm_head = _HeadInLoss(module.lm_head)
     return module
