@@ -234,3 +234,98 @@ def test_a_dtype_change_takes_the_torch_path(sources, tmp_path, monkeypatch):
 
     with safe_open(str(tmp_path / "bf16" / "model-rank-0-part-0.safetensors"), "pt") as f:
         assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
+
+
+# ------------------------------------------------------------------ vLLM sharded_state as a copy-path source
+
+
+def _vllm_source(path: Path):
+    """``converters/copy_path/vllm_source.VllmRawSource`` of a vLLM directory (as ``open_raw_source`` opens it)."""
+    from converters.copy_path.vllm_source import VllmRawSource
+    from converters.formats import open_checkpoint
+
+    return VllmRawSource(open_checkpoint("vllm", str(path)))
+
+
+@pytest.fixture(scope="module")
+def vllm_dirs(sources, tmp_path_factory) -> dict[str, Path]:
+    """vLLM directories written by the torch path (the reference writer) from the HF sources."""
+    root = tmp_path_factory.mktemp("vllm_dirs")
+    out = {}
+    for name, tp, pp in (("qwen2", 4, 2), ("llama", 2, 1), ("qwen2_bf16", 2, 2), ("qwen2moe", 2, 2),
+                         ("qwen3moe", 2, 1), ("qwen3_5", 2, 1), ("qwen3_next", 2, 2), ("condgen", 2, 2),
+                         ("vl", 2, 2)):
+        _torch_path(sources[name], root / name, to="vllm", tp=tp, pp=pp, workers=1)
+        out[name] = root / name
+    return out
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama", "qwen2_bf16", "qwen2moe", "qwen3moe", "qwen3_5", "qwen3_next",
+                                  "condgen", "vl"])
+def test_vllm_source_gives_the_torch_paths_hf_and_vllm_files(vllm_dirs, tmp_path, name):
+    """A vLLM directory read by the copy path (``VllmRawSource``) into HF (``write_hf_by_copy``) and into vLLM at
+    another layout (``write_vllm_by_copy``): the files the torch path (``VllmReader``) writes, byte for byte."""
+    from converters.copy_path.hf import write_hf_by_copy
+    from converters.copy_path.vllm import plan_vllm_target, write_vllm_by_copy
+
+    src = vllm_dirs[name]
+    source = _vllm_source(src)
+    slow, fast = tmp_path / "hf-torch", tmp_path / "hf-copy"
+    _torch_path(src, slow, to="hf", workers=1)
+    fast.mkdir()
+    write_hf_by_copy(source, str(fast), max_shard_bytes=5 << 30, workers=2, progress=False)
+    assert_same_files(slow, fast)
+    slow, fast = tmp_path / "vllm-torch", tmp_path / "vllm-copy"
+    _torch_path(src, slow, to="vllm", tp=1, pp=1, workers=1)
+    fast.mkdir()
+    write_vllm_by_copy(source, plan_vllm_target(source, tp=1, pp=1), str(fast), max_shard_bytes=5 << 30, workers=2,
+                       progress=False, files_from=None)
+    assert_same_files(slow, fast)
+
+
+def test_vllm_source_to_megatron(vllm_dirs, tmp_path):
+    """vLLM -> Megatron legacy on the copy path: the torch path's rank files, tensor for tensor."""
+    from converters.copy_path.megatron import plan_copy_target, write_megatron_by_copy
+    from tests.test_copy_targets import _same_rank_file, _tree
+
+    source = _vllm_source(vllm_dirs["qwen2"])
+    slow, fast = tmp_path / "torch", tmp_path / "copy"
+    _torch_path(vllm_dirs["qwen2"], slow, to="megatron", tp=2, pp=2, workers=1)
+    fast.mkdir()
+    target = plan_copy_target(source, fmt="megatron", tp=2, pp=2, vpp=1, divisible_by=128)
+    write_megatron_by_copy(source, target, str(fast), workers=2, progress=False)
+    assert _tree(fast) == _tree(slow)
+    for rel in _tree(slow):
+        if rel.name == "model_optim_rng.pt":
+            _same_rank_file(slow / rel, fast / rel)
+        else:
+            assert (fast / rel).read_bytes() == (slow / rel).read_bytes(), rel
+
+
+def test_vllm_source_of_a_width_zero_shared_expert(sources, tmp_path):
+    """Qwen2-MoE whose shared expert has width 0 (vLLM builds only its gate): read back on the copy path into the
+    source's tensors bitwise, the empty shared-expert tensors included."""
+    from safetensors.torch import load_file
+
+    from converters.copy_path.hf import write_hf_by_copy
+
+    src = sources["qwen2moe_plain"]
+    convert(src, tmp_path / "vllm", to="vllm", tp=2, pp=2)
+    out = tmp_path / "hf"
+    out.mkdir()
+    write_hf_by_copy(_vllm_source(tmp_path / "vllm"), str(out), max_shard_bytes=5 << 30, workers=2, progress=False)
+    want = {k: v for f in src.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    got = load_file(str(out / "model.safetensors"))
+    assert got.keys() == want.keys() and any(t.numel() == 0 for t in got.values())
+    for k, t in want.items():
+        assert got[k].dtype == t.dtype and got[k].shape == t.shape and torch.equal(got[k], t), k
+
+
+def test_vllm_source_notes_a_declared_mtp_block_as_the_torch_path(vllm_dirs, capfd):
+    from converters.torch_path.vllm import VllmReader
+
+    VllmReader(str(vllm_dirs["qwen3_5"]))
+    slow = capfd.readouterr().err
+    _vllm_source(vllm_dirs["qwen3_5"])
+    fast = capfd.readouterr().err
+    assert "declares an MTP block (mtp_num_hidden_layers=1)" in fast and fast == slow
