@@ -475,11 +475,16 @@ def test_bad_expert_layouts_fail_as_on_the_torch_path(models, tmp_path, capsys, 
         assert fragment in errors["1"], errors["1"]
 
 
-def test_transposed_bytes_for_every_element_size():
+@pytest.mark.parametrize("numpy", [True, False])
+def test_transposed_bytes_for_every_element_size(monkeypatch, numpy):
     """``io.transposed_bytes`` (the one computation of grouped-GEMM conversions) is the transpose, for
-    tall and wide matrices of 1-, 2-, 4- and 8-byte elements, from stored bytes and interleaved reads."""
+    tall and wide matrices of 1-, 2-, 4- and 8-byte elements, by numpy and without it."""
     import random
     import struct
+    import sys
+
+    if not numpy:
+        monkeypatch.setitem(sys.modules, "numpy", None)  # ``import numpy`` raises ImportError
 
     from converters.copy_path.io import transposed_bytes
     from converters.copy_path.ops import Data, Transposed

@@ -29,7 +29,10 @@ What it measures
     legacy EP2 x TP2 (``mp_rank_TT_EEE``, SequentialMLP experts; 8.92 GB: every EP rank holds the
     embedding, attention and output layer) by pmz; direction ``legacy->hf`` (and ``dist->hf`` from
     a torch_dist EP2 x TP2 save, when asked for). Same timing and rounds; target (issue 22): ratio
-    of medians >= 0.8, peak RSS <= 96 MiB.
+    of medians >= 0.8, peak RSS <= 96 MiB. Directions ``hf->legacy``, ``hf->dist`` and ``hf->grouped``
+    (issue 40: MoE Megatron targets on the copy path) time HF -> Megatron EP2 x TP2 (legacy SequentialMLP,
+    torch_dist, legacy GroupedMLP: experts transposed); smaller shapes suit them, e.g. ``--hidden 1024
+    --heads 16 --head-dim 64 --experts 32 --moe-ffn 512 --vocab 32000 --sizes 0.3,0.9``.
 
     ``--model qwen3.5`` / ``--model qwen3.5-moe`` (issue 33): a synthetic Gated DeltaNet hybrid HF
     checkpoint (names and shapes from transformers' own model built on the meta device, experts per
@@ -465,9 +468,12 @@ HYBRID_DIRECTIONS = {  # --model qwen3.5: all but hf->vllm by the copy path; qwe
     "dist->hf": ("dist", ["--to", "hf"]),
     "hf->vllm": ("hf", ["--to", "vllm", "--tp", "2"]),
 }
-MOE_DIRECTIONS = {  # --model qwen3-moe: sources are EP2 x TP2 (Megatron targets of MoE take the torch path)
+MOE_DIRECTIONS = {  # --model qwen3-moe: Megatron sources and targets are EP2 x TP2 (all on the copy path)
     "legacy->hf": ("legacy", ["--to", "hf"]),
     "dist->hf": ("dist", ["--to", "hf"]),
+    "hf->legacy": ("hf", ["--to", "megatron", "--tp", "2", "--ep", "2"]),
+    "hf->dist": ("hf", ["--to", "megatron-dist", "--tp", "2", "--ep", "2"]),
+    "hf->grouped": ("hf", ["--to", "megatron", "--tp", "2", "--ep", "2", "--moe-grouped-gemm"]),
 }
 
 
@@ -534,7 +540,8 @@ def main(argv=None) -> int:
                       + " (set-up, not timed) ...", flush=True)
                 run_child(me + shape + ["--_setup_moe", str(srcs["hf"])]
                           + [str(srcs[k]) if k in wanted else "-" for k in ("legacy", "dist")])
-                remove(srcs["hf"])  # no direction reads it: the disk holds source + output + cp's copy
+                if "hf" not in wanted:
+                    remove(srcs["hf"])  # no direction reads it: the disk holds source + output + cp's copy
                 srcs = {k: v for k, v in srcs.items() if k in wanted}
             elif hybrid:
                 wanted = {HYBRID_DIRECTIONS[d][0] for d in directions} | {"hf"}
