@@ -50,14 +50,15 @@ SCALE_TAG = "F32"
 
 @dataclass
 class RankTensor:
-    """One tensor of a rank file: its key, shape, dtype tag and the operations producing its bytes; ``band``:
-    (group id, rank) when the bytes come from one read of the full rows for every TP rank (``scatter_bands``)."""
+    """One tensor of a rank file: its key, shape, dtype tag and the operations producing its bytes; ``bands``:
+    ``(group, byte offset in the tensor)`` of each piece written instead by ``scatter_bands`` (one read of the full
+    rows for every TP rank: a row-parallel weight, or each expert's of a ``w2`` stack)."""
 
     key: str
     shape: tuple[int, ...]
     tag: str
     ops: list[Op]
-    band: tuple[int, int] | None = None
+    bands: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -91,7 +92,7 @@ def plan_vllm_target(source: RawSource, *, tp: int, pp: int) -> VllmCopyTarget:
         raise Unsupported(f"{source.path}: vLLM weights in {tag}")
     vmap = vllm_format.vllm_map(source.arch, cfg)
     target = VllmCopyTarget(tp, pp, tag, {})
-    band_of: dict[tuple[int, str], int] = {}  # (stage, entry param) -> its band group (a tower is on every stage)
+    band_of: dict[tuple, int] = {}  # (stage, first HF name) -> its band group (a tower is on every stage)
     for p in range(pp):
         wanted = vllm_format.stage_tensors(vmap, cfg, p, pp)
         for t in range(tp):
@@ -106,21 +107,26 @@ def plan_vllm_target(source: RawSource, *, tp: int, pp: int) -> VllmCopyTarget:
 
 
 def _rank_tensor(source: RawSource, target: VllmCopyTarget, key: str, entry: WeightEntry, p: int, t: int, tag: str,
-                 band_of: dict[tuple[int, str], int]) -> RankTensor:
-    """Rank ``t``'s packed shard of ``entry`` under ``key``; a row-parallel weight split over TP > 1 whose
-    columns are not whole source blocks gets a band of the full rows read once for every rank."""
+                 band_of: dict[tuple, int]) -> RankTensor:
+    """Rank ``t``'s packed shard of ``entry`` under ``key``; at TP > 1 a row-parallel weight (each expert of a
+    stack, for ``w2``) is a band of the full rows, read once for every rank (``target.bands``)."""
     tp = target.tp
-    shapes = {n: source.planned[n].shape for n in entry.hf}
+    names = entry.expert_hf(0) if entry.experts else entry.hf
+    shapes = {n: source.planned[n].shape for n in names}
     try:
         shape = vllm_format.shard_shape(entry, shapes, tp)
     except ShardingError as exc:
         raise CheckpointError(f"{source.path}: {key}: {exc}") from None
-    band = _band_source(source, entry, tp)
-    if band is not None:
-        group = band_of.setdefault((p, entry.param), len(band_of))
-        if group not in target.bands:
-            target.bands[group] = band
-        return RankTensor(key, shape, tag, [], (group, t))
+    experts = [entry.expert(e) for e in range(entry.experts)] if entry.experts else [entry]
+    if all(_band_source(source, one, tp) is not None for one in experts):
+        each = nbytes(shape, tag) // len(experts)
+        bands = []
+        for e, one in enumerate(experts):
+            group = band_of.setdefault((p, one.hf[0]), len(band_of))
+            if group not in target.bands:
+                target.bands[group] = _band_source(source, one, tp)
+            bands.append((group, e * each))
+        return RankTensor(key, shape, tag, [], bands)
     ops = _entry_ops(source, entry, t, tp)
     if sum(op.nbytes for op in ops) != nbytes(shape, tag):
         raise CheckpointError(f"internal: {key} planned as {sum(op.nbytes for op in ops)} bytes, its shard "
@@ -129,18 +135,17 @@ def _rank_tensor(source: RawSource, target: VllmCopyTarget, key: str, entry: Wei
 
 
 def _band_source(source: RawSource, entry: WeightEntry, tp: int) -> tuple[list[Op], int] | None:
-    """(full-row operations, row bytes) of a single-part, non-expert ``Split(1)`` weight of two or more dims
-    (``o_proj``, ``down_proj``, ``out_proj``, the tower's ``proj`` / ``linear_fc2``) at TP > 1: ``scatter_bands``
-    writes band t of every row to rank t's file, reading each source row once; None otherwise."""
+    """(full-row operations, row bytes) of a single-part ``Split(1)`` weight of two or more dims (``o_proj``,
+    ``down_proj``, ``out_proj``, one expert's ``w2``, the tower's ``proj`` / ``linear_fc2``) at TP > 1:
+    ``scatter_bands`` writes band t of every row to rank t's file, reading each source row once; None otherwise."""
     if tp == 1 or entry.experts or len(entry.hf) != 1 or not isinstance(entry.rules[0], Split):
         return None
     pt = source.planned[entry.hf[0]]
     if entry.rules[0].dim != 1 or len(pt.shape) < 2 or any(isinstance(op, Data) for op in pt.ops):
         return None
-    width = row_nbytes(pt.shape, pt.dtype)
     if pt.shape[1] % tp:
         return None  # shard_shape refused it already
-    return list(pt.ops), width
+    return list(pt.ops), row_nbytes(pt.shape, pt.dtype)
 
 
 def _entry_ops(source: RawSource, entry: WeightEntry, rank: int, size: int) -> list[Op]:
@@ -204,7 +209,7 @@ def _select(pt: PlannedTensor, r0: int, r1: int, b0: int, b1: int) -> list[Op]:
 def sorted_for_safetensors(tensors: list[RankTensor]) -> list[RankTensor]:
     """A file's tensors in the order ``safetensors.torch.save_file`` stores them: dtype (its enum, the larger
     first), then name."""
-    return sorted(tensors, key=lambda x: x.key)
+    return sorted(tensors, key=lambda x: (-SAFETENSORS_DTYPE_RANK[x.tag], x.key))
 
 
 @dataclass
@@ -230,10 +235,9 @@ def _lay_out(target: VllmCopyTarget, directory: str, max_shard_bytes: int,
             path = str(Path(directory) / vllm_format.vllm_file_name(t, k, p, target.pp))
             work = []
             for x in chosen:
-                if x.band is not None:
-                    group, rank = x.band
-                    outputs.setdefault(group, [None] * target.tp)[rank] = (path, offsets[x.key])
-                elif x.nbytes:
+                for group, at in x.bands:
+                    outputs.setdefault(group, [None] * target.tp)[t] = (path, offsets[x.key] + at)
+                if not x.bands and x.nbytes:
                     work.append((offsets[x.key], x.ops, x.nbytes))
             files.append(_File(path, len(head) + sum(x.nbytes for x in chosen), head, work))
     return files
