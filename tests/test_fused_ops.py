@@ -1,18 +1,10 @@
 """The fused-op dispatch (``parallel.fused_ops``) on CPU: every op picks the torch reference here, the
 reference is bitwise the code the models ran before the dispatch (copied below as it was), the API's
-shapes (residual fusion, partial rotary, M-RoPE tables) and the argument checks. Where Triton is
-importable (not in the CPU venv; a scratch venv with ``triton`` + ``liger-kernel``), the kernels
-themselves run in Triton's CPU interpreter against the reference in fp32 (its bf16 casts truncate, so
-bf16 is left to tests/test_gpu_fused_ops.py on CUDA)."""
+shapes (residual fusion, partial rotary, M-RoPE tables) and the argument checks. The kernels themselves
+run in Triton's CPU interpreter in tests/test_triton_interpreter.py (fp32 and bf16); the CUDA dispatch
+with the device faked in tests/test_kernel_dispatch.py."""
 
 from __future__ import annotations
-
-import importlib.util
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -183,83 +175,6 @@ def test_kill_switch_and_compile_keep_the_reference(monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
     monkeypatch.setenv("PMZ_FUSED", "0")
     assert fused_ops.swiglu_backend(x) == "reference" and fused_ops.rms_norm_backend(x, torch.ones(8)) == "reference"
-
-
-# ---------------------------------------------------------------------- the kernels in Triton's interpreter
-INTERPRETER_CHECK = textwrap.dedent("""
-    import os, sys
-    import numpy as np
-    import torch
-    import triton
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    # Two shims for the interpreter only (compiled kernels need neither): Python float arguments reach
-    # the kernel unconverted (compiled: fp32 scalars; Liger calls eps.to(tl.float32)), and libdevice's
-    # rsqrt has no interpreter implementation.
-    _cvt = interpreter._implicit_cvt
-    def _implicit_cvt(arg):
-        if isinstance(arg, float):
-            return tl.tensor(interpreter.TensorHandle(np.array([arg], dtype=np.float32), tl.float32), tl.float32)
-        return _cvt(arg)
-    interpreter._implicit_cvt = _implicit_cvt
-    from parallel import fused_ops
-    liger = fused_ops._has_liger()
-    if liger:
-        import liger_kernel.ops.fused_add_rms_norm as lf
-        import liger_kernel.ops.rms_norm as lr
-
-        @triton.jit
-        def _rsqrt(x):
-            return 1.0 / tl.sqrt(x)
-        lr.rsqrt = lf.rsqrt = _rsqrt
-
-    def run(fn, inputs, seed, ngrad):
-        leaves = [t.clone().requires_grad_(i < ngrad) for i, t in enumerate(inputs)]
-        outs = fn(*leaves)
-        outs = [o for o in (outs if isinstance(outs, tuple) else (outs,)) if o is not None]
-        g = torch.Generator().manual_seed(seed)
-        sum((o * torch.randn(o.shape, generator=g)).sum() for o in outs).backward()
-        return outs + [leaf.grad for leaf in leaves[:ngrad]]
-
-    def check(name, backend, fn, inputs, tol, ngrad=None):
-        ngrad = len(inputs) if ngrad is None else ngrad
-        got = run(lambda *a: fn(*a, backend=backend), inputs, 1, ngrad)
-        ref = run(lambda *a: fn(*a, backend="reference"), inputs, 1, ngrad)
-        err = max((a - b).abs().max().item() for a, b in zip(got, ref))
-        print(name, backend, err)
-        assert err <= tol, (name, err)
-
-    torch.manual_seed(0)
-    s, b, hq, hkv, d = 5, 3, 4, 2, 16
-    qkv = torch.randn(s, b, (hq + 2 * hkv) * d)
-    def rope_fn(t, cos, sin, backend):
-        q, k, _ = t.split([hq * d, hkv * d, hkv * d], dim=-1)
-        return fused_ops.apply_rotary(q.view(s, b, hq, d), k.view(s, b, hkv, d), cos, sin, backend=backend)
-    for rd in (d, d // 2):
-        half = torch.randn(s, b, 1, rd // 2)
-        check(f"rope rd={rd}", "triton", rope_fn, [qkv, half.repeat(1, 1, 1, 2).cos(), half.repeat(1, 1, 1, 2).sin()],
-              1e-6, ngrad=1)
-    check("rope cos [s,1,1,d]", "triton", rope_fn, [qkv, torch.randn(s, 1, 1, d), torch.randn(s, 1, 1, d)], 1e-6,
-          ngrad=1)
-    check("swiglu", "triton", fused_ops.swiglu, [torch.randn(s, b, 2 * 40)], 1e-6)
-    if liger:
-        x, r, w = torch.randn(s, b, 64), torch.randn(s, b, 64), torch.randn(64)
-        check("rms_norm", "liger", lambda x, w, backend: fused_ops.rms_norm(x, w, 1e-6, backend=backend), [x, w], 1e-5)
-        check("rms_norm+residual", "liger", lambda x, r, w, backend: fused_ops.rms_norm(x, w, 1e-6, r, backend=backend),
-              [x, r, w], 1e-5)
-    print("ok", "liger" if liger else "no liger")
-""")
-
-
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CPU venv)")
-def test_kernels_in_the_triton_interpreter():
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
-    done = subprocess.run([sys.executable, "-c", INTERPRETER_CHECK], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "ok" in done.stdout
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
