@@ -7,7 +7,8 @@ fallbacks when a library is missing, does not import, or refuses a shape. Tables
     automatic call reaches the chosen implementation;
   * ``parallel.varlen_kernels``: which attention kernels a device has (``installed_kernels``) and the
     per-call choice (``flash_kernel``; the preference order itself: tests/test_varlen_attention.py);
-  * ``parallel.lm_head_loss``: the fused head's chunk size per device and its fp32-accumulating GEMM probe;
+  * ``parallel.lm_head_loss``: the fused head's chunk size per device, its fp32-accumulating GEMM probe and
+    the backward's use of it;
   * ``parallel.experts``: grouped GEMM or the per-expert loop;
   * ``parallel.gated_delta_rule``: flash-linear-attention or the torch forms (``PMZ_GDN_KERNEL``), and
     what the fla path hands the library.
@@ -338,6 +339,38 @@ def test_fused_head_gemm_probe(monkeypatch, device, dtype, addmm, want):
     assert lm_head_loss.gemm_accumulates_fp32(dev, dtype) is want
     assert lm_head_loss.gemm_accumulates_fp32(dev, dtype) is want  # cached: probed once
     assert len(calls) == (1 if device == "cuda" and dtype in (BF16, FP16) else 0)
+
+
+@pytest.mark.parametrize("dtype,probe,want_in_gemm", [(BF16, True, True), (BF16, False, False), (FP32, True, False)])
+def test_fused_head_backward_takes_the_in_gemm_path_where_probed(monkeypatch, dtype, probe, want_in_gemm):
+    """The backward's weight gradient goes through ``addmm(..., out_dtype=float32)`` once per chunk exactly
+    when the probe says the GEMM accumulates in fp32 (never in fp32), and gives the product-then-add
+    path's gradient to bf16 rounding of the per-chunk products."""
+    in_gemm = []
+
+    def addmm(*a, **k):
+        if "out_dtype" in k:
+            in_gemm.append(1)
+            return _accumulating_addmm(*a, **k)
+        return torch.addmm(*a, **k)
+
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(12, 16, generator=gen).to(dtype)
+    weight = (0.3 * torch.randn(24, 16, generator=gen)).to(dtype)
+    target = torch.randint(0, 20, (12,), generator=gen)
+
+    def grad_w():
+        w = weight.clone().requires_grad_()
+        lm_head_loss.linear_cross_entropy(hidden, w, target, vocab_start=0, valid_columns=20, chunk_tokens=5).sum() \
+            .backward()
+        return w.grad.float()
+
+    reference = grad_w()
+    monkeypatch.setattr(lm_head_loss, "torch", _Probe(addmm))
+    monkeypatch.setattr(lm_head_loss, "gemm_accumulates_fp32", lambda device, dt: probe)
+    got = grad_w()
+    assert len(in_gemm) == (3 if want_in_gemm else 0)  # 12 tokens in chunks of 5
+    assert (got - reference).abs().max() <= (2e-2 if want_in_gemm else 0) * reference.abs().max()
 
 
 # ---------------------------------------------------------------------- MoE experts: grouped GEMM or loop
