@@ -9,6 +9,11 @@ classes; ``megatron_dist.dist_metadata``: ``.metadata``); they are laid out firs
 files sized), then tasks fill the tensor bytes (``copy_path.io.fill_file``: ``preadv`` into a
 buffer, ``pwrite`` in blocks) in parallel. Output matches the torch path
 (``converters/torch_path/megatron``) tensor for tensor, and loads in megatron-core.
+
+Mixture-of-experts models (Qwen2-MoE, Qwen3-MoE, the MoE hybrids): legacy rank files per (tp, pp, ep) with
+each EP rank's local experts and a copy of the stage's other tensors (column bands read once for all TP and
+EP ranks), GroupedMLP ``weight1``/``weight2`` as each expert's shard transposed (``megatron_moe``);
+torch_dist experts stacked ``[L, E, ...]`` or per layer as the torch path places them (``megatron_moe``).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from converters.copy_path.io import (
 from converters.copy_path.megatron_moe import dist_placement, grouped_weight, layer_extra_states, stacks_layers
 from converters.copy_path.megatron_ops import full_rows_ops, full_segments, row_nbytes, shard_ops
 from converters.copy_path.ops import Interleave, Op, Transposed, Zeros
-from converters.copy_path.sources import RawSource, refuse_hybrid
+from converters.copy_path.sources import RawSource
 from converters.formats import pickles as pw
 from converters.formats.hf_config import write_config_dir
 from converters.formats.megatron_args import (
@@ -49,10 +54,11 @@ from converters.formats.megatron_legacy import rank_file_object
 from converters.formats.megatron_moe import check_ep_target
 from converters.formats.tensors import TAG_TO_TORCH_NAME
 from converters.formats.torch_zip import archive_bytes, layout_archive
-from converters.layout.experts import GROUPED_GEMM, SEQUENTIAL, fc_of, stored_key
+from converters.layout.experts import GROUPED_GEMM, SEQUENTIAL, TE_GROUPED, fc_of, stored_key
 from converters.layout.hybrid import (
     check_tower_tp,
     dist_components,
+    dist_expert,
     dist_extra_states,
     legacy_extra_states,
     tower_block,
@@ -99,10 +105,11 @@ def plan_copy_target(source: RawSource, *, fmt: str, tp: int, pp: int, vpp: int,
                      first: int | None = None, last: int | None = None, ep: int = 1,
                      grouped_gemm: bool = False) -> CopyTarget:
     """Validate the target layout for the model as the torch path does, in its order and with its
-    messages (ParallelConfigError / ValueError name the numbers); ``Unsupported`` for what the torch path
-    writes: grouped-GEMM experts (``GroupedMLP``'s transposed blocks) and the mixture-of-experts hybrids."""
+    messages (ParallelConfigError / ValueError name the numbers). Every model and expert layout is written
+    (MoE: EP rank files, SequentialMLP, GroupedMLP -- each expert transposed, ``ops.Transposed`` --, Transformer
+    Engine's grouped names for the hybrids); ``Unsupported`` (the torch path writes it) for tensors in several
+    dtypes and a hybrid's output norm whose Megatron value has no one answer (a NaN)."""
     cfg = source.cfg
-    refuse_hybrid(cfg, source.wmap)
     require_megatron_layout(cfg, source.path)
     check_target_stages(cfg.num_hidden_layers, pp, vpp, first, last)
     validate_target_layout(cfg, fmt, tp=tp, pp=pp, vpp=vpp, first=first, last=last)
@@ -121,7 +128,16 @@ def plan_copy_target(source: RawSource, *, fmt: str, tp: int, pp: int, vpp: int,
     layout = MegatronLayout(cfg.num_hidden_layers, pp, vpp, first, last, "target")
     iteration = getattr(source, "iteration", None)
     return CopyTarget(fmt, tp, pp, vpp, padded, tag, layout, args, iteration if isinstance(iteration, int) else None,
-                      hf_shapes(cfg, source.wmap), ep, GROUPED_GEMM if grouped_gemm else SEQUENTIAL)
+                      hf_shapes(cfg, source.wmap), ep, expert_module(source.wmap, grouped_gemm))
+
+
+def expert_module(wmap, grouped_gemm: bool) -> str:
+    """The legacy expert module a target is written with, as the torch path picks it: SequentialMLP, or with
+    ``grouped_gemm`` megatron-core's GroupedMLP -- Transformer Engine's TEGroupedMLP for the hybrids, whose
+    checkpoints are the Transformer-Engine spec's."""
+    if not grouped_gemm:
+        return SEQUENTIAL
+    return TE_GROUPED if is_hybrid(wmap) else GROUPED_GEMM
 
 
 def _args_node(target: CopyTarget) -> pw.NewObj:
@@ -181,16 +197,16 @@ def _legacy_file(source: RawSource, target: CopyTarget, directory: Path, p: int,
             for entry, key, rank in unit_keys(source.wmap, unit, local, target.ep):  # a hybrid's MTP block on FINAL
                 if rank is not None and rank != e:
                     continue
-                stored, slot = stored_key(key, target.experts)
+                stored, slot = stored_key(key, target.experts)  # (Transformer Engine's grouped names renamed)
                 if slot is None:
-                    chunk[key] = add(key, entry, name, rank)
+                    chunk[stored] = add(key, entry, name, rank)
                 else:
                     grouped.setdefault(stored, {})[slot] = shard_ops(source, entry, target.hf_shapes,
                                                                      target.padded_vocab, target.tp, t, key)
             for stored, by_slot in grouped.items():  # after the layer's other tensors, as the torch path
                 chunk[stored] = add_ops(*grouped_weight(fc_of(stored), [by_slot[i] for i in sorted(by_slot)],
                                                         target.tag))
-            modules = (legacy_extra_states(source.wmap, unit, local, 1, True) if hybrid
+            modules = (legacy_extra_states(source.wmap, unit, local, target.ep, target.experts == SEQUENTIAL) if hybrid
                        else extra_state_modules(unit, local, source.wmap, target.ep, e, target.experts))
             chunk.update({f"{m}._extra_state": None for m in modules})
         if source.cfg.tie_word_embeddings and target.pp > 1 and p == target.pp - 1 and v == target.vpp - 1:
@@ -320,20 +336,23 @@ def _dist_files(source: RawSource, target: CopyTarget, directory: Path) -> tuple
 
 def _hybrid_dist_unit(source: RawSource, target: CopyTarget, unit, name: str, pos: int, headers: list, work: list,
                       tensors: dict, bytes_keys: list, extra: bytes) -> int:
-    """A dense Gated DeltaNet hybrid's unit in data file ``name`` from offset ``pos``, as the torch path's
+    """A Gated DeltaNet hybrid's unit in data file ``name`` from offset ``pos``, as the torch path's
     ``_put_hybrid_unit`` lays it out (``layout.hybrid``: every layer under its global number, ``in_proj`` /
-    ``conv1d`` one global tensor per component, the MTP layer as ``transformer_layer``, then an empty
-    ``_extra_state`` per Transformer-Engine module); returns the offset after it."""
+    ``conv1d`` one global tensor per component, experts ``[E, ...]`` per layer, the MTP layer as
+    ``transformer_layer``, then an empty ``_extra_state`` per Transformer-Engine module); returns the offset
+    after it."""
     layer = unit if isinstance(unit, int) else None
     for entry, key, _ in unit_keys(source.wmap, unit, layer, 1):
         full, ops = shard_ops(source, entry, target.hf_shapes, target.padded_vocab, 1, 0, key)
         start = 0
-        block = tower_block(key)
-        for gkey, rows in [(block[0], None)] if block else dist_components(entry, key):
+        block, expert = tower_block(key), dist_expert(key)
+        stacked = block or expert  # (key, index along the leading dim) of a stacked tensor, or None
+        for gkey, rows in [(stacked[0], None)] if stacked else dist_components(entry, key):
             shape = full if rows is None else (rows, *full[1:])
             gshape, offsets, chunk = shape, (0,) * len(shape), shape
-            if block is not None:  # a vision-tower block: its slice [b] of the stacked [depth, ...] tensor
-                gshape, offsets, chunk = (tower_depth(source.wmap), *shape), (block[1], *offsets), (1, *shape)
+            if stacked is not None:  # a vision-tower block [depth, ...] or an expert [E, ...]: its slice
+                depth = tower_depth(source.wmap) if block else source.cfg.moe.num_experts
+                gshape, offsets, chunk = (depth, *shape), (stacked[1], *offsets), (1, *shape)
             if rows is not None:
                 segments = full_segments(entry, source.cfg, target.hf_shapes, target.padded_vocab)
                 ops = full_rows_ops(source, segments, [(start, start + rows)], 0, row_nbytes(full, target.tag))

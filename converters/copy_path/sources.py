@@ -17,7 +17,8 @@ torch path: ``layout.megatron.hf_row_ranges`` places the gated ``linear_qkv`` an
 its other value computed on its bytes (``layout.megatron.shift_bytes``, ``ops.Data``), the stored one kept
 for Megatron targets (``PlannedTensor.megatron_ops``). Conditional-generation checkpoints carry their vision
 tower (per-head ``qkv``: ``layout.hybrid.row_ranges``; torch_dist's stacked blocks). Mixture-of-experts hybrids
-stay with the torch path on the Megatron side (``refuse_hybrid``).
+(Qwen3.5-MoE, Qwen3-Next) add their experts as the other MoE models do (legacy: SequentialMLP or Transformer
+Engine's grouped names; torch_dist: ``[E, ...]`` per layer).
 
 Mixture-of-experts models (Qwen2-MoE, Qwen3-MoE) are planned like dense ones: every expert is a
 plain weight-map entry of its own (``WeightEntry.expert``), so its TP shards are byte ranges (fc1
@@ -55,7 +56,7 @@ from converters.formats.tensors import TAG_TO_TORCH_NAME, RawTensor
 from converters.layout.experts import source_grouped_gemm, stored_key
 from converters.layout.hybrid import unit_absent
 from converters.layout.megatron import LayoutError, megatron_full_shape, shift_bytes
-from converters.layout.model import Unit, all_units, is_hybrid, unit_entries
+from converters.layout.model import Unit, all_units, unit_entries
 from models.common.errors import CheckpointError
 from models.common.weight_map import MINUS_ONE, WeightEntry, hf_shapes
 
@@ -153,7 +154,6 @@ class LegacyRawSource(RawSource):
         self.path = ckpt.path
         self.layout, self.iteration = args_layout(ckpt.args), ckpt.iteration
         self._set_model(ckpt)
-        refuse_hybrid(self.cfg, self.wmap)
         self.layout["grouped_gemm"] = self.cfg.moe is not None and source_grouped_gemm(ckpt.args, ckpt.expert_layout)
         ckpt.validate()
         shapes = hf_shapes(self.cfg, self.wmap)
@@ -189,7 +189,6 @@ class DistRawSource(RawSource):
         self.path = str(ckpt.it_dir)
         self.layout, self.iteration = ckpt.layout, ckpt.iteration
         self._set_model(ckpt)
-        refuse_hybrid(self.cfg, self.wmap)
         if self.layout is not None and ckpt.args is not None:  # the expert layout a reshard keeps (by the args)
             self.layout = {**self.layout, "grouped_gemm": self.cfg.moe is not None and source_grouped_gemm(
                 ckpt.args, getattr(ckpt, "expert_layout", None))}
@@ -224,16 +223,6 @@ class DistRawSource(RawSource):
         self._plan_absent(ckpt.dtype)
         self.check_shapes()
         self._plan_hf_values()
-
-
-def refuse_hybrid(cfg, wmap) -> None:
-    """``Unsupported`` for the Gated DeltaNet hybrids the copy path leaves to the torch path on the Megatron
-    side: mixture-of-experts ones (Qwen3.5-MoE, Qwen3-Next: their Megatron targets are the torch path's, and
-    their sources stay with it too). Dense Qwen3.5, text or conditional-generation (vision tower: its per-head
-    ``qkv`` is row ranges, ``layout.hybrid.row_ranges``), MTP block included, is byte ranges but for the output
-    norms' ``minus_one`` values (``ops.Data``)."""
-    if is_hybrid(wmap) and cfg.moe is not None:
-        raise Unsupported("Megatron checkpoints of mixture-of-experts Gated DeltaNet hybrids (the torch path)")
 
 
 def _minus_one_entries(source: RawSource) -> list[WeightEntry]:
