@@ -15,6 +15,9 @@ own strict loader.
 * HF -> vLLM (copy path) -> HF gives back every source tensor bitwise.
 * A layout vLLM cannot hold is refused before anything is written, with the torch path's one-line error, and
   nothing is left at the destination; a dtype change stays on the torch path.
+* vLLM directories as a copy-path source (converters/copy_path/vllm_source.py) give the HF and vLLM files the
+  torch path's ``VllmReader`` gives, byte for byte, and its Megatron rank files tensor for tensor; a Qwen2-MoE
+  with a shared expert of width 0 (which the torch path cannot read back) comes back bitwise.
 """
 
 from __future__ import annotations
@@ -253,15 +256,15 @@ def vllm_dirs(sources, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("vllm_dirs")
     out = {}
     for name, tp, pp in (("qwen2", 4, 2), ("llama", 2, 1), ("qwen2_bf16", 2, 2), ("qwen2moe", 2, 2),
-                         ("qwen3moe", 2, 1), ("qwen3_5", 2, 1), ("qwen3_next", 2, 2), ("condgen", 2, 2),
+                         ("qwen3_5", 2, 1), ("qwen3_next", 2, 2), ("condgen", 2, 2),
                          ("vl", 2, 2)):
         _torch_path(sources[name], root / name, to="vllm", tp=tp, pp=pp, workers=1)
         out[name] = root / name
     return out
 
 
-@pytest.mark.parametrize("name", ["qwen2", "llama", "qwen2_bf16", "qwen2moe", "qwen3moe", "qwen3_5", "qwen3_next",
-                                  "condgen", "vl"])
+@pytest.mark.parametrize("name", ["qwen2", "llama", "qwen2_bf16", "qwen2moe", "qwen3_5", "qwen3_next", "condgen",
+                                  "vl"])
 def test_vllm_source_gives_the_torch_paths_hf_and_vllm_files(vllm_dirs, tmp_path, name):
     """A vLLM directory read by the copy path (``VllmRawSource``) into HF (``write_hf_by_copy``) and into vLLM at
     another layout (``write_vllm_by_copy``): the files the torch path (``VllmReader``) writes, byte for byte."""
