@@ -11,7 +11,8 @@ fallbacks when a library is missing, does not import, or refuses a shape. Tables
     the backward's use of it;
   * ``parallel.experts``: grouped GEMM or the per-expert loop;
   * ``parallel.gated_delta_rule``: flash-linear-attention or the torch forms (``PMZ_GDN_KERNEL``), and
-    what the fla path hands the library.
+    what the fla path hands the library;
+  * ``models.common.compiled_layers``: ``compile=True`` needs Triton on CUDA only.
 
 "Faked" means: ``torch.Tensor.is_cuda``, ``torch.cuda.get_device_capability`` / ``is_available`` and
 the cuDNN/flash queries are replaced for one test (monkeypatch), the optional packages are replaced by
@@ -533,3 +534,20 @@ def test_gdn_fla_probes(monkeypatch):
     assert gated_delta_rule._fla_conv.__wrapped__() is new_conv
     monkeypatch.setitem(sys.modules, "fla.modules.convolution", module("f", causal_conv1d=old_conv))
     assert gated_delta_rule._fla_conv.__wrapped__() is None
+
+
+# ---------------------------------------------------------------------- compile=True: Triton on CUDA
+@pytest.mark.parametrize("device,triton,ok", [("cuda", True, True), ("cuda", False, False), ("cpu", False, True)])
+def test_compile_backend_needs_triton_on_cuda_only(monkeypatch, device, triton, ok):
+    """``build_parallel_model(compile=True)`` checks the backend first: inductor's CUDA kernels are Triton
+    kernels (refused in one line without it); on CPU it needs a C++ compiler, not Triton."""
+    import torch.utils._triton as torch_triton
+
+    from models.common.compiled_layers import CompileUnavailableError, check_compile_backend
+
+    monkeypatch.setattr(torch_triton, "has_triton", lambda: triton)
+    if ok:
+        check_compile_backend(device)
+    else:
+        with pytest.raises(CompileUnavailableError, match="needs Triton"):
+            check_compile_backend(device)
