@@ -145,8 +145,10 @@ class ParallelQwen3VL(ParallelVisionLanguageModel):
                    attention_mask: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
                    max_seqlen: int | None = None, seq=None) -> torch.Tensor:
         """``ParallelCausalLM.run_layers``; after decoder layer k < K, DeepStack feature k is added at the
-        visual tokens (``self._deepstack``, placed when this batch was embedded)."""
+        visual tokens (``self._deepstack``, placed when this batch was embedded; dropped here once used, so
+        it lives no longer than the batch's layers need it)."""
         dense, k, first = self._deepstack, self.config.vision.deepstack_count, self._deepstack_first
+        self._deepstack = None
         fed = [i for i in layer_ids if first <= i < k] if dense is not None else []
         if not fed:
             return super().run_layers(h, layer_ids, position_ids, attention_mask, cu_seqlens, max_seqlen, seq)
