@@ -225,3 +225,25 @@ def test_bad_configs_are_refused_in_one_line(q3_dirs, tmp_path, change, match):
     with pytest.raises(UnsupportedConfigError, match=match) as err:
         build_parallel_model(src)
     assert "\n" not in str(err.value)
+
+
+def test_config_read_as_plain_json_equals_transformers(q3_dirs, tmp_path):
+    """What the converters read (config.json as data, no transformers) gives transformers' own parsing, also
+    with the vision fields left to transformers' defaults (hidden_act, deepstack_visual_indexes)."""
+    from transformers import AutoConfig
+
+    from converters.formats.hf_config import read_hf_config
+    from models.qwen3_vl.config import model_config
+
+    defaults = tmp_path / "defaults"
+    shutil.copytree(dict(q3_dirs)["q3_tied"], defaults)
+    data = json.loads((defaults / "config.json").read_text())
+    for key in ("hidden_act", "deepstack_visual_indexes", "rope_parameters"):
+        data["vision_config"].pop(key)
+    data["vision_config"]["depth"] = 27  # transformers' default DeepStack blocks (8, 16, 24) must exist
+    data["text_config"]["num_hidden_layers"] = 3
+    (defaults / "config.json").write_text(json.dumps(data))
+    for directory in [Path(d) for _, d in q3_dirs] + [defaults]:
+        ours = model_config(read_hf_config(directory))
+        assert ours == model_config(AutoConfig.from_pretrained(str(directory))), directory.name
+    assert ours.vision.deepstack_visual_indexes == (8, 16, 24) and ours.vision.hidden_act == "gelu_pytorch_tanh"
