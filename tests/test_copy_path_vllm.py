@@ -22,7 +22,6 @@ own strict loader.
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
@@ -209,18 +208,15 @@ def test_round_trip_through_vllm_is_bitwise(sources, tmp_path, paths_taken):
             assert got[k].dtype == t.dtype and torch.equal(got[k], t), f"{name}: {k}"
 
 
-def test_bad_layouts_refused_in_one_line_with_nothing_written(sources, tmp_path, capsys):
+def test_bad_layouts_refused_in_one_line_with_nothing_written(sources, tmp_path, capsys, monkeypatch):
     """tp not dividing the heads, pp past the layers, tp past a hybrid's key heads: the torch path's message,
     exit 1, nothing at the destination."""
     for name, extra in (("qwen2", ["--tp", "3"]), ("qwen2", ["--pp", "5"]), ("qwen3_5", ["--tp", "4"])):
         messages = []
         for copy in ("1", "0"):
-            os.environ["PMZ_COPY_PATH"] = copy
-            try:
-                dst = tmp_path / f"bad-{name}-{copy}"
-                assert pmz(["convert", str(sources[name]), str(dst), "--to", "vllm", *extra, "--quiet"]) == 1
-            finally:
-                del os.environ["PMZ_COPY_PATH"]
+            monkeypatch.setenv("PMZ_COPY_PATH", copy)
+            dst = tmp_path / f"bad-{name}-{copy}"
+            assert pmz(["convert", str(sources[name]), str(dst), "--to", "vllm", *extra, "--quiet"]) == 1
             err = capsys.readouterr().err.strip()
             assert len(err.splitlines()) == 1 and "vLLM layout" in err, err
             assert not dst.exists() and not list(tmp_path.glob(f".bad-{name}-{copy}*"))
