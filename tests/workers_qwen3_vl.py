@@ -276,11 +276,35 @@ def training_parity(case: str, path: str, pconfig: ParallelConfig, microbatches:
     return records
 
 
+def bf16_parity(case: str, path: str, pconfig: ParallelConfig) -> list[tuple]:
+    """Ours in bf16 against transformers in bf16 on the images-and-video batch, and both against transformers
+    in fp32 (the VL models' bf16 quantities, tests/vl_cases.py ``VL_BF16_BOUNDS``)."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from models.qwen3_vl import build_parallel_model
+
+    tag = (case, pconfig.describe())
+    model = build_parallel_model(path, pconfig, dtype=torch.bfloat16)
+    hf = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=torch.bfloat16).eval()
+    exact = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    batch = _inputs(qwen3_vl_batch(case, "images_and_video"))
+    low = {k: v.to(torch.bfloat16) if k.startswith("pixel_values") else v for k, v in batch.items()}
+    with torch.no_grad():
+        ours, ref, truth = model(**low, gather_logits=True), hf(**low), exact(**batch)
+    valid = batch["attention_mask"].bool()
+    ours_l, ref_l, truth_l = (x.logits[valid].float() for x in (ours, ref, truth))
+    return [(*tag, "bf16_logits_rel", _max_diff(ours_l, ref_l) / truth_l.abs().max().item()),
+            (*tag, "bf16_loss", _max_diff(ours.loss.float(), ref.loss.float())),
+            (*tag, "bf16_vs_fp32_ratio", _max_diff(ours_l, truth_l) / max(_max_diff(ref_l, truth_l), 1e-6))]
+
+
 def suite(dirs: dict[str, str], layouts: list[tuple]) -> list[tuple]:
     records = []
     for case, kwargs, *options in layouts:
         options = options[0] if options else {}
-        if options.get("forward_backward"):
+        if options.get("bf16"):
+            records += bf16_parity(case, dirs[case], ParallelConfig(**kwargs))
+        elif options.get("forward_backward"):
             records += training_parity(case, dirs[case], ParallelConfig(**kwargs),
                                        microbatches=options.get("microbatches", 2))
         else:
