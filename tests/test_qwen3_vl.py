@@ -22,6 +22,7 @@ from tests.vl_cases import VL_BF16_BOUNDS
 from tests.workers_qwen3_vl import (
     BATCHES,
     QWEN3_VL_CASES,
+    misplaced_placeholders,
     qwen3_vl_batch,
     qwen3_vl_packed_batch,
     suite,
@@ -43,7 +44,9 @@ LAYOUTS = {
         # the stage boundary inside the DeepStack layers: layer 1's feature travels to the second stage
         ("q3_tied", {"pp": 2, "num_layers_in_first_pipeline_stage": 1}, {"forward_backward": True}),
         # one layer per virtual chunk: feature 1 to global stage 1 (rank 1), nothing to the chunks after it
-        ("q3_tied", {"pp": 2, "vpp": 2}, {"forward_backward": True})],
+        ("q3_tied", {"pp": 2, "vpp": 2}, {"forward_backward": True}),
+        ("q3_untied", {"tp": 2, "sequence_parallel": True}, {"bad_input": True}),
+        ("q3_untied", {"ulysses": 2}, {"bad_input": True})],
     # combined layouts (one 4-rank group, ~70 s on 2 cores: marked slow): the DeepStack tensor in SP slices
     # over cp ranks and across a pipeline boundary inside the DeepStack layers
     4: [("q3_tied", {"tp": 2, "sequence_parallel": True, "cp": 2}),
@@ -75,7 +78,7 @@ METRICS = {"logits": r"logits_.*", "loss": r"loss_.*|step\d_loss.*", "grads": r"
                                              for w in sorted(LAYOUTS) for m in sorted(METRICS)
                                              if m != "bf16" or w == 1])
 def test_qwen3_vl_parity(q3_dirs, world, metric):
-    records = [r for r in _records(world, q3_dirs) if r[2] != "vision_share"]
+    records = [r for r in _records(world, q3_dirs) if r[2] not in ("vision_share", "bad_input")]
     pat = re.compile(METRICS[metric])
     selected = [r for r in records if pat.fullmatch(r[2])]
     if metric in ("loss", "grads"):  # every fp32 layout (forward_backward ones have no logits or save records)
@@ -84,7 +87,8 @@ def test_qwen3_vl_parity(q3_dirs, world, metric):
 
         assert {(case, layout) for case, layout, *_ in selected} == {
             (case, layout) for case, layout, *_ in records}, f"layouts without {metric} records"
-        fp32 = [(case, kwargs) for case, kwargs, *opts in LAYOUTS[world] if not (opts and opts[0].get("bf16"))]
+        fp32 = [(case, kwargs) for case, kwargs, *opts in LAYOUTS[world]
+                if not (opts and (opts[0].get("bf16") or opts[0].get("bad_input")))]
         assert len({(case, layout) for case, layout, *_ in selected}) == len(fp32), "layouts missing"
         assert all(any(ParallelConfig(**kwargs).describe() in layout for c, layout, *_ in selected if c == case)
                    for case, kwargs in fp32)
@@ -187,26 +191,30 @@ def test_deepstack_and_interleaving_matter(hf3, ours3):
     assert (plain - ref)[valid].abs().max() > 1e-2 and (sectioned - ref)[valid].abs().max() > 1e-3
 
 
+MISPLACED = (r"the image tokens \d+\.\.\d+ of row 0 are 5 tokens but image 0 has grid \(t, h, w\) = \(1, 6, 4\), "
+             r"i\.e\. 6 tokens")
+
+
 def test_placeholders_not_matching_a_sample_are_refused(ours3):
     """Tokens moved between samples (totals unchanged): one line naming the run and the grid, before the tower."""
     from models.qwen3_vl.positions import VisionInputError
 
     model = ours3["q3_untied"]
-    batch = qwen3_vl_batch("q3_untied", "mixed")
-    ids = batch["input_ids"].clone()
-    image = QWEN3_VL_CASES["q3_untied"]["image_token_id"]
-    ids[0, (ids[0] == image).nonzero()[0, 0]] = 5  # row 0's first image loses a token
-    ids[1, 3] = image  # the text-only row gains one
-    bad = {**batch, "input_ids": ids, "mm_token_type_ids": None}
     encoded = []
     hook = model.visual.register_forward_hook(lambda *a: encoded.append(1))
     try:
-        with pytest.raises(VisionInputError, match=r"the image tokens \d+\.\.\d+ of row 0 are 5 tokens but image 0 "
-                                                   r"has grid \(t, h, w\) = \(1, 6, 4\), i\.e\. 6 tokens"):
-            model(**_inputs(bad))
+        with pytest.raises(VisionInputError, match=MISPLACED) as err:
+            model(**_inputs(misplaced_placeholders("q3_untied")))
     finally:
         hook.remove()
-    assert not encoded
+    assert not encoded and "\n" not in str(err.value)
+
+
+def test_placeholders_not_matching_a_sample_are_refused_on_every_rank(q3_dirs):
+    """TP2+SP and Ulysses2 (whose ranks share the tower's work): every rank raises, none hangs."""
+    refused = [r for r in _records(2, q3_dirs) if r[2] == "bad_input"]
+    assert len(refused) == 4, refused
+    assert all(re.search(MISPLACED, r[3]) for r in refused), refused
 
 
 @pytest.mark.parametrize(("change", "match"), [

@@ -298,11 +298,38 @@ def bf16_parity(case: str, path: str, pconfig: ParallelConfig) -> list[tuple]:
             (*tag, "bf16_vs_fp32_ratio", _max_diff(ours_l, truth_l) / max(_max_diff(ref_l, truth_l), 1e-6))]
 
 
+def misplaced_placeholders(name: str) -> dict:
+    """The mixed batch with one image placeholder moved from row 0 to the text-only row 1 (totals unchanged)."""
+    batch = qwen3_vl_batch(name, "mixed")
+    ids = batch["input_ids"].clone()
+    image = QWEN3_VL_CASES[name]["image_token_id"]
+    ids[0, (ids[0] == image).nonzero()[0, 0]] = 5
+    ids[1, 3] = image
+    return {**batch, "input_ids": ids, "mm_token_type_ids": None}
+
+
+def bad_input(case: str, path: str, pconfig: ParallelConfig) -> list[tuple]:
+    """Placeholders not matching a sample's images: the error on every rank, before any collective (a rank
+    that entered the tower's or the layers' collectives alone would hang the group instead)."""
+    from models.qwen3_vl import build_parallel_model
+    from models.qwen3_vl.positions import VisionInputError
+
+    model = build_parallel_model(path, pconfig)
+    try:
+        model(**_inputs(misplaced_placeholders(case)))
+        message = "no error"
+    except VisionInputError as exc:
+        message = str(exc)
+    return [(case, pconfig.describe(), "bad_input", message)]
+
+
 def suite(dirs: dict[str, str], layouts: list[tuple]) -> list[tuple]:
     records = []
     for case, kwargs, *options in layouts:
         options = options[0] if options else {}
-        if options.get("bf16"):
+        if options.get("bad_input"):
+            records += bad_input(case, dirs[case], ParallelConfig(**kwargs))
+        elif options.get("bf16"):
             records += bf16_parity(case, dirs[case], ParallelConfig(**kwargs))
         elif options.get("forward_backward"):
             records += training_parity(case, dirs[case], ParallelConfig(**kwargs),
