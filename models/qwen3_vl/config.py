@@ -29,8 +29,8 @@ VISION_DEFAULTS = {"depth": 27, "hidden_size": 1152, "hidden_act": "gelu_pytorch
                    "num_heads": 16, "in_channels": 3, "patch_size": 16, "spatial_merge_size": 2,
                    "temporal_patch_size": 2, "out_hidden_size": 3584, "num_position_embeddings": 2304,
                    "deepstack_visual_indexes": [8, 16, 24]}
-POSITIVE = ("depth", "hidden_size", "intermediate_size", "out_hidden_size", "num_heads", "in_channels", "patch_size",
-            "temporal_patch_size", "spatial_merge_size", "num_position_embeddings")
+POSITIVE = ("depth", "hidden_size", "intermediate_size", "out_hidden_size", "num_heads", "in_channels",
+            "spatial_merge_size", "num_position_embeddings")  # patch sizes: ``_square`` (an int or equal ints)
 
 
 def _deepstack_indexes(vis: Any, text_layers: int) -> tuple[int, ...]:
@@ -53,6 +53,16 @@ def _deepstack_indexes(vis: Any, text_layers: int) -> tuple[int, ...]:
                                      f"deepstack_visual_indexes={list(indexes)}) but the text model has "
                                      f"num_hidden_layers={text_layers}: feature k is added after decoder layer k")
     return tuple(indexes)
+
+
+def _square(value: Any, field: str) -> int:
+    """``patch_size`` / ``temporal_patch_size``: transformers also accepts a list of equal sizes."""
+    if isinstance(value, (list, tuple)) and len(value) > 0 and len(set(value)) == 1:
+        value = value[0]
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise UnsupportedConfigError(f"qwen3_vl: vision_config.{field}={value!r} must be a positive integer (or a "
+                                     f"list of equal ones)")
+    return value
 
 
 def text_config(hf_config: Any, text: Any) -> ModelConfig:
@@ -79,8 +89,10 @@ def model_config(hf_config: Any) -> ModelConfig:
                                      f"({', '.join(QWEN3_VISION_ACTIVATIONS)})")
     vision = Qwen3VisionConfig(
         depth=vis.depth, embed_dim=vis.hidden_size, out_hidden_size=vis.out_hidden_size, num_heads=vis.num_heads,
-        intermediate_size=vis.intermediate_size, in_channels=vis.in_channels, patch_size=int(vis.patch_size),
-        temporal_patch_size=int(vis.temporal_patch_size), spatial_merge_size=vis.spatial_merge_size,
+        intermediate_size=vis.intermediate_size, in_channels=vis.in_channels,
+        patch_size=_square(vis.patch_size, "patch_size"),
+        temporal_patch_size=_square(vis.temporal_patch_size, "temporal_patch_size"),
+        spatial_merge_size=vis.spatial_merge_size,
         hidden_act=vis.hidden_act, rope_theta=vision_rope_theta(vis),
         image_token_id=token_id(hf_config, "image_token_id"), video_token_id=token_id(hf_config, "video_token_id"),
         num_position_embeddings=vis.num_position_embeddings,
