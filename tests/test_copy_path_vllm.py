@@ -9,8 +9,8 @@ own strict loader.
   shared expert of width 0: the gate alone), Qwen3-MoE (tied, a dense layer among sparse ones), from HF, Megatron
   legacy (TP2 x PP2 x VPP2, MoE EP2) and torch_dist sources; the Gated DeltaNet hybrids (Qwen3.5 with an MTP block,
   left out with the torch path's note; Qwen3.5-MoE; Qwen3-Next), a Qwen3.5 conditional-generation checkpoint (its
-  tower on every stage) and Qwen2.5-VL, at TP 1/2/4 with PP 1/2; parts cut small (``--max-shard-size``) and a
-  1 KiB copy buffer (every tensor filled in many rounds).
+  tower on every stage; also from torch_dist) and Qwen2.5-VL, at TP 1/2/4 with PP 1/2; parts cut small
+  (``--max-shard-size``) and a 1 KiB copy buffer (every tensor filled in many rounds).
 * ``pmz convert --to vllm`` in a fresh interpreter never imports torch.
 * HF -> vLLM (copy path) -> HF gives back every source tensor bitwise.
 * A layout vLLM cannot hold is refused before anything is written, with the torch path's one-line error, and
@@ -86,7 +86,8 @@ def sources(tmp_path_factory) -> dict[str, Path]:
                                    ("llama_legacy", "llama", "megatron", dict(tp=4)),
                                    ("qwen2moe_legacy", "qwen2moe", "megatron", dict(tp=2, ep=2)),
                                    ("qwen3moe_dist", "qwen3moe", "megatron-dist", dict(tp=2, ep=2)),
-                                   ("qwen3_5_legacy", "qwen3_5", "megatron", dict(tp=2, pp=2))):
+                                   ("qwen3_5_legacy", "qwen3_5", "megatron", dict(tp=2, pp=2)),
+                                   ("condgen_dist", "condgen", "megatron-dist", dict(tp=2))):
         _torch_path(out[src], root / name, to=fmt, workers=1, **layout)
         out[name] = root / name
     return out
@@ -144,6 +145,7 @@ CASES = {  # source -> layouts (tp, pp[, max shard size])
     "qwen3_5_moe": [(2, 2)],
     "qwen3_next": [(2, 1), (4, 2)],
     "condgen": [(2, 2)],
+    "condgen_dist": [(2, 1)],
     "vl": [(2, 2)],
 }
 
