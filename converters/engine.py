@@ -6,11 +6,13 @@ Guarantees:
     for both paths: files, headers and metadata, config sizes against the tensors present, every
     rank file present, shapes consistent, no tensor missing or unused -- and the target layout
     checked against the model;
-  * a conversion without a dtype change to HF or Megatron takes the copy path (``converters/copy_path``:
-    byte ranges moved by system calls, no torch), MoE models to HF targets included (not from
-    grouped-GEMM experts, whose blocks are transposed); the rest the torch path
-    (``converters/torch_path``): MoE Megatron targets, vLLM and Megatron-Bridge targets, and
-    ``--quantize`` (the copy path moves bytes, it cannot quantize).
+  * a conversion without a dtype change to HF, Megatron (legacy, torch_dist) or vLLM takes the copy path
+    (``converters/copy_path``: byte ranges moved by system calls, no torch, memory bounded by the copy
+    buffers), MoE models and the Gated DeltaNet hybrids in every direction included (grouped-GEMM experts
+    transposed in bounded blocks: ``copy_path.grouped_moe`` / ``megatron_moe``; vLLM ``sharded_state``
+    written and read as byte ranges: ``copy_path.vllm`` / ``vllm_source``); the rest the torch path
+    (``converters/torch_path``): Megatron-Bridge targets, dtype changes, mixed-dtype sources, what a
+    planner answers ``Unsupported`` for, and ``--quantize`` (the copy path moves bytes, it cannot quantize).
     ``PMZ_COPY_PATH=0`` forces the torch path (tests compare the two);
   * a quantized source (``quantization_config``, FP8 tensors) is refused, never dequantized or
     passed through (``converters/formats/quantized``); ``--quantize fp8`` writes HF and vLLM
@@ -136,9 +138,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
     first_stage_layers / last_stage_layers: an uneven pipeline split of a Megatron target (Megatron's
     ``decoder_first/last_pipeline_num_layers``; with ``pp``, vpp 1); without them a source's uneven
     split is kept when ``pp`` is not given.
-    MoE models take the copy path to HF targets (not from grouped-GEMM experts) and the torch path to
-    Megatron ones; the Gated DeltaNet hybrids' Megatron checkpoints take the copy path for dense Qwen3.5
-    (text or conditional-generation, MTP block included) both ways, the torch path for the MoE hybrids.
+    MoE models, grouped-GEMM experts and the Gated DeltaNet hybrids (MTP block and vision tower included)
+    take the copy path to HF, Megatron and vLLM targets.
     Missing parent directories of ``dst`` are created. Raises CheckpointError/ValueError with
     nothing left at ``dst`` (nor any directory created for it).
     """
@@ -179,7 +180,6 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
     location = locate_source(src, hf_config)
     check_unquantized_config(location, hf_config)  # before the copy path, whose readers would not say why
     src, hf_config = location.path, hf_config or location.hf_config_dir
-    # --ep and --moe-grouped-gemm lay out a Megatron target's experts: the torch path writes MoE targets
     # Megatron-Bridge's layout (run_config.yaml, its names) is written by the torch path
     by_copy = quantization is None and to != "megatron-bridge"  # and FP8: the copy path moves bytes
     if by_copy and _convert_by_copy(
@@ -307,6 +307,7 @@ def _convert_by_copy(src, dst_path: Path, *, to: str, overwrite: bool, hf_config
     if dtype is not None and dtype != TAG_TO_TORCH_NAME[tag]:
         return False
     if to == "hf":
+        source.say_notes()
         with Staging(dst_path, overwrite) as tmp:
             write_hf_by_copy(source, str(tmp), max_shard_bytes=shard_bytes, workers=workers, progress=progress)
         return True
@@ -318,6 +319,7 @@ def _convert_by_copy(src, dst_path: Path, *, to: str, overwrite: bool, hf_config
         except Unsupported:
             return False
         _record(written, tp=vtarget.tp, pp=vtarget.pp)
+        source.say_notes()
         with Staging(dst_path, overwrite) as tmp:
             write_vllm_by_copy(source, vtarget, str(tmp), max_shard_bytes=shard_bytes, workers=workers,
                                progress=progress, files_from=hf_config or (str(src) if source.format == "hf" else None))
@@ -338,6 +340,7 @@ def _convert_by_copy(src, dst_path: Path, *, to: str, overwrite: bool, hf_config
         return False
     _record(written, tp=target.tp, pp=target.pp, vpp=target.vpp, ep=getattr(target, "ep", 1), first=first,
             last=last)
+    source.say_notes()
     with Staging(dst_path, overwrite) as tmp:
         write_megatron_by_copy(source, target, str(tmp), workers=workers, progress=progress,
                                hf_config_dir=hf_config)

@@ -191,6 +191,8 @@ def test_cli_conversion_to_vllm_never_imports_torch(sources, tmp_path):
         out = tmp_path / f"out{i}"
         run_pmz_without_torch("convert", str(sources[name]), str(out), "--to", "vllm", "--tp", "2", "--pp", "2")
         assert (out / "model-pp-1-tp-1-part-0.safetensors").is_file()
+        run_pmz_without_torch("convert", str(out), str(tmp_path / f"back{i}"), "--to", "hf")  # and read back
+        assert (tmp_path / f"back{i}" / "config.json").is_file()
 
 
 def test_round_trip_through_vllm_is_bitwise(sources, tmp_path, paths_taken):
@@ -201,6 +203,7 @@ def test_round_trip_through_vllm_is_bitwise(sources, tmp_path, paths_taken):
         convert(src, tmp_path / f"{name}-vllm", to="vllm", tp=2, pp=2)
         assert paths_taken[-1] is True
         convert(tmp_path / f"{name}-vllm", tmp_path / f"{name}-hf", to="hf")
+        assert paths_taken[-1] is True  # a vLLM source on the copy path too (open_raw_source's VllmRawSource)
         want = {k: v for f in src.glob("*.safetensors") for k, v in load_file(str(f)).items()}
         got = {k: v for f in (tmp_path / f"{name}-hf").glob("*.safetensors") for k, v in load_file(str(f)).items()}
         if name == "qwen3_next":  # the MTP block is not in vLLM's state

@@ -73,6 +73,14 @@ class RawSource:
     hf_config_dir: str | None = None
     iteration: int | None = None  # Megatron sources: the iteration recorded in the checkpoint
     layout: dict | None = None  # Megatron sources with args: megatron_args.args_layout (tp, pp, vpp, ...)
+    notes: list[str] = []  # what the user is told on stderr once the copy path writes (the torch path's reader
+    # says the same when it takes over, so a source says nothing until the copy path commits)
+
+    def say_notes(self) -> None:
+        import sys
+
+        for line in self.notes:
+            print(line, file=sys.stderr)
 
     def _set_model(self, checkpoint: Any) -> None:
         """The model of a format reader's checkpoint."""
@@ -275,6 +283,12 @@ def open_raw_source(path: str, *, arch: str | None = None, hf_config: str | None
 
     location = locate_source(path, hf_config)
     path, hf_config = location.path, hf_config or location.hf_config_dir
+    if location.format == "vllm":  # converters/copy_path/vllm_source.py (imported here: it imports this module)
+        from converters.copy_path.vllm_source import VllmRawSource
+
+        source = VllmRawSource(open_checkpoint("vllm", path), note=False)  # said once the copy path writes
+        source.hf_config_dir = hf_config
+        return source
     if location.format not in RAW_SOURCES:
         raise Unsupported(f"{location.format} sources")
     options = {} if location.format == "hf" else {"arch": arch, "hf_config_dir": hf_config, "vocab_size": vocab_size}

@@ -15,7 +15,6 @@ torch path reads it, so both paths give the same HF tensors.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from converters.copy_path.ops import Copy, Interleave, Op, PlannedTensor, Unsupported, merge_copies
@@ -39,10 +38,12 @@ class VllmRawSource(RawSource):
         self._set_model(ckpt)
         self.tp, self.pp = ckpt.tp, ckpt.pp
         declared = _declared_mtp_layers(self.hf_config)
-        if note and declared:  # the torch path's VllmReader says the same
-            print(f"pmz: note: {self.path}: its config declares an MTP block (mtp_num_hidden_layers={declared}) that "
-                  f"vLLM's sharded_state does not hold (pmz convert --to vllm leaves it out): read without it",
-                  file=sys.stderr)
+        if declared:  # the torch path's VllmReader says the same
+            self.notes = [f"pmz: note: {self.path}: its config declares an MTP block (mtp_num_hidden_layers="
+                          f"{declared}) that vLLM's sharded_state does not hold (pmz convert --to vllm leaves it out): "
+                          f"read without it"]
+        if note:
+            self.say_notes()
         shapes = hf_shapes(self.cfg, self.wmap)
         self.planned = {}
         for p, stage in enumerate(ckpt.stages):
