@@ -41,9 +41,9 @@ What it measures
     block; dense ffn 6144, or 64 experts of 512 + a shared expert of 512, top-8), the layer count (a
     multiple of 4) nearest ``--sizes`` (default 2 GB), written by pmz to Megatron legacy TP2 and
     torch_dist TP2 for the Megatron sources. Directions: hf->hf (the copy path), hf->legacy (TP2),
-    hf->dist (TP2), legacy->hf, dist->hf, hf->vllm (TP2); for dense qwen3.5 every one but hf->vllm
-    takes the copy path (since 2026-11-26: the out_norm's minus one computed on its bytes), for
-    qwen3.5-moe the Megatron and vLLM ones the torch path. Same rounds and RSS as above; the
+    hf->dist (TP2), legacy->hf, dist->hf, hf->vllm (TP2); every one takes the copy path (dense
+    qwen3.5 since 2026-11-26: the out_norm's minus one computed on its bytes; qwen3.5-moe and
+    hf->vllm since 2026-11-28, issue 40). Same rounds and RSS as above; the
     targets are issue 8's (ratio >= 0.8 by both ratios, peak RSS <= 96 MiB).
 
 How to run
@@ -459,8 +459,10 @@ DIRECTIONS = {  # name: (source dir key, pmz convert arguments)
     "hf->dist": ("hf", ["--to", "megatron-dist", "--tp", "2", "--pp", "2"]),
     "legacy->legacy": ("legacy", ["--to", "megatron", "--tp", "1", "--pp", "2"]),
     "dist->legacy": ("dist", ["--to", "megatron", "--tp", "4", "--pp", "1"]),
+    "hf->vllm": ("hf", ["--to", "vllm", "--tp", "2"]),  # issue 40: vLLM sharded_state on the copy path
+    "vllm->hf": ("vllm", ["--to", "hf"]),
 }
-HYBRID_DIRECTIONS = {  # --model qwen3.5: all but hf->vllm by the copy path; qwen3.5-moe: Megatron targets by torch
+HYBRID_DIRECTIONS = {  # --model qwen3.5 / qwen3.5-moe: every direction by the copy path (issue 40)
     "hf->hf": ("hf", ["--to", "hf"]),
     "hf->legacy": ("hf", ["--to", "megatron", "--tp", "2"]),
     "hf->dist": ("hf", ["--to", "megatron-dist", "--tp", "2"]),
@@ -565,6 +567,10 @@ def main(argv=None) -> int:
                 run_child(me + shape + ["--_setup", str(srcs["hf"]), str(srcs["legacy"])])
                 subprocess.run(pmz + [str(srcs["hf"]), str(srcs["dist"]), "--to", "megatron-dist", "--tp", "2",
                                       "--pp", "2", "--quiet"], check=True, cwd=str(ROOT))
+                if any(DIRECTIONS[d][0] == "vllm" for d in directions):  # vLLM TP=2 of the same weights
+                    srcs["vllm"] = work / "vllm"
+                    subprocess.run(pmz + [str(srcs["hf"]), str(srcs["vllm"]), "--to", "vllm", "--tp", "2", "--quiet"],
+                                   check=True, cwd=str(ROOT))
             print(f"  set-up {time.perf_counter() - t0:.0f} s; "
                   + ", ".join(f"{k} {dir_bytes(v):,} B" for k, v in srcs.items()), flush=True)
 
