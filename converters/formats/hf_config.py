@@ -20,6 +20,10 @@ ARCHITECTURE_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", 
                       "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
                       "qwen3_next": "Qwen3NextForCausalLM"}
 
+# Conditional-generation model types whose transformers config reads the text model only from ``text_config``
+# (top-level text fields are ignored there: transformers would build the text model from its defaults)
+NESTED_TEXT_CONFIG = ("qwen3_vl", "qwen3_5", "qwen3_5_moe")
+
 
 class HFConfig:
     """Attribute view of a config.json dict (absent keys -> None); ``source_dir``: the HF directory it
@@ -81,6 +85,12 @@ def read_hf_config(directory: str | Path) -> HFConfig:
     data = read_config_json(directory)
     # vision-language configs of transformers 5 keep the text model's fields in text_config
     text, where = (data["text_config"], "text_config.") if isinstance(data.get("text_config"), dict) else (data, "")
+    if not where and data.get("model_type") in NESTED_TEXT_CONFIG:  # top-level text fields are not read there
+        found = f"text_config must be an object, found {data['text_config']!r}" if "text_config" in data \
+            else "no text_config"
+        raise CheckpointError(f"{path}: {found}: a {data['model_type']!r} config (conditional generation) keeps the "
+                              f"text model's fields (hidden_size, num_hidden_layers, ...) there and transformers reads "
+                              f"them nowhere else")
     # a mixture-of-experts model may have no dense MLP width at all (Qwen3.5-MoE)
     dense = () if text.get("intermediate_size") is None and text.get("num_experts") else ("intermediate_size",)
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", *dense):

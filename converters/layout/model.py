@@ -35,8 +35,10 @@ def architectures() -> dict[str, Architecture]:
     from models.qwen3_5_moe.architecture import ARCHITECTURE as QWEN3_5_MOE
     from models.qwen3_moe.architecture import ARCHITECTURE as QWEN3_MOE
     from models.qwen3_next.architecture import ARCHITECTURE as QWEN3_NEXT
+    from models.qwen3_vl.architecture import ARCHITECTURE as QWEN3_VL
 
-    archs = (LLAMA, QWEN2, QWEN2_MOE, QWEN2_VL, QWEN2_5_VL, QWEN3, QWEN3_MOE, QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT)
+    archs = (LLAMA, QWEN2, QWEN2_MOE, QWEN2_VL, QWEN2_5_VL, QWEN3, QWEN3_MOE, QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT,
+             QWEN3_VL)
     return {t: arch for arch in archs for t in arch.hf_model_types}
 
 
@@ -47,11 +49,28 @@ BRIDGE_TEXT_PREFIX = "language_model."
 BRIDGE_TARGET = "--to megatron-bridge"
 
 
+# Vision-language architectures with no Megatron layout in pmz at all (why, in the refusal's words): Megatron-LM's
+# formats have no names for their tower, and Megatron-Bridge's layout for them is not written (not guessed) yet
+NO_MEGATRON_LAYOUT = {"qwen3_vl": "Megatron-Bridge's Qwen3VLModel layout for it (the tower under vision_model., its "
+                                  "DeepStack mergers) is not implemented yet"}
+NO_MEGATRON_HINT = "convert it with --to hf or --to vllm"
+
+
+def no_megatron_layout(architecture: str) -> str:
+    """The refusal of an architecture without a Megatron layout (``NO_MEGATRON_LAYOUT``), one line."""
+    return (f"{architecture} has no Megatron layout in pmz (--to megatron, megatron-dist, megatron-bridge): "
+            f"Megatron-LM's formats have no names for its vision tower and {NO_MEGATRON_LAYOUT[architecture]}; "
+            f"{NO_MEGATRON_HINT}")
+
+
 def require_megatron_layout(cfg: ModelConfig, where: str, bridge: bool = False) -> None:
     """A vision-language model has a Megatron layout only as Megatron-Bridge saves it (torch_dist,
     ``bridge``): Megatron-LM's legacy and plain torch_dist layouts have no names for its vision tower. A Gated
     DeltaNet hybrid's conditional-generation checkpoint (``cfg.carried``) has one in both Megatron formats
-    (Bridge's ``Qwen3VLModel`` names, ``models/common/hybrid_weights``)."""
+    (Bridge's ``Qwen3VLModel`` names, ``models/common/hybrid_weights``). ``NO_MEGATRON_LAYOUT``'s architectures
+    (Qwen3-VL) have none: CheckpointError in one line for every Megatron format, read or written."""
+    if cfg.architecture in NO_MEGATRON_LAYOUT:
+        raise CheckpointError(f"{where}: {no_megatron_layout(cfg.architecture)}")
     if cfg.vision is not None and not bridge:
         raise CheckpointError(f"{where}: {cfg.architecture} has no Megatron layout yet in Megatron-LM's formats "
                               f"(--to megatron, megatron-dist: no names for its vision tower); its Megatron layout is "
@@ -88,7 +107,9 @@ def checkpoint_weight_map(arch: Architecture, cfg: ModelConfig, names: Iterable[
 def megatron_weight_map(arch: Architecture, cfg: ModelConfig, mtp_layers: int = 0) -> WeightMap:
     """The conversion weight map with the Megatron names a torch_dist checkpoint of this model holds:
     the architecture's own for text models, Megatron-Bridge's for vision-language ones
-    (``bridge_vl_weight_map``)."""
+    (``bridge_vl_weight_map``); CheckpointError for a model without a Megatron layout (``NO_MEGATRON_LAYOUT``)."""
+    if cfg.architecture in NO_MEGATRON_LAYOUT:
+        raise CheckpointError(no_megatron_layout(cfg.architecture))
     wmap = conversion_weight_map(arch, cfg, mtp_layers)
     return wmap if cfg.vision is None else bridge_vl_weight_map(wmap)
 

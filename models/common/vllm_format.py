@@ -16,16 +16,14 @@ Each attention layer also carries four fp32 scalars (``self_attn.attn._k_scale``
 Pipeline stages follow ``vllm.distributed.utils.get_pp_indices`` (without ``VLLM_PP_LAYER_PARTITION``):
 equal layer counts, the remainder given one each to the stages before the last. Parts: ``split_parts``.
 
-Vision-language models (Qwen2-VL, Qwen2.5-VL, checked against vLLM 0.32 in tests/test_vllm_vl.py):
-vLLM wraps the text model, so its keys gain ``language_model.`` (``language_model.model.layers.N...``,
-``language_model.lm_head.weight``, the attention scales too); the vision tower keeps HF's
-``visual.*`` and is built whole on *every* pipeline stage (vLLM does not split it over PP), so each
-stage's files carry it. Its linear layers are vLLM's Column/RowParallelLinear. Qwen2-VL's
-``attn.qkv`` is one ColumnParallelLinear over the fused ``[q | k | v]`` rows, split contiguously
-(vLLM all-gathers it and re-splits per head in ``split_qkv``), not per q/k/v block as our training
-layout (``Fused``); Qwen2.5-VL's is a QKVParallelLinear (rank r holds ``[q_r | k_r | v_r]``: our
-``Fused`` layout as it is), and its gated MLP a MergedColumnParallelLinear ``mlp.gate_up_proj``
-(``[gate_r | up_r]``, our packing and name).
+Vision-language models (Qwen2-VL, Qwen2.5-VL, checked against vLLM 0.32 in tests/test_vllm_vl.py; Qwen3-VL in
+tests/test_convert_qwen3_vl.py, its facts in ``vllm_vision``): vLLM wraps the text model, so its keys gain
+``language_model.`` (``language_model.model.layers.N...``, ``language_model.lm_head.weight``, the attention scales
+too); the tower keeps HF's ``visual.*`` and is built whole on *every* pipeline stage, so each stage's files carry it.
+Qwen2-VL's ``attn.qkv`` is one ColumnParallelLinear over the fused ``[q | k | v]`` rows, split contiguously (vLLM
+all-gathers it and re-splits per head in ``split_qkv``), not per q/k/v block as our training layout (``Fused``);
+Qwen2.5-VL's and Qwen3-VL's are a QKVParallelLinear (rank r holds ``[q_r | k_r | v_r]``: our ``Fused`` layout as it
+is), Qwen2.5-VL's MLP a MergedColumnParallelLinear ``mlp.gate_up_proj`` (``[gate_r | up_r]``, our packing, our name).
 
 Gated DeltaNet hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next; vLLM 0.32's ``qwen3_5.py``, ``qwen3_next.py`` and
 ``QwenGatedDeltaNetAttention``, checked against vLLM building and loading them in tests/test_vllm_hybrid.py):
@@ -72,6 +70,7 @@ from models.common.architecture import Architecture
 from models.common.config import ModelConfig
 from models.common.hybrid_vision import VISUAL_PREFIX
 from models.common.hybrid_weights import HybridWeightMap
+from models.common.vllm_vision import deepstack_stage_problems
 from models.common.weight_map import WeightEntry, WeightMap  # plain data: converters read this torch-free
 from parallel.sharding import Fused, Groups, Replicated, ShardingError, Split, Vocab
 
@@ -80,7 +79,7 @@ ATTENTION_SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
 TIED_HEAD_KEY = "lm_head.weight"
 LANGUAGE_MODEL_PREFIX = "language_model."  # vLLM's vision-language models hold the text model under it
 VISION_PREFIX = "visual."
-NO_O_PROJ_BIAS = ("qwen3", "qwen3_moe")  # vLLM 0.32's Qwen3 attention: qkv bias from attention_bias, o_proj none
+NO_O_PROJ_BIAS = ("qwen3", "qwen3_moe", "qwen3_vl")  # vLLM 0.32 Qwen3 attention: qkv bias if attention_bias, no o_proj
 CONTIGUOUS_VISION_QKV = ("qwen2_vl",)  # vLLM splits these architectures' vision qkv as one ColumnParallelLinear
 NEVER_TIED = ("qwen3_next",)  # vLLM 0.32 builds these architectures' lm_head on its own, never tied to the embedding
 
@@ -254,6 +253,7 @@ def check_layout(cfg: ModelConfig, tp: int, pp: int = 1) -> None:
                             ("merger width", vis.merged_dim)):
             if value % tp:
                 problems.append(f"vision {name}={value} is not divisible by tp={tp}")
+    problems += deepstack_stage_problems(cfg, pp, pp_layer_ranges(cfg.num_hidden_layers, pp))  # Qwen3-VL
     if problems:
         raise VllmLayoutError("vLLM layout tp=%d pp=%d: %s" % (tp, pp, "; ".join(problems)))
 
