@@ -6,6 +6,7 @@ alike, dense, MoE and the Gated DeltaNet hybrids (MTP block and vision tower inc
 output norms' ``minus_one`` values are the one thing computed (``ops.Data``, a small vector per
 layer), grouped-GEMM expert blocks are transposed in bounded blocks, the rest are byte ranges.
 
+  raw_source    the sources' base class (RawSource): units, minus-one values, the one-dtype check
   sources       a checkpoint as planned byte ranges, over its format's validating reader
   vllm_source   a vLLM ``sharded_state`` directory as a source (every rank's shards planned back)
   grouped_moe   grouped-GEMM (``GroupedMLP``) expert sources as transposed blocks

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from converters.copy_path.io import DEFAULT_BUFFER, fill_file, thread_buffer
-from converters.copy_path.sources import RawSource
+from converters.copy_path.raw_source import RawSource
 from converters.formats.hf import FilePlan, header, nbytes, plan_shards, split_file_plan, tensor_offsets, write_index
 from converters.formats.hf_config import read_hf_config, write_config_dir
 from converters.formats.tensors import TAG_TO_TORCH_NAME

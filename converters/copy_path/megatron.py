@@ -40,7 +40,7 @@ from converters.copy_path.io import (
 from converters.copy_path.megatron_moe import dist_placement, grouped_weight, layer_extra_states, stacks_layers
 from converters.copy_path.megatron_ops import full_rows_ops, full_segments, row_nbytes, shard_ops
 from converters.copy_path.ops import Interleave, Op, Transposed, Zeros
-from converters.copy_path.sources import RawSource
+from converters.copy_path.raw_source import RawSource
 from converters.formats import pickles as pw
 from converters.formats.hf_config import write_config_dir
 from converters.formats.megatron_args import (

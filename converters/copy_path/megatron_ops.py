@@ -23,7 +23,7 @@ from converters.copy_path.ops import (
     Zeros,
     merge_copies,
 )
-from converters.copy_path.sources import RawSource
+from converters.copy_path.raw_source import RawSource
 from converters.formats.tensors import ITEMSIZE
 from converters.layout.hybrid import row_ranges
 from converters.layout.megatron import (

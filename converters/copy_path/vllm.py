@@ -30,7 +30,7 @@ from converters.copy_path.io import DEFAULT_BUFFER, fill_file, thread_buffer
 from converters.copy_path.megatron import scatter_bands
 from converters.copy_path.megatron_ops import row_nbytes, select
 from converters.copy_path.ops import Data, Op, PlannedTensor, Unsupported, Zeros, merge_copies
-from converters.copy_path.sources import RawSource
+from converters.copy_path.raw_source import RawSource
 from converters.formats.hf import nbytes, stored_header, stored_offsets
 from converters.formats.hf_config import read_hf_config, write_config_dir
 from converters.formats.tensors import TAG_TO_TORCH_NAME

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from converters.copy_path.ops import Copy, Interleave, Op, PlannedTensor, Unsupported, merge_copies
-from converters.copy_path.sources import RawSource
+from converters.copy_path.raw_source import RawSource
 from converters.formats.tensors import ITEMSIZE, RawTensor
 from converters.formats.vllm_sharded import VllmShardedCheckpoint
 from models.common import vllm_format
