@@ -14,7 +14,8 @@
   position table interpolated).
 * Refused in one line, nothing written: Megatron targets (no Megatron layout for Qwen3-VL yet), a layout vLLM
   cannot hold (``attention_bias``: vLLM's Qwen3 ``o_proj`` has no bias; pipeline stages starting inside the
-  DeepStack layers), a config.json without ``text_config``.
+  DeepStack layers), a config.json without ``text_config``, a tie flag set only in ``text_config`` (transformers
+  reads the top-level one).
 """
 
 from __future__ import annotations
@@ -175,6 +176,25 @@ def test_refusals_in_one_line_with_nothing_written(sources, tmp_path, capsys, mo
         assert err.endswith("config.json: no text_config: a 'qwen3_vl' config (conditional generation) keeps the "
                             "text model's fields (hidden_size, num_hidden_layers, ...) there and transformers reads "
                             "them nowhere else"), err
+
+
+def test_tie_flag_only_in_text_config_is_refused(sources, tmp_path, capsys):
+    """transformers 5.24 ties Qwen3-VL's head by the top-level flag alone: with ``text_config.tie_word_embeddings``
+    true and the top-level one false it serves the stored ``lm_head.weight`` (checked here), which pmz's model
+    config (reading either place) would drop for the embedding: refused in one line."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    bad = tmp_path / "tie-in-text"
+    shutil.copytree(sources["untied"], bad)
+    data = json.loads((bad / "config.json").read_text())
+    data["text_config"]["tie_word_embeddings"] = True
+    (bad / "config.json").write_text(json.dumps(data))
+    hf = Qwen3VLForConditionalGeneration.from_pretrained(str(bad), dtype=torch.float32)
+    assert torch.equal(hf.lm_head.weight, _tensors(bad)["lm_head.weight"])
+    assert not torch.equal(hf.lm_head.weight, hf.model.language_model.embed_tokens.weight)
+    for to in ("hf", "vllm"):
+        err = _refused([str(bad), "--to", to], tmp_path / f"tie-{to}", capsys)
+        assert "tie_word_embeddings=False but text_config.tie_word_embeddings=true" in err, err
 
 
 # ------------------------------------------------------------------ real vLLM

@@ -23,6 +23,9 @@ ARCHITECTURE_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", 
 # Conditional-generation model types whose transformers config reads the text model only from ``text_config``
 # (top-level text fields are ignored there: transformers would build the text model from its defaults)
 NESTED_TEXT_CONFIG = ("qwen3_vl", "qwen3_5", "qwen3_5_moe")
+# ... whose transformers model (5.24) ties the LM head by the top-level ``tie_word_embeddings`` alone, where
+# ``models/common/vision_config.text_and_vision_sections`` reads either place (checked for Qwen3-VL)
+TOP_LEVEL_TIE = ("qwen3_vl",)
 
 
 class HFConfig:
@@ -91,6 +94,12 @@ def read_hf_config(directory: str | Path) -> HFConfig:
         raise CheckpointError(f"{path}: {found}: a {data['model_type']!r} config (conditional generation) keeps the "
                               f"text model's fields (hidden_size, num_hidden_layers, ...) there and transformers reads "
                               f"them nowhere else")
+    top_tie = data.get("tie_word_embeddings")
+    if data.get("model_type") in TOP_LEVEL_TIE and text.get("tie_word_embeddings") and not top_tie:
+        raise CheckpointError(f"{path}: tie_word_embeddings={top_tie!r} but text_config.tie_word_embeddings=true: "
+                              f"transformers 5 ties a {data['model_type']!r} model's head by the top-level flag only "
+                              f"(an untied lm_head here), pmz's model config by either; refused rather than read "
+                              f"another model (set both to the same value)")
     # a mixture-of-experts model may have no dense MLP width at all (Qwen3.5-MoE)
     dense = () if text.get("intermediate_size") is None and text.get("num_experts") else ("intermediate_size",)
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", *dense):
