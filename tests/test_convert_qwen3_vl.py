@@ -143,6 +143,8 @@ def test_vllm_back_to_hf_is_bitwise_on_both_paths(sources, converted, tmp_path, 
         _torch_path(converted[name, tp, pp], slow, to="hf", workers=1)
         assert not _bitwise(_tensors(fast), want), (tp, pp)
         assert not _bitwise(_tensors(slow), want), (tp, pp)
+    # and transformers' logits of the source against those of the vLLM directory read back (pmz verify --logits)
+    assert pmz(["verify", str(sources[name]), str(converted[name, 2, 2]), "--logits", "--quiet"]) == 0
 
 
 def _refused(args: list[str], dst: Path, capsys) -> str:
