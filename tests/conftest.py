@@ -62,3 +62,20 @@ def hf_dirs(tmp_path_factory):
     from tests.cases import write_all
 
     return write_all(tmp_path_factory.mktemp("hf_models"))
+
+
+@pytest.fixture()
+def paths_taken(monkeypatch) -> list:
+    """The copy path's verdict of each ``convert`` call in the test (``engine._convert_by_copy``: True = the copy
+    path converted, False = it left the conversion to the torch path), in order."""
+    import converters.engine as engine
+
+    taken: list[bool] = []
+    real = engine._convert_by_copy
+
+    def spy(*args, **kwargs):
+        taken.append(real(*args, **kwargs))
+        return taken[-1]
+
+    monkeypatch.setattr(engine, "_convert_by_copy", spy)
+    return taken

@@ -39,12 +39,8 @@ def _files(path: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("shard", ["5GB", "20KB"])
-def test_copy_path_writes_the_torch_paths_bytes(sources, tmp_path, monkeypatch, shard):
-    import converters.engine as engine
-
-    used = []
-    real = engine._convert_by_copy
-    monkeypatch.setattr(engine, "_convert_by_copy", lambda *a, **k: used.append(real(*a, **k)) or used[-1])
+def test_copy_path_writes_the_torch_paths_bytes(sources, tmp_path, monkeypatch, paths_taken, shard):
+    used = paths_taken
     for key, src in sources.items():
         fast, slow = tmp_path / f"fast-{'-'.join(map(str, key))}", tmp_path / f"slow-{'-'.join(map(str, key))}"
         convert(src, fast, to="hf", max_shard_size=shard, workers=2)
@@ -61,12 +57,8 @@ def test_copy_path_writes_the_torch_paths_bytes(sources, tmp_path, monkeypatch, 
             assert len([n for n in a if n.endswith(".safetensors")]) > 1
 
 
-def test_dtype_change_takes_the_torch_path(sources, tmp_path, monkeypatch):
-    import converters.engine as engine
-
-    used = []
-    real = engine._convert_by_copy
-    monkeypatch.setattr(engine, "_convert_by_copy", lambda *a, **k: used.append(real(*a, **k)) or used[-1])
+def test_dtype_change_takes_the_torch_path(sources, tmp_path, monkeypatch, paths_taken):
+    used = paths_taken
     convert(sources[("qwen2", "megatron", 2, 2, 1)], tmp_path / "bf16", to="hf", dtype="bf16")
     assert used == [False]
     from safetensors import safe_open

@@ -91,17 +91,6 @@ def sources(tmp_path_factory) -> dict[str, str]:
     return out
 
 
-@pytest.fixture
-def used(monkeypatch) -> list:
-    """Whether each conversion took the copy path (``engine._convert_by_copy``'s answer)."""
-    import converters.engine as engine
-
-    out: list = []
-    real = engine._convert_by_copy
-    monkeypatch.setattr(engine, "_convert_by_copy", lambda *a, **k: out.append(real(*a, **k)) or out[-1])
-    return out
-
-
 def _same_output(slow: Path, fast: Path) -> None:
     assert _tree(fast) == _tree(slow)
     for rel in _tree(slow):
@@ -125,11 +114,11 @@ CASES = [("hf", "megatron", dict(tp=2, pp=2)), ("hf", "megatron", dict(pp=2, vpp
 
 @pytest.mark.parametrize("source, to, kw", CASES, ids=[f"{s}-{t}-{''.join(f'{k}{v}' for k, v in kw.items())}"
                                                        for s, t, kw in CASES])
-def test_copy_path_writes_what_the_torch_path_writes(sources, tmp_path, used, source, to, kw):
+def test_copy_path_writes_what_the_torch_path_writes(sources, tmp_path, paths_taken, source, to, kw):
     src = sources[source]
     _torch_path(src, tmp_path / "slow", to=to, workers=1, **kw)
     convert(src, tmp_path / "fast", to=to, workers=2, **kw)
-    assert used[-1] is True, "the copy path was not taken"
+    assert paths_taken[-1] is True, "the copy path was not taken"
     _same_output(tmp_path / "slow", tmp_path / "fast")
     if to == "megatron" and not source.startswith("cg"):  # the MTP block is there (on the last stage)
         assert glob.glob(f"{tmp_path / 'fast'}/*/mp_rank_*/model_optim_rng.pt")
@@ -138,17 +127,17 @@ def test_copy_path_writes_what_the_torch_path_writes(sources, tmp_path, used, so
         assert any(k.startswith("mtp.layers.0.mtp_model_layer.") for k in keys)
 
 
-def test_a_nan_output_norm_takes_the_torch_path(sources, tmp_path, used):
+def test_a_nan_output_norm_takes_the_torch_path(sources, tmp_path, paths_taken):
     """torch's ``(x.float() - 1).to(dtype)`` of a NaN depends on its kernel: the copy path leaves it to the torch
     path (HF source to a Megatron target; a Megatron source, whose HF value it computes on opening)."""
     hf = tmp_path / "nan"
     convert(sources["hf"], hf, to="hf")
-    assert used[-1] is True  # HF -> HF: no arithmetic, a byte copy
+    assert paths_taken[-1] is True  # HF -> HF: no arithmetic, a byte copy
     _set_hf_norms(str(hf), lambda t: t.index_fill(0, torch.tensor([1]), float("nan")))
     convert(hf, tmp_path / "legacy", to="megatron", tp=2)
-    assert used[-1] is False
+    assert paths_taken[-1] is False
     convert(tmp_path / "legacy", tmp_path / "back", to="hf")
-    assert used[-1] is False
+    assert paths_taken[-1] is False
     got = load_file(f"{tmp_path / 'back'}/model.safetensors")
     assert all(torch.isnan(t[1]) for n, t in got.items() if n.endswith(NORM))
 

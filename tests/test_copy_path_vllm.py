@@ -93,22 +93,6 @@ def sources(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-@pytest.fixture()
-def paths_taken(monkeypatch):
-    """The copy path's verdict of each conversion (``_convert_by_copy``: True = it converted)."""
-    import converters.engine as engine
-
-    taken: list[bool] = []
-    real = engine._convert_by_copy
-
-    def spy(*args, **kwargs):
-        taken.append(real(*args, **kwargs))
-        return taken[-1]
-
-    monkeypatch.setattr(engine, "_convert_by_copy", spy)
-    return taken
-
-
 def _files(path: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
 
