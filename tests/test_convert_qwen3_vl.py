@@ -77,22 +77,6 @@ def sources(tmp_path_factory) -> dict[str, Path]:
     return {name: _write(root, name, seed=40 + i) for i, name in enumerate(CASES)}
 
 
-@pytest.fixture()
-def paths_taken(monkeypatch):
-    """The copy path's verdict of each conversion (``_convert_by_copy``: True = it converted)."""
-    import converters.engine as engine
-
-    taken: list[bool] = []
-    real = engine._convert_by_copy
-
-    def spy(*args, **kwargs):
-        taken.append(real(*args, **kwargs))
-        return taken[-1]
-
-    monkeypatch.setattr(engine, "_convert_by_copy", spy)
-    return taken
-
-
 def test_inspect_verify_and_hf_copy_is_bitwise(sources, tmp_path, paths_taken, capsys):
     for name in ("untied", "biased"):
         src = sources[name]
