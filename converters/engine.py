@@ -238,7 +238,10 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
     if pp is None:  # the source's stages: pp with its virtual chunks and uneven first/last stage sizes
         pp, vpp, first, last = layout["pp"], vpp or layout["vpp"], layout["first"], layout["last"]
     if to == "megatron-bridge":
+        from converters.layout.model import require_megatron_layout
         from converters.torch_path.megatron_bridge import plan_bridge_target, write_bridge
+
+        require_megatron_layout(reader.cfg, str(src), bridge=True)  # e.g. Qwen3-VL: no Bridge layout yet
 
         target = plan_bridge_target(reader, tp=tp or layout["tp"], pp=pp, vpp=vpp or 1, dtype=out_dtype,
                                     first=first, last=last)

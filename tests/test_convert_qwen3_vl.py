@@ -145,7 +145,7 @@ def test_refusals_in_one_line_with_nothing_written(sources, tmp_path, capsys, mo
     src = str(sources["untied"])
     for to in ("megatron", "megatron-dist", "megatron-bridge"):
         err = _refused([src, "--to", to], tmp_path / f"m-{to}", capsys)
-        assert "qwen3_vl has no Megatron layout in pmz" in err, err
+        assert "qwen3_vl has no Megatron layout in pmz" in err and src in err, err  # names the source too
     err = _refused([str(sources["biased"]), "--to", "vllm", "--tp", "2"], tmp_path / "biased", capsys)
     assert "vLLM layout tp=2 pp=1: attention_bias=True: vLLM's qwen3_vl builds o_proj without a bias" in err, err
     # untied: 3 layers, 2 DeepStack layers; pp 3 puts stage 1 at layer 1
