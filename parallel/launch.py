@@ -59,28 +59,33 @@ def run_distributed(world: int, fn, *args, timeout: float = 900.0, backend: str 
                           timeout=timedelta(seconds=timeout))
     procs = [ctx.Process(target=_entry, args=(r, world, store.port, fn, args, queue, backend, timeout), daemon=True)
              for r in range(world)]
-    for p in procs:
-        p.start()
     results: dict[int, object] = {}
     errors = []
-    deadline = time.monotonic() + timeout
-    while len(results) < world and not errors:
-        try:
-            rank, status, payload = queue.get(timeout=2.0)
-        except queue_mod.Empty:
-            dead = [p for p in procs if p.exitcode not in (None, 0)]
-            if dead or time.monotonic() > deadline:
-                errors.append(f"worker(s) died or timed out: exit codes {[p.exitcode for p in procs]}")
-            continue
-        if status == "ok":
-            results[rank] = payload
-        else:
-            errors.append(f"rank {rank}:\n{payload}")
-    for p in procs:
-        p.join(timeout=5 if errors else timeout)
-        if p.is_alive():
-            p.terminate()
-    del store
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        while len(results) < world and not errors:
+            try:
+                rank, status, payload = queue.get(timeout=2.0)
+            except queue_mod.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    errors.append(f"worker(s) died or timed out: exit codes {[p.exitcode for p in procs]}")
+                continue
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"rank {rank}:\n{payload}")
+    finally:  # whatever ended the wait (an error, Ctrl-C, a start that failed), no rank outlives the call
+        for p in procs:
+            if p.pid is None:
+                continue  # never started
+            p.join(timeout=5 if errors or len(results) < world else timeout)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+        del store  # the rendezvous ends only once every rank has
     if errors:
         raise RuntimeError("distributed worker failed\n" + "\n".join(errors))
     return [results[r] for r in range(world)]

@@ -185,3 +185,20 @@ def test_cli_conversions_never_import_torch(sources, tmp_path):
     for i, (src, to) in enumerate(cases):
         run_pmz_without_torch("convert", str(src), str(tmp_path / f"out{i}"), *to)
 
+
+
+def test_torch_path_minus_one_runs_the_byte_rule_and_keeps_float64():
+    """The torch path's ``shifted`` is ``shift_bytes`` on the tensor's bytes for bf16 / fp16 / fp32 (checked
+    against torch's own arithmetic, independent of both), keeps a NaN as stored, and computes float64 (which
+    the byte rule does not take) in torch's arithmetic instead of refusing it."""
+    from converters.layout.megatron import shifted
+
+    gen = torch.Generator().manual_seed(5)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = (torch.randn(64, generator=gen) * 3).to(dtype)
+        for delta in (-1.0, 1.0):
+            assert torch.equal(shifted(x, delta).view(torch.uint8), (x.float() + delta).to(dtype).view(torch.uint8))
+        nan = torch.tensor([1.0, float("nan")], dtype=dtype)
+        assert torch.equal(shifted(nan, -1.0)[1:].view(torch.uint8), nan[1:].view(torch.uint8))
+    x = torch.randn(64, generator=gen, dtype=torch.float64)
+    assert torch.equal(shifted(x, -1.0), x - 1)

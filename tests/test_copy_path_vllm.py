@@ -86,6 +86,8 @@ def sources(tmp_path_factory) -> dict[str, Path]:
                                    ("llama_legacy", "llama", "megatron", dict(tp=4)),
                                    ("qwen2moe_legacy", "qwen2moe", "megatron", dict(tp=2, ep=2)),
                                    ("qwen3moe_dist", "qwen3moe", "megatron-dist", dict(tp=2, ep=2)),
+                                   ("qwen3moe_grouped", "qwen3moe", "megatron",
+                                    dict(tp=2, ep=2, moe_grouped_gemm=True)),
                                    ("qwen3_5_legacy", "qwen3_5", "megatron", dict(tp=2, pp=2)),
                                    ("condgen_dist", "condgen", "megatron-dist", dict(tp=2))):
         _torch_path(out[src], root / name, to=fmt, workers=1, **layout)
@@ -124,6 +126,7 @@ CASES = {  # source -> layouts (tp, pp[, max shard size])
     "llama_legacy": [(2, 1)],
     "qwen2moe_legacy": [(2, 2)],
     "qwen3moe_dist": [(4, 1)],
+    "qwen3moe_grouped": [(1, 1), (2, 1)],  # experts transposed in the source: w2's bands cut by select, not scattered
     "qwen3_5": [(1, 1), (2, 2)],
     "qwen3_5_legacy": [(2, 1)],
     "qwen3_5_moe": [(2, 2)],

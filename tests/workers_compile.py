@@ -55,8 +55,9 @@ def train_side_by_side(tag: tuple, compiled, eager, hf, inputs: dict, ref_inputs
                        extra=None) -> list[tuple]:
     """SGD steps of the compiled model next to the eager one and transformers (``ref_inputs``: the same
     sequences in transformers' form): each step's loss against both, and the compiled model's gradients
-    (``grad_diff(model, hf)``); ``eager_grads`` records the eager model's too, ``extra(ref_output)`` more
-    ``(metric, value)`` pairs of transformers' output (e.g. its aux loss); metric names start with ``prefix``."""
+    (``grad_diff(model, hf)``); ``eager_grads`` records the eager model's too (``eager_grads_step{n}``),
+    ``extra(ref_output)`` more ``(metric, value)`` pairs of transformers' output (e.g. its aux loss); the
+    compiled model's metric names and the extra ones start with ``prefix``."""
     opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in (compiled, eager, hf)]
     records = []
     for step in range(steps):

@@ -39,7 +39,7 @@ from converters.copy_path.io import (
 )
 from converters.copy_path.megatron_moe import dist_placement, grouped_weight, layer_extra_states, stacks_layers
 from converters.copy_path.megatron_ops import full_rows_ops, full_segments, row_nbytes, shard_ops
-from converters.copy_path.ops import Interleave, Op, Transposed, Zeros
+from converters.copy_path.ops import Data, Interleave, Op, Transposed, Zeros
 from converters.copy_path.raw_source import RawSource
 from converters.formats import pickles as pw
 from converters.formats.hf_config import write_config_dir
@@ -169,7 +169,7 @@ def _legacy_file(source: RawSource, target: CopyTarget, directory: Path, p: int,
         full = megatron_full_shape(entry, target.hf_shapes, source.cfg, target.padded_vocab)
         group = (p, chunk_name, key, rank)  # an expert's local key names another expert on each EP rank
         if group not in bands and target.tp > 1 and tp_split_kind(entry, len(full)) == COL1 and any(
-                isinstance(op, Interleave) for op in ops) and not any(isinstance(op, Transposed) for op in ops):
+                isinstance(op, Interleave) for op in ops) and band_scatterable(ops):
             # this rank's band cuts through source rows (an HF or torch_dist source, or a TP
             # increase): fill all ranks' bands from one read of each row. Bands that are whole
             # source blocks (the same or a lower TP) stay file-to-file copies.
@@ -220,6 +220,13 @@ def _legacy_file(source: RawSource, target: CopyTarget, directory: Path, p: int,
         bands[group]["outputs"][t].append((path, lay.storage_offsets[i]))
     return _FilePlan(path, lay.end, lay.pieces,
                      [(off, ops, n) for off, (ops, n) in zip(lay.storage_offsets, storages) if ops is not None])
+
+
+def band_scatterable(ops: list[Op]) -> bool:
+    """Whether ``scatter_bands`` can read these operations row by row: byte ranges of source files, interleaves
+    and zeros only (a computed ``Data`` value or a ``Transposed`` block is cut by ``megatron_ops.select``
+    instead). The one rule both writers that scatter bands (Megatron, vLLM) ask."""
+    return not any(isinstance(op, (Data, Transposed)) for op in ops)
 
 
 def scatter_bands(ops: list[Op], width: int, outputs: list, buffer_bytes: int) -> int:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from converters.copy_path.io import DEFAULT_BUFFER, fill_file, thread_buffer
-from converters.copy_path.megatron import scatter_bands
+from converters.copy_path.megatron import band_scatterable, scatter_bands
 from converters.copy_path.megatron_ops import row_nbytes, select
 from converters.copy_path.ops import Data, Op, PlannedTensor, Unsupported, Zeros, merge_copies
 from converters.copy_path.raw_source import RawSource
@@ -141,7 +141,7 @@ def _band_source(source: RawSource, entry: WeightEntry, tp: int) -> tuple[list[O
     if tp == 1 or entry.experts or len(entry.hf) != 1 or not isinstance(entry.rules[0], Split):
         return None
     pt = source.planned[entry.hf[0]]
-    if entry.rules[0].dim != 1 or len(pt.shape) < 2 or any(isinstance(op, Data) for op in pt.ops):
+    if entry.rules[0].dim != 1 or len(pt.shape) < 2 or not band_scatterable(pt.ops):
         return None
     if pt.shape[1] % tp:
         return None  # shard_shape refused it already

@@ -343,15 +343,16 @@ def hf_row_ranges(entry: WeightEntry, cfg: ModelConfig, full_rows: int) -> list[
 
 def shifted(t: torch.Tensor, delta: float) -> torch.Tensor:
     """``minus_one`` on the torch path: ``shift_bytes`` of the tensor's bytes (a norm-sized vector), so both
-    paths run one implementation; a NaN is kept as it is (``nan="keep"``)."""
+    paths run one implementation; a NaN is kept as it is (``nan="keep"``). float64 (which the copy path leaves
+    to the torch path) in torch's own arithmetic."""
     import torch
 
     tag = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}.get(t.dtype)
-    if tag is None:
-        raise LayoutError(f"minus_one values in {t.dtype}")
+    if tag is None:  # float64: exact in torch's own arithmetic (no rounding to a narrower type to agree on)
+        return (t.double() + delta).to(t.dtype)
     data = t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
     out = shift_bytes(data, tag, delta, nan="keep")
-    return torch.frombuffer(bytearray(out), dtype=t.dtype).reshape(t.shape)
+    return torch.frombuffer(bytearray(out), dtype=t.dtype).reshape(t.shape).to(t.device)
 
 
 def shift_bytes(data: bytes, tag: str, delta: float, nan: str = "refuse") -> bytes:

@@ -151,10 +151,12 @@ def _unloaded_tensors(wmap: Any, names: set[str]) -> tuple[str, ...]:
     conditional-generation checkpoint's vision tower (``model.visual.*``, models/common/hybrid_vision.py)."""
     from models.common.hybrid_vision import VISUAL_PREFIX
     from models.common.hybrid_weights import MTP_PREFIX, HybridWeightMap
+    from models.common.weight_map import IGNORED_SUFFIXES
 
     if not isinstance(wmap, HybridWeightMap):
         return ()
-    return tuple(sorted(n for n in names if n.startswith((MTP_PREFIX, VISUAL_PREFIX))))
+    return tuple(sorted(n for n in names if n.startswith((MTP_PREFIX, VISUAL_PREFIX))
+                        and not n.endswith(IGNORED_SUFFIXES)))  # non-weights (rotary buffers): never carried
 
 
 def _model_class(arch: Architecture) -> type:
