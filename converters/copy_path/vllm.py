@@ -34,6 +34,7 @@ from converters.copy_path.raw_source import RawSource
 from converters.formats.hf import nbytes, stored_header, stored_offsets
 from converters.formats.hf_config import read_hf_config, write_config_dir
 from converters.formats.tensors import TAG_TO_TORCH_NAME
+from converters.formats.vllm_sharded import mtp_not_written_note
 from converters.runtime.tasks import run_tasks
 from models.common import vllm_format
 from models.common.errors import CheckpointError
@@ -277,9 +278,7 @@ def write_vllm_by_copy(source: RawSource, target: VllmCopyTarget, directory: str
     hybrid's MTP block is not written (vLLM's main model holds none), with the torch path's note on stderr."""
     mtp = getattr(source.wmap, "mtp_layers", 0)
     if mtp:
-        print(f"pmz convert: note: {source.path}: its MTP block (mtp.*, {mtp} layer) is not written: vLLM's "
-              f"sharded_state holds the main model only (vLLM's MTP draft model loads from an HF checkpoint)",
-              file=sys.stderr)
+        print(mtp_not_written_note(source.path, mtp), file=sys.stderr)
     outputs: dict[int, list] = {}
     files = _lay_out(target, directory, max_shard_bytes, outputs)
     for f in files:

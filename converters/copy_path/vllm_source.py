@@ -20,7 +20,7 @@ from typing import Any
 from converters.copy_path.ops import Copy, Interleave, Op, PlannedTensor, Unsupported, merge_copies
 from converters.copy_path.raw_source import RawSource
 from converters.formats.tensors import ITEMSIZE, RawTensor
-from converters.formats.vllm_sharded import VllmShardedCheckpoint
+from converters.formats.vllm_sharded import VllmShardedCheckpoint, declared_mtp_layers, mtp_not_held_note
 from models.common import vllm_format
 from models.common.errors import CheckpointError
 from models.common.weight_map import WeightEntry, hf_shapes
@@ -37,11 +37,9 @@ class VllmRawSource(RawSource):
         self.path = ckpt.path
         self._set_model(ckpt)
         self.tp, self.pp = ckpt.tp, ckpt.pp
-        declared = _declared_mtp_layers(self.hf_config)
+        declared = declared_mtp_layers(self.hf_config)
         if declared:  # the torch path's VllmReader says the same
-            self.notes = [f"pmz: note: {self.path}: its config declares an MTP block (mtp_num_hidden_layers="
-                          f"{declared}) that vLLM's sharded_state does not hold (pmz convert --to vllm leaves it out): "
-                          f"read without it"]
+            self.notes = [mtp_not_held_note(self.path, declared)]
         if note:
             self.say_notes()
         shapes = hf_shapes(self.cfg, self.wmap)
@@ -60,16 +58,6 @@ class VllmRawSource(RawSource):
             self.planned[name] = PlannedTensor(tuple(shapes[name]), tag, [])
         self.planned = {name: self.planned[name] for name in shapes}
         self.check_shapes()
-
-
-def _declared_mtp_layers(hf_config: Any) -> int:
-    """``mtp_num_hidden_layers`` of a config (a conditional-generation one keeps it in ``text_config``), 0 if none
-    (``torch_path.vllm.declared_mtp_layers``'s rule, read without importing torch)."""
-    text = getattr(hf_config, "text_config", None)
-    value = text.get("mtp_num_hidden_layers") if isinstance(text, dict) else getattr(text, "mtp_num_hidden_layers",
-                                                                                     None)
-    value = value if value is not None else getattr(hf_config, "mtp_num_hidden_layers", None)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def _raw(stored: Any) -> RawTensor:

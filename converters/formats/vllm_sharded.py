@@ -177,3 +177,27 @@ class VllmShardedCheckpoint:
                 if t.entry is not None and t.entry.param == entry_param:
                     return pp_rank, t.key
         raise CheckpointError(f"{self.path}: no vLLM tensor holds {entry_param}")
+
+
+# ---------------------------------------------------------------------------- the MTP block (one rule, both paths)
+def declared_mtp_layers(hf_config) -> int:
+    """``mtp_num_hidden_layers`` of a config (a conditional-generation one keeps it in ``text_config``), 0 if none:
+    real Qwen3.5 / Qwen3-Next configs declare their MTP block there, so a vLLM directory of them is known to lack
+    one. Read by both paths' vLLM readers (torch-free)."""
+    text = getattr(hf_config, "text_config", None)
+    value = text.get("mtp_num_hidden_layers") if isinstance(text, dict) else getattr(text, "mtp_num_hidden_layers",
+                                                                                     None)
+    value = value if value is not None else getattr(hf_config, "mtp_num_hidden_layers", None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def mtp_not_held_note(path: str, declared: int) -> str:
+    """What a vLLM source whose config declares an MTP block says (both paths' readers)."""
+    return (f"pmz: note: {path}: its config declares an MTP block (mtp_num_hidden_layers={declared}) that vLLM's "
+            f"sharded_state does not hold (pmz convert --to vllm leaves it out): read without it")
+
+
+def mtp_not_written_note(path: str, layers: int) -> str:
+    """What ``--to vllm`` of a checkpoint with an MTP block says (both paths' writers)."""
+    return (f"pmz convert: note: {path}: its MTP block (mtp.*, {layers} layer) is not written: vLLM's "
+            f"sharded_state holds the main model only (vLLM's MTP draft model loads from an HF checkpoint)")

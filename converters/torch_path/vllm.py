@@ -29,7 +29,12 @@ from pathlib import Path
 
 import torch
 
-from converters.formats.vllm_sharded import VllmShardedCheckpoint
+from converters.formats.vllm_sharded import (
+    VllmShardedCheckpoint,
+    declared_mtp_layers,
+    mtp_not_held_note,
+    mtp_not_written_note,
+)
 from converters.layout.model import EMBED, FINAL, Unit, unit_entries
 from converters.torch_path.reader import TORCH_DTYPES, CheckpointReader, ReaderInfo, mixed_dtypes, reopen
 from models.common import vllm_format
@@ -50,9 +55,7 @@ class VllmReader(CheckpointReader):
         if note and declared:
             import sys
 
-            print(f"pmz: note: {self.path}: its config declares an MTP block (mtp_num_hidden_layers={declared}) that "
-                  f"vLLM's sharded_state does not hold (pmz convert --to vllm leaves it out): read without it",
-                  file=sys.stderr)
+            print(mtp_not_held_note(self.path, declared), file=sys.stderr)
         weights = [(key, t) for stage in ckpt.tensors.values() for key, t in stage.items() if ".attn._" not in key]
         dtype = TORCH_DTYPES.get(weights[0][1].dtype, torch.float32) if weights else torch.float32
         files = len({t.path for stage in ckpt.tensors.values() for t in stage.values()})
@@ -90,17 +93,6 @@ class VllmReader(CheckpointReader):
 
     def close(self) -> None:
         self._open.clear()
-
-
-def declared_mtp_layers(hf_config) -> int:
-    """``mtp_num_hidden_layers`` of a config (a conditional-generation one keeps it in ``text_config``), 0 if none:
-    real Qwen3.5 / Qwen3-Next configs declare their MTP block there, so a vLLM directory of them is known to lack
-    one."""
-    text = getattr(hf_config, "text_config", None)
-    value = text.get("mtp_num_hidden_layers") if isinstance(text, dict) else getattr(text, "mtp_num_hidden_layers",
-                                                                                     None)
-    value = value if value is not None else getattr(hf_config, "mtp_num_hidden_layers", None)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def write_vllm_rank(reopen_args: tuple, directory: str, pp_rank: int, tp_rank: int, tp: int, pp: int,
@@ -187,9 +179,7 @@ def write_vllm(reader: CheckpointReader, directory: str, *, tp: int, pp: int, dt
         raise CheckpointError(f"{reader.path}: {exc}") from None
     mtp = getattr(reader.wmap, "mtp_layers", 0)
     if mtp:
-        print(f"pmz convert: note: {reader.path}: its MTP block (mtp.*, {mtp} layer) is not written: vLLM's "
-              f"sharded_state holds the main model only (vLLM's MTP draft model loads from an HF checkpoint)",
-              file=sys.stderr)
+        print(mtp_not_written_note(reader.path, mtp), file=sys.stderr)
     tasks = [(write_vllm_rank, (reader.reopen_args(), directory, p, t, tp, pp, dtype, max_shard_bytes,
                                 quantization))
              for p in range(pp) for t in range(tp)]
