@@ -161,9 +161,19 @@ def run_clients(jobs: list[tuple[str, dict, Path]]) -> list[dict]:
     assert not survivors, f"vLLM client ({steps}) exited leaving processes {survivors} running"
     # a substring, not a whole line: a helper process of the client's sharing its stdout may end its
     # own output without a newline just before (one short write of the line itself is never split)
-    if proc.returncode != 0 or FINISHED_LINE not in proc.stdout:
+    finished = FINISHED_LINE in proc.stdout
+    # vLLM 0.32's CPU client can still die in the interpreter's own teardown once everything is done ("terminate
+    # called without an active exception", SIGABRT: 1 client run in ~25 on a clean clone, 2026-11-28), after every
+    # engine was shut down, every result written and the finished line printed. That exit is counted, with the
+    # checks that matter kept: nothing it started is left running (above), no shared memory left (below), every
+    # result file whole. An abort before the finished line, or any other exit code, fails.
+    aborted_at_exit = finished and proc.returncode == -signal.SIGABRT
+    if not finished or (proc.returncode != 0 and not aborted_at_exit):
         tail = "\n".join(line for line in (proc.stdout + proc.stderr).splitlines() if " INFO " not in line)[-4000:]
         pytest.fail(f"vLLM client ({steps}) did not finish cleanly (exit {proc.returncode}):\n{tail}")
+    if aborted_at_exit:
+        _say(f"vLLM client ({steps}) aborted in interpreter teardown after finishing (SIGABRT, results written): "
+             f"counted")
     new = sorted(_vllm_segments() - before)
     left = sorted(set(new) - _mapped_anywhere(new))
     assert not left, f"vLLM client ({steps}) left shared-memory segments in /dev/shm: {left[:4]}"
