@@ -37,7 +37,7 @@ from converters.copy_path.io import (
     thread_buffer,
     write_lock,
 )
-from converters.copy_path.megatron_moe import dist_placement, grouped_weight, layer_extra_states, stacks_layers
+from converters.copy_path.megatron_moe import dist_placement, grouped_weight
 from converters.copy_path.megatron_ops import full_rows_ops, full_segments, row_nbytes, shard_ops
 from converters.copy_path.ops import Data, Interleave, Op, Transposed, Zeros
 from converters.copy_path.raw_source import RawSource
@@ -75,6 +75,8 @@ from converters.layout.stages import (
     MegatronLayout,
     check_target_stages,
     extra_state_modules,
+    layer_extra_states,
+    stacks_layers,
     unit_megatron_keys,
     validate_target_layout,
 )

@@ -12,21 +12,13 @@ module, per expert linear for MoE layers (``dist_extra_states``).
 
 from __future__ import annotations
 
-import re
 from types import SimpleNamespace
 from typing import Any
 
 from converters.copy_path.megatron_ops import select
 from converters.copy_path.ops import Op, PlannedTensor, Transposed
 from converters.formats.tensors import ITEMSIZE
-from converters.layout.stages import LINEAR_MODULES, stacked_key, stores_shared_expert, writer_norm_aliases
-
-_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
-
-
-def stacks_layers(wmap: Any, num_layers: int) -> bool:
-    """Whether megatron-core stacks this model's layers (uniform layers: all MoE, or none)."""
-    return not wmap.has_experts or len(wmap.moe_layers) == num_layers
+from converters.layout.stages import LOCAL_EXPERT, stacked_key, writer_norm_aliases
 
 
 def dist_placement(wmap: Any, key: str, layer: int, full: tuple[int, ...], *, num_layers: int, experts: int,
@@ -34,7 +26,7 @@ def dist_placement(wmap: Any, key: str, layer: int, full: tuple[int, ...], *, nu
     """(global key, global shape, chunk offsets, chunk shape) of the Megatron full tensor ``full`` of layer
     ``layer`` (``key``: its Megatron key with the global layer number; experts numbered globally)."""
     zeros = (0,) * len(full)
-    expert = _EXPERT.search(key)
+    expert = LOCAL_EXPERT.search(key)
     if expert is not None:
         e = int(expert.group(1))
         gkey = key.replace(expert.group(0), ".mlp.experts.experts.")
@@ -47,25 +39,6 @@ def dist_placement(wmap: Any, key: str, layer: int, full: tuple[int, ...], *, nu
     if stacked:
         return gkey, (num_layers, *full), (layer, *zeros), (1, *full)
     return gkey.replace(prefix, f"{prefix}{layer}.", 1), full, zeros, full
-
-
-def layer_extra_states(wmap: Any, layer: int, *, num_layers: int, experts: int, stacked: bool,
-                      prefix: str) -> list[tuple[str, str]]:
-    """(module, shard suffix) of the empty ``_extra_state`` items megatron-core writes for a layer:
-    ``shard_{layer}_{L}`` stacked, ``shard_0_1`` per layer; expert linears ``shard_{layer}.{e}_{L}.{E}``
-    stacked, ``shard_{e}_{E}`` per layer; the shared expert's linears where Megatron stores one."""
-    head = prefix if stacked else f"{prefix}{layer}."
-    where = f"shard_{layer}_{num_layers}" if stacked else "shard_0_1"
-    if layer not in wmap.moe_layers:
-        return [(head + m, where) for m in LINEAR_MODULES]
-    out = [(head + m, where) for m in LINEAR_MODULES[:2]]
-    for j in (1, 2):
-        out += [(f"{head}mlp.experts.experts.linear_fc{j}",
-                 f"shard_{layer}.{e}_{num_layers}.{experts}" if stacked else f"shard_{e}_{experts}")
-                for e in range(experts)]
-    if stores_shared_expert(wmap.moe_layer_entries):
-        out += [(f"{head}mlp.shared_experts.linear_fc{j}", where) for j in (1, 2)]
-    return out
 
 
 TRANSPOSE_BYTES = 4 << 20  # input bytes of one Transposed op: what a worker thread holds (twice) while it runs
@@ -101,5 +74,4 @@ def grouped_weight(fc: int, shards: list[tuple[tuple[int, ...], list[Op]]],
     return ((first[1], n * first[0]) if fc == 1 else (n * first[1], first[0])), ops
 
 
-__all__ = ["stacks_layers", "dist_placement", "layer_extra_states", "transposed_ops", "grouped_weight",
-           "TRANSPOSE_BYTES"]
+__all__ = ["dist_placement", "transposed_ops", "grouped_weight", "TRANSPOSE_BYTES"]

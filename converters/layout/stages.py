@@ -8,6 +8,7 @@ path's planners.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -300,3 +301,32 @@ def dist_key(template: str, layer: int | None, tensors: dict) -> tuple[str, int 
     if stacked not in tensors and unfused in tensors:
         return unfused, layer
     return stacked, layer
+
+
+# ------------------------------------------------ torch_dist keys of MoE layers (both paths' writers)
+# a legacy expert key's local expert number (``mlp.experts.local_experts.{i}.``)
+LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+
+
+def stacks_layers(wmap: Any, num_layers: int) -> bool:
+    """Whether megatron-core stacks this model's layers (uniform layers: all MoE, or none)."""
+    return not wmap.has_experts or len(wmap.moe_layers) == num_layers
+
+
+def layer_extra_states(wmap: Any, layer: int, *, num_layers: int, experts: int, stacked: bool,
+                      prefix: str) -> list[tuple[str, str]]:
+    """(module, shard suffix) of the empty ``_extra_state`` items megatron-core writes for a layer:
+    ``shard_{layer}_{L}`` stacked, ``shard_0_1`` per layer; expert linears ``shard_{layer}.{e}_{L}.{E}``
+    stacked, ``shard_{e}_{E}`` per layer; the shared expert's linears where Megatron stores one."""
+    head = prefix if stacked else f"{prefix}{layer}."
+    where = f"shard_{layer}_{num_layers}" if stacked else "shard_0_1"
+    if layer not in wmap.moe_layers:
+        return [(head + m, where) for m in LINEAR_MODULES]
+    out = [(head + m, where) for m in LINEAR_MODULES[:2]]
+    for j in (1, 2):
+        out += [(f"{head}mlp.experts.experts.linear_fc{j}",
+                 f"shard_{layer}.{e}_{num_layers}.{experts}" if stacked else f"shard_{e}_{experts}")
+                for e in range(experts)]
+    if stores_shared_expert(wmap.moe_layer_entries):
+        out += [(f"{head}mlp.shared_experts.linear_fc{j}", where) for j in (1, 2)]
+    return out

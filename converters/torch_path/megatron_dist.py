@@ -14,7 +14,6 @@ import io
 import json
 import os
 import pickle
-import re
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +35,11 @@ from converters.layout.model import EMBED, FINAL, Unit, conversion_weight_map, i
 from converters.layout.stages import (
     DIST_DATA_FILES,
     DIST_METADATA_JSON,
-    LAYER_PREFIX,
-    LINEAR_MODULES,
+    LOCAL_EXPERT,
+    layer_extra_states,
     layer_prefix,
     stacked_key,
-    stores_shared_expert,
+    stacks_layers,
     writer_norm_aliases,
 )
 from converters.runtime.tasks import run_tasks
@@ -140,7 +139,7 @@ def write_dist_units(reopen_args: tuple, target, directory: str, units: list, fi
     prefix = layer_prefix(wmap)  # decoder.layers. (language_model.decoder.layers. for Bridge's VL models)
     # megatron-core stacks layers only when they are uniform: with dense layers between MoE ones
     # every key carries its global layer number (norms still under their TE names)
-    stacked = not wmap.has_experts or len(wmap.moe_layers) == L
+    stacked = stacks_layers(wmap, L)
     E = reader.cfg.moe.num_experts if reader.cfg.moe is not None else 0
     records = []
 
@@ -158,7 +157,7 @@ def write_dist_units(reopen_args: tuple, target, directory: str, units: list, fi
             layer = None if unit in (EMBED, FINAL) else int(unit)
             for _entry, key, full in megatron_unit_tensors(reader, unit, layer, target.padded_vocab, target.dtype,
                                                            wmap=wmap):
-                expert = _EXPERT.search(key)
+                expert = LOCAL_EXPERT.search(key)
                 lead: tuple[int, ...] = ()
                 if layer is None:
                     gkey, gshape, offsets = key, (), ()
@@ -181,13 +180,11 @@ def write_dist_units(reopen_args: tuple, target, directory: str, units: list, fi
                 put(gkey, (*gshape, *full.shape), full.dtype, (*offsets, *(0,) * full.dim()), tuple(chunk.shape),
                     chunk)
             if layer is not None:
-                for module, suffix in _dist_extra_states(wmap, layer, L, E, stacked, prefix):
+                for module, suffix in layer_extra_states(wmap, layer, num_layers=L, experts=E, stacked=stacked,
+                                                        prefix=prefix):
                     put(f"{module}._extra_state/{suffix}", None, None, None, None, [None])
     reader.close()
     return records
-
-
-_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 
 
 def _put_hybrid_unit(put, reader: CheckpointReader, target, wmap, unit: Unit) -> None:
@@ -215,24 +212,6 @@ def _put_hybrid_unit(put, reader: CheckpointReader, target, wmap, unit: Unit) ->
             put(name, tuple(part.shape), part.dtype, (0,) * part.dim(), tuple(part.shape), part)
     for module, suffix in dist_extra_states(wmap, unit):
         put(f"{module}._extra_state/{suffix}", None, None, None, None, [None])
-
-
-def _dist_extra_states(wmap, layer: int, L: int, E: int, stacked: bool,
-                       layers: str = LAYER_PREFIX) -> list[tuple[str, str]]:
-    """(module, shard suffix) of the empty ``_extra_state`` items megatron-core writes for a layer:
-    ``shard_{layer}_{L}`` stacked, ``shard_0_1`` per layer; experts ``shard_{layer}.{e}_{L}.{E}``
-    stacked, ``shard_{e}_{E}`` per layer. ``layers``: where the layers are (``layout.stages.layer_prefix``)."""
-    prefix = layers if stacked else f"{layers}{layer}."
-    where = f"shard_{layer}_{L}" if stacked else "shard_0_1"
-    if layer not in wmap.moe_layers:
-        return [(prefix + m, where) for m in LINEAR_MODULES]
-    out = [(prefix + m, where) for m in LINEAR_MODULES[:2]]
-    for j in (1, 2):
-        out += [(f"{prefix}mlp.experts.experts.linear_fc{j}",
-                 f"shard_{layer}.{e}_{L}.{E}" if stacked else f"shard_{e}_{E}") for e in range(E)]
-    if stores_shared_expert(wmap.moe_layer_entries):
-        out += [(f"{prefix}mlp.shared_experts.linear_fc{j}", where) for j in (1, 2)]
-    return out
 
 
 def write_dist(reader: CheckpointReader, target, directory: str, *, workers: int, progress: bool) -> None:
