@@ -1,5 +1,6 @@
 """Throughput on one GPU: ours (eager and ``compile=True``) against transformers (its fastest
-attention here: flash_attention_2 where flash-attn is installed, else sdpa) and megatron-core's
+attention here: flash_attention_2 where flash-attn is installed, else sdpa; ``hf-liger``: the same with
+Liger-Kernel's ``apply_liger_kernel_to_<family>`` patch, what users pick instead) and megatron-core's
 GPTModel (local spec, plain install) on the same GPU, in the same run.
 
     .venv/bin/python tools/bench_gpu.py                        # every set-up at 4x1024 and 8x2048
@@ -37,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from tools.bench_gpu_models import FORWARD_ONLY, SETUPS, build, model_flops_per_token, shape_of  # noqa: E402
 
-VARIANTS = ("ours", "ours-compiled", "hf", "megatron")
+VARIANTS = ("ours", "ours-compiled", "hf", "hf-liger", "megatron")
 SHAPES = ("4x1024", "8x2048")
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 PROFILE_ROWS = 15
@@ -169,6 +170,9 @@ def run_setup(setup: str, shape: str, args) -> dict:
         if args.smoke and variant == "ours-compiled" and setup != args.setup.split(",")[0]:
             print(f"  {variant:14s} not run in --smoke past the first set-up (CPU compile takes minutes)")
             continue
+        if args.smoke and variant == "hf-liger":
+            print(f"  {variant:14s} not run in --smoke: Liger-Kernel's Triton kernels need CUDA")
+            continue
         if variant == "megatron" and (forward_only or model_shape["family"] == "qwen3_moe"):
             print(f"  {variant:14s} not run: {'no log-prob step of its own' if forward_only else 'MoE needs TE'}")
             continue
@@ -182,13 +186,13 @@ def run_setup(setup: str, shape: str, args) -> dict:
         res["mfu"] = 100 * res["tokens_per_s"] * flops / (peak * 1e12) if peak else None
         mfu = f"{res['mfu']:5.1f}%" if res["mfu"] is not None else "  n/a"
         mem = f"{res['peak_gib']:6.1f} GiB" if "peak_gib" in res else "     n/a"
-        extra = ", ".join(f"{k}={res[k]}" for k in ("attention_kernel", "experts_implementation", "fusions")
+        extra = ", ".join(f"{k}={res[k]}" for k in ("attention_kernel", "experts_implementation", "fusions", "liger")
                           if k in res)
         print(f"  {variant:14s} {res['tokens_per_s']:10.0f} tokens/s  MFU {mfu}  peak {mem}  "
               f"value {res['value']:.4f}  ({device}; {extra})", flush=True)
         for line in res.get("profile", []):
             print(f"      {line}")
-    for base in ("hf", "megatron"):
+    for base in ("hf", "hf-liger", "megatron"):
         if base in results:
             for variant, res in results.items():
                 if variant != base:
@@ -214,7 +218,7 @@ def main(argv=None) -> int:
             results = run_setup(setup, shape, args)
             failed += sum(1 for v in args.variants.split(",") if v not in results and not (
                 v == "megatron" and (setup in FORWARD_ONLY or SETUPS[setup]["family"] == "qwen3_moe"))
-                and not (args.smoke and v == "ours-compiled"))
+                and not (args.smoke and v in ("ours-compiled", "hf-liger")))
     return 1 if failed and args.smoke else 0
 
 

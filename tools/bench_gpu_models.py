@@ -102,9 +102,11 @@ def build(variant: str, setup: str, shape: dict, seqs: int, seq_len: int, device
 
         probe = torch.zeros(1, 1, shape["head_dim"], device=device, dtype=dtype)
         info["attention_kernel"] = flash_kernel(probe, equal_lengths=True) or "exact (sdpa/reference)"
-    elif variant == "hf":
+    elif variant in ("hf", "hf-liger"):
         from transformers import AutoModelForCausalLM
 
+        if variant == "hf-liger":
+            info["liger"] = apply_liger(shape["family"], device)
         impl = hf_attention()
         moe_on_gpu = shape["family"] == "qwen3_moe" and device.type == "cuda"
         kw = {"experts_implementation": "grouped_mm"} if moe_on_gpu else {}
@@ -131,6 +133,21 @@ def build(variant: str, setup: str, shape: dict, seqs: int, seq_len: int, device
     else:
         raise SystemExit(f"unknown variant {variant!r}")
     return model, run, info
+
+
+def apply_liger(family: str, device) -> str:
+    """Liger-Kernel's patch of transformers' modeling module for ``family`` (what users apply instead of
+    a parallel model: fused RMSNorm, RoPE, SwiGLU and the fused linear cross-entropy that never
+    materialises the logits), applied before the model is built. Its kernels are Triton: CUDA only."""
+    if device.type != "cuda":
+        raise SystemExit("Liger-Kernel's Triton kernels need CUDA (not run in --smoke)")
+    try:
+        import liger_kernel.transformers as liger
+    except ImportError as e:
+        raise SystemExit(f"liger-kernel is not installed ({e})") from None
+    name = f"apply_liger_kernel_to_{family}"
+    getattr(liger, name)()
+    return name
 
 
 def _kernel_present(module: str) -> bool:

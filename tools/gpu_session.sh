@@ -7,7 +7,8 @@
 #    pip install --no-index --no-deps --target .gpu-site; e.g. transformers 5.24, megatron-core 0.19.2;
 #    fetch them here with `pip download --no-deps -d wheels transformers==5.24.0 megatron-core==0.19.2`);
 # 2. runs every CUDA test file (tests/test_gpu*.py), at most GPU_TEST_SECONDS (300 s);
-# 3. runs tools/bench_gpu.py in phases, most wanted first, each only while time is left.
+# 3. runs tools/bench_gpu.py in phases, most wanted first, each only while time is left
+#    (GPU_SESSION_SECONDS, default 520: the whole script's budget; GPU_TEST_SECONDS, default 300).
 # Logs go to $OUT (the device machine's return folder), else out/gpu_session/.
 set -u
 cd "$(dirname "$0")/.."
@@ -16,6 +17,7 @@ mkdir -p "$OUT"
 BUDGET=${GPU_SESSION_SECONDS:-520}   # leave the call's last ~40 s for copying $OUT back
 START=$(date +%s)
 PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1   # a stage cut by its timeout keeps every line it printed
 left() { echo $((BUDGET - ($(date +%s) - START))); }
 log() { echo "[$(($(date +%s) - START))s] $*" | tee -a "$OUT/session.log"; }
 
@@ -68,8 +70,9 @@ log "pytest exit $? : $(tail -1 "$OUT/pytest.log")"
 
 # (label, arguments) - most wanted first; each runs only with >= 75 s left and is cut at the budget.
 PHASES=(
-  "qwen2 4x1024 + profile|--setup qwen2-1.5b --shape 4x1024 --variants ours,hf,megatron --profile"
-  "qwen3-moe 4x1024|--setup qwen3-moe --shape 4x1024 --variants ours,hf"
+  "qwen2 4x1024 + profile|--setup qwen2-1.5b --shape 4x1024 --variants ours,hf,hf-liger,megatron --profile"
+  "qwen3-moe 4x1024|--setup qwen3-moe --shape 4x1024 --variants ours,hf,hf-liger"
+  "Gated DeltaNet layer, ours vs transformers with fla|GDN"
   "rl-logprob 4x1024|--setup rl-logprob --shape 4x1024 --variants ours,hf"
   "ours with torch's FA2 (PMZ_ATTENTION_KERNEL=torch)|--setup qwen2-1.5b --shape 4x1024 --variants ours|torch"
   "qwen3-8b-cut 4x1024|--setup qwen3-8b-cut --shape 4x1024 --variants ours,hf,megatron"
@@ -82,13 +85,15 @@ for phase in "${PHASES[@]}"; do
   remaining=$(left)
   if [ "$remaining" -lt 75 ]; then log "skipped (time): $label"; continue; fi
   log "bench: $label"
+  if [ "$argv" = GDN ]; then  # one layer (tools/bench_gdn.py; carry fla-core + einops wheels for fla)
+    timeout "$(( remaining < 120 ? remaining : 120 ))" $PY tools/bench_gdn.py --device cuda --hf-kernel auto \
+      > "$OUT/bench_gdn.log" 2>&1
+    log "  exit $?"
+    continue
+  fi
   # shellcheck disable=SC2086
   PMZ_ATTENTION_KERNEL=${kernel:-} timeout "$remaining" $PY tools/bench_gpu.py $argv --steps 5 --warmup 2 \
     --timeout "$remaining" >> "$OUT/bench.log" 2>&1
   log "  exit $?"
 done
-if [ "$(left)" -gt 30 ]; then  # the Gated DeltaNet layer (carry fla-core + einops wheels for fla)
-  log "bench_gdn --device cuda"
-  timeout 120 $PY tools/bench_gdn.py --device cuda > "$OUT/bench_gdn.log" 2>&1; log "  exit $?"
-fi
 log "done"
