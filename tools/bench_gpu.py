@@ -103,7 +103,10 @@ def run_variant(variant: str, setup: str, seqs: int, seq_len: int, args) -> dict
     shape = shape_of(setup, args.smoke)
     forward_only = setup in FORWARD_ONLY
     torch.manual_seed(0)
+    t0 = time.perf_counter()
     model, run, info = build(variant, setup, shape, seqs, seq_len, device, dtype)
+    # progress on stderr (streamed to the caller's log): a variant cut by its timeout shows where it was
+    print(f"    [{variant}] built in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     opt = None if forward_only else torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
 
     def step() -> float:
@@ -123,6 +126,7 @@ def run_variant(variant: str, setup: str, seqs: int, seq_len: int, args) -> dict
         step()
     sync()
     warm = time.perf_counter() - t0
+    print(f"    [{variant}] {args.warmup} warm-up steps in {warm:.1f} s", file=sys.stderr, flush=True)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = []
@@ -147,12 +151,13 @@ def _child(variant: str, setup: str, shape: str, args) -> tuple[dict | None, str
            "--steps", str(args.steps), "--warmup", str(args.warmup)]
     cmd += (["--smoke"] if args.smoke else []) + (["--profile"] if args.profile else [])
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=args.timeout)
+        # stderr is not captured: the child's progress and errors go straight to this run's log
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT, timeout=args.timeout)
     except subprocess.TimeoutExpired:
         return None, f"timed out after {args.timeout} s"
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        tail = proc.stdout.strip().splitlines()[-1:] or ["see its stderr above"]
         return None, f"exit {proc.returncode}: {tail[0][:200]}"
     return json.loads(lines[-1][len("RESULT "):]), ""
 
