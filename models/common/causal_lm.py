@@ -100,11 +100,12 @@ class ParallelCausalLM(nn.Module):
             input_ids = input_ids.reshape(1, -1)
             total = input_ids.shape[1]
             cu_seqlens = cu_seqlens.to(device=input_ids.device, dtype=torch.int64)
-            if cu_seqlens[0] != 0 or cu_seqlens[-1] != total or bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
-                raise ValueError(f"cu_seqlens must rise from 0 to the token count {total}, got {cu_seqlens.tolist()}")
+            bounds = cu_seqlens.tolist()  # the one host read of the forward's checks (a sync on CUDA)
+            if not bounds or bounds[0] != 0 or bounds[-1] != total or any(b < a for a, b in zip(bounds, bounds[1:])):
+                raise ValueError(f"cu_seqlens must rise from 0 to the token count {total}, got {bounds}")
             lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-            if position_ids is None:
-                starts = torch.repeat_interleave(cu_seqlens[:-1], lengths)
+            if position_ids is None:  # output_size: no second host read
+                starts = torch.repeat_interleave(cu_seqlens[:-1], lengths, output_size=total)
                 position_ids = (torch.arange(total, device=input_ids.device) - starts).reshape(1, -1)
             elif position_ids.dim() == 3:  # M-RoPE rows [3, 1, T]
                 position_ids = position_ids.reshape(position_ids.shape[0], 1, -1)
@@ -130,9 +131,10 @@ class ParallelCausalLM(nn.Module):
         """Target of token t is label t+1 of the same sequence; the last token of each sequence gets -100."""
         target = torch.full((labels.shape[0], length), IGNORE_INDEX, dtype=torch.long, device=labels.device)
         target[:, : labels.shape[1] - 1] = labels[:, 1:]
-        if cu_seqlens is not None:
-            ends = cu_seqlens[1:] - 1
-            target[0, ends[ends >= 0]] = IGNORE_INDEX
+        if cu_seqlens is not None:  # a mask, not ends[ends >= 0]: no host read of the ends (a sync on CUDA)
+            last = torch.zeros(length + 1, dtype=torch.bool, device=labels.device)
+            last[cu_seqlens[1:].to(labels.device)] = True  # entry e + 1 for a sequence ending at e; e = -1 drops out
+            target[0].masked_fill_(last[1:], IGNORE_INDEX)
         return target
 
     # ------------------------------------------------------------------ forward
