@@ -1,4 +1,5 @@
-"""Qwen3.5 (dense, text): ``from models.qwen3_5 import build_parallel_model``."""
+"""Qwen3.5 (dense): ``from models.qwen3_5 import build_parallel_model`` (text, or vision-language from a
+conditional-generation config)."""
 
 from models.qwen3_5.architecture import ARCHITECTURE
 

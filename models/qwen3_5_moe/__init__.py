@@ -1,4 +1,5 @@
-"""Qwen3.5-MoE (text): ``from models.qwen3_5_moe import build_parallel_model``."""
+"""Qwen3.5-MoE: ``from models.qwen3_5_moe import build_parallel_model`` (text, or vision-language from a
+conditional-generation config)."""
 
 from models.qwen3_5_moe.architecture import ARCHITECTURE
 
