@@ -14,7 +14,9 @@ forward-only per-token log-probs). Shapes ``SEQSxLEN``: sequences of equal lengt
 (``cu_seqlens``) for ours and for transformers' flash_attention_2, a ``[SEQS, LEN]`` batch for sdpa
 and megatron-core (the same attention work). Every variant runs in a process of its own (peak
 memory is that variant's alone) with the same random weights; ``--warmup`` steps (compilation
-included) are not timed, then the median of ``--steps``.
+included) are not timed, then the median of ``--steps``. Every variant's optimizer is AdamW with
+``fused=True`` on CUDA (what a GPU trainer runs; the foreach default took 25.7 of a 125.6 ms step of ours
+in the first H200 probe, tools/gpu_probe.py).
 
 MFU = model FLOPs per second / the GPU's peak dense bf16 FLOP/s (``--peak-tflops``; default from the
 device name: H100/H200 989). Model FLOPs: ``bench_gpu_models.model_flops_per_token``. ``--profile``
@@ -107,7 +109,8 @@ def run_variant(variant: str, setup: str, seqs: int, seq_len: int, args) -> dict
     model, run, info = build(variant, setup, shape, seqs, seq_len, device, dtype)
     # progress on stderr (streamed to the caller's log): a variant cut by its timeout shows where it was
     print(f"    [{variant}] built in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-    opt = None if forward_only else torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    opt = None if forward_only else torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5,
+                                                   fused=device.type == "cuda")  # every variant alike
 
     def step() -> float:
         if forward_only:

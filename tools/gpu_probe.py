@@ -115,7 +115,8 @@ def probe(variant: str, args, device, dtype) -> None:
     shape = shape_of(args.setup, args.smoke)
     torch.manual_seed(0)
     model, run, info = build(variant, args.setup, shape, seqs, seq_len, device, dtype)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5,
+                            fused=device.type == "cuda")  # as tools/bench_gpu.py
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     state = {}
 

@@ -61,16 +61,19 @@ log "env: $(tr '\n' ';' < "$OUT/env.txt")"
 # test_gpu_models.py, ...), the kernel files first, the slower model comparisons last. One pytest process
 # (one CUDA start); -rfEs lists failures, errors and skips (e.g. liger-kernel missing) in the summary,
 # --durations shows where the time went; the log is written as it runs, so a timeout keeps what ran.
-mapfile -t GPU_TESTS < <(ls tests/test_gpu*.py | grep -v '^tests/test_gpu_models.py$')
-[ -f tests/test_gpu_models.py ] && GPU_TESTS+=(tests/test_gpu_models.py)
+# First H200 run (2026-11-28): fused_ops ~2 min (Triton compiles per shape/dtype), head+moe+gpu+models
+# 70 s, gdn > 40 s for its first test alone (fla's autotuned kernels compile): gdn goes last.
+mapfile -t GPU_TESTS < <(ls tests/test_gpu*.py | grep -v -e '^tests/test_gpu_models.py$' -e '^tests/test_gpu_gdn.py$')
+for last in tests/test_gpu_models.py tests/test_gpu_gdn.py; do [ -f "$last" ] && GPU_TESTS+=("$last"); done
 log "tests: ${GPU_TESTS[*]}"
-timeout "${GPU_TEST_SECONDS:-300}" $PY -m pytest -q -rfEs --durations=15 -p no:cacheprovider "${GPU_TESTS[@]}" \
+timeout "${GPU_TEST_SECONDS:-300}" $PY -m pytest -v --tb=short -rfEs --durations=15 -p no:cacheprovider "${GPU_TESTS[@]}" \
   > "$OUT/pytest.log" 2>&1
 log "pytest exit $? : $(tail -1 "$OUT/pytest.log")"
 
 # (label, arguments) - most wanted first; each runs only with >= 75 s left and is cut at the budget.
 PHASES=(
   "qwen2 4x1024 + profile|--setup qwen2-1.5b --shape 4x1024 --variants ours,hf,hf-liger,megatron --profile"
+  "where ours' step time goes (tools/gpu_probe.py: syncs, host ops, fused-path A/B)|PROBE"
   "qwen3-moe 4x1024|--setup qwen3-moe --shape 4x1024 --variants ours,hf,hf-liger"
   "Gated DeltaNet layer, ours vs transformers with fla|GDN"
   "rl-logprob 4x1024|--setup rl-logprob --shape 4x1024 --variants ours,hf"
@@ -85,6 +88,11 @@ for phase in "${PHASES[@]}"; do
   remaining=$(left)
   if [ "$remaining" -lt 75 ]; then log "skipped (time): $label"; continue; fi
   log "bench: $label"
+  if [ "$argv" = PROBE ]; then
+    timeout "$(( remaining < 150 ? remaining : 150 ))" $PY tools/gpu_probe.py --variants ours,hf >> "$OUT/bench.log" 2>&1
+    log "  exit $?"
+    continue
+  fi
   if [ "$argv" = GDN ]; then  # one layer (tools/bench_gdn.py; carry fla-core + einops wheels for fla)
     timeout "$(( remaining < 120 ? remaining : 120 ))" $PY tools/bench_gdn.py --device cuda --hf-kernel auto \
       > "$OUT/bench_gdn.log" 2>&1
