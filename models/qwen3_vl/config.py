@@ -33,68 +33,71 @@ POSITIVE = ("depth", "hidden_size", "intermediate_size", "out_hidden_size", "num
             "spatial_merge_size", "num_position_embeddings")  # patch sizes: ``_square`` (an int or equal ints)
 
 
-def _deepstack_indexes(vis: Any, text_layers: int) -> tuple[int, ...]:
+def _deepstack_indexes(vis: Any, text_layers: int, arch: str = "qwen3_vl") -> tuple[int, ...]:
     indexes = vis.deepstack_visual_indexes
     if indexes is None:
         indexes = ()
     if not isinstance(indexes, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) for i in indexes):
-        raise UnsupportedConfigError(f"qwen3_vl: vision_config.deepstack_visual_indexes must be a list of block "
+        raise UnsupportedConfigError(f"{arch}: vision_config.deepstack_visual_indexes must be a list of block "
                                      f"indexes, found {indexes!r}")
     outside = [i for i in indexes if not 0 <= i < vis.depth]
     if outside:
-        raise UnsupportedConfigError(f"qwen3_vl: vision_config.deepstack_visual_indexes={list(indexes)} names "
+        raise UnsupportedConfigError(f"{arch}: vision_config.deepstack_visual_indexes={list(indexes)} names "
                                      f"block(s) {outside} but the tower has depth={vis.depth} "
                                      f"(blocks 0..{vis.depth - 1})")
     if len(set(indexes)) != len(indexes):
-        raise UnsupportedConfigError(f"qwen3_vl: vision_config.deepstack_visual_indexes={list(indexes)} lists a block "
+        raise UnsupportedConfigError(f"{arch}: vision_config.deepstack_visual_indexes={list(indexes)} lists a block "
                                      f"twice (each DeepStack merger needs a block of its own)")
     if len(indexes) > text_layers:
-        raise UnsupportedConfigError(f"qwen3_vl: {len(indexes)} DeepStack features (vision_config."
+        raise UnsupportedConfigError(f"{arch}: {len(indexes)} DeepStack features (vision_config."
                                      f"deepstack_visual_indexes={list(indexes)}) but the text model has "
                                      f"num_hidden_layers={text_layers}: feature k is added after decoder layer k")
     return tuple(indexes)
 
 
-def _square(value: Any, field: str) -> int:
+def _square(value: Any, field: str, arch: str = "qwen3_vl") -> int:
     """``patch_size`` / ``temporal_patch_size``: transformers also accepts a list of equal sizes."""
     if isinstance(value, (list, tuple)) and len(value) > 0 and len(set(value)) == 1:
         value = value[0]
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise UnsupportedConfigError(f"qwen3_vl: vision_config.{field}={value!r} must be a positive integer (or a "
+        raise UnsupportedConfigError(f"{arch}: vision_config.{field}={value!r} must be a positive integer (or a "
                                      f"list of equal ones)")
     return value
 
 
-def text_config(hf_config: Any, text: Any) -> ModelConfig:
-    """The Qwen3 text decoder with interleaved M-RoPE (default RoPE only, sections summing to head_dim/2)."""
+def text_config(hf_config: Any, text: Any, arch: str = "qwen3_vl") -> ModelConfig:
+    """The Qwen3 text decoder with interleaved M-RoPE (default RoPE only, sections summing to head_dim/2);
+    ``arch``: the architecture named in the config and its errors (Qwen3-VL-MoE reads the same text fields)."""
     bias = bool(getattr(text, "attention_bias", False))
-    base = ModelConfig.from_hf(text, architecture="qwen3_vl", qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=True)
+    base = ModelConfig.from_hf(text, architecture=arch, qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=True)
     if base.rope.rope_type != "default":
-        raise UnsupportedConfigError(f"qwen3_vl: rope_type={base.rope.rope_type!r} with M-RoPE is not supported "
+        raise UnsupportedConfigError(f"{arch}: rope_type={base.rope.rope_type!r} with M-RoPE is not supported "
                                      f"(only default)")
     section = base.rope.mrope_section or DEFAULT_MROPE_SECTION
     if len(section) != 3 or sum(section) != base.head_dim // 2:
-        raise UnsupportedConfigError(f"qwen3_vl: mrope_section={list(section)} must be three sections summing to "
+        raise UnsupportedConfigError(f"{arch}: mrope_section={list(section)} must be three sections summing to "
                                      f"head_dim/2 = {base.head_dim // 2}")
     return dataclasses.replace(base, rope=dataclasses.replace(base.rope, mrope_section=tuple(section)),
                                tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)
                                                         or getattr(text, "tie_word_embeddings", False)))
 
 
-def model_config(hf_config: Any) -> ModelConfig:
-    text, vis = text_and_vision_sections(hf_config, "qwen3_vl", VISION_DEFAULTS, POSITIVE)
-    base = text_config(hf_config, text)
+def model_config(hf_config: Any, arch: str = "qwen3_vl") -> ModelConfig:
+    """The text decoder and the tower (``arch``: the architecture named in the config and its errors;
+    Qwen3-VL-MoE's tower and text fields are Qwen3-VL's, models/qwen3_vl_moe/config.py adds the experts)."""
+    text, vis = text_and_vision_sections(hf_config, arch, VISION_DEFAULTS, POSITIVE)
+    base = text_config(hf_config, text, arch)
     if vis.hidden_act not in QWEN3_VISION_ACTIVATIONS:
-        raise UnsupportedConfigError(f"qwen3_vl: vision_config.hidden_act={vis.hidden_act!r} is not supported "
+        raise UnsupportedConfigError(f"{arch}: vision_config.hidden_act={vis.hidden_act!r} is not supported "
                                      f"({', '.join(QWEN3_VISION_ACTIVATIONS)})")
     vision = Qwen3VisionConfig(
         depth=vis.depth, embed_dim=vis.hidden_size, out_hidden_size=vis.out_hidden_size, num_heads=vis.num_heads,
         intermediate_size=vis.intermediate_size, in_channels=vis.in_channels,
-        patch_size=_square(vis.patch_size, "patch_size"),
-        temporal_patch_size=_square(vis.temporal_patch_size, "temporal_patch_size"),
+        patch_size=_square(vis.patch_size, "patch_size", arch),
+        temporal_patch_size=_square(vis.temporal_patch_size, "temporal_patch_size", arch),
         spatial_merge_size=vis.spatial_merge_size,
         hidden_act=vis.hidden_act, rope_theta=vision_rope_theta(vis),
         image_token_id=token_id(hf_config, "image_token_id"), video_token_id=token_id(hf_config, "video_token_id"),
         num_position_embeddings=vis.num_position_embeddings,
-        deepstack_visual_indexes=_deepstack_indexes(vis, base.num_hidden_layers))
+        deepstack_visual_indexes=_deepstack_indexes(vis, base.num_hidden_layers, arch))
     return with_vision(base, vision, "out_hidden_size")

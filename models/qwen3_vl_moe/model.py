@@ -1,0 +1,55 @@
+"""Qwen3-VL-MoE: Qwen3-VL (``models/qwen3_vl/model.py``: the Qwen3-VL vision tower, DeepStack, interleaved
+M-RoPE with videos frame by frame, the DeepStack tensor carried across pipeline stages) whose decoder
+layers have Qwen3-MoE's sparse MLP (``models/common/blocks/moe.py``: router whole on every rank, experts
+split over the EP group, each TP rank routing its own share of the tokens). The decoder builds the sparse
+block wherever ``cfg.moe`` marks a layer sparse, so nothing here is new code but where the two models meet:
+
+- transformers reads ``output_router_logits`` (the load-balancing loss, ``router_aux_loss_coef`` times it
+  added to the loss) from ``text_config``, not from the top-level config where the text-only MoE models
+  keep it; ``_wants_router_logits`` looks there too;
+- with pipeline parallelism the DeepStack tensor travels between stages (``DeepStackChunk``), which carries
+  no router statistics beside it: the load-balancing loss under pp > 1 is refused by it in one line
+  (``forward_backward(..., aux_loss=False)``, the default of transformers' config, runs).
+
+``model(input_ids, ..., pixel_values=, image_grid_thw=, pixel_values_videos=, video_grid_thw=,
+mm_token_type_ids=, cu_seqlens=, output_router_logits=)`` computes what transformers'
+``Qwen3VLMoeForConditionalGeneration`` computes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from models.common.builder import build_model
+from models.qwen3_vl.model import ParallelQwen3VL
+from models.qwen3_vl_moe.architecture import ARCHITECTURE
+from parallel.config import ParallelConfig
+from parallel.groups import ParallelGroups
+
+__all__ = ["ARCHITECTURE", "ParallelQwen3VLMoe", "build_parallel_model"]
+
+
+class ParallelQwen3VLMoe(ParallelQwen3VL):
+    """A tensor/sequence/context/pipeline/expert-parallel Qwen3-VL-MoE; build it with ``build_parallel_model``."""
+
+    def _wants_router_logits(self, requested: bool | None) -> bool:
+        if requested is None:  # transformers: ``config.text_config.output_router_logits``
+            text = getattr(getattr(self, "hf_config", None), "text_config", None)
+            requested = bool(getattr(text, "output_router_logits", False))
+        return super()._wants_router_logits(requested)
+
+
+def build_parallel_model(source: Any, parallel_config: ParallelConfig | None = None, *,
+                         dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                         groups: ParallelGroups | None = None, seed: int = 0, lora: Any = None,
+                         loss_chunk_tokens: int | None = None, compile: bool = False) -> ParallelQwen3VLMoe:
+    """Build this rank's Qwen3-VL-MoE shard from an HF directory (``Qwen3VLMoeForConditionalGeneration``'s
+    ``save_pretrained``) or a transformers config (random weights). Call after
+    ``torch.distributed.init_process_group`` when the layout uses more than one rank. See
+    ``models.common.builder.build_model`` for the arguments."""
+    if lora is not None:
+        raise ValueError("qwen3_vl_moe: LoRA is not supported yet")
+    return build_model(ARCHITECTURE, source, parallel_config, dtype=dtype, device=device, groups=groups, seed=seed,
+                       loss_chunk_tokens=loss_chunk_tokens, compile=compile)
