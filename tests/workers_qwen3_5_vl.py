@@ -22,8 +22,15 @@ import torch
 from parallel import ParallelConfig
 from tests.workers import _max_diff, _rel_diff, hf_named_grads, saved_tensors_diff
 from tests.workers_moe import hf_grads
-from tests.workers_qwen3_vl import BATCHES, PACKED, SAMPLES, _packed_reference, _pixels_and_grids, _sample, \
-    _types_and_labels
+from tests.workers_qwen3_vl import (
+    BATCHES,
+    PACKED,
+    SAMPLES,
+    _packed_reference,
+    _pixels_and_grids,
+    _sample,
+    _types_and_labels,
+)
 from tests.workers_vl import _inputs, _unscored_padding_predictions
 
 PAD_ID = 0
@@ -172,11 +179,22 @@ def parity(case: str, path: str, pconfig: ParallelConfig, *, save: bool = False,
     bitwise, then SGD steps on the images-and-video batch with every gradient compared."""
     tag = (case, pconfig.describe())
     hf, model = load_hf(case, path), build_ours(case, path, pconfig)
-    records = []
+    records, placed = [], []
+    if pconfig.cp > 1:  # count the visual tokens whose features land in this rank's chunk
+        place = model._place_local_features
+
+        def counting(h, *args):
+            out = place(h, *args)
+            placed.append(int((out != h).any(-1).sum()))
+            return out
+        model._place_local_features = counting
     for kind, side in (("images_and_video", "right"), ("mixed", "left")):
         batch = vl_batch(case, kind, padding_side=side)
+        placed.clear()
         with torch.no_grad():
             ours, ref = model(**_inputs(batch), gather_logits=True), hf(**_inputs(batch))
+        if placed and kind == "images_and_video":
+            records.append((*tag, "local_visual_tokens", sum(placed)))
         valid = batch["attention_mask"].bool()
         records += [(*tag, f"logits_{kind}_{side}", _max_diff(ours.logits[valid], ref.logits[valid])),
                     (*tag, f"loss_{kind}_{side}", _max_diff(ours.loss, ref.loss))]

@@ -1,0 +1,186 @@
+"""Qwen3.5 / Qwen3.5-MoE as vision-language models (the Gated DeltaNet hybrid decoder fed by the Qwen3-VL tower
+without DeepStack, interleaved M-RoPE over the partial rotary channels) against transformers'
+``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5MoeForConditionalGeneration`` (fp32, CPU; gloo for two ranks), on
+the cases and batches of tests/workers_qwen3_5_vl.py: two images of different sizes and a two-frame video in one
+batch (right padding), a mixed batch with a text-only row (left padding), a packed batch (against each sample run
+alone in transformers, which ignores packing); an SGD step with every vision and text gradient compared;
+``save_pretrained`` bitwise. Layouts: one process (dense and MoE), and one 2-rank group running TP2+SP, CP2 (the
+images' tokens on both ranks), PP2 (``forward_backward``, the tower on the first stage) and EP2 (MoE).
+
+Cost: ~1.5-2 minutes on 2 cores (the 2-rank group ~60-80 s, the in-process cases ~20 s, the rest seconds).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import shutil
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.workers_qwen3_5_vl import (
+    CASES,
+    build_ours,
+    load_hf,
+    short_of_one_image_token,
+    suite,
+    vl_batch,
+    vl_packed_batch,
+    write_case,
+)
+from tests.workers_vl import _inputs, _segments
+
+FP32_TOL = 1e-5
+GRAD_REL_TOL = 1e-4
+
+LAYOUTS = {
+    1: [("dense", {}, {"save": True}), ("moe", {}, {"save": True})],
+    2: [("dense", {"tp": 2, "sequence_parallel": True}, {"save": True}), ("dense", {"cp": 2}),
+        ("dense", {"pp": 2}, {"forward_backward": True}), ("moe", {"ep": 2}),
+        ("dense", {"tp": 2, "sequence_parallel": True}, {"bad_input": True}),
+        ("dense", {"cp": 2}, {"bad_input": True})],
+}
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen3_5_vl")
+    return tuple(sorted((name, write_case(root, name, seed=30 + i)) for i, name in enumerate(CASES)))
+
+
+@functools.lru_cache(maxsize=None)
+def _records(world: int, dirs: tuple) -> list[tuple]:
+    if world == 1:
+        return suite(dict(dirs), LAYOUTS[1])
+    per_rank = run_distributed(world, suite, dict(dirs), LAYOUTS[world])
+    return [rec for rank_records in per_rank for rec in rank_records]
+
+
+METRICS = {"logits": r"logits_.*", "loss": r"loss_.*|step\d_loss", "grads": r"grads_.*", "saved": "saved_tensors"}
+
+
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+@pytest.mark.parametrize("metric", sorted(METRICS))
+def test_parity_with_transformers(dirs, world, metric):
+    """Every fp32 layout within the bounds; every layout has loss and gradient records."""
+    records = [r for r in _records(world, dirs) if r[2] not in ("bad_input", "local_visual_tokens")]
+    selected = [r for r in records if re.fullmatch(METRICS[metric], r[2])]
+    assert selected, f"no {metric} records"
+    if metric in ("loss", "grads"):
+        runs = [opts for *_, opts in [(*lay, (lay[2:] or [{}])[0]) for lay in LAYOUTS[world]]
+                if not opts.get("bad_input")]
+        assert len({(case, layout) for case, layout, *_ in selected}) == len(runs), "layouts missing"
+    bound = GRAD_REL_TOL if metric == "grads" else 0.0 if metric == "saved" else FP32_TOL
+    bad = [f"{case} {layout} {name}={value:.3g}" for case, layout, name, value in selected if not value <= bound]
+    assert not bad, "; ".join(bad)
+
+
+def test_cp_ranks_both_hold_image_tokens(dirs):
+    """Under CP2 each rank's chunk of the images-and-video batch holds visual tokens (features placed on both)."""
+    counts = [r[3] for r in _records(2, dirs) if r[2] == "local_visual_tokens"]
+    assert len(counts) == 2 and all(c > 0 for c in counts), counts
+
+
+# ------------------------------------------------------------------ one process: positions, build, bad input
+@pytest.fixture(scope="module")
+def models(dirs):
+    return {name: (load_hf(name, path), build_ours(name, path).eval()) for name, path in dirs}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_positions_match_get_rope_index(models, name):
+    """Padded (left) and packed batches: ``torch.equal`` to transformers' ``get_rope_index`` (videos per frame)."""
+    hf, ours = models[name]
+    batch = vl_batch(name, "mixed", padding_side="left")
+    grids = {k: batch[k] for k in ("image_grid_thw", "video_grid_thw")}
+    want = hf.model.get_rope_index(batch["input_ids"], mm_token_type_ids=batch["mm_token_type_ids"],
+                                   attention_mask=batch["attention_mask"],
+                                   **{k: None if v is None else v.clone() for k, v in grids.items()})[0]
+    got = ours.rope_positions(batch["input_ids"], attention_mask=batch["attention_mask"],
+                              mm_token_type_ids=batch["mm_token_type_ids"], **grids)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    packed = vl_packed_batch(name)
+    want = [hf.model.get_rope_index(seg["input_ids"], mm_token_type_ids=seg["mm_token_type_ids"],
+                                    image_grid_thw=seg.get("image_grid_thw"),
+                                    video_grid_thw=seg.get("video_grid_thw"))[0][:, 0]
+            for seg in _segments(packed, hf.config)]
+    got = ours.rope_positions(packed["input_ids"], cu_seqlens=packed["cu_seqlens"],
+                              image_grid_thw=packed["image_grid_thw"], video_grid_thw=packed["video_grid_thw"])
+    assert torch.equal(got.reshape(3, -1), torch.cat(want, dim=1))
+
+
+def test_interleaved_mrope_and_the_tower_matter(models):
+    """The parity tests can fail: with Qwen2-VL's sectioned M-RoPE, or with the tower's features zeroed, the
+    logits move far beyond the bound."""
+    hf, model = models["dense"]
+    batch = _inputs(vl_batch("dense", "images_and_video"))
+    valid = batch["attention_mask"].bool()
+    with torch.no_grad():
+        ref = hf(**batch).logits
+        exact = model(**batch, gather_logits=True).logits
+        model.rotary.mrope_interleaved = False
+        try:
+            sectioned = model(**batch, gather_logits=True).logits
+        finally:
+            model.rotary.mrope_interleaved = True
+        hook = model.visual.register_forward_hook(lambda mod, args, out: torch.zeros_like(out))
+        try:
+            blind = model(**batch, gather_logits=True).logits
+        finally:
+            hook.remove()
+    assert (exact - ref)[valid].abs().max() <= FP32_TOL
+    assert (sectioned - ref)[valid].abs().max() > 1e-3 and (blind - ref)[valid].abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_built_from_a_transformers_config_and_text_only_from_the_directory(dirs, models, name):
+    """From the transformers config (random weights) the vision-language model is built with the tower; from the
+    directory with ``text_only=True``, the text model of before (tower carried, not run): transformers' logits
+    on text."""
+    from models.common.hybrid_lm import HybridCausalLM
+    from models.qwen3_5.model import ParallelQwen3_5VL
+
+    hf, _ = models[name]
+    fresh = build_ours(name, hf.config)
+    assert isinstance(fresh, ParallelQwen3_5VL) and fresh.visual is not None
+    text = build_ours(name, dict(dirs)[name], text_only=True).eval()
+    assert type(text) is HybridCausalLM and not any(n.startswith("visual.") for n, _ in text.named_parameters())
+    assert any(n.startswith("model.visual.") for n in text.unloaded_tensors)
+    ids = torch.randint(2, 90, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (text(ids, return_logits=True).logits - hf(input_ids=ids).logits).abs().max() <= FP32_TOL
+
+
+def test_image_tokens_not_matching_the_features_are_refused(dirs, models):
+    """One image placeholder of row 0 turned into text: one line naming the sample and the numbers, before the
+    tower runs (and on every rank of TP2+SP and CP2, none hanging)."""
+    from models.common.vision_positions import VisionInputError
+
+    _, model = models["dense"]
+    encoded = []
+    hook = model.visual.register_forward_hook(lambda *a: encoded.append(1))
+    try:
+        with pytest.raises(VisionInputError) as err:
+            model(**_inputs(short_of_one_image_token("dense")))
+    finally:
+        hook.remove()
+    message = str(err.value)
+    assert not encoded and "\n" not in message and re.search(r"\d", message), message
+    refused = [r[3] for r in _records(2, dirs) if r[2] == "bad_input"]
+    assert len(refused) == 4 and len(set(refused)) == 1 and refused[0] == message, (refused, message)
+
+
+def test_bad_configs_are_refused_in_one_line(dirs, tmp_path):
+    from models.common.config import UnsupportedConfigError
+
+    src = tmp_path / "src"
+    shutil.copytree(dict(dirs)["dense"], src)
+    data = json.loads((src / "config.json").read_text())
+    data["vision_config"]["hidden_act"] = "relu"
+    (src / "config.json").write_text(json.dumps(data))
+    with pytest.raises(UnsupportedConfigError, match=r"vision_config\.hidden_act='relu' is not supported") as err:
+        build_ours("dense", src)
+    assert "\n" not in str(err.value)
