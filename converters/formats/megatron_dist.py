@@ -381,6 +381,7 @@ class DistCheckpoint:
         if unused:
             problems.append(f"unused tensor(s) {', '.join(unused[:8])} (not part of a {self.arch.name} model)")
         sizes: dict[str, int] = {}
+        needs: dict[str, int] = {}  # a truncated data file: the end of its last chunk (named once)
         for key, t in self.tensors.items():
             if not is_model_key(key):
                 continue
@@ -391,8 +392,8 @@ class DistCheckpoint:
                 if sizes[c.file] < 0:
                     problems.append(f"missing data file {c.file}")
                 elif sizes[c.file] < c.offset + c.length:
-                    problems.append(f"truncated data file {c.file} ({sizes[c.file]} bytes, needs "
-                                    f"{c.offset + c.length})")
+                    needs[c.file] = max(needs.get(c.file, 0), c.offset + c.length)
+        problems += [f"truncated data file {f} ({sizes[f]} bytes, needs {n})" for f, n in needs.items()]
         if problems:
             raise CheckpointError(f"{self.it_dir}: " + "; ".join(sorted(set(problems))[:10]))
         for key in sorted(k for k in self.tensors if is_model_key(k)):

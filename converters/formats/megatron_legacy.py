@@ -206,10 +206,13 @@ class LegacyCheckpoint:
                             found.append(tensor)
                         shapes = [x.shape for x in found]
                         if len(set(shapes)) != 1:
+                            each = ", ".join(f"{self.rank_file(t, p, e).parent.name} {tuple(s)}"
+                                             for t, s in enumerate(shapes))
                             raise CheckpointError(f"{self.it_dir}: tensor {stored} (pp rank {p}, chunk {v}) has "
-                                                  f"different shapes across TP ranks: {shapes}")
+                                                  f"different shapes across TP ranks: {each}")
+                        # the key as stored: a GroupedMLP / Transformer Engine file's SequentialMLP-named copy of an
+                        # expert is a stray tensor (unused), not the one read
                         used[e].add(stored)
-                        used[e].add(key)
                         if slot is None:
                             self._check_shape(entry, stored, shapes[0], p, e)
                         else:
@@ -232,6 +235,8 @@ class LegacyCheckpoint:
     def _expert_count_hint(self, unused: list[str]) -> str:
         if self.cfg.moe is None or not any(".mlp.experts." in k for k in unused):
             return ""
+        if self.expert_layout != SEQUENTIAL and any(".mlp.experts.local_experts." in k for k in unused):
+            return f": SequentialMLP expert names in a checkpoint of {self.expert_layout} experts, two layouts mixed"
         return (f": {self.cfg.moe.num_experts} experts over ep={self.ep} give "
                 f"{self.cfg.moe.num_experts // self.ep} local experts per file")
 
