@@ -142,26 +142,32 @@ def parity(case: str, path: str, pconfig: ParallelConfig, lr: float = 0.2) -> li
     return records
 
 
-def training_parity(case: str, path: str, pconfig: ParallelConfig, microbatches: int = 2) -> list[tuple]:
-    """``forward_backward`` (micro-batches; pipeline stages) on the images-and-video batch, then the packed one:
-    loss and every gradient against transformers, the load-balancing loss off on both sides (the DeepStack
-    pipeline chunk carries no router statistics)."""
+def training_parity(case: str, path: str, pconfig: ParallelConfig, microbatches: int = 2,
+                    aux: bool = False) -> list[tuple]:
+    """``forward_backward`` (micro-batches; pipeline stages) against transformers: loss and every gradient.
+    Without ``aux``: the images-and-video batch, then the packed one, the load-balancing loss off on both
+    sides. With ``aux``: the images-and-video batch twice, in one micro-batch (gpipe), the loss including
+    ``router_aux_loss_coef`` times the load-balancing loss as the case's config asks (transformers computes
+    it over the batch it is given: one micro-batch is the same batch), its statistics carried across the
+    pipeline stages beside the DeepStack tensor."""
     from transformers import Qwen3VLMoeForConditionalGeneration
 
     from models.qwen3_vl_moe import build_parallel_model
 
-    tag, base = (case, f"{pconfig.describe()} forward_backward({microbatches})"), BASE[case]
+    tag, base = (case, f"{pconfig.describe()} forward_backward({microbatches}){' aux' if aux else ''}"), BASE[case]
     hf = Qwen3VLMoeForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    hf.config.text_config.output_router_logits = False
+    hf.config.text_config.output_router_logits = aux
     model = build_parallel_model(path, pconfig)
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.2), torch.optim.SGD(hf.parameters(), lr=0.2)
+    padded = qwen3_vl_batch(base, "images_and_video")
     records = []
-    for step, batch in enumerate((qwen3_vl_batch(base, "images_and_video"), qwen3_vl_packed_batch(base))):
+    for step, batch in enumerate((padded, padded) if aux else (padded, qwen3_vl_packed_batch(base))):
         opt.zero_grad()
         ref_opt.zero_grad()
         inputs = _inputs(batch)
         ids, labels = inputs.pop("input_ids"), inputs.pop("labels")
-        loss = model.forward_backward(ids, labels, num_microbatches=microbatches, aux_loss=False, **inputs)
+        loss = model.forward_backward(ids, labels, num_microbatches=microbatches, aux_loss=aux,
+                                      schedule="gpipe" if aux else "1f1b", **inputs)
         ref_loss = _packed_reference(hf, batch)[1] if "cu_seqlens" in batch else hf(**_inputs(batch)).loss
         ref_loss.backward()
         kind = "packed" if "cu_seqlens" in batch else "padded"
@@ -177,6 +183,9 @@ def suite(dirs: dict[str, str], layouts: list[tuple]) -> list[tuple]:
     records = []
     for case, kwargs, *options in layouts:
         options = options[0] if options else {}
-        run = training_parity if options.get("forward_backward") else parity
-        records += run(case, dirs[case], ParallelConfig(**kwargs))
+        if options.get("forward_backward"):
+            records += training_parity(case, dirs[case], ParallelConfig(**kwargs),
+                                       microbatches=options.get("microbatches", 2), aux=options.get("aux", False))
+        else:
+            records += parity(case, dirs[case], ParallelConfig(**kwargs))
     return records

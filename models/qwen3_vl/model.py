@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from models.common.blocks.moe import carry_router_sums, recording_routes
 from models.common.blocks.rope import RotaryEmbedding
 from models.common.blocks.vision_qwen3 import Qwen3VisionTower
 from models.common.builder import build_model
@@ -46,11 +47,10 @@ class DeepStackChunk(PipelineChunk):
     """A pipeline chunk of Qwen3-VL: ``PipelineChunk`` plus the DeepStack tensor ``[T(/tp), 1, n * hidden]``
     (the features of layers ``first_cols .. K-1``; zeros for a micro-batch without images) as a second
     output while a later chunk holds a layer it feeds, and as a second input on every chunk after the first
-    that receives it."""
+    that receives it. With ``aux`` (Qwen3-VL-MoE's load-balancing loss) the router carry of ``PipelineChunk``
+    travels last: inputs ``(x, [deepstack], [carry])``, outputs ``(out, [deepstack], [carry])``."""
 
     def __init__(self, lm, chunk: int, aux: bool = False) -> None:
-        if aux:
-            raise ValueError("qwen3_vl: a router carry beside the DeepStack tensor is not built")
         super().__init__(lm, chunk, aux)
         groups, k = lm.groups, lm.config.vision.deepstack_count
         stages = stage_layer_ranges(lm.config.num_hidden_layers, groups.config)  # [pp rank][chunk] -> layers
@@ -60,11 +60,15 @@ class DeepStackChunk(PipelineChunk):
                if any(i < k for i in layers)}
         self.first_cols = min(len(stages[0][0]), k)  # the first chunk's own layers take theirs at embed time
         self.sends = any(stage > me for stage in fed) and k > self.first_cols
+        self.receives = not self.first and any(stage >= me for stage in fed) and k > self.first_cols  # = me-1 sends
         self.width = (k - self.first_cols) * lm.config.hidden_size
 
-    def forward(self, x: torch.Tensor, deepstack: torch.Tensor | None = None, position_ids=None, cu_seqlens=None,
-                seq=None, token_mask=None, inputs: dict | None = None):
+    def forward(self, x: torch.Tensor, *carried: torch.Tensor, position_ids=None, cu_seqlens=None, seq=None,
+                token_mask=None, inputs: dict | None = None):
         lm = self._lm[0]
+        deepstack = carried[0] if self.receives else None
+        carry = carried[-1] if self.aux and len(carried) > int(self.receives) else None
+        passed = None
         if self.first:
             h = lm.embed_microbatch(x, inputs, seq)  # places the DeepStack features: lm._deepstack, offset 0
             dense = lm._deepstack
@@ -76,9 +80,13 @@ class DeepStackChunk(PipelineChunk):
             h = x
             lm._deepstack, lm._deepstack_first = deepstack, self.first_cols
             passed = deepstack.view_as(deepstack) if deepstack is not None else None
-        h = lm.run_layers(h, self.layer_ids, position_ids, None, None if seq is not None else cu_seqlens, seq=seq)
+        with recording_routes(self._sparse, token_mask):
+            h = lm.run_layers(h, self.layer_ids, position_ids, None, None if seq is not None else cu_seqlens, seq=seq)
+            if self.aux:
+                carry = carry_router_sums(carry, self._sparse, lm.groups, lm.config.moe.num_experts, h.device)
         out = self.lm_head(self.norm(h)) if self.last else h
-        return (out, passed) if self.sends else out
+        outputs = (out, *((passed,) if self.sends else ()), *((carry,) if self.aux else ()))
+        return outputs if len(outputs) > 1 else out
 
 
 class ParallelQwen3VL(ParallelVisionLanguageModel):
@@ -172,7 +180,5 @@ def build_parallel_model(source: Any, parallel_config: ParallelConfig | None = N
     ``save_pretrained``) or a transformers config (random weights). Call after
     ``torch.distributed.init_process_group`` when the layout uses more than one rank. See
     ``models.common.builder.build_model`` for the arguments."""
-    if lora is not None:
-        raise ValueError("qwen3_vl: LoRA is not supported yet")
     return build_model(ARCHITECTURE, source, parallel_config, dtype=dtype, device=device, groups=groups, seed=seed,
-                       loss_chunk_tokens=loss_chunk_tokens, compile=compile)
+                       lora=lora, loss_chunk_tokens=loss_chunk_tokens, compile=compile)

@@ -7,9 +7,9 @@ block wherever ``cfg.moe`` marks a layer sparse, so nothing here is new code but
 - transformers reads ``output_router_logits`` (the load-balancing loss, ``router_aux_loss_coef`` times it
   added to the loss) from ``text_config``, not from the top-level config where the text-only MoE models
   keep it; ``_wants_router_logits`` looks there too;
-- with pipeline parallelism the DeepStack tensor travels between stages (``DeepStackChunk``), which carries
-  no router statistics beside it: the load-balancing loss under pp > 1 is refused by it in one line
-  (``forward_backward(..., aux_loss=False)``, the default of transformers' config, runs).
+- in ``forward_backward`` (any pp) the router statistics of the load-balancing loss travel with the hidden
+  states after the DeepStack tensor (``DeepStackChunk`` with ``aux``: inputs ``(x, [deepstack], [carry])``),
+  so a stage boundary inside the DeepStack-fed layers carries both.
 
 ``model(input_ids, ..., pixel_values=, image_grid_thw=, pixel_values_videos=, video_grid_thw=,
 mm_token_type_ids=, cu_seqlens=, output_router_logits=)`` computes what transformers'
