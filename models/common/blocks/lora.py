@@ -121,6 +121,7 @@ def lora_targets(cfg, weight_map, lora_config: Any, shapes: dict, layers=None) -
             out_f, in_f = shapes[hf_name]
             found.append(LoraTarget(layer, hf_module, leaf, column, Replicated() if column else Split(1),
                                     rule if column else Replicated(), (r, in_f), (out_f, r), packed))
+    _refuse_tower_targets(weight_map, shapes, targets, lora_config)
     if isinstance(targets, set):
         unknown = sorted(targets - leaves)
         if unknown:
@@ -129,6 +130,25 @@ def lora_targets(cfg, weight_map, lora_config: Any, shapes: dict, layers=None) -
     if not found:
         raise LoraError(f"LoRA target_modules={lora_config.target_modules!r} matches no module")
     return found
+
+
+def _refuse_tower_targets(weight_map, shapes: dict, targets, lora_config: Any) -> None:
+    """LoRA on a vision tower is not built: refuse targets that select one of its linear modules, which
+    peft would adapt (``all-linear``; Qwen2.5-VL's tower MLP is also ``gate_proj``/``up_proj``/
+    ``down_proj``; Qwen3-VL's ``linear_fc1``), naming the module. Text-only models have none."""
+    for entry in weight_map.entries((), first=True, last=False):
+        for hf_name in entry.hf:
+            module = hf_name[: -len(".weight")]
+            # 2-D weights of linear modules only: embeddings (embed_tokens, the tower's pos_embed) are not
+            # adapted by peft's all-linear; the patch embedding is a Conv3d (5-D)
+            leaf = module.rsplit(".", 1)[1]
+            if not hf_name.endswith(".weight") or len(shapes.get(hf_name, ())) != 2 or "embed" in leaf:
+                continue
+            if _selected(leaf, module, targets):
+                raise LoraError(f"LoRA on the vision tower is not built: target_modules="
+                                f"{lora_config.target_modules!r} selects {module} (peft would adapt it); "
+                                "name the language model's modules only, e.g. a regular expression such as "
+                                r"'.*language_model.*\.(q_proj|v_proj)'")
 
 
 def _refuse_unadapted(leaf: str, hf_module: str, targets, expert: bool) -> None:

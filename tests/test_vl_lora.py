@@ -1,0 +1,129 @@
+"""LoRA on Qwen3-VL's language model against peft (issue 41 item 3), fp32 on CPU: a peft adapter of
+random A and B on the text attention and MLP, the images-and-video batch (two images of different
+sizes and a video) and the packed batch: logits and loss against ``PeftModel`` on transformers'
+model, every LoRA gradient after ``forward_backward``, at TP1 and TP2 with SP (gloo). LoRA on the
+tower is not built: targets that select a tower module (``all-linear``, ``linear_fc1``) are refused
+by name, since peft would adapt them and ours would not. (Qwen2-VL / Qwen2.5-VL still refuse LoRA:
+their weight maps use the release checkpoint names, ``model.layers.*``, where peft's adapters name
+transformers' ``model.language_model.layers.*``.) ~30 s on 2 cores."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.workers_lora import lora_state_of_grads
+from tests.workers_qwen3_vl import qwen3_vl_batch, qwen3_vl_packed_batch, write_qwen3_vl_model
+from tests.workers_vl import _inputs, _segments
+
+TEXT_TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
+TOL = {"logits": 1e-5, "loss": 1e-5, "grads": 1e-4}
+
+
+def _adapter(path: str, out: str, targets) -> str:
+    """A peft adapter of random A and B (peft's init leaves B = 0, which would hide B's handling)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(5)
+    peft_model = get_peft_model(AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32),
+                                LoraConfig(r=4, lora_alpha=16, target_modules=targets, lora_dropout=0.0))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.1)
+    peft_model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vl_lora")
+    q3 = write_qwen3_vl_model(root, "q3_untied", seed=31)
+    return {"q3_untied": (q3, _adapter(q3, str(root / "q3_adapter"), TEXT_TARGETS))}
+
+
+def _builder(case: str):
+    from models.qwen3_vl import build_parallel_model
+
+    return build_parallel_model
+
+
+def _batches(case: str, path: str) -> dict:
+    return {"padded": qwen3_vl_batch(case, "images_and_video"), "packed": qwen3_vl_packed_batch(case)}
+
+
+def lora_records(case: str, path: str, adapter: str, tp: int) -> list[tuple]:
+    """Rank body: ours with the adapter against peft, logits / loss / LoRA gradients per batch."""
+    from peft import LoraConfig, PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    from parallel import ParallelConfig
+
+    pconfig = ParallelConfig(tp=tp, sequence_parallel=tp > 1)
+    model = _builder(case)(path, pconfig, lora=LoraConfig.from_pretrained(adapter))
+    model.load_lora_adapter(adapter)
+    ref = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32), adapter,
+                                    is_trainable=True)
+    records = []
+    for kind, batch in _batches(case, path).items():
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        inputs = _inputs(batch)
+        with torch.no_grad():
+            ours = model(**inputs, gather_logits=True)
+        if kind == "packed":
+            segments = [ref(**seg) for seg in _segments(batch, ref.config)]
+            ref_logits = torch.cat([out.logits[0] for out in segments])
+            counts = [int((seg["labels"][0, 1:] != -100).sum()) for seg in _segments(batch, ref.config)]
+            ref_loss = sum(out.loss * n for out, n in zip(segments, counts)) / sum(counts)
+            ours_logits = ours.logits[0]
+        else:
+            out = ref(**inputs)
+            valid = batch["attention_mask"].bool()
+            ref_logits, ref_loss, ours_logits = out.logits[valid], out.loss, ours.logits[valid]
+            ref_logits = ref_logits.detach()
+        ids, labels = inputs.pop("input_ids"), inputs.pop("labels")
+        loss = model.forward_backward(ids, labels, **inputs)
+        ref_loss.backward()
+        grads = lora_state_of_grads(model)
+        ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+        worst = max(((g - ref_grads[k.replace(".weight", ".default.weight")]).abs().max()
+                     / ref_grads[k.replace(".weight", ".default.weight")].abs().max()).item() for k, g in grads.items())
+        base = sum(1 for n, p in model.named_parameters() if p.grad is not None and ".lora." not in n)
+        records += [(case, tp, kind, "logits", (ours_logits - ref_logits).abs().max().item()),
+                    (case, tp, kind, "loss", abs(loss.item() - ref_loss.item())),
+                    (case, tp, kind, "grads", worst if len(grads) == len(ref_grads) and not base else float("inf"))]
+    return records
+
+
+@functools.lru_cache(maxsize=None)
+def _records(tp: int, case: str, path: str, adapter: str) -> tuple:
+    if tp == 1:
+        return tuple(lora_records(case, path, adapter, 1))
+    return tuple(run_distributed(tp, lora_records, case, path, adapter, tp)[0])
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("case", ["q3_untied"])
+def test_text_lora_on_vl_models_matches_peft(dirs, case, tp):
+    records = _records(tp, case, *dirs[case])
+    assert {r[2] for r in records} == set(_batches(case, dirs[case][0]))
+    bad = [f"{r[2]} {r[3]}={r[4]:.3g}" for r in records if not r[4] <= TOL[r[3]]]
+    assert not bad, f"{case} tp={tp}: {bad}"
+
+
+@pytest.mark.parametrize(("case", "targets", "module"), [
+    ("q3_untied", "all-linear", "model.visual.blocks.0.attn.qkv"),
+    ("q3_untied", ["q_proj", "linear_fc1"], "model.visual.blocks.0.mlp.linear_fc1"),
+])
+def test_targets_that_select_the_tower_are_refused(dirs, case, targets, module):
+    from peft import LoraConfig
+
+    from models.common.blocks.lora import LoraError
+
+    with pytest.raises(LoraError, match=rf"vision tower is not built.*selects {module.replace('.', '[.]')} "):
+        _builder(case)(dirs[case][0], lora=LoraConfig(r=4, target_modules=targets))
