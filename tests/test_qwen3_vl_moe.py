@@ -234,3 +234,14 @@ def test_config_read_as_plain_json_equals_transformers(moe_dirs):
         assert data["text_config"]["tie_word_embeddings"] is True
         assert ours.tie_word_embeddings == data["tie_word_embeddings"] == (name == "m_tied")
         assert ours.moe.norm_topk_prob and ours.moe.num_experts == data["text_config"]["num_local_experts"] == 4
+
+
+def test_save_pretrained_is_refused_until_experts_are_written_fused(ours_moe, tmp_path):
+    """transformers would read per-expert names as unexpected keys and start random experts: refused in one
+    line, nothing written."""
+    from models.common.export.buckets import ExportError
+
+    refused = r"qwen3_vl_moe checkpoints are not written yet .* nothing was written"
+    with pytest.raises(ExportError, match=refused) as err:
+        ours_moe["m_untied"].save_pretrained(tmp_path / "out")
+    assert "\n" not in str(err.value) and not (tmp_path / "out").exists()
