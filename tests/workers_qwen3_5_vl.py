@@ -152,6 +152,16 @@ def short_of_one_image_token(name: str) -> dict:
     return {**batch, "input_ids": ids, "mm_token_type_ids": None}
 
 
+def moved_image_token(name: str) -> dict:
+    """The images-and-video batch with row 0's last image placeholder moved to row 1 (totals unchanged): row 0's
+    second image is short of a token."""
+    batch = vl_batch(name, "images_and_video")
+    ids, image = batch["input_ids"].clone(), CASES[name]["image_token_id"]
+    ids[0, (ids[0] == image).nonzero()[-1, 0]] = 5
+    ids[1, 0] = image
+    return {**batch, "input_ids": ids, "mm_token_type_ids": None}
+
+
 # ------------------------------------------------------------------ rank bodies
 def _grad_rel(model, hf, prefix: str) -> float:
     """Largest relative gradient difference over the HF tensors under ``prefix`` this rank holds (inf: a name
