@@ -4,10 +4,11 @@ without DeepStack, interleaved M-RoPE over the partial rotary channels) against 
 the cases and batches of tests/workers_qwen3_5_vl.py: two images of different sizes and a two-frame video in one
 batch (right padding), a mixed batch with a text-only row (left padding), a packed batch (against each sample run
 alone in transformers, which ignores packing); an SGD step with every vision and text gradient compared;
-``save_pretrained`` bitwise. Layouts: one process (dense and MoE), and one 2-rank group running TP2+SP, CP2 (the
-images' tokens on both ranks), PP2 (``forward_backward``, the tower on the first stage) and EP2 (MoE).
+``save_pretrained`` bitwise. Layouts: one process (dense and MoE), and one 2-rank group running TP2+SP (dense
+and MoE), CP2 (the images' tokens on both ranks; MoE with ``forward_backward``), PP2 (``forward_backward``, the
+tower on the first stage) and EP2 (MoE).
 
-Cost: ~1.5-2 minutes on 2 cores (the 2-rank group ~60-80 s, the in-process cases ~20 s, the rest seconds).
+Cost: ~50-60 s on 2 cores (the 2-rank group ~30 s, the in-process cases ~15 s, the rest seconds).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ LAYOUTS = {
     1: [("dense", {}, {"save": True}), ("moe", {}, {"save": True})],
     2: [("dense", {"tp": 2, "sequence_parallel": True}, {"save": True}), ("dense", {"cp": 2}),
         ("dense", {"pp": 2}, {"forward_backward": True}), ("moe", {"ep": 2}),
+        ("moe", {"tp": 2, "sequence_parallel": True}), ("moe", {"cp": 2}, {"forward_backward": True}),
         ("dense", {"tp": 2, "sequence_parallel": True}, {"bad_input": True}),
         ("dense", {"cp": 2}, {"bad_input": True})],
 }
