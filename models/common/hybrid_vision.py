@@ -1,14 +1,15 @@
 """The vision tower of Qwen3.5 / Qwen3.5-MoE conditional-generation checkpoints
 (``Qwen3_5ForConditionalGeneration``, ``Qwen3_5MoeForConditionalGeneration``), as tensors to carry.
 
-Plain data, no torch. The parallel models run the text model only (``text_config``, decoder under
+Plain data, no torch. The converters, and the text build of such a checkpoint
+(``build_parallel_model(..., text_only=True)``), hold the text model only (``text_config``, decoder under
 ``model.language_model.``); the tower's tensors (``model.visual.*``) are named and shaped here from the
 vision config so that a checkpoint's tower is checked tensor by tensor (nothing missing, nothing
 mis-shaped, nothing unexplained) and carried bitwise by conversions whose target can hold it (HF), instead
-of being dropped. Names and shapes are transformers 5.24's ``Qwen3_5VisionModel``: a Conv3d patch embedding
-with bias, a learned position table, ``depth`` pre-LayerNorm blocks (fused ``qkv`` with bias, ``proj``, a
-two-layer MLP with biases) and the patch merger (LayerNorm over one patch, two linears over the
-``spatial_merge_size**2`` merged patches).
+of being dropped (the default build runs the tower: ``models/common/hybrid_vl.py``). Names and shapes are
+transformers 5.24's ``Qwen3_5VisionModel``: a Conv3d patch embedding with bias, a learned position table,
+``depth`` pre-LayerNorm blocks (fused ``qkv`` with bias, ``proj``, a two-layer MLP with biases) and the patch
+merger (LayerNorm over one patch, two linears over the ``spatial_merge_size**2`` merged patches).
 
 In Megatron checkpoints (Megatron-Bridge 0.6.2's ``Qwen3VLModel``, mapping registry of ``qwen35_vl_bridge.py``)
 the tower is megatron-core's ViT under ``vision_model.`` (``MEGATRON_TOWER``): each block a Transformer-Engine
