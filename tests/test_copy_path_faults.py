@@ -4,7 +4,9 @@ legacy with expert parallelism, torch_dist, grouped-GEMM ``GroupedMLP`` -- as ta
 (``copy_path/megatron.py``, ``megatron_moe.py``, ``grouped_moe.py``), and MoE -> vLLM.
 
 One tiny Qwen2-MoE (tests/workers_moe ``shared``: a shared expert, a dense layer, 8 experts) and its checkpoints
-written by pmz: legacy TP2 x EP2, torch_dist TP2 x EP2 (per-layer expert tensors), GroupedMLP TP2 x EP2, vLLM TP2.
+written by pmz: legacy TP2 x EP2, torch_dist TP2 x EP2 (per-layer expert tensors), GroupedMLP TP2 x EP2, vLLM TP2;
+and a Qwen3-MoE with every layer sparse (tests/test_copy_path_moe), whose torch_dist experts are stacked
+``[L, E, ...]``.
 Each ``CASES`` conversion pairs a damaged source reader with a new writer. For every one:
 
 * a damaged source -- a truncated file, a tensor (one expert, one TP shard) of the wrong shape, a missing
@@ -20,8 +22,10 @@ Each ``CASES`` conversion pairs a damaged source reader with a new writer. For e
 * after each, the same command into the same destination (the source repaired) succeeds on the copy path and
   writes exactly the files of an undisturbed run.
 
-Cost: ~90 s on 2 busy cores, 38 tests (the model ~4 s; 22 damaged sources in-process, each also on the torch path
-and rerun; 15 ``pmz`` subprocesses, held or size-limited, ~3 s each).
+Cost: 70-90 s on 2 busy cores, 42 tests (the two models ~10 s; 25 damaged sources in-process, each also on the
+torch path and rerun; 12 ``pmz`` subprocesses, held or size-limited, ~3-5 s each). In-process conversions of the
+legacy rank files take ~3 s here against ~0.6 s in a fresh ``pmz``: garbage collections over the heap transformers
+and torch leave in the test process, not the converter.
 """
 
 from __future__ import annotations
@@ -62,9 +66,14 @@ CASES = {
     "grouped-to-dist": ("grouped", ["--to", "megatron-dist"]),
     "dist-to-grouped": ("dist", ["--to", "megatron", "--moe-grouped-gemm"]),
     "hf-to-vllm": ("hf", ["--to", "vllm", "--tp", "2"]),
+    "stacked-dist-to-vllm": ("stacked", ["--to", "vllm", "--tp", "2"]),
+    "qwen3-hf-to-stacked-dist": ("qwen3", ["--to", "megatron-dist", "--tp", "2", "--ep", "2"]),
 }
-SOURCES = {"legacy": ("megatron", dict(tp=2, ep=2)), "dist": ("megatron-dist", dict(tp=2, ep=2)),
-           "grouped": ("megatron", dict(tp=2, ep=2, moe_grouped_gemm=True)), "vllm": ("vllm", dict(tp=2))}
+WRITERS = ["legacy-ep-to-vllm", "vllm-to-legacy-ep", "grouped-to-dist", "dist-to-grouped"]  # signals, EFBIG
+# name -> (HF model, target, layout): pmz's checkpoints of the HF models
+SOURCES = {"legacy": ("hf", "megatron", dict(tp=2, ep=2)), "dist": ("hf", "megatron-dist", dict(tp=2, ep=2)),
+           "grouped": ("hf", "megatron", dict(tp=2, ep=2, moe_grouped_gemm=True)), "vllm": ("hf", "vllm", dict(tp=2)),
+           "stacked": ("qwen3", "megatron-dist", dict(tp=2, ep=2))}
 
 
 class Moe:
@@ -84,12 +93,13 @@ class Moe:
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory) -> Moe:
+    from tests.test_copy_path_moe import write_qwen3_moe
     from tests.workers_moe import write_moe_model
 
     root = tmp_path_factory.mktemp("copy_faults")
-    paths = {"hf": Path(write_moe_model(root, "shared", seed=1))}
-    for name, (to, layout) in SOURCES.items():
-        paths[name] = convert(paths["hf"], root / name, to=to, workers=1, **layout)
+    paths = {"hf": Path(write_moe_model(root, "shared", seed=1)), "qwen3": Path(write_qwen3_moe(root / "qwen3"))}
+    for name, (model, to, layout) in SOURCES.items():
+        paths[name] = convert(paths[model], root / name, to=to, workers=1, **layout)
     return Moe(root, paths)
 
 
@@ -150,8 +160,12 @@ def _dist_chunks(key: str, edit):
     return damage
 
 
-def _shrink_chunk(chunks: list) -> None:
-    chunks[5] = type(chunks[5])(offsets=chunks[5].offsets, sizes=torch.Size([1, 63, 32]))
+def _shrink_chunk(chunks: list, i: int = 5) -> None:
+    chunks[i] = type(chunks[i])(offsets=chunks[i].offsets, sizes=torch.Size([*chunks[i].sizes[:-1], 31]))
+
+
+def _drop_chunk(offsets: tuple):
+    return lambda chunks: chunks.remove(next(c for c in chunks if tuple(c.offsets) == offsets))
 
 
 def _set(key: str, value):
@@ -166,6 +180,8 @@ EXPERT = "decoder.layers.2.mlp.experts.local_experts.1.linear_fc1.weight"
 GROUPED_STRAY = "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"
 DIST_FC1 = "decoder.layers.0.mlp.experts.experts.linear_fc1.weight"
 DIST_FC2 = "decoder.layers.2.mlp.experts.experts.linear_fc2.weight"
+STACKED_FC1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+STACKED_FC2 = "decoder.layers.mlp.experts.experts.linear_fc2.weight"
 VLLM = "model.layers.0.mlp.experts.routed_experts."
 HF_EXPERTS = "model.layers.{}.mlp.experts.{}.{}_proj.weight"
 
@@ -203,9 +219,16 @@ DAMAGE = {
     },
     "dist": {
         "truncated": (lambda s: _truncate(s / "release/__1_0.distcp"), ["truncated data file __1_0.distcp"]),
-        "wrong-shape": (_dist_chunks(DIST_FC2, _shrink_chunk), [".metadata", DIST_FC2, "16352 of 16384"]),
+        "wrong-shape": (_dist_chunks(DIST_FC2, _shrink_chunk), [".metadata", DIST_FC2, "16320 of 16384"]),
         "missing-file": (lambda s: os.remove(s / "release/__3_0.distcp"), ["missing data file __3_0.distcp"]),
         "missing-expert": (_dist_chunks(DIST_FC1, lambda c: c.pop(5)), [".metadata", DIST_FC1, "28672 of 32768"]),
+    },
+    "stacked": {
+        "truncated": (lambda s: _truncate(s / "release/__2_0.distcp"), ["truncated data file __2_0.distcp"]),
+        "wrong-shape": (_dist_chunks(STACKED_FC2, lambda c: _shrink_chunk(c, 13)),
+                        [".metadata", STACKED_FC2, "65472 of 65536"]),
+        "missing-expert": (_dist_chunks(STACKED_FC1, _drop_chunk((2, 3, 0, 0))),
+                           [".metadata", STACKED_FC1, "126976 of 131072"]),
     },
     "vllm": {
         "truncated": (lambda s: _truncate(s / "model-rank-1-part-0.safetensors"),
@@ -225,7 +248,7 @@ DAMAGE = {
                            [HF_EXPERTS.format(3, 6, "down"), "missing"]),
     },
 }
-DAMAGE_CASES = [(case, damage) for case, (name, _) in CASES.items() for damage in DAMAGE[name]]
+DAMAGE_CASES = [(case, damage) for case, (name, _) in CASES.items() for damage in DAMAGE.get(name, ())]
 
 
 @pytest.mark.parametrize("case,damage", DAMAGE_CASES, ids=[f"{c}-{d}" for c, d in DAMAGE_CASES])
@@ -256,7 +279,7 @@ def test_damaged_source_is_refused_before_writing(moe, tmp_path, capsys, monkeyp
 
 # ---------------------------------------------------------------------------------------------- signals
 
-SIGNALLED = [(case, "SIGINT") for case in CASES if case != "hf-to-vllm"] + [
+SIGNALLED = [(case, "SIGINT") for case in CASES if case in WRITERS] + [
     ("legacy-ep-to-vllm", "SIGTERM"), ("dist-to-grouped", "SIGTERM")]
 
 
@@ -304,8 +327,6 @@ def test_sigkill_mid_write_next_run_removes_the_temp_dir(moe, tmp_path, held_run
 
 # ---------------------------------------------------------------------------------------------- a full disk
 
-WRITERS = ["legacy-ep-to-vllm", "vllm-to-legacy-ep", "grouped-to-dist", "dist-to-grouped"]
-
 
 @linux_only
 @pytest.mark.parametrize("case", WRITERS)
@@ -322,7 +343,7 @@ def test_file_size_limit_names_the_file(moe, tmp_path, capsys, paths_taken, case
     _rerun_succeeds(moe, case, src, dst, paths_taken, capsys)
 
 
-@pytest.mark.parametrize("case", WRITERS)
+@pytest.mark.parametrize("case", [*WRITERS, "qwen3-hf-to-stacked-dist"])
 def test_disk_full_in_the_worker_threads(moe, tmp_path, capsys, monkeypatch, paths_taken, case):
     """ENOSPC from ``pwrite`` / ``pwritev`` (a disk filling up while the tensors are copied, in the worker
     threads): one line naming the destination's file and the errno text, nothing left, every thread ended."""
