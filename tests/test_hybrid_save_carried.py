@@ -39,7 +39,7 @@ def _worker(paths: dict, out: str) -> dict:
     from parallel import ParallelConfig
 
     result = {}
-    model = build_parallel_model(paths["condgen"], ParallelConfig(tp=2))
+    model = build_parallel_model(paths["condgen"], ParallelConfig(tp=2), text_only=True)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (2, 11), generator=torch.Generator().manual_seed(3))
     model(ids, labels=ids.clone(), return_logits=False).loss.backward()
@@ -55,7 +55,7 @@ def _worker(paths: dict, out: str) -> dict:
     text.save_pretrained(f"{out}/text-bf16", dtype=torch.bfloat16)
     text.save_pretrained(f"{out}/text-fp8", quantization="fp8")
     moved = build_parallel_model(paths["moved"], ParallelConfig(tp=2))
-    reshaped = build_parallel_model(paths["reshaped"], ParallelConfig(tp=2))
+    reshaped = build_parallel_model(paths["reshaped"], ParallelConfig(tp=2), text_only=True)
     grown = build_parallel_model(paths["grown"], ParallelConfig(tp=2))
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
