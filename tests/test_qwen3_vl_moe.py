@@ -5,7 +5,8 @@ batch with a text-only row (left padding), a packed batch against each sequence 
 loss where the case's config asks for it, and two SGD steps with every vision, text, router and expert
 gradient compared. Layouts: TP2+SP, EP2 (experts split), PP2 with the stage boundary inside the DeepStack
 layers (the DeepStack tensor and the router statistics both cross it), PP2 x VPP2, CP2 and Ulysses2.
-Then: what transformers writes on disk (fused experts) and reads back, bad input in one line.
+Then: what transformers writes on disk (fused experts) and reads back, the original releases' transposed
+experts read, ``save_pretrained`` read back by transformers, bad input in one line.
 
 Cost on 2 cores: ~50 s for the module (measured 46 s): ~33 s the two-rank group (six layouts in one spawn),
 ~10 s the single-process layouts and the two random checkpoints, ~3 s the rest.
@@ -147,25 +148,56 @@ def test_checkpoint_directory_gives_transformers_logits(hf_moe, ours_moe, name):
     assert (unnormalised - ref).abs().max() > 1e-3
 
 
-def test_release_layout_of_experts_is_refused_in_one_line(moe_dirs, tmp_path):
-    """The original releases store experts transposed (``[E, H, 2F]``, ``[E, F, H]``), which transformers
-    transposes on load; our loader does not read them: a CheckpointError naming the tensor and both shapes."""
+def _release_layout(src: Path, dst: Path) -> Path:
+    """``src`` (transformers' save) with every layer's experts as the original releases store them: transposed,
+    ``gate_up_proj [E, H, 2F]``, ``down_proj [E, F, H]`` (what transformers transposes back on load)."""
     from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors = {k: v.transpose(1, 2).contiguous() if k.endswith((".experts.gate_up_proj", ".experts.down_proj")) else v
+               for k, v in tensors.items()}
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_release_layout_of_experts_is_read(moe_dirs, hf_moe, tmp_path):
+    """The original releases store experts transposed (``[E, H, 2F]``, ``[E, F, H]``), which transformers
+    transposes on load: read as strided per-expert views, the same logits as transformers' model of that
+    directory; saving that model writes transformers' own layout, bitwise transformers' save. A fused tensor
+    in neither layout is refused naming both shapes."""
+    from transformers import Qwen3VLMoeForConditionalGeneration
 
     from models.common.errors import CheckpointError
     from models.qwen3_vl_moe import build_parallel_model
 
     src = Path(dict(moe_dirs)["m_untied"])
-    shutil.copytree(src, tmp_path / "release")
-    tensors = load_file(str(src / "model.safetensors"))
-    tensors = {k: v.transpose(1, 2).contiguous() if k.endswith((".experts.gate_up_proj", ".experts.down_proj")) else v
-               for k, v in tensors.items()}
-    save_file(tensors, str(tmp_path / "release" / "model.safetensors"), metadata={"format": "pt"})
-    refused = (r"fused experts model\.language_model\.layers\.\d\.mlp\.experts\.("
-               r"gate_up_proj have shape \(4, 64, 96\), the config implies \(4, 96, 64\)|"
-               r"down_proj have shape \(4, 48, 64\), the config implies \(4, 64, 48\))")
+    release = _release_layout(src, tmp_path / "release")
+    assert _on_disk(release)["model.language_model.layers.0.mlp.experts.gate_up_proj"] == (4, 64, 96)
+    hf = Qwen3VLMoeForConditionalGeneration.from_pretrained(str(release), dtype=torch.float32).eval()
+    model = build_parallel_model(release).eval()
+    batch = _inputs(qwen3_vl_batch(BASE["m_untied"], "images_and_video"))
+    valid = batch["attention_mask"].bool()
+    with torch.no_grad():
+        ref, ours = hf(**batch).logits[valid], model(**batch, gather_logits=True).logits[valid]
+        assert (ours - ref).abs().max() <= FP32_TOL
+        assert (hf_moe["m_untied"](**batch).logits[valid] - ref).abs().max() == 0  # transformers read it back
+    model.save_pretrained(tmp_path / "saved")
+    assert not _differing(_stored(tmp_path / "saved"), _stored(src))
+
+    bad = tmp_path / "bad"
+    shutil.copytree(release, bad)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(bad / "model.safetensors"))
+    name = "model.language_model.layers.2.mlp.experts.down_proj"
+    tensors[name] = tensors[name].reshape(4, 24, 128).contiguous()
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    refused = (r"fused experts model\.language_model\.layers\.2\.mlp\.experts\.down_proj have shape \(4, 24, 128\), "
+               r"the config implies \(4, 64, 48\) \(E, hidden_size, moe_intermediate_size\) or, as the original "
+               r"releases store them, \(4, 48, 64\)")
     with pytest.raises(CheckpointError, match=refused) as err:
-        build_parallel_model(tmp_path / "release")
+        build_parallel_model(bad)
     assert "\n" not in str(err.value)
 
 
@@ -236,12 +268,35 @@ def test_config_read_as_plain_json_equals_transformers(moe_dirs):
         assert ours.moe.norm_topk_prob and ours.moe.num_experts == data["text_config"]["num_local_experts"] == 4
 
 
-def test_save_pretrained_is_refused_until_experts_are_written_fused(ours_moe, tmp_path):
-    """transformers would read per-expert names as unexpected keys and start random experts: refused in one
-    line, nothing written."""
-    from models.common.export.buckets import ExportError
+def _stored(directory) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
 
-    refused = r"qwen3_vl_moe checkpoints are not written yet .* nothing was written"
-    with pytest.raises(ExportError, match=refused) as err:
-        ours_moe["m_untied"].save_pretrained(tmp_path / "out")
-    assert "\n" not in str(err.value) and not (tmp_path / "out").exists()
+    return {k: v for f in sorted(Path(directory).glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
+def _differing(got: dict, want: dict) -> list[str]:
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))[:6]
+    return [k for k, t in want.items() if not (got[k].dtype == t.dtype and torch.equal(got[k], t))]
+
+
+@pytest.mark.parametrize("name", sorted(QWEN3_VL_MOE_CASES))
+def test_save_pretrained_writes_what_transformers_reads(moe_dirs, hf_moe, ours_moe, tmp_path, name):
+    """``save_pretrained`` stores each layer's experts fused as transformers does (``gate_up_proj [E, 2F, H]``,
+    ``down_proj [E, H, F]``): every tensor bitwise the source directory's (transformers' save), split over
+    several files with an index when ``max_shard_size`` asks (a fused tensor whole in one file);
+    transformers' ``from_pretrained`` of it reports no missing or unexpected key and gives the same logits."""
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    src = dict(moe_dirs)[name]
+    for limit, out in (("5GB", tmp_path / "one"), (60_000, tmp_path / "many")):
+        ours_moe[name].save_pretrained(out, max_shard_size=limit)
+        assert not _differing(_stored(out), _stored(src))
+    index = json.loads((tmp_path / "many" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) > 2 and "model.language_model.layers.0.mlp.experts.gate_up_proj" in index
+    hf, info = Qwen3VLMoeForConditionalGeneration.from_pretrained(str(tmp_path / "many"), dtype=torch.float32,
+                                                                   output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    batch = _inputs(qwen3_vl_batch(BASE[name], "images_and_video"))
+    valid = batch["attention_mask"].bool()
+    with torch.no_grad():
+        assert torch.equal(hf.eval()(**batch).logits[valid], hf_moe[name](**batch).logits[valid])

@@ -65,8 +65,12 @@ class HFRawSource(RawSource):
         self.path = checkpoint.path
         self.hf_config_dir = self.path
         self._set_model(checkpoint)
+        names = hf_shapes(self.cfg, self.wmap)
+        strided = next((n for n in names if checkpoint.tensors[n].stride is not None), None)
+        if strided is not None:  # a release checkpoint's transposed experts: no byte range to copy
+            raise Unsupported(f"{self.path}: {strided} is a transposed view of fused experts")
         self.planned = {n: PlannedTensor(t.shape, t.dtype, [Copy(t.path, t.offset, t.nbytes)])
-                        for n in hf_shapes(self.cfg, self.wmap) for t in (checkpoint.tensors[n],)}
+                        for n in names for t in (checkpoint.tensors[n],)}
 
 
 class LegacyRawSource(RawSource):

@@ -16,6 +16,7 @@ copy path (``converters/copy_path/hf.py``) plan with it, so they write identical
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from models.common.hf_files import (  # noqa: F401 (per_expert_views: the rule t
     StoredTensor,
     canonical_names,
     check_tensors,
+    fused_expert_layout,
     per_expert_views,
 )
 from models.common.weight_map import hf_shapes
@@ -56,8 +58,10 @@ class HFCheckpoint:
         cfg = arch.model_config(self.hf_config)
         # other key layouts of the same model (Qwen2-VL's in-memory names) under the weight map's names
         stored_as = canonical_names(self.files.names(), arch.canonical_name, self.path)
-        # experts stored fused: one view per expert (byte ranges of the fused tensors)
-        views, origin = per_expert_views(self.path, stored_as, self.files.tensors, cfg)
+        # experts stored fused: one view per expert (byte ranges of the fused tensors; strided views of a release's
+        # transposed ones where the model's map says HF stores them fused, as transformers reads them)
+        fused = arch.weight_map(cfg, cfg.vocab_size).fused_experts
+        views, origin = per_expert_views(self.path, stored_as, self.files.tensors, cfg, fused)
         shapes = {name: t.shape for name, t in views.items()}
         files = {name: self.files.file_of(stored) for name, stored in origin.items()}
         config_path = Path(path) / "config.json"
@@ -87,9 +91,21 @@ def nbytes(shape: Iterable[int], tag: str) -> int:
 
 @dataclass
 class FilePlan:
+    """One output file: the weight map's HF tensors it holds (``tensors``, what readers produce and writers
+    fill, in write order) and the units to read for them. ``stored``: the tensors of its header when they
+    differ (a ``fused_experts`` map: each layer's experts as one fused tensor, ``hf_files.fused_expert_layout``),
+    ``within``: per-expert name -> (its fused tensor, element offset there); ``tensor_offsets`` places each
+    per-expert tensor inside its fused one, so writers need not know."""
+
     name: str
     tensors: list[tuple[str, tuple[int, ...]]]  # (hf_name, shape) in write order
     units: list[Unit]  # units to read, in order
+    stored: list[tuple[str, tuple[int, ...]]] | None = None
+    within: dict[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
+
+    def on_disk(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(name, shape) of the tensors the file's header lists, in order."""
+        return self.tensors if self.stored is None else self.stored
 
 
 _HEADER_BASE = 8 + 64  # length prefix, {"__metadata__":{"format":"pt"}}, alignment padding
@@ -101,20 +117,29 @@ def _header_entry_bytes(name: str, shape: tuple[int, ...]) -> int:
 
 
 def plan_shards(units_and_shapes: list[tuple[Unit, list[tuple[str, tuple[int, ...]]]]], tag: str,
-                max_shard_bytes: int) -> list[FilePlan]:
+                max_shard_bytes: int, fused_experts: bool = False) -> list[FilePlan]:
     """Assign tensors to files in order, starting a new file when the file (header included) would
-    pass ``max_shard_bytes``; a single tensor larger than the limit gets a file of its own."""
+    pass ``max_shard_bytes``; a single tensor larger than the limit gets a file of its own.
+    ``fused_experts`` (the weight map's flag): each layer's experts stored as its fused tensors
+    (``hf_files.fused_expert_layout``), each fused tensor whole in one file."""
     files: list[FilePlan] = []
     current: FilePlan | None = None
     size = 0
     for unit, tensors in units_and_shapes:
+        stored, within = fused_expert_layout(tensors) if fused_experts else (tensors, {})
+        members: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
         for name, shape in tensors:
+            members.setdefault(within[name][0] if name in within else name, []).append((name, tuple(shape)))
+        for name, shape in stored:
             n = nbytes(shape, tag) + _header_entry_bytes(name, shape)
             if current is None or (size + n > max_shard_bytes and current.tensors):
-                current = FilePlan("", [], [])
+                current = FilePlan("", [], [], [] if fused_experts else None)
                 files.append(current)
                 size = _HEADER_BASE
-            current.tensors.append((name, shape))
+            current.tensors.extend(members[name])
+            if current.stored is not None:
+                current.stored.append((name, tuple(shape)))
+                current.within.update((m, within[m]) for m, _ in members[name] if m in within)
             if not current.units or current.units[-1] != unit:
                 current.units.append(unit)
             size += n
@@ -149,12 +174,16 @@ def stored_offsets(stored: Sequence[tuple[str, Sequence[int], str]]) -> dict[str
 
 def header(plan: FilePlan, tag: str) -> bytes:
     """The planned file's header, every tensor in dtype ``tag``."""
-    return stored_header([(name, shape, tag) for name, shape in plan.tensors])
+    return stored_header([(name, shape, tag) for name, shape in plan.on_disk()])
 
 
 def tensor_offsets(plan: FilePlan, tag: str) -> dict[str, int]:
-    """Absolute file offset of each planned tensor, every tensor in dtype ``tag``."""
-    return stored_offsets([(name, shape, tag) for name, shape in plan.tensors])
+    """Absolute file offset of each planned tensor (``plan.tensors``; a per-expert tensor inside its fused
+    one), every tensor in dtype ``tag``."""
+    offsets = stored_offsets([(name, shape, tag) for name, shape in plan.on_disk()])
+    for name, (fused, at) in plan.within.items():
+        offsets[name] = offsets[fused] + at * ITEMSIZE[tag]
+    return offsets
 
 
 def split_file_plan(plan: FilePlan, parts: int) -> list[tuple[int, int]]:
@@ -174,7 +203,7 @@ def split_file_plan(plan: FilePlan, parts: int) -> list[tuple[int, int]]:
 def create_shard_file(plan: FilePlan, directory: str, tag: str) -> None:
     """The file with its header, sized to its final length (tensor bytes are written by tasks)."""
     head = header(plan, tag)
-    size = len(head) + sum(nbytes(shape, tag) for _, shape in plan.tensors)
+    size = len(head) + sum(nbytes(shape, tag) for _, shape in plan.on_disk())
     with open(Path(directory) / plan.name, "wb") as f:
         f.write(head)
         f.truncate(size)
@@ -184,7 +213,7 @@ def write_index(files: list[FilePlan], directory: str, tag: str) -> None:
     """``model.safetensors.index.json`` when there is more than one file."""
     if len(files) == 1:
         return
-    total = sum(nbytes(shape, tag) for f in files for _, shape in f.tensors)
+    total = sum(nbytes(shape, tag) for f in files for _, shape in f.on_disk())
     index = {"metadata": {"total_size": total},
-             "weight_map": {name: f.name for f in files for name, _ in f.tensors}}
+             "weight_map": {name: f.name for f in files for name, _ in f.on_disk()}}
     (Path(directory) / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

@@ -22,9 +22,11 @@ ARCHITECTURE_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", 
 
 # Conditional-generation model types whose transformers config reads the text model only from ``text_config``
 # (top-level text fields are ignored there: transformers would build the text model from its defaults)
-NESTED_TEXT_CONFIG = ("qwen3_vl", "qwen3_5", "qwen3_5_moe")
+NESTED_TEXT_CONFIG = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 # ... whose transformers model (5.24) ties the LM head by the top-level ``tie_word_embeddings`` alone, where
-# ``models/common/vision_config.text_and_vision_sections`` reads either place (checked for Qwen3-VL)
+# ``models/common/vision_config.text_and_vision_sections`` reads either place (checked for Qwen3-VL). Not
+# Qwen3-VL-MoE: its ``text_config`` flag defaults to (and is saved as) true in untied checkpoints too, and its
+# model config reads the top-level flag alone (``models/qwen3_vl_moe/config.py``), as transformers does
 TOP_LEVEL_TIE = ("qwen3_vl",)
 
 

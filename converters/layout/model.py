@@ -36,9 +36,10 @@ def architectures() -> dict[str, Architecture]:
     from models.qwen3_moe.architecture import ARCHITECTURE as QWEN3_MOE
     from models.qwen3_next.architecture import ARCHITECTURE as QWEN3_NEXT
     from models.qwen3_vl.architecture import ARCHITECTURE as QWEN3_VL
+    from models.qwen3_vl_moe.architecture import ARCHITECTURE as QWEN3_VL_MOE
 
     archs = (LLAMA, QWEN2, QWEN2_MOE, QWEN2_VL, QWEN2_5_VL, QWEN3, QWEN3_MOE, QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT,
-             QWEN3_VL)
+             QWEN3_VL, QWEN3_VL_MOE)
     return {t: arch for arch in archs for t in arch.hf_model_types}
 
 
@@ -52,7 +53,9 @@ BRIDGE_TARGET = "--to megatron-bridge"
 # Vision-language architectures with no Megatron layout in pmz at all (why, in the refusal's words): Megatron-LM's
 # formats have no names for their tower, and Megatron-Bridge's layout for them is not written (not guessed) yet
 NO_MEGATRON_LAYOUT = {"qwen3_vl": "Megatron-Bridge's Qwen3VLModel layout for it (the tower under vision_model., its "
-                                  "DeepStack mergers) is not implemented yet"}
+                                  "DeepStack mergers) is not implemented yet",
+                      "qwen3_vl_moe": "Megatron-Bridge's Qwen3VLModel layout for it (the tower under "
+                                      "vision_model., its DeepStack mergers, the experts) is not implemented yet"}
 NO_MEGATRON_HINT = "convert it with --to hf or --to vllm"
 
 

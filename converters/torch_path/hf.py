@@ -20,7 +20,7 @@ import torch
 from converters.formats import hf as hf_format
 from converters.formats.hf import FilePlan, HFCheckpoint, plan_shards, split_file_plan, tensor_offsets  # noqa: F401
 from converters.formats.hf_config import read_hf_config, write_config_dir
-from converters.formats.tensors import RawTensor
+from converters.formats.tensors import ITEMSIZE, RawTensor, StridedTensor
 from converters.layout.model import Unit, unit_entries
 from converters.torch_path.reader import TORCH_DTYPES, CheckpointReader, MappedFiles, ReaderInfo, mixed_dtypes, reopen
 from models.common.sources import CheckpointError, RenamedSource, SafetensorsSource
@@ -64,7 +64,11 @@ class HFReader(CheckpointReader):
         for entry in unit_entries(self.wmap, unit):
             for name in entry.hf:
                 view = self.views.get(name)
-                if view is not None:
+                if view is not None and view.stride is not None:  # a release checkpoint's transposed expert
+                    numel = view.span // ITEMSIZE[view.dtype]
+                    out[name] = self._mapped.tensor(StridedTensor(view.path, view.offset, numel, view.dtype,
+                                                                  view.shape, view.stride, 0))
+                elif view is not None:
                     out[name] = self._mapped.tensor(RawTensor(view.path, view.offset, view.dtype, view.shape))
                 else:
                     out[name] = self.source.read(name, Piece(None))
@@ -243,7 +247,7 @@ def hf_plan(reader: CheckpointReader, dtype: torch.dtype, max_shard_bytes: int) 
     for unit in reader.units():
         names = [n for e in unit_entries(reader.wmap, unit) for n in e.hf]
         units.append((unit, [(n, shapes[n]) for n in names]))
-    return plan_shards(units, SAFETENSORS_DTYPE[dtype], max_shard_bytes)
+    return plan_shards(units, SAFETENSORS_DTYPE[dtype], max_shard_bytes, reader.wmap.fused_experts)
 
 
 def write_hf(reader: CheckpointReader, directory: str, dtype: torch.dtype, *, max_shard_bytes: int, workers: int,

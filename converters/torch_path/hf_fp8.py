@@ -88,7 +88,13 @@ def quantized_names(reader: CheckpointReader) -> set[str]:
 
 def check_fp8_target(reader: CheckpointReader, tp: int | None = None) -> None:
     """QuantizationError (one line, the numbers named) before anything is written: a weight-map entry
-    with no FP8 role, or (``tp``: a vLLM target) a TP whose shard boundaries cut a 128x128 block."""
+    with no FP8 role, (an HF target) experts the model's HF checkpoints store fused (``fused_experts``: the
+    FP8 layout here is per tensor, per expert), or (``tp``: a vLLM target) a TP whose shard boundaries cut a
+    128x128 block."""
+    if tp is None and reader.wmap.fused_experts:
+        raise fp8.QuantizationError(f"--quantize fp8 --to hf: {reader.arch.name} stores its experts fused "
+                                    f"(mlp.experts.gate_up_proj), which pmz's FP8 layout (per-expert tensors with "
+                                    f"their _scale_inv) does not describe")
     quantization_config(reader)  # every entry's role
     quantized_names(reader)
     if tp is not None:

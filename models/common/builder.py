@@ -107,7 +107,8 @@ def build_model(arch: Architecture, source: Any, parallel_config: ParallelConfig
         lora_targets = check_lora_config(cfg, wmap, lora, parallel_config, hf_shapes(cfg, wmap))
     unloaded: tuple[str, ...] = ()
     if isinstance(source, (str, os.PathLike)):  # fused experts read per expert, as the converters read them
-        tensor_source = checkpoint_source(source, cfg, arch.canonical_name if arch.hf_key_aliases else None, where)
+        tensor_source = checkpoint_source(source, cfg, arch.canonical_name if arch.hf_key_aliases else None, where,
+                                          transposed_experts=wmap.fused_experts)
     elif tensor_source is not None and arch.hf_key_aliases:
         tensor_source = RenamedSource(tensor_source, arch.canonical_name, where)
     if tensor_source is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -84,13 +85,27 @@ SINGLE_NAME = "model.safetensors"
 @dataclass(frozen=True)
 class StoredTensor:
     """Where one tensor's bytes are: ``path`` (a file of the directory, as opened), the absolute byte
-    ``offset`` in it, its safetensors ``dtype`` tag, ``shape`` and ``nbytes`` (row-major, contiguous)."""
+    ``offset`` in it, its safetensors ``dtype`` tag, ``shape`` and ``nbytes`` (row-major, contiguous).
+
+    ``stride`` (elements; None: contiguous row-major) marks a view that is not one byte range: element
+    ``[i, j]`` at ``offset + (i * stride[0] + j * stride[1]) * itemsize`` (a transposed expert of a release
+    checkpoint, ``per_expert_views``). ``nbytes`` is then the view's own bytes (made contiguous), ``span`` the
+    bytes it reaches from ``offset``; only readers that map the file read it (the copy path leaves it to the
+    torch path)."""
 
     path: str
     offset: int
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
+    stride: tuple[int, ...] | None = None
+
+    @property
+    def span(self) -> int:
+        """Bytes from ``offset`` to the end of the view's last element."""
+        if self.stride is None or not all(self.shape):
+            return self.nbytes
+        return (sum((n - 1) * s for n, s in zip(self.shape, self.stride)) + 1) * DTYPE_BYTES[self.dtype]
 
 
 def _no_duplicate_keys(pairs: list) -> dict:
@@ -320,7 +335,7 @@ FUSED_GATE_UP, FUSED_DOWN = ".mlp.experts.gate_up_proj", ".mlp.experts.down_proj
 
 
 def per_expert_views(path: str, stored_as: dict[str, str], tensors: dict[str, StoredTensor],
-                     cfg: Any) -> tuple[dict[str, StoredTensor], dict[str, str]]:
+                     cfg: Any, transposed: bool = False) -> tuple[dict[str, StoredTensor], dict[str, str]]:
     """The checkpoint's tensors under the weight map's per-expert names: experts stored fused
     (``mlp.experts.gate_up_proj [E, 2F, H]``, gate rows then up rows per expert, and ``down_proj [E, H, F]``,
     as transformers holds them in memory and Qwen3.5-MoE / Qwen3.6 releases store them) become one view per
@@ -328,6 +343,17 @@ def per_expert_views(path: str, stored_as: dict[str, str], tensors: dict[str, St
     so both conversion paths read it as any stored tensor and the model loader (``weights.checkpoint_source``)
     maps only the experts a rank loads: the one rule for fused experts. Others pass through (``stored_as``:
     weight-map name -> stored name). Returns (name -> where its bytes are, name -> the stored tensor it is in).
+
+    ``transposed`` (a weight map with ``fused_experts``: Qwen3-VL-MoE): the original Qwen3-VL-MoE releases store
+    the same tensors transposed (``gate_up_proj [E, H, 2F]``: per expert ``x @ W`` with gate columns then up
+    columns; ``down_proj [E, F, H]``), which transformers 5.24 transposes on load for that model alone
+    (``conversion_mapping``'s ``Transpose(1, 2, check_dims=True)``; other MoE models refuse them): each view is then
+    strided (``StoredTensor.stride``: expert e's gate is columns ``[0, F)`` of its ``[H, 2F]`` block, read
+    transposed), so a reader still touches one expert at a time. Which layout a tensor is in is decided as
+    transformers decides it, tensor by tensor: the shape transformers holds (``[E, 2F, H]`` / ``[E, H, F]``)
+    is read as it is, any other shape is transposed. When ``hidden_size == 2 * moe_intermediate_size`` (gate_up)
+    or ``hidden_size == moe_intermediate_size`` (down) both layouts have the same shape and the tensor is read
+    untransposed, as transformers reads it (a release checkpoint of such a shape would be misread by both).
     CheckpointError for a fused tensor of another shape, or a layer holding both forms."""
     out: dict[str, StoredTensor] = {}
     origin: dict[str, str] = {}
@@ -339,20 +365,72 @@ def per_expert_views(path: str, stored_as: dict[str, str], tensors: dict[str, St
             continue
         prefix, gate_up = name.rsplit(".", 1)[0] + ".", name.endswith(FUSED_GATE_UP)
         E, H, F = moe.num_experts, cfg.hidden_size, moe.moe_intermediate_size  # every sparse layer's width
-        want = (E, 2 * F, H) if gate_up else (E, H, F)
-        if tuple(t.shape) != want:
+        rows = 2 * F if gate_up else H  # rows of one expert's block as transformers holds it
+        cols = H if gate_up else F
+        flip = tuple(t.shape) != (E, rows, cols)  # transformers' own shape first: read as it is
+        if flip and not (transposed and tuple(t.shape) == (E, cols, rows)):
             what = "E, 2 * moe_intermediate_size, hidden_size" if gate_up else "E, hidden_size, moe_intermediate_size"
+            release = f" or, as the original releases store them, {(E, cols, rows)}" if transposed else ""
             raise CheckpointError(f"{path}: fused experts {name} have shape {tuple(t.shape)}, the config implies "
-                                  f"{want} ({what})")
-        each = t.nbytes // E
-        parts = (("gate_proj", 0), ("up_proj", each // 2)) if gate_up else (("down_proj", 0),)
+                                  f"{(E, rows, cols)} ({what}){release}")
+        each, item = t.nbytes // E, DTYPE_BYTES[t.dtype]
+        parts = (("gate_proj", 0), ("up_proj", F)) if gate_up else (("down_proj", 0),)
+        shape = (F, H) if gate_up else (H, F)
         for e in range(E):
-            for part, at in parts:
+            for part, first_row in parts:
                 view = f"{prefix}{e}.{part}.weight"
                 if view in stored_as:
                     raise CheckpointError(f"{path}: {prefix} holds its experts twice, fused ({name}) and per expert "
                                           f"({view})")
-                shape = (F, H) if gate_up else (H, F)
-                out[view] = StoredTensor(t.path, t.offset + e * each + at, t.dtype, shape, each // len(parts))
+                nbytes = shape[0] * shape[1] * item
+                if flip:  # rows [first_row, ...) of the block = columns of the stored [cols, rows] block
+                    out[view] = StoredTensor(t.path, t.offset + e * each + first_row * item, t.dtype, shape, nbytes,
+                                             stride=(1, rows))
+                else:
+                    out[view] = StoredTensor(t.path, t.offset + e * each + first_row * cols * item, t.dtype, shape,
+                                             nbytes)
                 origin[view] = stored
     return out, origin
+
+
+_EXPERT_NAME = re.compile(r"(.*\.mlp\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+def fused_expert_layout(tensors: Sequence[tuple[str, Sequence[int]]]
+                        ) -> tuple[list[tuple[str, tuple[int, ...]]], dict[str, tuple[str, int]]]:
+    """The writers' side of ``per_expert_views`` (its inverse, the same rule): per-expert tensors
+    ``(name, shape)`` in the weight map's order stored fused as transformers 5.24 saves Qwen3-VL-MoE
+    (``WeightMap.fused_experts``): each layer's ``mlp.experts.{e}.gate_proj`` / ``up_proj`` become one
+    ``mlp.experts.gate_up_proj [E, 2F, H]`` (expert e's gate rows then its up rows) and ``down_proj`` one
+    ``mlp.experts.down_proj [E, H, F]``, placed where the layer's first expert tensor was; other tensors as they
+    are. Every per-expert tensor is a contiguous range of its fused tensor, so writers fill the fused tensor
+    expert by expert without holding the layer's experts twice.
+
+    Returns (the stored tensors ``(name, shape)`` in order, per-expert name -> (stored name, element offset));
+    a layer's experts must be complete (0..E-1, gate and up together): AssertionError otherwise (the weight
+    map always lists them so)."""
+    groups: dict[str, list[tuple[int, str, tuple[int, ...]]]] = {}
+    stored: list[tuple[str, tuple[int, ...]]] = []
+    for name, shape in tensors:
+        m = _EXPERT_NAME.fullmatch(name)
+        if m is None:
+            stored.append((name, tuple(shape)))
+            continue
+        fused = m.group(1)[:-1] + (".down_proj" if m.group(3) == "down_proj" else ".gate_up_proj")
+        if fused not in groups:
+            groups[fused] = []
+            stored.append((fused, ()))  # shape once the group is complete
+        groups[fused].append((int(m.group(2)), name, tuple(shape)))
+    where: dict[str, tuple[str, int]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for fused, members in groups.items():
+        experts = sorted({e for e, _, _ in members})
+        per = len(members) // len(experts)
+        assert experts == list(range(len(experts))) and len(members) == per * len(experts), fused
+        rows, cols = members[0][2]
+        for e, name, shape in members:
+            assert shape == (rows, cols), (name, shape)
+            part = 1 if name.endswith(".up_proj.weight") else 0  # gate (or down) rows first, then up
+            where[name] = (fused, (e * per + part) * rows * cols)
+        shapes[fused] = (len(experts), per * rows, cols)
+    return [(n, shapes.get(n, s)) for n, s in stored], where

@@ -79,7 +79,7 @@ ATTENTION_SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
 TIED_HEAD_KEY = "lm_head.weight"
 LANGUAGE_MODEL_PREFIX = "language_model."  # vLLM's vision-language models hold the text model under it
 VISION_PREFIX = "visual."
-NO_O_PROJ_BIAS = ("qwen3", "qwen3_moe", "qwen3_vl")  # vLLM 0.32 Qwen3 attention: qkv bias if attention_bias, no o_proj
+NO_O_PROJ_BIAS = ("qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe")  # vLLM 0.32 Qwen3 attention: no o_proj bias
 CONTIGUOUS_VISION_QKV = ("qwen2_vl",)  # vLLM splits these architectures' vision qkv as one ColumnParallelLinear
 NEVER_TIED = ("qwen3_next",)  # vLLM 0.32 builds these architectures' lm_head on its own, never tied to the embedding
 
@@ -353,7 +353,7 @@ _MOE_SHARDED_KEYS = {"mlp.shared_expert.gate_up_proj.weight": "mlp.experts._shar
 # (alphabetically smaller: the ``sharded_state`` key). Checked by tests/test_qwen3_vllm.py (Qwen3-MoE) and
 # tests/test_vllm_hybrid.py (Qwen3.5-MoE and Qwen3-Next, whose sparse block is Qwen2-MoE's shared-expert wrapping
 # plus this router hand-over).
-_ROUTER_IN_FUSED_MOE = frozenset({"qwen3_moe"})
+_ROUTER_IN_FUSED_MOE = frozenset({"qwen3_moe", "qwen3_vl_moe"})  # Qwen3-VL-MoE's text model is vLLM's Qwen3-MoE
 _ROUTER_IN_FUSED_MOE |= {"qwen3_5_moe", "qwen3_next"}  # the Gated DeltaNet hybrids' sparse blocks too
 
 

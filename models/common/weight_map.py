@@ -92,6 +92,11 @@ class WeightMap:
 
     ``moe_layer_entries`` replace ``layer_entries`` for the layers in ``moe_layers`` (mixture-of-experts
     MLPs; empty for dense models).
+
+    ``fused_experts``: HF checkpoints of this model store each sparse layer's experts fused, as transformers
+    reads them (Qwen3-VL-MoE: ``mlp.experts.gate_up_proj [E, 2F, H]``, ``down_proj [E, H, F]``); the entries
+    still name them per expert and the HF writers store them through ``hf_files.fused_expert_layout``.
+    False: per expert (``mlp.experts.{e}.gate_proj.weight`` ...), which transformers fuses on load itself.
     """
 
     layer_entries: tuple[WeightEntry, ...]
@@ -99,6 +104,7 @@ class WeightMap:
     last_entries: tuple[WeightEntry, ...]  # final norm, lm_head (last pipeline stage)
     moe_layer_entries: tuple[WeightEntry, ...] = ()
     moe_layers: frozenset[int] = frozenset()
+    fused_experts: bool = False
 
     @property
     def has_experts(self) -> bool:

@@ -37,11 +37,12 @@ _TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float1
 
 
 def checkpoint_source(directory: str | os.PathLike, cfg: Any, rename: Callable[[str], str] | None = None,
-                      where: str | None = None) -> TensorSource:
+                      where: str | None = None, transposed_experts: bool = False) -> TensorSource:
     """The tensors of an HF directory as the loader reads them: the validated safetensors files
     (``hf_files.SafetensorsFiles``), under the weight map's names (``rename``: another key layout of the
     same model, ``Architecture.canonical_name``), and experts stored fused read per expert through
-    ``hf_files.per_expert_views``, the rule the converters read them by (``ExpertViewSource``)."""
+    ``hf_files.per_expert_views``, the rule the converters read them by (``ExpertViewSource``);
+    ``transposed_experts`` (the weight map's ``fused_experts``): the original releases' transposed layout too."""
     where = where or str(directory)
     files = SafetensorsFiles(directory)
     source: TensorSource = SafetensorsSource(directory, files)
@@ -49,7 +50,7 @@ def checkpoint_source(directory: str | os.PathLike, cfg: Any, rename: Callable[[
     if rename is not None:
         source = RenamedSource(source, rename, where)
         stored_as = canonical_names(files.names(), rename, where)
-    views, origin = per_expert_views(where, stored_as, files.tensors, cfg)
+    views, origin = per_expert_views(where, stored_as, files.tensors, cfg, transposed_experts)
     fused = {name: view for name, view in views.items() if name not in stored_as}
     if not fused:
         return source
@@ -89,8 +90,10 @@ class ExpertViewSource(TensorSource):
             with open(view.path, "rb") as f:  # ACCESS_COPY: a writable buffer for frombuffer; nothing writes to it
                 self._maps[view.path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         itemsize = torch.empty((), dtype=_TORCH_DTYPES[view.dtype]).element_size()
-        full = torch.frombuffer(self._maps[view.path], dtype=_TORCH_DTYPES[view.dtype], count=view.nbytes // itemsize,
-                                offset=view.offset).view(view.shape)
+        full = torch.frombuffer(self._maps[view.path], dtype=_TORCH_DTYPES[view.dtype], count=view.span // itemsize,
+                                offset=view.offset)
+        # a release checkpoint's transposed expert: a strided view of its block (read one expert at a time)
+        full = full.view(view.shape) if view.stride is None else full.as_strided(view.shape, view.stride)
         return read_piece(lambda idx: full[idx], view.shape, piece, dtype)
 
 

@@ -7,6 +7,9 @@ block wherever ``cfg.moe`` marks a layer sparse, so nothing here is new code but
 - transformers reads ``output_router_logits`` (the load-balancing loss, ``router_aux_loss_coef`` times it
   added to the loss) from ``text_config``, not from the top-level config where the text-only MoE models
   keep it; ``_wants_router_logits`` looks there too;
+- ``save_pretrained`` writes each layer's experts fused (``mlp.experts.gate_up_proj [E, 2F, H]``, ``down_proj
+  [E, H, F]``), the only form transformers 5.24 reads for this model: the weight map says so
+  (``fused_experts``) and the shared writer stores them through ``hf_files.fused_expert_layout``;
 - in ``forward_backward`` (any pp) the router statistics of the load-balancing loss travel with the hidden
   states after the DeepStack tensor (``DeepStackChunk`` with ``aux``: inputs ``(x, [deepstack], [carry])``),
   so a stage boundary inside the DeepStack-fed layers carries both.
@@ -33,18 +36,6 @@ __all__ = ["ARCHITECTURE", "ParallelQwen3VLMoe", "build_parallel_model"]
 
 class ParallelQwen3VLMoe(ParallelQwen3VL):
     """A tensor/sequence/context/pipeline/expert-parallel Qwen3-VL-MoE; build it with ``build_parallel_model``."""
-
-    def save_pretrained(self, directory, **kwargs) -> None:
-        """Refused (ExportError, on every rank, before anything is written or any collective entered): the
-        shared writer names experts per expert (``mlp.experts.{e}.gate_proj.weight``), which transformers 5.24's
-        ``Qwen3VLMoeForConditionalGeneration`` does not read (its only key conversion for this model transposes
-        fused tensors): it would report them unexpected and start every expert at random. Writing the fused
-        ``mlp.experts.gate_up_proj`` / ``down_proj`` belongs in ``models/common/export/saving.py``."""
-        from models.common.export.buckets import ExportError
-
-        raise ExportError(f"save_pretrained({directory}): qwen3_vl_moe checkpoints are not written yet (transformers "
-                          f"reads its experts only fused, mlp.experts.gate_up_proj [E, 2F, H] / down_proj [E, H, F], "
-                          f"and the writer names them per expert); nothing was written")
 
     def _wants_router_logits(self, requested: bool | None) -> bool:
         if requested is None:  # transformers: ``config.text_config.output_router_logits``

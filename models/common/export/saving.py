@@ -27,6 +27,7 @@ from models.common.export.buckets import (
     iter_export,
     plan_buckets,
 )
+from models.common.hf_files import fused_expert_layout
 from models.common.weights import export_hf_state, hf_shapes
 
 
@@ -140,6 +141,9 @@ def _check_saveable(model, merge_lora: bool, quantization=None) -> None:
         fp8.check_quantization(quantization)
     except fp8.QuantizationError as exc:
         raise ExportError(str(exc)) from None
+    if quantization and getattr(getattr(model, "weight_map", None), "fused_experts", False):
+        raise ExportError(f"quantization={quantization!r}: {model.config.architecture} stores its experts fused, "
+                          f"which the FP8 layout (per-tensor scales, fp8.py) does not describe")
     if getattr(model, "hf_config", None) is None:
         raise ExportError("the model has no transformers config to save (build it with build_parallel_model)")
     if merge_lora and getattr(model, "lora_config", None) is None:
@@ -208,8 +212,9 @@ def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, max_s
         writer = _first_replica(groups) and groups.tp_rank == index % groups.tp_size
         tensors = {}
         quantized = {n for e in plan.entries if quantization and fp8.is_quantized(e) for n in e.hf}
+        fused = _FusedExperts(plan, model.weight_map, dtype, tensors) if writer else None
         for name, full in export_hf_state(named, list(plan.entries), shapes, groups.tp_group, groups.ep_group):
-            if writer:
+            if writer and not fused.place(name, full):
                 for key, t in fp8.quantize_named([(name, full)], name in quantized, dtype):
                     tensors[key] = t.to(device="cpu").contiguous()
         if writer:
@@ -221,6 +226,8 @@ def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, max_s
             staged.run(_write_carried, source, layout, dtype, fp8_carried, staged.tmp / file_name)
 
     def stored(plan):  # (name, shape, dtype) of what the plan's file holds
+        if model.weight_map.fused_experts:  # experts fused (no quantization: refused above)
+            return [(n, shape, dtype) for n, shape in fused_expert_layout([(m.name, m.shape) for m in plan.metas])[0]]
         quantized = {n for e in plan.entries if quantization and fp8.is_quantized(e) for n in e.hf}
         return [t for m in plan.metas for t in fp8.stored_layout(m.name, m.shape, m.name in quantized, dtype)]
 
@@ -242,6 +249,33 @@ def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, max_s
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
     staged.commit(finish)
+
+
+class _FusedExperts:
+    """A writing rank's fused expert tensors of one file (a ``fused_experts`` weight map, Qwen3-VL-MoE: each
+    layer's experts stored as ``mlp.experts.gate_up_proj [E, 2F, H]`` / ``down_proj [E, H, F]``, the layout
+    ``hf_files.fused_expert_layout`` gives and ``per_expert_views`` reads): each fused tensor is allocated in
+    ``tensors`` (the file's dict, so it keeps the header's order) when its first expert arrives and every
+    per-expert tensor is copied into its range as the export yields it, so a layer's experts are held once.
+    A map without fused experts places nothing."""
+
+    def __init__(self, plan, wmap, dtype: torch.dtype, tensors: dict) -> None:
+        self.within: dict[str, tuple[str, int]] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        if wmap.fused_experts:
+            layout, self.within = fused_expert_layout([(m.name, m.shape) for m in plan.metas])
+            self.shapes = dict(layout)
+        self.dtype, self.tensors = dtype, tensors
+
+    def place(self, name: str, full: torch.Tensor) -> bool:
+        """Copy ``full`` into its fused tensor; False when ``name`` is not a fused expert tensor."""
+        if name not in self.within:
+            return False
+        fused, at = self.within[name]
+        if fused not in self.tensors:
+            self.tensors[fused] = torch.empty(self.shapes[fused], dtype=self.dtype)
+        self.tensors[fused].view(-1)[at:at + full.numel()].copy_(full.reshape(-1))
+        return True
 
 
 Layout = tuple[tuple[str, tuple[int, ...]], ...]
