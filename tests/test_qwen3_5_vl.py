@@ -198,12 +198,3 @@ def test_bad_configs_are_refused_in_one_line(dirs, tmp_path):
         build_ours("dense", src)
     assert "\n" not in str(err.value)
 
-
-def test_fp8_export_of_the_vision_language_model_is_refused_in_one_line(models, tmp_path):
-    from models.common.export import ExportError
-
-    _, model = models["moe"]
-    with pytest.raises(ExportError, match=r"quantization='fp8' export of the vision-language model is not "
-                                          r"supported yet .* text_only=True") as err:
-        model.save_pretrained(tmp_path / "fp8", quantization="fp8")
-    assert "\n" not in str(err.value) and not (tmp_path / "fp8").exists()

@@ -77,13 +77,16 @@ def load_hf(name: str, path: str):
     return hf_classes(name)[1].from_pretrained(path, dtype=torch.float32).eval()
 
 
-def write_case(root, name: str, seed: int = 0) -> str:
-    """A random conditional-generation model of ``CASES[name]`` saved by transformers under ``root/name``: the
-    hybrids' randomization (slow decays, zero-centred norms around 0, the gated norm around 1), the tower's
-    LayerNorms around 1, everything else normal(0, 0.08)."""
+def write_case(root, name: str, seed: int = 0, text_overrides: dict | None = None) -> str:
+    """A random conditional-generation model of ``CASES[name]`` (``text_config`` fields replaced by
+    ``text_overrides``) saved by transformers under ``root/name``: the hybrids' randomization (slow decays,
+    zero-centred norms around 0, the gated norm around 1), the tower's LayerNorms around 1, everything else
+    normal(0, 0.08)."""
     config_cls, model_cls = hf_classes(name)
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**copy.deepcopy(CASES[name])))
+    case = copy.deepcopy(CASES[name])
+    case["text_config"].update(text_overrides or {})
+    model = model_cls(config_cls(**case))
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if pname.endswith("A_log"):

@@ -60,30 +60,6 @@ class ParallelQwen3_5VL(ParallelQwen3VL):
         self._unloaded = tuple(n for n in names if n not in held)
 
 
-    # FP8: the export's roles (``models/common/export/fp8.py``) name no tensor of this tower under its own
-    # parameter names (``visual.*``); refused in one line before anything is gathered or written.
-    def save_pretrained(self, directory, *, quantization: str | None = None, **kwargs) -> None:
-        self._refuse_fp8(quantization)
-        super().save_pretrained(directory, quantization=quantization, **kwargs)
-
-    def save_vllm_sharded_state(self, directory, *, quantization: str | None = None, **kwargs) -> None:
-        self._refuse_fp8(quantization)
-        super().save_vllm_sharded_state(directory, quantization=quantization, **kwargs)
-
-    def iter_export(self, format: str = "hf", *, quantization: str | None = None, **kwargs):
-        self._refuse_fp8(quantization)
-        return super().iter_export(format, quantization=quantization, **kwargs)
-
-    def _refuse_fp8(self, quantization) -> None:
-        if quantization is not None:
-            from models.common.export import ExportError
-
-            raise ExportError(f"{self.config.architecture}: quantization={quantization!r} export of the "
-                              f"vision-language model is not supported yet (the FP8 roles cover no tensor of its "
-                              f"tower); build_parallel_model(..., text_only=True) exports the text model in FP8 "
-                              f"with the tower carried as stored")
-
-
 def build_hybrid(arch, vl_arch, source: Any, parallel_config: ParallelConfig | None, *, text_only: bool,
                  **kwargs) -> ParallelCausalLM:
     """``build_model`` with ``vl_arch`` (the vision-language model) for a conditional-generation config or

