@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from converters.copy_path.io import DEFAULT_BUFFER, fill_file, thread_buffer
+from converters.copy_path.io import DEFAULT_BUFFER, fill_file, preallocate, thread_buffer
 from converters.copy_path.raw_source import RawSource
 from converters.formats.hf import FilePlan, header, nbytes, plan_shards, split_file_plan, tensor_offsets, write_index
 from converters.formats.hf_config import read_hf_config, write_config_dir
@@ -32,6 +32,7 @@ def hf_tasks(source: RawSource, files: list[FilePlan], tag: str, directory: str,
         with open(path, "wb") as out:
             out.write(head)
             out.truncate(size)
+            preallocate(out.fileno(), size)  # blocks allocated now: the copy fills them (io.preallocate)
         offsets = tensor_offsets(f, tag)
         parts = max(1, min(workers, len(f.tensors)) * 2 // max(1, len(files)))
         for lo, hi in split_file_plan(f, parts):

@@ -57,6 +57,56 @@ def fill_file(path: str, work: list[tuple[int, list[Op]]], buffer_bytes: int = D
     return written
 
 
+# File systems whose buffered writes into preallocated (unwritten) extents skip the per-block delayed
+# allocation work (ext4: ``ext4_da_get_block_prep``, buffer heads, quota, the extent status tree: a third
+# of the CPU of writing an HF shard, measured by perf): ext4 and XFS. Not tmpfs (fallocate allocates and
+# clears every page up front: slower in all), nor file systems not measured here.
+_PREALLOCATE_FS = {0xEF53: "ext4", 0x58465342: "xfs"}
+_libc = None
+
+
+def _libc_calls():
+    """(fstatfs, fallocate) from libc, or None where ctypes or either call is missing."""
+    global _libc
+    if _libc is None:
+        _libc = False
+        try:
+            import ctypes
+
+            lib = ctypes.CDLL(None, use_errno=True)
+            fallocate, fstatfs = lib.fallocate, lib.fstatfs
+            fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+            fstatfs.argtypes = [ctypes.c_int, ctypes.c_char_p]
+            _libc = (fstatfs, fallocate, ctypes)
+        except (ImportError, OSError, AttributeError):
+            pass
+    return _libc or None
+
+
+def preallocate(fd: int, size: int) -> bool:
+    """Allocate ``size`` bytes of the file open as ``fd`` (``fallocate``, mode 0: unwritten extents that
+    read as zeros, the size unchanged when it is already ``size``) on ext4 and XFS, before the tensors
+    are copied in: writes then fill allocated blocks (30% less CPU per byte written on ext4, measured:
+    ``pwrite`` of 64 KiB pieces 0.17 -> 0.12 s per 291 MB; ``fallocate`` itself ~1 ms), and a full
+    disk fails here, at once, instead of half-way through the copy. True when done; False where it
+    does not apply (another file system, no such call); ENOSPC / EDQUOT / EFBIG raise ``OSError``."""
+    calls = _libc_calls() if size > 0 else None
+    if calls is None:
+        return False
+    fstatfs, fallocate, ctypes = calls
+    buf = ctypes.create_string_buffer(256)  # struct statfs; f_type is its first field (a C long)
+    if fstatfs(fd, buf) != 0 or ctypes.c_long.from_buffer(buf).value not in _PREALLOCATE_FS:
+        return False
+    if fallocate(fd, 0, 0, size) == 0:
+        return True
+    code = ctypes.get_errno()
+    import errno
+
+    if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        raise OSError(code, os.strerror(code))
+    return False  # EOPNOTSUPP and the like: the writes allocate as they go
+
+
 def read_ops(ops: list[Op]) -> bytes:
     """The bytes a few small operations produce, in memory (a ``minus_one`` vector while planning)."""
     out = bytearray()
