@@ -110,6 +110,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-mtp", action="store_true", help="hybrids: no MTP block")
     p.add_argument("--_layers", type=int, default=12, help=argparse.SUPPRESS)
     p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 32000, qwen3-moe: 151936)")
+    p.add_argument("--profile", metavar="DIRECTION", default=None,
+                   help="instead of the timed rounds: one conversion of DIRECTION (at the first of --sizes) under "
+                        "tools/convert_profile.py (stages, system calls and their sizes, write-lock waits, cProfile "
+                        "of the worker threads, page-cache counters), after one untimed warm-up; then strace -c -f "
+                        "of pmz and of cp -r, when strace is installed")
+    p.add_argument("--source", metavar="DIR", default=None,
+                   help="with --profile: profile this checkpoint instead of a synthetic one (no set-up)")
+    p.add_argument("--workers", type=int, default=None, help="pmz convert --workers (default: pmz's own)")
     p.add_argument("--compare", metavar="CHECKOUT", default=None,
                    help="also time pmz from another checkout of this repository (e.g. a git worktree of an "
                         "earlier commit) in the same rounds: a before/after that shares the machine's load")
@@ -479,6 +487,99 @@ MOE_DIRECTIONS = {  # --model qwen3-moe: Megatron sources and targets are EP2 x 
 }
 
 
+def make_sources(args: argparse.Namespace, size_gb: float, directions: list[str], work: Path, me: list[str],
+                 pmz: list[str]) -> dict[str, Path]:
+    """The source checkpoints the directions read, at ~``size_gb`` (set-up, not timed): name -> directory."""
+    moe, hybrid = args.model == "qwen3-moe", args.model in HYBRIDS
+    layers = layers_for(args, size_gb)
+    shape = ["--model", args.model, "--arch", args.arch, "--dtype", args.dtype, "--hidden", str(args.hidden),
+             "--heads", str(args.heads), "--kv-heads", str(args.kv_heads), "--ffn", str(args.ffn),
+             "--head-dim", str(args.head_dim), "--experts", str(args.experts), "--moe-ffn",
+             str(args.moe_ffn), "--_layers", str(layers), "--vocab", str(args.vocab),
+             "--linear-heads", args.linear_heads] + (["--no-mtp"] if args.no_mtp else [])
+    srcs = {"hf": work / "hf", "legacy": work / "legacy", "dist": work / "dist"}
+    t0 = time.perf_counter()
+    if moe:
+        wanted = {MOE_DIRECTIONS[d][0] for d in directions}  # only the sources timed: the page cache
+        print(f"\n== ~{size_gb:g} GB: synthetic Qwen3-MoE {args.dtype} hidden={args.hidden} "
+              f"heads={args.heads}/{args.kv_heads}x{args.head_dim} experts={args.experts}x{args.moe_ffn} "
+              f"vocab={args.vocab} layers={layers} -> HF -> "
+              + ", ".join(n for k, n in (("legacy", "Megatron legacy EP=2 TP=2"),
+                                         ("dist", "torch_dist EP=2 TP=2")) if k in wanted)
+              + " (set-up, not timed) ...", flush=True)
+        run_child(me + shape + ["--_setup_moe", str(srcs["hf"])]
+                  + [str(srcs[k]) if k in wanted else "-" for k in ("legacy", "dist")])
+        if "hf" not in wanted:
+            remove(srcs["hf"])  # no direction reads it: the disk holds source + output + cp's copy
+        srcs = {k: v for k, v in srcs.items() if k in wanted}
+    elif hybrid:
+        wanted = {HYBRID_DIRECTIONS[d][0] for d in directions} | {"hf"}
+        hk, hv, dh = args.linear_heads.split(",")
+        print(f"\n== ~{size_gb:g} GB: synthetic {args.model} {args.dtype} hidden={args.hidden} "
+              f"attention {args.heads}/{args.kv_heads}x{args.head_dim} linear {hk}/{hv}x{dh} "
+              + (f"experts={args.experts}x{args.moe_ffn} " if args.model == "qwen3.5-moe" else
+                 f"ffn={args.ffn} ")
+              + f"vocab={args.vocab} layers={layers} ({layers // 4} full){'' if args.no_mtp else ' + MTP'} "
+              "-> HF -> " + ", ".join(n for k, n in (("legacy", "Megatron legacy TP=2"),
+                                                      ("dist", "torch_dist TP=2")) if k in wanted)
+              + " (set-up, not timed) ...", flush=True)
+        r = run_child(me + shape + ["--_setup_hybrid", str(srcs["hf"])]
+                      + [str(srcs[k]) if k in wanted else "-" for k in ("legacy", "dist")])
+        print(f"  pmz set-up conversions (HF -> Megatron, in-process): "
+              f"{json.loads(r['stdout'].splitlines()[-1])['setup_convert_s']:.1f} s", flush=True)
+        srcs = {k: v for k, v in srcs.items() if k in wanted}
+    else:
+        print(f"\n== ~{size_gb:g} GB: synthetic {args.arch} {args.dtype} hidden={args.hidden} layers={layers} "
+              f"-> HF, Megatron legacy TP=2 PP=2, torch_dist TP=2 PP=2 (set-up, not timed) ...", flush=True)
+        run_child(me + shape + ["--_setup", str(srcs["hf"]), str(srcs["legacy"])])
+        subprocess.run(pmz + [str(srcs["hf"]), str(srcs["dist"]), "--to", "megatron-dist", "--tp", "2",
+                              "--pp", "2", "--quiet"], check=True, cwd=str(ROOT))
+        if any(DIRECTIONS[d][0] == "vllm" for d in directions):  # vLLM TP=2 of the same weights
+            srcs["vllm"] = work / "vllm"
+            subprocess.run(pmz + [str(srcs["hf"]), str(srcs["vllm"]), "--to", "vllm", "--tp", "2", "--quiet"],
+                           check=True, cwd=str(ROOT))
+    print(f"  set-up {time.perf_counter() - t0:.0f} s; "
+          + ", ".join(f"{k} {dir_bytes(v):,} B" for k, v in srcs.items()), flush=True)
+    return srcs
+
+
+def profile_direction(args: argparse.Namespace, table: dict, work: Path, me: list[str], pmz: list[str],
+                      pmz_env: dict) -> None:
+    """``--profile``: where one conversion's wall time goes (tools/convert_profile.py), then ``strace -c``."""
+    key, extra = table[args.profile]
+    extra = extra + (["--workers", str(args.workers)] if args.workers else [])
+    if args.source:
+        src = Path(args.source).resolve()
+    else:
+        src = make_sources(args, float(args.sizes.split(",")[0]), [args.profile], work, me, pmz)[key]
+    out = work / "out"
+    print(f"\n== profile: {args.profile} ({' '.join(extra)}), source {src} ({dir_bytes(src) / 1e9:.2f} GB), "
+          f"load {os.getloadavg()[0]:.1f}", flush=True)
+    for cmd in (pmz[:4] + [str(src), str(out), *extra, "--quiet"], ["cp", "-r", str(src), str(out)]):
+        os.sync()  # warm-up (untimed): the source in the page cache, as in the timed rounds
+        r = run_child(cmd, pmz_env)
+        print(f"  warm-up {cmd[0] if cmd[0] == 'cp' else 'pmz'}: {r['wall']:.2f} s wall, {r['cpu']:.2f} s CPU, "
+              f"peak RSS {r['maxrss_kb'] / 1024:.0f} MiB", flush=True)
+        remove(out)
+    os.sync()
+    r = run_child([sys.executable, str(ROOT / "tools" / "convert_profile.py"), str(src), str(out), *extra], pmz_env)
+    remove(out)
+    print(r["stdout"].rstrip(), flush=True)
+    strace = shutil.which("strace")
+    if strace is None:
+        print("\n(strace not installed: no strace -c)")
+        return
+    for name, cmd in (("pmz", pmz[:4] + [str(src), str(out), *extra, "--quiet"]),
+                      ("cp -r", ["cp", "-r", str(src), str(out)])):
+        os.sync()
+        trace = work / "strace.txt"
+        run_child([strace, "-f", "-c", "-o", str(trace), *cmd], pmz_env)
+        remove(out)
+        rows = trace.read_text().splitlines()
+        print(f"\n-- strace -c -f of {name} (syscall time under strace: compare counts and shares)")
+        print("\n".join(rows[:14]), flush=True)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args._setup:
@@ -501,6 +602,8 @@ def main(argv=None) -> int:
     moe, hybrid = args.model == "qwen3-moe", args.model in HYBRIDS
     table = MOE_DIRECTIONS if moe else HYBRID_DIRECTIONS if hybrid else DIRECTIONS
     directions = [d.strip() for d in args.directions.split(",") if d.strip()]
+    if args.profile:
+        directions = [args.profile]
     unknown = [d for d in directions if d not in table]
     if unknown:
         print(f"unknown direction(s) {unknown}; choose from {', '.join(table)}", file=sys.stderr)
@@ -516,6 +619,8 @@ def main(argv=None) -> int:
     pmz_env["PYTHONPYCACHEPREFIX"] = str(work / "pycache")
     other_env = dict(pmz_env, PYTHONPYCACHEPREFIX=str(work / "pycache-compare"))
     other_root = Path(args.compare).resolve() if args.compare else ROOT  # run from there: its modules come first
+    if args.workers:
+        pmz = pmz + ["--workers", str(args.workers)]
 
     def other_cmd(src: Path, out: Path, extra: list[str]) -> list[str]:
         return [sys.executable, "-m", "converters.cli", "convert", str(src), str(out), *extra, "--quiet"]
@@ -523,56 +628,11 @@ def main(argv=None) -> int:
     results = {}
     try:
         print(f"workdir {work}; {os.cpu_count()} CPUs; python {sys.version.split()[0]}", flush=True)
+        if args.profile:
+            profile_direction(args, table, work, me, pmz, pmz_env)
+            return 0
         for size_gb in [float(x) for x in args.sizes.split(",")]:
-            layers = layers_for(args, size_gb)
-            shape = ["--model", args.model, "--arch", args.arch, "--dtype", args.dtype, "--hidden", str(args.hidden),
-                     "--heads", str(args.heads), "--kv-heads", str(args.kv_heads), "--ffn", str(args.ffn),
-                     "--head-dim", str(args.head_dim), "--experts", str(args.experts), "--moe-ffn",
-                     str(args.moe_ffn), "--_layers", str(layers), "--vocab", str(args.vocab),
-                     "--linear-heads", args.linear_heads] + (["--no-mtp"] if args.no_mtp else [])
-            srcs = {"hf": work / "hf", "legacy": work / "legacy", "dist": work / "dist"}
-            t0 = time.perf_counter()
-            if moe:
-                wanted = {MOE_DIRECTIONS[d][0] for d in directions}  # only the sources timed: the page cache
-                print(f"\n== ~{size_gb:g} GB: synthetic Qwen3-MoE {args.dtype} hidden={args.hidden} "
-                      f"heads={args.heads}/{args.kv_heads}x{args.head_dim} experts={args.experts}x{args.moe_ffn} "
-                      f"vocab={args.vocab} layers={layers} -> HF -> "
-                      + ", ".join(n for k, n in (("legacy", "Megatron legacy EP=2 TP=2"),
-                                                 ("dist", "torch_dist EP=2 TP=2")) if k in wanted)
-                      + " (set-up, not timed) ...", flush=True)
-                run_child(me + shape + ["--_setup_moe", str(srcs["hf"])]
-                          + [str(srcs[k]) if k in wanted else "-" for k in ("legacy", "dist")])
-                if "hf" not in wanted:
-                    remove(srcs["hf"])  # no direction reads it: the disk holds source + output + cp's copy
-                srcs = {k: v for k, v in srcs.items() if k in wanted}
-            elif hybrid:
-                wanted = {HYBRID_DIRECTIONS[d][0] for d in directions} | {"hf"}
-                hk, hv, dh = args.linear_heads.split(",")
-                print(f"\n== ~{size_gb:g} GB: synthetic {args.model} {args.dtype} hidden={args.hidden} "
-                      f"attention {args.heads}/{args.kv_heads}x{args.head_dim} linear {hk}/{hv}x{dh} "
-                      + (f"experts={args.experts}x{args.moe_ffn} " if args.model == "qwen3.5-moe" else
-                         f"ffn={args.ffn} ")
-                      + f"vocab={args.vocab} layers={layers} ({layers // 4} full){'' if args.no_mtp else ' + MTP'} "
-                      "-> HF -> " + ", ".join(n for k, n in (("legacy", "Megatron legacy TP=2"),
-                                                              ("dist", "torch_dist TP=2")) if k in wanted)
-                      + " (set-up, not timed) ...", flush=True)
-                r = run_child(me + shape + ["--_setup_hybrid", str(srcs["hf"])]
-                              + [str(srcs[k]) if k in wanted else "-" for k in ("legacy", "dist")])
-                print(f"  pmz set-up conversions (HF -> Megatron, in-process): "
-                      f"{json.loads(r['stdout'].splitlines()[-1])['setup_convert_s']:.1f} s", flush=True)
-                srcs = {k: v for k, v in srcs.items() if k in wanted}
-            else:
-                print(f"\n== ~{size_gb:g} GB: synthetic {args.arch} {args.dtype} hidden={args.hidden} layers={layers} "
-                      f"-> HF, Megatron legacy TP=2 PP=2, torch_dist TP=2 PP=2 (set-up, not timed) ...", flush=True)
-                run_child(me + shape + ["--_setup", str(srcs["hf"]), str(srcs["legacy"])])
-                subprocess.run(pmz + [str(srcs["hf"]), str(srcs["dist"]), "--to", "megatron-dist", "--tp", "2",
-                                      "--pp", "2", "--quiet"], check=True, cwd=str(ROOT))
-                if any(DIRECTIONS[d][0] == "vllm" for d in directions):  # vLLM TP=2 of the same weights
-                    srcs["vllm"] = work / "vllm"
-                    subprocess.run(pmz + [str(srcs["hf"]), str(srcs["vllm"]), "--to", "vllm", "--tp", "2", "--quiet"],
-                                   check=True, cwd=str(ROOT))
-            print(f"  set-up {time.perf_counter() - t0:.0f} s; "
-                  + ", ".join(f"{k} {dir_bytes(v):,} B" for k, v in srcs.items()), flush=True)
+            srcs = make_sources(args, size_gb, directions, work, me, pmz)
 
             def timed(cmd: list[str], dst: Path, env: dict | None = None, cwd: Path = ROOT) -> dict:
                 os.sync()
