@@ -3,9 +3,13 @@ random A and B on the text attention and MLP, the images-and-video batch (two im
 sizes and a video) and the packed batch: logits and loss against ``PeftModel`` on transformers'
 model, every LoRA gradient after ``forward_backward``, at TP1 and TP2 with SP (gloo). LoRA on the
 tower is not built: targets that select a tower module (``all-linear``, ``linear_fc1``) are refused
-by name, since peft would adapt them and ours would not. (Qwen2-VL / Qwen2.5-VL still refuse LoRA:
+by name, since peft would adapt them and ours would not. The multimodal Qwen3.5 / Qwen3.5-MoE
+(``ParallelQwen3_5VL``) likewise: an adapter on the gated attention, the Gated DeltaNet projections
+(``in_proj_qkv``/``in_proj_z``/``in_proj_b``/``in_proj_a``/``out_proj``) and the dense MLP or the MoE's
+shared expert (routed experts are refused), whose module names peft gives exactly as our weight map's HF
+names. (Qwen2-VL / Qwen2.5-VL still refuse LoRA:
 their weight maps use the release checkpoint names, ``model.layers.*``, where peft's adapters name
-transformers' ``model.language_model.layers.*``.) ~30 s on 2 cores."""
+transformers' ``model.language_model.layers.*``.) ~60 s on 2 cores."""
 
 from __future__ import annotations
 
@@ -16,10 +20,19 @@ import torch
 
 from tests.distributed import run_distributed
 from tests.workers_lora import lora_state_of_grads
+from tests.workers_qwen3_5_vl import build_ours, vl_batch, vl_packed_batch, write_case
 from tests.workers_qwen3_vl import qwen3_vl_batch, qwen3_vl_packed_batch, write_qwen3_vl_model
 from tests.workers_vl import _inputs, _segments
 
 TEXT_TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
+# Qwen3.5: gated attention, the Gated DeltaNet projections and the dense MLP; the MoE case's experts are refused,
+# so there a regular expression names the text modules (attention, Gated DeltaNet, shared expert)
+HYBRID_TARGETS = {
+    "q35_dense": ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+                  "out_proj", "gate_proj", "up_proj", "down_proj"],
+    "q35_moe": r".*language_model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|linear_attn\.(in_proj_qkv|in_proj_z|"
+               r"in_proj_b|in_proj_a|out_proj)|mlp\.shared_expert\.(gate|up|down)_proj)",
+}
 TOL = {"logits": 1e-5, "loss": 1e-5, "grads": 1e-4}
 
 
@@ -43,16 +56,25 @@ def _adapter(path: str, out: str, targets) -> str:
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("vl_lora")
     q3 = write_qwen3_vl_model(root, "q3_untied", seed=31)
-    return {"q3_untied": (q3, _adapter(q3, str(root / "q3_adapter"), TEXT_TARGETS))}
+    out = {"q3_untied": (q3, _adapter(q3, str(root / "q3_adapter"), TEXT_TARGETS))}
+    for i, (case, targets) in enumerate(HYBRID_TARGETS.items()):
+        path = write_case(root, case.removeprefix("q35_"), seed=32 + i)
+        out[case] = (path, _adapter(path, str(root / f"{case}_adapter"), targets))
+    return out
 
 
 def _builder(case: str):
+    if case.startswith("q35_"):
+        return functools.partial(build_ours, case.removeprefix("q35_"))
     from models.qwen3_vl import build_parallel_model
 
     return build_parallel_model
 
 
 def _batches(case: str, path: str) -> dict:
+    if case.startswith("q35_"):
+        name = case.removeprefix("q35_")
+        return {"padded": vl_batch(name, "images_and_video"), "packed": vl_packed_batch(name)}
     return {"padded": qwen3_vl_batch(case, "images_and_video"), "packed": qwen3_vl_packed_batch(case)}
 
 
@@ -108,7 +130,7 @@ def _records(tp: int, case: str, path: str, adapter: str) -> tuple:
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("case", ["q3_untied"])
+@pytest.mark.parametrize("case", ["q3_untied", *HYBRID_TARGETS])
 def test_text_lora_on_vl_models_matches_peft(dirs, case, tp):
     records = _records(tp, case, *dirs[case])
     assert {r[2] for r in records} == set(_batches(case, dirs[case][0]))
@@ -119,6 +141,8 @@ def test_text_lora_on_vl_models_matches_peft(dirs, case, tp):
 @pytest.mark.parametrize(("case", "targets", "module"), [
     ("q3_untied", "all-linear", "model.visual.blocks.0.attn.qkv"),
     ("q3_untied", ["q_proj", "linear_fc1"], "model.visual.blocks.0.mlp.linear_fc1"),
+    ("q35_dense", "all-linear", "model.visual.blocks.0.attn.qkv"),
+    ("q35_moe", ["in_proj_qkv", "linear_fc2"], "model.visual.blocks.0.mlp.linear_fc2"),
 ])
 def test_targets_that_select_the_tower_are_refused(dirs, case, targets, module):
     from peft import LoraConfig
@@ -127,3 +151,37 @@ def test_targets_that_select_the_tower_are_refused(dirs, case, targets, module):
 
     with pytest.raises(LoraError, match=rf"vision tower is not built.*selects {module.replace('.', '[.]')} "):
         _builder(case)(dirs[case][0], lora=LoraConfig(r=4, target_modules=targets))
+
+
+def test_expert_targets_of_the_moe_vl_model_are_refused(dirs):
+    """Qwen3.5-MoE's routed experts take no LoRA (peft would adapt transformers' fused experts): refused by name."""
+    from peft import LoraConfig
+
+    from models.common.blocks.lora import LoraError
+
+    with pytest.raises(LoraError, match=r"LoRA target 'gate_proj' selects .*mlp\.experts.*not supported") as err:
+        _builder("q35_moe")(dirs["q35_moe"][0], lora=LoraConfig(r=4, target_modules=["q_proj", "gate_proj"]))
+    assert "\n" not in str(err.value)
+
+
+def test_peft_module_names_are_the_weight_maps_hf_names(dirs):
+    """The modules peft adapts on transformers' Qwen3.5 conditional-generation models are named as our weight
+    map's HF tensors (``model.language_model.layers.N...``): the adapter loads as it is (not Qwen2-VL's case)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from models.common.blocks.lora import lora_targets
+    from models.common.weight_map import hf_shapes
+
+    for case in HYBRID_TARGETS:
+        path = dirs[case][0]
+        model = _builder(case)(path)
+        cfg, wmap = model.config, model.weight_map
+        ours = {t.hf_module for t in lora_targets(cfg, wmap, LoraConfig(r=4, target_modules=HYBRID_TARGETS[case]),
+                                                  hf_shapes(cfg, wmap))}
+        hf = {n for e in wmap.entries(range(cfg.num_hidden_layers)) for n in e.hf}
+        with torch.device("meta"):
+            ref = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(path))
+        peft_model = get_peft_model(ref, LoraConfig(r=4, target_modules=HYBRID_TARGETS[case]))
+        adapted = {n.removeprefix("base_model.model.") for n, m in peft_model.named_modules() if hasattr(m, "lora_A")}
+        assert adapted and [n for n in adapted if n + ".weight" not in hf] == [] and ours == adapted, case

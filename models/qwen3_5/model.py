@@ -70,10 +70,7 @@ def build_hybrid(arch, vl_arch, source: Any, parallel_config: ParallelConfig | N
         if isinstance(source, (str, os.PathLike)):
             hf_config = load_hf_config(source)
         if is_conditional_generation(hf_config):
-            if kwargs.get("lora") is not None:
-                raise ValueError(f"{vl_arch.name}: LoRA on the vision-language model is not supported yet "
-                                 f"(build_parallel_model(..., text_only=True) trains the text model with LoRA)")
-            arch = vl_arch
+            arch = vl_arch  # LoRA: the language model's (tower targets refused by models/common/blocks/lora.py)
     return build_model(arch, source, parallel_config, **kwargs)
 
 

@@ -115,6 +115,8 @@ def lora_targets(cfg, weight_map, lora_config: Any, shapes: dict, layers=None) -
                 if len(shapes[hf_name]) == 2:  # a linear module held whole: MoE router, shared-expert gate
                     _refuse_unadapted(leaf, hf_module, targets, False)
                 continue
+            if len(shapes[hf_name]) != 2:  # a convolution (Gated DeltaNet's conv1d): not a linear module
+                continue
             leaves.add(leaf)
             if not _selected(leaf, hf_module, targets):
                 continue
