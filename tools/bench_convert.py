@@ -52,6 +52,16 @@ How to run
     python tools/bench_convert.py --sizes 1 --directions legacy->hf,dist->hf --reps 3
     python tools/bench_convert.py --model qwen3-moe --reps 5    # 8 GB legacy EP2 x TP2 -> HF (~5 min)
     python tools/bench_convert.py --model qwen3.5 --sizes 2 --reps 3   # the hybrid, six directions
+    python tools/bench_convert.py --sizes 1 --profile legacy->hf      # where one conversion's time goes
+    python tools/bench_convert.py --profile hf->hf --source /path/to/checkpoint --workers 1
+
+    ``--profile DIRECTION`` (issue 40) sets up the source (or takes ``--source``), converts once untimed
+    (page cache), then runs the conversion under ``tools/convert_profile.py``: wall and CPU time per
+    stage (imports, the validating reader, planning, headers, preallocation, the copy, index and
+    config, the rename), every system call made through ``os`` with its count, bytes, time and size
+    histogram, each worker thread's time in tasks, system calls and waiting for a file's write lock,
+    cProfile of the worker threads and of the main thread, ``/proc/self/io`` and ``/proc/vmstat``
+    deltas; then ``strace -c -f`` of pmz and of ``cp -r`` when strace is installed.
 
     Temp data (up to ~5x the checkpoint) goes under ``--workdir`` (default /tmp) and is deleted at
     the end (``--keep`` keeps it). The last line is machine-readable:
@@ -469,6 +479,7 @@ DIRECTIONS = {  # name: (source dir key, pmz convert arguments)
     "dist->legacy": ("dist", ["--to", "megatron", "--tp", "4", "--pp", "1"]),
     "hf->vllm": ("hf", ["--to", "vllm", "--tp", "2"]),  # issue 40: vLLM sharded_state on the copy path
     "vllm->hf": ("vllm", ["--to", "hf"]),
+    "hf->hf": ("hf", ["--to", "hf"]),  # issue 40: the HF writer alone (12 source shards -> one 5 GB shard)
 }
 HYBRID_DIRECTIONS = {  # --model qwen3.5 / qwen3.5-moe: every direction by the copy path (issue 40)
     "hf->hf": ("hf", ["--to", "hf"]),
@@ -680,7 +691,10 @@ def main(argv=None) -> int:
                     o_s = [r["wall"] for r in others]
                     print(f"  {'':<15} --compare pmz min {min(o_s):5.2f} s med {statistics.median(o_s):5.2f} s  "
                           f"ratio med {t_cp / statistics.median(o_s):4.2f}x min {min(cp_s) / min(o_s):4.2f}x  "
-                          f"runs: {', '.join(format(x, '.2f') for x in o_s)}", flush=True)
+                          f"runs: {', '.join(format(x, '.2f') for x in o_s)}; CPU s med "
+                          f"{statistics.median(r['cpu'] for r in others):.2f} (min "
+                          f"{min(r['cpu'] for r in others):.2f}; this checkout's min "
+                          f"{min(r['cpu'] for r in cvs):.2f})", flush=True)
             if args.peers and size_gb <= 2 and not moe:
                 out = work / "out"
                 naive = me + ["--_naive", str(srcs["legacy"]), str(out)]
