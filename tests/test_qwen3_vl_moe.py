@@ -33,10 +33,10 @@ FP32_TOL = 1e-5
 GRAD_REL_TOL = 1e-4
 
 LAYOUTS = {
-    1: [("m_untied", {}), ("m_tied", {}), ("m_untied", {}, {"forward_backward": True}),
+    1: [("m_untied", {}, {"save": True}), ("m_tied", {}), ("m_untied", {}, {"forward_backward": True}),
         # one micro-batch: the load-balancing loss is transformers' own number (it is per micro-batch)
         ("m_tied", {}, {"forward_backward": True, "aux": True, "microbatches": 1})],
-    2: [("m_tied", {"tp": 2, "sequence_parallel": True}), ("m_untied", {"ep": 2}),
+    2: [("m_tied", {"tp": 2, "sequence_parallel": True}, {"save": True}), ("m_untied", {"ep": 2}, {"save": True}),
         # layer 0 on the first stage, layer 1 (DeepStack feature 1) behind the boundary, router sums carried
         ("m_tied", {"pp": 2, "num_layers_in_first_pipeline_stage": 1},
          {"forward_backward": True, "aux": True, "microbatches": 1}),
@@ -60,7 +60,8 @@ def _records(world: int, dirs: tuple) -> list[tuple]:
     return [rec for rank_records in per_rank for rec in rank_records]
 
 
-METRICS = {"logits": r"logits_.*", "loss": r"loss_.*|step\d_loss.*", "aux": r"loss_aux_.*", "grads": r"grads_.*"}
+METRICS = {"logits": r"logits_.*", "loss": r"loss_.*|step\d_loss.*", "aux": r"loss_aux_.*", "grads": r"grads_.*",
+           "saved": r"saved_.*"}  # save_pretrained after training, read by transformers (TP2+SP, EP2, one process)
 
 
 @pytest.mark.parametrize("world", sorted(LAYOUTS))

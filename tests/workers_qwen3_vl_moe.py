@@ -93,11 +93,13 @@ def _grad_diffs(model, hf) -> dict[str, float]:
     return out
 
 
-def parity(case: str, path: str, pconfig: ParallelConfig, lr: float = 0.2) -> list[tuple]:
+def parity(case: str, path: str, pconfig: ParallelConfig, lr: float = 0.2, save: bool = False) -> list[tuple]:
     """Logits and loss (the load-balancing loss included where the case turns it on) on the images-and-video
     batch (right padding) and the mixed one (left padding), the packed batch against each sequence alone
     (load-balancing loss off on both sides: transformers' would be per sequence), then two SGD steps on the
-    images-and-video batch with every gradient compared."""
+    images-and-video batch with every gradient compared. ``save``: then ``save_pretrained`` of the trained
+    model (experts gathered over TP/EP and stored fused) read by transformers: its logits against transformers'
+    trained model (``saved_logits``; a missing or unexpected key records infinity)."""
     from transformers import Qwen3VLMoeForConditionalGeneration
 
     from models.qwen3_vl_moe import build_parallel_model
@@ -139,6 +141,16 @@ def parity(case: str, path: str, pconfig: ParallelConfig, lr: float = 0.2) -> li
         records += [(*tag, f"grads_{part}_step{step}", value) for part, value in _grad_diffs(model, hf).items()]
         opt.step()
         ref_opt.step()
+    if save:
+        out = Path(path).parent / f"saved-{case}-{pconfig.describe()}".replace(" ", "_")
+        model.save_pretrained(out)
+        saved, info = Qwen3VLMoeForConditionalGeneration.from_pretrained(str(out), dtype=torch.float32,
+                                                                          output_loading_info=True)
+        valid = batch["attention_mask"].bool()
+        with torch.no_grad():
+            diff = _max_diff(saved.eval()(**batch).logits[valid], hf.eval()(**batch).logits[valid])
+        clean = not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"])
+        records.append((*tag, "saved_logits", diff if clean else float("inf")))
     return records
 
 
@@ -187,5 +199,5 @@ def suite(dirs: dict[str, str], layouts: list[tuple]) -> list[tuple]:
             records += training_parity(case, dirs[case], ParallelConfig(**kwargs),
                                        microbatches=options.get("microbatches", 2), aux=options.get("aux", False))
         else:
-            records += parity(case, dirs[case], ParallelConfig(**kwargs))
+            records += parity(case, dirs[case], ParallelConfig(**kwargs), save=options.get("save", False))
     return records
