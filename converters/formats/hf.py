@@ -58,15 +58,18 @@ class HFCheckpoint:
         cfg = arch.model_config(self.hf_config)
         # other key layouts of the same model (Qwen2-VL's in-memory names) under the weight map's names
         stored_as = canonical_names(self.files.names(), arch.canonical_name, self.path)
+        config_path = Path(path) / "config.json"
+        # counted blocks (layers, vision blocks) against the stored names before any weight map lists them one
+        # by one (an absurd depth in config.json must not build a table of that size)
+        present = {name: self.files.tensors[stored].shape for name, stored in stored_as.items()}
+        for field, count, prefix in arch.counted_blocks(cfg) if arch.counted_blocks else ():
+            check_block_count(config_path, field, count, prefix, present)
         # experts stored fused: one view per expert (byte ranges of the fused tensors; strided views of a release's
         # transposed ones where the model's map says HF stores them fused, as transformers reads them)
         fused = arch.weight_map(cfg, cfg.vocab_size).fused_experts
         views, origin = per_expert_views(self.path, stored_as, self.files.tensors, cfg, fused)
         shapes = {name: t.shape for name, t in views.items()}
         files = {name: self.files.file_of(stored) for name, stored in origin.items()}
-        config_path = Path(path) / "config.json"
-        for field, count, prefix in arch.counted_blocks(cfg) if arch.counted_blocks else ():
-            check_block_count(config_path, field, count, prefix, shapes)  # before the weight map lists them
         wmap = checkpoint_weight_map(arch, cfg, shapes, self.path)  # a hybrid's MTP block when it has one
         check_config_against_tensors(config_path, cfg, wmap, shapes, files)
         allowed = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
