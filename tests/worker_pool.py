@@ -1,0 +1,166 @@
+"""Rank processes started once per test session and reused (issue 39 item 2): ``run(world, fn, *args)``
+has ``parallel.launch.run_distributed``'s contract - ``[fn(*args) on rank r]``, each rank in its own
+process with a gloo process group, an exception on any rank re-raised in the parent with that rank's
+traceback - but the ranks of a world size are kept between calls, so torch, transformers and the
+project are imported once per session instead of once per call (10 s per 2-rank call and 17 s per
+4-rank call on the 2-core VM under load; ~80 such calls in the suite).
+
+Each call is a fresh start for the function: a new rendezvous store (port 0, held by the parent) and a
+new process group, destroyed after the call; the parent's current environment (so a ``monkeypatch.
+setenv`` before the call reaches the ranks, as a fresh spawn would see it), working directory, torch's
+default seed and dtype and one thread per rank are put back before every call. Anything else a
+function changes in its process (a module attribute it patched and did not restore) stays for the next
+call in that process: rank bodies must leave their process as they found it, as in any long-lived worker.
+
+A call that fails on any rank, times out, or loses a rank ends that world size's processes (a rank left
+waiting in a collective cannot be reused) and the next call starts new ones; the failing call raises
+with every rank's traceback. Ranks are also replaced after ``RECYCLE_AFTER`` calls (their memory only
+grows), and at most ``MAX_POOLS`` world sizes are kept (the least recently used one is closed).
+``PMZ_TEST_POOL=0`` runs every call in fresh processes (``parallel.launch.run_distributed``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import itertools
+import os
+import pickle
+import queue as queue_mod
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+RECYCLE_AFTER = 25
+MAX_POOLS = 2
+_INITIAL_SEED = torch.initial_seed()  # what a fresh process starts from (torch's fixed default seed)
+
+
+def _serve(rank: int, world: int, inbox, outbox) -> None:
+    """One rank's loop: run each task with a fresh process group until told to stop (``None``)."""
+    while True:
+        task = inbox.get()
+        if task is None:
+            return
+        task_id, port, env, cwd, fn, args, timeout, backend = task
+        os.environ.clear()
+        os.environ.update(env)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+        os.chdir(cwd)
+        torch.manual_seed(_INITIAL_SEED)
+        torch.set_default_dtype(torch.float32)
+        torch.set_num_threads(1)
+        try:
+            store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False, timeout=timedelta(seconds=timeout))
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+            result = fn(*args)
+            dist.barrier()  # every rank's result in before any group is destroyed
+            outbox.put((rank, task_id, "ok", result))
+        except BaseException:  # noqa: BLE001 - report everything to the parent
+            outbox.put((rank, task_id, "error", traceback.format_exc()))
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            del fn, args
+            gc.collect()
+
+
+class _Pool:
+    """``world`` rank processes and their queues."""
+
+    def __init__(self, world: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.calls = 0
+        self.inboxes = [ctx.Queue() for _ in range(world)]
+        self.outbox = ctx.Queue()
+        self.procs = [ctx.Process(target=_serve, args=(r, world, self.inboxes[r], self.outbox), daemon=True)
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, task_id: int, fn, args, timeout: float, backend: str) -> tuple[dict, list[str]]:
+        store = dist.TCPStore("127.0.0.1", 0, self.world + 1, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=timeout))
+        env, cwd = dict(os.environ), os.getcwd()
+        pickle.dumps((fn, args))  # an argument that cannot travel fails here, as a fresh spawn's start would
+        for q in self.inboxes:  # (a queue pickles in a feeder thread, where the error would only be printed)
+            q.put((task_id, store.port, env, cwd, fn, args, timeout, backend))
+        self.calls += 1
+        results: dict[int, object] = {}
+        errors: list[str] = []
+        deadline = time.monotonic() + timeout
+        try:
+            while len(results) < self.world and not errors:
+                try:
+                    rank, tid, status, payload = self.outbox.get(timeout=2.0)
+                except queue_mod.Empty:
+                    dead = [p.exitcode for p in self.procs if not p.is_alive()]
+                    if dead or time.monotonic() > deadline:
+                        errors.append(f"worker(s) died or timed out: exit codes {[p.exitcode for p in self.procs]}")
+                    continue
+                if tid != task_id:  # a late answer of an earlier, failed call (its pool was closed): ignore
+                    continue
+                if status == "ok":
+                    results[rank] = payload
+                else:
+                    errors.append(f"rank {rank}:\n{payload}")
+        finally:
+            del store  # held until every rank answered (or the pool is closed below)
+        return results, errors
+
+    def close(self, kill: bool = False) -> None:
+        if not kill:
+            for q in self.inboxes:
+                q.put(None)
+        for p in self.procs:
+            if p.pid is None:
+                continue
+            p.join(timeout=0 if kill else 10)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+
+_pools: dict[int, _Pool] = {}
+_task_ids = itertools.count()
+
+
+def _close_all() -> None:
+    for world in list(_pools):
+        _pools.pop(world).close()
+
+
+atexit.register(_close_all)
+
+
+def run(world: int, fn, *args, timeout: float = 900.0, backend: str = "gloo") -> list:
+    """``[fn(*args) on rank r for r in range(world)]`` on this session's ranks of that world size."""
+    if os.environ.get("PMZ_TEST_POOL", "1") == "0":
+        from parallel.launch import run_distributed
+
+        return run_distributed(world, fn, *args, timeout=timeout, backend=backend)
+    pool = _pools.pop(world, None)  # re-inserted last: the dict's order is least recently used first
+    if pool is not None and (pool.calls >= RECYCLE_AFTER or not all(p.is_alive() for p in pool.procs)):
+        pool.close(kill=not all(p.is_alive() for p in pool.procs))
+        pool = None
+    while len(_pools) >= MAX_POOLS:
+        _pools.pop(next(iter(_pools))).close()
+    pool = pool or _Pool(world)
+    try:
+        results, errors = pool.run(next(_task_ids), fn, args, timeout, backend)
+    except BaseException:  # Ctrl-C or an unpicklable argument: these ranks cannot be trusted any more
+        pool.close(kill=True)
+        raise
+    if errors:
+        pool.close(kill=True)  # a rank may still wait in a collective: never reuse these processes
+        raise RuntimeError("distributed worker failed\n" + "\n".join(errors))
+    _pools[world] = pool
+    return [results[r] for r in range(world)]
