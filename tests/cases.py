@@ -78,6 +78,21 @@ def seq_len_for(case: str) -> int:
     return 20 if case == "llama_dynamic" else 10
 
 
+def save_randomized(model, path, norm_marks: tuple[str, ...] = ("norm",)) -> str:
+    """``model`` (just built, under the caller's seed) with every norm weight (a name holding one of
+    ``norm_marks``, ending in ``.weight``) uniform(0.5, 1.5) and everything else normal(0, 0.08), saved by
+    transformers at ``path``: the vision-language and MoE tests' random checkpoints (transformers' own init
+    leaves norms 1 and biases 0, which would hide mistakes in their handling)."""
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if any(mark in pname for mark in norm_marks) and pname.endswith(".weight"):
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(str(path))
+    return str(path)
+
+
 def write_hf_model(root: Path, name: str, config, seed: int = 0) -> Path:
     """Random transformers model saved with ``save_pretrained``; norms and biases randomized too
     (transformers initializes them to 1 and 0, which would hide mistakes in their handling)."""

@@ -30,6 +30,7 @@ import torch
 
 from converters.cli import main as pmz
 from converters.engine import convert
+from tests.cases import save_randomized
 from tests.test_copy_path_vllm import assert_same_files
 from tests.test_copy_targets import _torch_path
 from tests.test_vllm import _load
@@ -52,14 +53,7 @@ def _write(root: Path, name: str, seed: int) -> Path:
 
     torch.manual_seed(seed)
     model = Qwen3VLForConditionalGeneration(Qwen3VLConfig(**copy.deepcopy(CASES[name])))
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "norm" in pname and pname.endswith(".weight"):
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, 0.08)
-    model.save_pretrained(root / name)
-    return root / name
+    return Path(save_randomized(model, root / name))
 
 
 def _tensors(directory: Path) -> dict[str, torch.Tensor]:

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from tests.cases import save_randomized
+
 PAD_ID = 0
 # bf16 bounds of the VL models (ours-bf16 against transformers-bf16 on the mixed image + video batch,
 # TP1 and TP2+SP; docs/numerics.md): worst measured 2.08% / 2.6e-3 / 1.0 times a margin. The first two
@@ -122,16 +124,7 @@ def write_vl_model(root, name: str, seed: int = 0) -> str:
     torch.manual_seed(seed)
     config = vl_config(name)
     model = (Qwen2_5_VLForConditionalGeneration if _is25(_kwargs(name)) else Qwen2VLForConditionalGeneration)(config)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            is_norm = "norm" in pname or ".ln_q." in pname
-            if is_norm and pname.endswith(".weight"):
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, 0.08)
-    path = Path(root) / name
-    model.save_pretrained(path)
-    return str(path)
+    return save_randomized(model, Path(root) / name, norm_marks=("norm", ".ln_q."))
 
 
 # Samples: ("text", n) runs of text tokens, ("image" | "video", (t, h, w)) grids in patches.

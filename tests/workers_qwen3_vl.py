@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from parallel import ParallelConfig
+from tests.cases import save_randomized
 from tests.workers import _max_diff, _rel_diff, hf_named_grads, saved_tensors_diff
 from tests.workers_vl import _inputs, _segments, _unscored_padding_predictions
 
@@ -70,15 +71,7 @@ def write_qwen3_vl_model(root, name: str, seed: int = 0) -> str:
 
     torch.manual_seed(seed)
     model = Qwen3VLForConditionalGeneration(qwen3_vl_config(name))
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "norm" in pname and pname.endswith(".weight"):
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, 0.08)
-    path = Path(root) / name
-    model.save_pretrained(path)
-    return str(path)
+    return save_randomized(model, Path(root) / name)
 
 
 # Samples: ("text", n) text tokens, ("image" | "video", (t, h, w)) grids in patches.

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from parallel import ParallelConfig
+from tests.cases import save_randomized
 from tests.workers import _max_diff, _rel_diff, hf_named_grads
 from tests.workers_qwen3_vl import QWEN3_VL_CASES, _packed_reference, qwen3_vl_batch, qwen3_vl_packed_batch
 from tests.workers_vl import _inputs, _unscored_padding_predictions
@@ -51,15 +52,7 @@ def write_qwen3_vl_moe_model(root, name: str, seed: int = 0) -> str:
 
     torch.manual_seed(seed)
     model = Qwen3VLMoeForConditionalGeneration(qwen3_vl_moe_config(name))
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "norm" in pname and pname.endswith(".weight"):
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, 0.08)
-    path = Path(root) / name
-    model.save_pretrained(path)
-    return str(path)
+    return save_randomized(model, Path(root) / name)
 
 
 def _fused_grads(model) -> dict[str, torch.Tensor]:
