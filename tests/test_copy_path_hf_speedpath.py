@@ -120,3 +120,24 @@ def test_full_disk_at_fallocate_is_one_error_naming_the_file(source, tmp_path, m
     assert "\n" not in msg and f"{dst}{os.sep}model.safetensors" in msg and text in msg, msg
     assert ".tmp-" not in msg, msg
     assert snapshot(tmp_path) == before, "the failed conversion left something behind"
+
+
+def test_page_aligned_buffers_and_their_fallback(source, tmp_path, monkeypatch, paths_taken):
+    """The worker threads' buffers (``io.page_aligned``) start on a page; where no anonymous mapping can
+    be made they are plain bytearrays, and the output is the same either way."""
+    buf = cio.page_aligned(3 << 20)
+    assert len(buf) == 3 << 20 and bytes(memoryview(buf)[:64]) == bytes(64)
+    assert ctypes.addressof(ctypes.c_char.from_buffer(buf)) % os.sysconf("SC_PAGE_SIZE") == 0
+    aligned = tmp_path / "aligned"
+    convert(source, aligned, to="hf", workers=2, max_shard_size="20KB")
+    import mmap
+
+    def no_mmap(*args, **kwargs):
+        raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+    monkeypatch.setattr(mmap, "mmap", no_mmap)
+    assert isinstance(cio.page_aligned(100), bytearray)
+    fallback = tmp_path / "fallback"
+    convert(source, fallback, to="hf", workers=2, max_shard_size="20KB")
+    assert paths_taken == [True, True]
+    assert _files(aligned) == _files(fallback)
