@@ -332,7 +332,7 @@ def page_aligned(n: int):
     where there is none). A ``bytearray`` starts 16 bytes into a page (malloc's header), so the
     kernel's copy of every page written from it (``pwrite``, whose blocks are aligned to the
     destination) spans two pages of the buffer. Whole ``pmz convert`` runs to HF, 8-10 alternating
-    rounds against the same code with bytearrays: CPU 4-8% lower (legacy: min 0.68 -> 0.62 s per
+    rounds against the same code with bytearrays: CPU 3-9% lower (legacy: min 0.68 -> 0.62 s per
     1.16 GB); stand-alone loops of ``preadv`` + ``pwrite`` varied more with the run than with it."""
     try:
         import mmap
