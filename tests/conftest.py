@@ -35,7 +35,8 @@ def pytest_configure(config):
 def pytest_fixture_setup(fixturedef, request):
     """Shared (module/session) fixtures train models and run vLLM engines for minutes: say which one
     starts and how long it took, so a long stretch of the run is never silent."""
-    shared = fixturedef.scope in ("module", "session") and fixturedef.argname != "tmp_path_factory"
+    shared = (fixturedef.scope in ("module", "session") and fixturedef.argname != "tmp_path_factory"
+              and not fixturedef.argname.startswith("_"))  # housekeeping fixtures (_fresh_ranks_per_module)
 
     def say(line: str) -> None:
         if shared:
@@ -54,6 +55,17 @@ def pytest_fixture_setup(fixturedef, request):
 settings.register_profile("reproducible", derandomize=True, database=None)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile("explore" if os.environ.get("PMZ_HYPOTHESIS") == "explore" else "reproducible")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fresh_ranks_per_module():
+    """The reused rank processes (tests/worker_pool.py) live for one test module: a library's process-wide
+    state that one module's rank bodies leave behind (FSDP2/DTensor caches, megatron-core's groups) never
+    meets another module's (the first full run with session-long ranks failed two modules that way)."""
+    yield
+    from tests.worker_pool import close_all
+
+    close_all()
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,9 @@
-"""Rank processes started once per test session and reused (issue 39 item 2): ``run(world, fn, *args)``
+"""Rank processes started once per test module and reused (issue 39 item 2): ``run(world, fn, *args)``
 has ``parallel.launch.run_distributed``'s contract - ``[fn(*args) on rank r]``, each rank in its own
 process with a gloo process group, an exception on any rank re-raised in the parent with that rank's
-traceback - but the ranks of a world size are kept between calls, so torch, transformers and the
-project are imported once per session instead of once per call (10 s per 2-rank call and 17 s per
+traceback - but the ranks of a world size are kept between the calls of a test module (tests/conftest.py
+ends them after each module), so torch, transformers and the project are imported once per module and
+world size instead of once per call (10 s per 2-rank call and 17 s per
 4-rank call on the 2-core VM under load; ~80 such calls in the suite).
 
 Each call is a fresh start for the function: a new rendezvous store (port 0, held by the parent) and a
@@ -63,10 +64,25 @@ def _serve(rank: int, world: int, inbox, outbox) -> None:
         except BaseException:  # noqa: BLE001 - report everything to the parent
             outbox.put((rank, task_id, "error", traceback.format_exc()))
         finally:
+            _reset_library_state()
             if dist.is_initialized():
                 dist.destroy_process_group()
             del fn, args
             gc.collect()
+
+
+def _reset_library_state() -> None:
+    """Process-wide state of the libraries rank bodies use that outlives a process group: megatron-core's
+    model-parallel groups and RNG tracker (an oracle that initialised them would make the next call's
+    ``initialize_model_parallel`` fail: "data parallel group is already initialized")."""
+    import contextlib
+    import sys
+
+    with contextlib.suppress(Exception):  # a reset that fails must not end the rank's loop
+        if "megatron.core.parallel_state" in sys.modules:
+            sys.modules["megatron.core.parallel_state"].destroy_model_parallel()
+        if "megatron.core.tensor_parallel.random" in sys.modules:
+            sys.modules["megatron.core.tensor_parallel.random"].get_cuda_rng_tracker().reset()
 
 
 class _Pool:
@@ -133,16 +149,17 @@ _pools: dict[int, _Pool] = {}
 _task_ids = itertools.count()
 
 
-def _close_all() -> None:
+def close_all() -> None:
+    """End every kept rank process (tests/conftest.py: after each test module)."""
     for world in list(_pools):
         _pools.pop(world).close()
 
 
-atexit.register(_close_all)
+atexit.register(close_all)
 
 
 def run(world: int, fn, *args, timeout: float = 900.0, backend: str = "gloo") -> list:
-    """``[fn(*args) on rank r for r in range(world)]`` on this session's ranks of that world size."""
+    """``[fn(*args) on rank r for r in range(world)]`` on this module's ranks of that world size."""
     if os.environ.get("PMZ_TEST_POOL", "1") == "0":
         from parallel.launch import run_distributed
 
