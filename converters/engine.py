@@ -309,10 +309,6 @@ def _convert_by_copy(src, dst_path: Path, *, to: str, overwrite: bool, hf_config
         return False
     if dtype is not None and dtype != TAG_TO_TORCH_NAME[tag]:
         return False
-    if to == "hf" and source.wmap.fused_experts:
-        # experts stored fused (Qwen3-VL-MoE): the copy path's HF writer (copy_path/hf.plan_hf_files) does not
-        # pass the weight map's fused_experts to plan_shards yet; the torch path writes them
-        return False
     if to == "hf":
         source.say_notes()
         with Staging(dst_path, overwrite) as tmp:

@@ -89,7 +89,7 @@ def test_inspect_verify_and_hf_to_hf_is_bitwise(sources, tmp_path, paths_taken, 
         assert "qwen3_vl_moe" in out and "4 x ffn" in out and "top-2 (renormalised)" in out, out
         fast, slow = tmp_path / f"{name}-default", tmp_path / f"{name}-torch"
         convert(src, fast, to="hf", workers=2)
-        assert paths_taken[-1] is False  # fused experts: the torch path writes HF targets
+        assert paths_taken[-1] is True  # fused experts laid out by the copy path's HF writer too
         _torch_path(src, slow, to="hf", workers=1)
         assert_same_files(slow, fast)
         stored = _tensors(fast)
@@ -138,7 +138,7 @@ def test_vllm_back_to_hf_is_bitwise(sources, converted, tmp_path, paths_taken, n
     for tp, pp in VLLM_LAYOUTS:
         fast, slow = tmp_path / f"default-tp{tp}-pp{pp}", tmp_path / f"torch-tp{tp}-pp{pp}"
         convert(converted[name, tp, pp], fast, to="hf", workers=2)
-        assert paths_taken[-1] is False  # fused experts in an HF target: the torch path
+        assert paths_taken[-1] is True  # fused experts in an HF target: the copy path lays them out too
         _torch_path(converted[name, tp, pp], slow, to="hf", workers=1)
         assert not _bitwise(_tensors(fast), want), (tp, pp)
         assert_same_files(slow, fast)

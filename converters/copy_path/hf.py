@@ -23,7 +23,8 @@ from converters.runtime.tasks import run_tasks
 def plan_hf_files(source: RawSource, max_shard_bytes: int) -> tuple[str, list[FilePlan]]:
     tag = source.dtype()
     units = [(unit, [(n, source.planned[n].shape) for e in entries for n in e.hf]) for unit, entries in source.units()]
-    return tag, plan_shards(units, tag, max_shard_bytes)
+    # a fused_experts map (Qwen3-VL-MoE): each layer's experts laid out in their fused tensors, as the torch path does
+    return tag, plan_shards(units, tag, max_shard_bytes, source.wmap.fused_experts)
 
 
 def hf_tasks(source: RawSource, files: list[FilePlan], tag: str, directory: str, workers: int,
