@@ -22,15 +22,7 @@ import torch
 from parallel import ParallelConfig
 from tests.workers import _max_diff, _rel_diff, hf_named_grads, saved_tensors_diff
 from tests.workers_moe import hf_grads
-from tests.workers_qwen3_vl import (
-    BATCHES,
-    PACKED,
-    SAMPLES,
-    _packed_reference,
-    _pixels_and_grids,
-    _sample,
-    _types_and_labels,
-)
+from tests.workers_qwen3_vl import _packed_reference, qwen3_vl_batch, qwen3_vl_packed_batch
 from tests.workers_vl import _inputs, _unscored_padding_predictions
 
 PAD_ID = 0
@@ -109,41 +101,15 @@ def write_case(root, name: str, seed: int = 0, text_overrides: dict | None = Non
 
 # ------------------------------------------------------------------ batches (Qwen3-VL's samples)
 def vl_batch(name: str, kind: str, seed: int = 0, padding_side: str = "right") -> dict:
-    """A padded batch of ``BATCHES[kind]`` (input_ids, attention_mask, labels, pixels, grids, mm_token_type_ids)."""
-    cfg = CASES[name]
-    gen = torch.Generator().manual_seed(seed)
-    rows, vision = [], []
-    for spec in BATCHES[kind]:
-        ids, vis = _sample(SAMPLES[spec], cfg, gen)
-        rows.append(ids)
-        vision += vis
-    width = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), width), PAD_ID, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        sl = slice(0, len(r)) if padding_side == "right" else slice(width - len(r), width)
-        input_ids[i, sl], mask[i, sl] = torch.tensor(r), 1
-    types, labels = _types_and_labels(input_ids, cfg, mask == 0)
-    batch = {"input_ids": input_ids, "attention_mask": mask, "labels": labels,
-             **_pixels_and_grids(vision, cfg, gen), "mm_token_type_ids": types}
+    """Qwen3-VL's padded batch of ``BATCHES[kind]`` for ``CASES[name]``; left padding: with the padding's
+    predictions unscored (as the Qwen3-VL tests do before comparing)."""
+    batch = qwen3_vl_batch(CASES[name], kind, seed, padding_side)
     return _unscored_padding_predictions(batch) if padding_side == "left" else batch
 
 
 def vl_packed_batch(name: str, seed: int = 0) -> dict:
-    """``PACKED`` samples in one row with ``cu_seqlens`` (each segment's first label -100)."""
-    cfg = CASES[name]
-    gen = torch.Generator().manual_seed(seed)
-    ids, vision, bounds = [], [], [0]
-    for spec in PACKED:
-        sample_ids, vis = _sample(SAMPLES[spec], cfg, gen)
-        ids += sample_ids
-        vision += vis
-        bounds.append(len(ids))
-    input_ids = torch.tensor([ids], dtype=torch.long)
-    types, labels = _types_and_labels(input_ids, cfg, torch.zeros_like(input_ids, dtype=torch.bool))
-    labels[0, bounds[:-1]] = -100
-    return {"input_ids": input_ids, "attention_mask": None, "labels": labels, **_pixels_and_grids(vision, cfg, gen),
-            "mm_token_type_ids": types, "cu_seqlens": torch.tensor(bounds, dtype=torch.int32)}
+    """Qwen3-VL's packed batch (``PACKED`` samples, ``cu_seqlens``) for ``CASES[name]``."""
+    return qwen3_vl_packed_batch(CASES[name], seed)
 
 
 def short_of_one_image_token(name: str) -> dict:

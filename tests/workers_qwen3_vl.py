@@ -127,8 +127,9 @@ def _types_and_labels(input_ids, cfg: dict, pad):
 
 
 def qwen3_vl_batch(name, kind: str, seed: int = 0, padding_side: str = "right") -> dict:
-    """A padded batch of ``BATCHES[kind]`` (input_ids, attention_mask, labels, pixels, grids, mm_token_type_ids)."""
-    cfg = QWEN3_VL_CASES[name]
+    """A padded batch of ``BATCHES[kind]`` (input_ids, attention_mask, labels, pixels, grids, mm_token_type_ids);
+    ``name``: a case of ``QWEN3_VL_CASES`` or a case dict of the same form (the multimodal Qwen3.5 tests')."""
+    cfg = QWEN3_VL_CASES[name] if isinstance(name, str) else name
     gen = torch.Generator().manual_seed(seed)
     rows, vision = [], []
     for spec in BATCHES[kind]:
@@ -147,8 +148,9 @@ def qwen3_vl_batch(name, kind: str, seed: int = 0, padding_side: str = "right") 
 
 
 def qwen3_vl_packed_batch(name, seed: int = 0) -> dict:
-    """``PACKED`` samples in one row with ``cu_seqlens`` (each segment's first label -100)."""
-    cfg = QWEN3_VL_CASES[name]
+    """``PACKED`` samples in one row with ``cu_seqlens`` (each segment's first label -100); ``name`` as in
+    ``qwen3_vl_batch``."""
+    cfg = QWEN3_VL_CASES[name] if isinstance(name, str) else name
     gen = torch.Generator().manual_seed(seed)
     ids, vision, bounds = [], [], [0]
     for spec in PACKED:
