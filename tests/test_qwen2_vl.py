@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from tests.distributed import run_distributed
+from tests.distributed import records_on_ranks, run_distributed
 from tests.vl_cases import VL_BF16_BOUNDS, VL_CASES, write_vl_model
 from tests.workers_vl import bad_input_messages, dp_text_and_image_ranks, suite
 
@@ -46,10 +46,7 @@ def vl_dirs(tmp_path_factory):
 
 @functools.lru_cache(maxsize=None)
 def _records(world: int, dirs: tuple) -> list[tuple]:
-    if world == 1:
-        return suite(dict(dirs), LAYOUTS[1])
-    per_rank = run_distributed(world, suite, dict(dirs), LAYOUTS[world])
-    return [rec for rank_records in per_rank for rec in rank_records]
+    return records_on_ranks(world, suite, dict(dirs), LAYOUTS[world])
 
 
 METRICS = {"logits": r"logits_.*", "loss": r"loss_.*|step\d_loss.*", "grads": r"grads_.*", "saved": "saved_tensors",

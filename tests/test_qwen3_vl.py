@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import run_distributed
+from tests.distributed import records_on_ranks
 from tests.vl_cases import VL_BF16_BOUNDS
 from tests.workers_qwen3_vl import (
     BATCHES,
@@ -64,10 +64,7 @@ def q3_dirs(tmp_path_factory):
 
 @functools.lru_cache(maxsize=None)
 def _records(world: int, dirs: tuple) -> list[tuple]:
-    if world == 1:
-        return suite(dict(dirs), LAYOUTS[1])
-    per_rank = run_distributed(world, suite, dict(dirs), LAYOUTS[world])
-    return [rec for rank_records in per_rank for rec in rank_records]
+    return records_on_ranks(world, suite, dict(dirs), LAYOUTS[world])
 
 
 METRICS = {"logits": r"logits_.*", "loss": r"loss_.*|step\d_loss.*", "grads": r"grads_.*", "saved": "saved_tensors",

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import run_distributed
+from tests.distributed import records_on_ranks
 from tests.workers_qwen3_vl import misplaced_placeholders, qwen3_vl_batch
 from tests.workers_qwen3_vl_moe import BASE, QWEN3_VL_MOE_CASES, suite, write_qwen3_vl_moe_model
 from tests.workers_vl import _inputs
@@ -54,10 +54,7 @@ def moe_dirs(tmp_path_factory):
 
 @functools.lru_cache(maxsize=None)
 def _records(world: int, dirs: tuple) -> list[tuple]:
-    if world == 1:
-        return suite(dict(dirs), LAYOUTS[1])
-    per_rank = run_distributed(world, suite, dict(dirs), LAYOUTS[world])
-    return [rec for rank_records in per_rank for rec in rank_records]
+    return records_on_ranks(world, suite, dict(dirs), LAYOUTS[world])
 
 
 METRICS = {"logits": r"logits_.*", "loss": r"loss_.*|step\d_loss.*", "aux": r"loss_aux_.*", "grads": r"grads_.*",
