@@ -32,9 +32,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn, args, queue, backend: str, timeout: float) -> None:
+def run_rank(rank: int, world: int, port: int, fn, args, backend: str, timeout: float,
+             cleanup=None) -> tuple[str, object]:
+    """One rank's call in a process of its own: the rendezvous environment, a client of the parent's
+    store on ``port``, a process group, ``fn(*args)``, a barrier; ``("ok", result)`` or ``("error",
+    traceback)``. ``cleanup`` (optional) runs before the group is destroyed, which it always is."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
     try:
         store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False, timeout=timedelta(seconds=timeout))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world)
@@ -42,12 +45,20 @@ def _entry(rank: int, world: int, port: int, fn, args, queue, backend: str, time
         # A rank done early (e.g. one that only raised local errors) waits for the others, so every
         # rank's result is in before any group is destroyed.
         dist.barrier()
-        queue.put((rank, "ok", result))
+        return "ok", result
     except BaseException:  # noqa: BLE001 - report everything to the parent
-        queue.put((rank, "error", traceback.format_exc()))
+        return "error", traceback.format_exc()
     finally:
+        if cleanup is not None:
+            cleanup()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _entry(rank: int, world: int, port: int, fn, args, queue, backend: str, timeout: float) -> None:
+    torch.set_num_threads(1)
+    status, payload = run_rank(rank, world, port, fn, args, backend, timeout)
+    queue.put((rank, status, payload))
 
 
 def run_distributed(world: int, fn, *args, timeout: float = 900.0, backend: str = "gloo") -> list:

@@ -29,12 +29,13 @@ import os
 import pickle
 import queue as queue_mod
 import time
-import traceback
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from parallel.launch import run_rank
 
 RECYCLE_AFTER = 25
 MAX_POOLS = 2
@@ -50,25 +51,15 @@ def _serve(rank: int, world: int, inbox, outbox) -> None:
         task_id, port, env, cwd, fn, args, timeout, backend = task
         os.environ.clear()
         os.environ.update(env)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
         os.chdir(cwd)
         torch.manual_seed(_INITIAL_SEED)
         torch.set_default_dtype(torch.float32)
         torch.set_num_threads(1)
-        try:
-            store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False, timeout=timedelta(seconds=timeout))
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world)
-            result = fn(*args)
-            dist.barrier()  # every rank's result in before any group is destroyed
-            outbox.put((rank, task_id, "ok", result))
-        except BaseException:  # noqa: BLE001 - report everything to the parent
-            outbox.put((rank, task_id, "error", traceback.format_exc()))
-        finally:
-            _reset_library_state()
-            if dist.is_initialized():
-                dist.destroy_process_group()
-            del fn, args
-            gc.collect()
+        status, payload = run_rank(rank, world, port, fn, args, backend, timeout, cleanup=_reset_library_state)
+        del fn, args
+        outbox.put((rank, task_id, status, payload))
+        del payload
+        gc.collect()
 
 
 def _reset_library_state() -> None:
