@@ -30,6 +30,7 @@ import torch
 
 from converters.engine import convert
 from converters.formats import detect_format
+from converters.runtime.tasks import progress_bar
 from converters.torch_path import open_reader
 from models.common.errors import CheckpointError
 
@@ -109,13 +110,7 @@ def verify(a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, logits: bool
     rb.validate()
     report = VerifyReport()
     units = ra.units()
-    bar = None
-    if progress:
-        import sys
-
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(units), desc="comparing", unit="unit", file=sys.stderr, leave=False, disable=None)
+    bar = progress_bar(len(units), "comparing", "unit") if progress else None
     for unit in units:
         if bar is not None:
             bar.update(1)

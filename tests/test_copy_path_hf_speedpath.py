@@ -1,7 +1,8 @@
-"""The HF writer's preallocation (``converters/copy_path/io.preallocate``, issue 40): the output files
-are allocated with ``fallocate`` before the copy on ext4 / XFS. Same bytes with and without it, the
-same bytes when the call is unavailable or refused (the writes allocate as they go), and a full disk
-met by ``fallocate`` is one error naming the file, nothing left behind.
+"""The copy-path writers' preallocation (``converters/copy_path/io.preallocate``, issue 40): the output
+files are allocated with ``fallocate`` before the copy on ext4 / XFS, by the HF writer and (since
+2026-11-29) the Megatron legacy / torch_dist and vLLM ``sharded_state`` writers. Same bytes with and
+without it, the same bytes when the call is unavailable or refused (the writes allocate as they go), and
+a full disk met by ``fallocate`` is one error naming the file, nothing left behind.
 """
 
 from __future__ import annotations
@@ -141,3 +142,54 @@ def test_page_aligned_buffers_and_their_fallback(source, tmp_path, monkeypatch, 
     convert(source, fallback, to="hf", workers=2, max_shard_size="20KB")
     assert paths_taken == [True, True]
     assert _files(aligned) == _files(fallback)
+
+
+# The other copy-path writers: HF source -> (target, the file a full disk is met at, convert's options)
+OTHER_TARGETS = {
+    "legacy": ("megatron", "mp_rank_00/model_optim_rng.pt", {"tp": 2}),
+    "torch_dist": ("megatron-dist", "__0_0.distcp", {"tp": 2}),
+    "vllm": ("vllm", "model-rank-0-part-0.safetensors", {"tp": 2}),
+}
+
+
+@pytest.fixture(scope="module")
+def hf_source(tmp_path_factory) -> Path:
+    return write_hf_model(tmp_path_factory.mktemp("hf_source"), "qwen2", copy_path_configs()["qwen2"], seed=8)
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("target", sorted(OTHER_TARGETS))
+def test_megatron_and_vllm_writers_preallocate_every_file_same_bytes(hf_source, tmp_path, monkeypatch, paths_taken,
+                                                                     target):
+    to, _, options = OTHER_TARGETS[target]
+    monkeypatch.setattr(cio, "_libc_calls", lambda: None)
+    reference = tmp_path / "reference"
+    convert(hf_source, reference, to=to, workers=2, **options)
+    calls: list = []
+    monkeypatch.setattr(cio, "_libc_calls", _fake_libc(None, calls))  # "ext4", fallocate succeeds
+    out = tmp_path / "out"
+    convert(hf_source, out, to=to, workers=2, **options)
+    assert paths_taken == [True, True]
+    assert _tree(out) == _tree(reference)
+    # one fallocate per tensor file, at its final size (torch_dist's small common.pt is torch.save's)
+    sizes = sorted(len(data) for name, data in _tree(out).items()
+                   if name.endswith((".pt", ".distcp", ".safetensors")) and not name.endswith("common.pt"))
+    assert sorted(size for _, _, size in calls) == sizes, (calls, sizes)
+    assert all(mode == 0 and offset == 0 for mode, offset, _ in calls)
+
+
+@pytest.mark.parametrize("target", sorted(OTHER_TARGETS))
+def test_full_disk_at_fallocate_other_writers_one_error_nothing_left(hf_source, tmp_path, monkeypatch, target):
+    to, first_file, options = OTHER_TARGETS[target]
+    before = snapshot(tmp_path)
+    monkeypatch.setattr(cio, "_libc_calls", _fake_libc(errno.ENOSPC, []))
+    dst = tmp_path / "out" / "ckpt"
+    with pytest.raises(CheckpointError) as info:
+        convert(hf_source, dst, to=to, workers=2, **options)
+    msg = str(info.value)
+    assert "\n" not in msg and "No space left on device (ENOSPC)" in msg, msg
+    assert str(dst) in msg and ".tmp-" not in msg, msg
+    assert snapshot(tmp_path) == before, "the failed conversion left something behind"

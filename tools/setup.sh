@@ -54,12 +54,16 @@ if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
   fi
   took
 fi
-# the project (editable) and its dev extra: pytest, hypothesis, megatron-core, ruff (tests/test_lint.py)
+# the project (editable) and its dev extra: pytest, hypothesis, megatron-core, ruff (tests/test_lint.py).
+# Editable as a plain path in a .pth (editable_mode=compat): setuptools' default editable install imports
+# a finder (pathlib, importlib.util) at every interpreter start, 20-40 ms of each `pmz` run and each test
+# worker; a venv installed the old way (its finder file present) is reinstalled.
 if ! "$VPY" -c "import models, parallel, converters, transformers, safetensors, pytest, hypothesis" >/dev/null 2>&1 \
-   || [ ! -x .venv/bin/ruff ] || [ pyproject.toml -nt .venv/.pmz-installed ]; then
+   || [ ! -x .venv/bin/ruff ] || [ pyproject.toml -nt .venv/.pmz-installed ] \
+   || compgen -G ".venv/lib/python*/site-packages/__editable___parallel_model_zoo_*_finder.py" >/dev/null; then
   LAST=$SECONDS
   say "installing the project (editable) and .[dev]: transformers, peft, megatron-core, pytest, hypothesis, ruff (~0.5 GB, ~1 min)"
-  pip_q "the project and .[dev]" -e ".[dev]"
+  pip_q "the project and .[dev]" -e ".[dev]" --config-settings editable_mode=compat
   touch .venv/.pmz-installed
   took
 fi

@@ -31,6 +31,7 @@ from converters.copy_path.io import (
     SourceFiles,
     _buffer,
     fill_file,
+    preallocate,
     pwritev_all,
     read_rows,
     row_views,
@@ -388,6 +389,7 @@ def _create(plan: _FilePlan) -> None:
     Path(plan.path).parent.mkdir(parents=True, exist_ok=True)
     with open(plan.path, "wb") as f:  # a Python file object: a failed write keeps its errno
         f.truncate(plan.size)
+        preallocate(f.fileno(), plan.size)  # blocks allocated now: the copy fills them (io.preallocate)
         for offset, data in plan.headers:
             f.seek(offset)
             f.write(data)

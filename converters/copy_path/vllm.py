@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from converters.copy_path.io import DEFAULT_BUFFER, fill_file, thread_buffer
+from converters.copy_path.io import DEFAULT_BUFFER, fill_file, preallocate, thread_buffer
 from converters.copy_path.megatron import band_scatterable, scatter_bands
 from converters.copy_path.megatron_ops import row_nbytes, select
 from converters.copy_path.ops import Data, Op, PlannedTensor, Unsupported, Zeros, merge_copies
@@ -285,6 +285,7 @@ def write_vllm_by_copy(source: RawSource, target: VllmCopyTarget, directory: str
         with open(f.path, "wb") as out:  # a Python file object: a failed write keeps its errno
             out.write(f.head)
             out.truncate(f.size)
+            preallocate(out.fileno(), f.size)  # blocks allocated now: the copy fills them (io.preallocate)
     tasks = _tasks(files, target, outputs, workers, thread_buffer(buffer_bytes, workers))
     run_tasks(tasks, workers, "copying vLLM shards", progress, threads=True)
     config = read_hf_config(files_from) if files_from else source.hf_config

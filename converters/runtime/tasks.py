@@ -91,15 +91,22 @@ def _task_entry(payload: tuple) -> Any:
         raise err from None
 
 
+def progress_bar(total: int, desc: str, unit: str):
+    """A tqdm bar on stderr when stderr is a terminal, else None. tqdm (``disable=None``) shows nothing
+    off a terminal anyway; not importing it there saves ~40 ms of start-up (it imports
+    ``importlib.metadata`` for its version), which is a tenth of a 1 GB conversion's wall time."""
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False)
+
+
 def run_tasks(tasks: Sequence[tuple[Callable, tuple]], workers: int, desc: str, progress: bool, *,
               threads: bool = False) -> list:
     """Run ``fn(*args)`` for each task, in ``workers`` threads (``threads=True``) or worker processes
     when ``workers > 1``; results in task order."""
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(tasks), desc=desc, unit="task", file=sys.stderr, leave=False, disable=None)
+    bar = progress_bar(len(tasks), desc, "task") if progress else None
     results = []
     try:
         if workers <= 1 or len(tasks) <= 1:
