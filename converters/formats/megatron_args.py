@@ -248,9 +248,10 @@ def hf_config_from_args(args: Any, *, arch: str | None, hf_config_dir: str | Non
         if not num_experts_of(args):
             raise CheckpointError(f"{where}: --arch {arch}, but the Megatron args have no num_experts")
         moe = moe_hf_fields(args, common["num_hidden_layers"], common["intermediate_size"], where, arch=arch)
-        return config_from_fields(arch, **common, **moe, rope_parameters=rope)
-    if arch == "qwen3":
-        return config_from_fields("qwen3", **common, rope_parameters=rope, attention_bias=False)
+        return conditional_generation_config(args, config_from_fields(arch, **common, **moe, rope_parameters=rope))
+    if arch == "qwen3":  # (Qwen3-VL: its text model, inside the conditional-generation config the args record)
+        return conditional_generation_config(args, config_from_fields("qwen3", **common, rope_parameters=rope,
+                                                                      attention_bias=False))
     if arch == "llama":
         all_bias = bool(arg_value(args, "add_bias_linear", False))
         if arg_value(args, "add_qkv_bias", False) and not all_bias:
@@ -275,7 +276,8 @@ def _check_against_args(config: Any, args: Any, where: str, hf_dir: str) -> None
                               f"variant='gated_delta_net'), the HF config at {hf_dir} a "
                               f"{getattr(config, 'model_type', None)} model")
     detected = None if hybrid else detect_arch(args, where)
-    if not hybrid and detected != getattr(config, "model_type", None):
+    if not hybrid and detected != QWEN3_VL_TEXT.get(getattr(config, "model_type", None),
+                                                    getattr(config, "model_type", None)):
         raise CheckpointError(f"{where}: the Megatron args describe a {detected} model, the HF config at {hf_dir} "
                               f"a {getattr(config, 'model_type', None)} model")
     heads = getattr(args, "num_attention_heads", None)
@@ -356,12 +358,18 @@ def target_arg_fields(hf_config: Any, cfg, *, tp: int, pp: int, vpp: int, padded
         fields.update(moe_arg_fields(cfg, tp=tp, ep=ep, grouped_gemm=grouped_gemm))
     if getattr(cfg, "linear_num_key_heads", 0) or getattr(hf_config, "model_type", None) in MODEL_TYPES.values():
         fields.update(hybrid_arg_fields(cfg, mtp_layers))
-    if getattr(cfg, "carried", ()) and getattr(hf_config, "text_config", None) is not None:
+    qwen3_vl = getattr(_text_view(hf_config), "model_type", None) in QWEN3_VL_TEXT
+    if (getattr(cfg, "carried", ()) or qwen3_vl) and getattr(hf_config, "text_config", None) is not None:
         top = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(vars(hf_config))
         text = _text_view(hf_config)
         fields["hf_model_type"] = getattr(text, "model_type", None)
-        fields[CONDITIONAL_GENERATION] = {k: v for k, v in top.items() if k != "text_config"}
+        # Qwen3-VL keeps its text_config too: M-RoPE sections and the text model type, which no Megatron arg holds
+        fields[CONDITIONAL_GENERATION] = {k: v for k, v in top.items() if k != "text_config" or qwen3_vl}
     return fields
+
+
+# Qwen3-VL's text model types and the Megatron text model their args describe (``detect_arch``)
+QWEN3_VL_TEXT = {"qwen3_vl_text": "qwen3", "qwen3_vl_moe_text": "qwen3_moe"}
 
 
 # Megatron args of a conditional-generation checkpoint (Qwen3.5's ``Qwen3VLModel`` in Megatron-Bridge): the HF
@@ -388,4 +396,5 @@ def conditional_generation_config(args: Any, text: HFConfig) -> HFConfig:
     inner = text.to_dict()
     inner.pop("architectures", None)
     inner.pop("transformers_version", None)
-    return HFConfig({**top, "text_config": inner})
+    recorded = top.get("text_config")  # Qwen3-VL: the text config as recorded (M-RoPE, model type) over the args'
+    return HFConfig({**top, "text_config": {**inner, **recorded} if isinstance(recorded, dict) else inner})

@@ -50,12 +50,23 @@ PROVIDERS = {"qwen2_5_vl": "megatron.bridge.models.qwen_vl.qwen25_vl_provider.Qw
              **{arch: GPT_PROVIDER for arch in TEXT_BRIDGES}}
 # a Qwen3.5 / Qwen3.5-MoE conditional-generation checkpoint (``cfg.carried``: a vision tower) is Bridge's
 # Qwen35VLBridge / Qwen35VLMoEBridge, which build Qwen3VLModel from these providers (``hybrid_vision_fields``)
+# Qwen3-VL / Qwen3-VL-MoE (``qwen3_vl_bridge.py``: Qwen3VLBridge / Qwen3VLMoEBridge) build the same Qwen3VLModel
+# from their own providers, with a Qwen3 / Qwen3-MoE text GPT (Transformer-Engine spec) and DeepStack mergers
 VL_HYBRID_PROVIDERS = {"qwen3_5": "megatron.bridge.models.qwen_vl.qwen35_vl_provider.Qwen35VLModelProvider",
-                       "qwen3_5_moe": "megatron.bridge.models.qwen_vl.qwen35_vl_provider.Qwen35VLMoEModelProvider"}
+                       "qwen3_5_moe": "megatron.bridge.models.qwen_vl.qwen35_vl_provider.Qwen35VLMoEModelProvider",
+                       "qwen3_vl": "megatron.bridge.models.qwen_vl.qwen3_vl_provider.Qwen3VLModelProvider",
+                       "qwen3_vl_moe": "megatron.bridge.models.qwen_vl.qwen3_vl_provider.Qwen3VLMoEModelProvider"}
 HYBRID_VISION_CONFIGS = {
     "qwen3_5": "transformers.models.qwen3_5.configuration_qwen3_5.Qwen3_5VisionConfig",
-    "qwen3_5_moe": "transformers.models.qwen3_5_moe.configuration_qwen3_5_moe.Qwen3_5MoeVisionConfig"}
+    "qwen3_5_moe": "transformers.models.qwen3_5_moe.configuration_qwen3_5_moe.Qwen3_5MoeVisionConfig",
+    "qwen3_vl": "transformers.models.qwen3_vl.configuration_qwen3_vl.Qwen3VLVisionConfig",
+    "qwen3_vl_moe": "transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe.Qwen3VLMoeVisionConfig"}
+# the text config Qwen3VLBridge records as ``hf_text_config`` (the Qwen3.5-VL bridges record none)
+QWEN3_VL_TEXT_CONFIGS = {
+    "qwen3_vl": "transformers.models.qwen3_vl.configuration_qwen3_vl.Qwen3VLTextConfig",
+    "qwen3_vl_moe": "transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe.Qwen3VLMoeTextConfig"}
 QWEN35_VL_MROPE_SECTION = (11, 11, 10)  # what Bridge's Qwen3.5-VL bridges set when the text config names none
+QWEN3_VL_MROPE_SECTION = (24, 20, 20)  # Qwen3VLBridge's likewise
 VISION_CONFIGS = {"qwen2_5_vl": "transformers.models.qwen2_5_vl.configuration_qwen2_5_vl.Qwen2_5_VLVisionConfig",
                   "qwen2_vl": "transformers.models.qwen2_vl.configuration_qwen2_vl.Qwen2VLVisionConfig"}
 
@@ -184,6 +195,27 @@ def check_bridge_text_model(cfg: Any, where: str, mtp_layers: int = 0) -> None:
         _check_hybrid(cfg, where, mtp_layers, hint)
 
 
+def check_bridge_qwen3_vl(cfg: Any, where: str) -> None:
+    """Qwen3-VL / Qwen3-VL-MoE as Bridge 0.6.2's ``Qwen3VLBridge`` / ``Qwen3VLMoEBridge`` build them: no o_proj bias
+    (``add_bias_linear`` false; transformers' ``attention_bias`` puts one there), and for the MoE one every layer
+    sparse (its provider builds the Transformer-Engine MoE spec for every layer, whatever ``mlp_only_layers`` /
+    ``decoder_sparse_step`` say) with the top-k weights renormalised (``moe_router_pre_softmax`` false).
+    CheckpointError naming the source and what differs otherwise."""
+    name = f"Megatron-Bridge 0.6.2's {cfg.architecture} bridge"
+    if cfg.o_bias or cfg.mlp_bias:
+        raise CheckpointError(f"{where}: {name} builds no o_proj / MLP bias (add_bias_linear false); this model has "
+                              f"attention_bias=True (a bias on q/k/v and o_proj), which Megatron cannot hold")
+    if cfg.moe is not None:
+        dense = sorted(set(range(cfg.num_hidden_layers)) - cfg.sparse_layers())
+        if dense:
+            raise CheckpointError(f"{where}: {name} makes every layer sparse; this model has a dense MLP in layer(s) "
+                                  f"{', '.join(map(str, dense))} (mlp_only_layers / decoder_sparse_step); --to "
+                                  f"megatron-dist writes them")
+        if not cfg.moe.norm_topk_prob:
+            raise CheckpointError(f"{where}: {name} renormalises the top-{cfg.moe.top_k} router weights "
+                                  f"(moe_router_pre_softmax=false); this model has norm_topk_prob=False")
+
+
 def _check_hybrid(cfg: Any, where: str, mtp_layers: int, hint: str) -> None:
     """What Bridge 0.6.2's Qwen3.5 / Qwen3-Next bridges build besides the layer pattern (any pattern: they
     set ``linear_attention_freq`` to the per-layer list): plain RoPE (they set ``position_embedding_type``
@@ -303,15 +335,21 @@ def run_config_text(hf_config: Any, cfg: Any, *, tp: int, pp: int, vpp: int, dty
         "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
         "virtual_pipeline_model_parallel_size": vpp if vpp > 1 else None,
     })
-    if vision:
+    qwen3_vl = cfg.architecture in QWEN3_VL_TEXT_CONFIGS
+    if vision and not qwen3_vl:
         model.update(_vision_fields(hf_config, cfg))
     else:
         model.update(bridge_text_fields(cfg, mtp_layers))
+    if qwen3_vl:
+        model.pop("autocast_dtype")  # as the Qwen3.5-VL bridges: left to the provider
+        model.update(qwen3_vl_bridge_fields(hf_config, cfg, dtype))
     if getattr(cfg, "carried", ()):
         model.pop("autocast_dtype")  # the Qwen3.5-VL bridges leave it (their text bridges set bfloat16)
         model.update(hybrid_vision_fields(hf_config, cfg, dtype))
     checkpoint = {"ckpt_format": "torch_dist", "save_optim": False, "save_rng": False, "fully_parallel_save": True}
     kind = "a vision-language model" if vision else f"a {cfg.architecture} model"
+    if qwen3_vl:
+        kind = f"a {cfg.architecture} model (text, vision tower, DeepStack mergers)"
     if getattr(cfg, "carried", ()):
         kind = f"a {cfg.architecture} conditional-generation model (text, vision tower, MTP)"
     head = (f"# Written by pmz (parallel model zoo): Megatron-Bridge's layout of {kind}.\n"
@@ -325,9 +363,31 @@ def run_config_text(hf_config: Any, cfg: Any, *, tp: int, pp: int, vpp: int, dty
 def bridge_provider(cfg: Any) -> str | None:
     """The provider class Bridge 0.6.2 instantiates for ``cfg`` (None: it has none): Qwen3.5-VL's for a hybrid's
     conditional-generation checkpoint, else the architecture's (``PROVIDERS``)."""
-    if getattr(cfg, "carried", ()):
+    if getattr(cfg, "carried", ()) or cfg.architecture in QWEN3_VL_TEXT_CONFIGS:
         return VL_HYBRID_PROVIDERS[cfg.architecture]
     return PROVIDERS.get(cfg.architecture)
+
+
+def qwen3_vl_bridge_fields(hf_config: Any, cfg: Any, dtype: str) -> dict[str, Any]:
+    """What Bridge 0.6.2's ``Qwen3VLBridge`` / ``Qwen3VLMoEBridge.provider_bridge`` set beyond the Qwen3 /
+    Qwen3-MoE text fields (``bridge_text_fields``): ``hybrid_vision_fields``' M-RoPE, token ids and ``vision_config``
+    (their default sections [24, 20, 20]), ``head_dim``, the text config as ``hf_text_config``, and for the MoE one
+    its constants (``moe_aux_loss_coeff`` 1e-3 whatever ``router_aux_loss_coef`` says, ``decoder_sparse_step`` and
+    ``mlp_only_layers`` as the config says them: every layer is sparse in what it builds)."""
+    fields = hybrid_vision_fields(hf_config, cfg, dtype)
+    text = hf_config.text_config if isinstance(hf_config.text_config, dict) else hf_config.text_config.to_dict()
+    if cfg.architecture == "qwen3_vl":  # transformers 5.12's dense text config has no bos/eos: Bridge's defaults
+        for key in ("bos_token_id", "eos_token_id"):
+            if fields[key] is None:
+                del fields[key]
+    inner = {k: v for k, v in text.items() if k != "transformers_version"}
+    if cfg.moe is not None:  # transformers 5.12's text config takes the count as num_experts (Bridge records both)
+        inner["num_experts"] = cfg.moe.num_experts
+    fields.update(head_dim=cfg.head_dim, hf_text_config={"_target_": QWEN3_VL_TEXT_CONFIGS[cfg.architecture], **inner})
+    if cfg.moe is not None:
+        fields.update(moe_aux_loss_coeff=1e-3, decoder_sparse_step=int(text.get("decoder_sparse_step", 1) or 1),
+                      mlp_only_layers=list(text.get("mlp_only_layers") or []))
+    return fields
 
 
 def hybrid_vision_fields(hf_config: Any, cfg: Any, dtype: str) -> dict[str, Any]:
@@ -339,8 +399,9 @@ def hybrid_vision_fields(hf_config: Any, cfg: Any, dtype: str) -> dict[str, Any]
     ``dtype`` the parameters' dtype, which Bridge sets on it). ``dtype``: torch dtype name of the tensors."""
     text = hf_config.text_config if isinstance(hf_config.text_config, dict) else hf_config.text_config.to_dict()
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    default = QWEN3_VL_MROPE_SECTION if cfg.architecture in QWEN3_VL_TEXT_CONFIGS else QWEN35_VL_MROPE_SECTION
     fields: dict[str, Any] = {"position_embedding_type": "mrope",
-                              "mrope_section": list(rope.get("mrope_section") or QWEN35_VL_MROPE_SECTION),
+                              "mrope_section": list(rope.get("mrope_section") or default),
                               "bos_token_id": text.get("bos_token_id"), "eos_token_id": text.get("eos_token_id")}
     for key in ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"):
         if getattr(hf_config, key, None) is not None:

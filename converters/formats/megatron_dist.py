@@ -38,7 +38,7 @@ from converters.formats.megatron_moe import arg_value, dist_expert_key
 from converters.formats.pickles import Record, TorchDtype, read_pickle
 from converters.formats.tensors import RawTensor, StridedTensor
 from converters.formats.torch_zip import read_torch_archive
-from converters.layout.hybrid import dist_lead, dist_unit_keys
+from converters.layout.hybrid import dist_lead, dist_unit_keys, tower_block
 from converters.layout.megatron import megatron_full_shape
 from converters.layout.model import (
     BRIDGE_TEXT_PREFIX,
@@ -336,9 +336,12 @@ class DistCheckpoint:
         (``layout.hybrid.dist_unit_keys``: ``in_proj`` / ``conv1d`` one tensor per component)."""
         if is_hybrid(self.wmap):
             return dist_unit_keys(self.wmap, unit)
-        if unit in (EMBED, FINAL):
-            return [(e, [(e.megatron, None)], None)
-                    for e in (self.wmap.first_entries if unit == EMBED else self.wmap.last_entries)]
+        if unit in (EMBED, FINAL):  # Qwen3-VL's tower blocks and DeepStack mergers stacked (``tower_block``)
+            out = []
+            for e in self.wmap.first_entries if unit == EMBED else self.wmap.last_entries:
+                block = tower_block(e.megatron)
+                out.append((e, [(e.megatron, None)], None) if block is None else (e, [(block[0], None)], (block[1],)))
+            return out
         return [(e, [(key, None)], idx) for e, key, idx in self.layer_keys(int(unit))]
 
     def expected(self) -> list[tuple[str, tuple[int, ...]]]:
@@ -354,8 +357,10 @@ class DistCheckpoint:
             return list(out.items())
         L = self.cfg.num_hidden_layers
         out = {}
-        for entry in self.wmap.first_entries + self.wmap.last_entries:
-            out[entry.megatron] = megatron_full_shape(entry, shapes, self.cfg, self.padded_vocab)
+        for unit in (EMBED, FINAL):
+            for entry, ((key, _),), idx in self.unit_keys(unit):
+                lead = dist_lead(self.wmap, key, idx)
+                out[key] = (*lead, *megatron_full_shape(entry, shapes, self.cfg, self.padded_vocab))
         experts = self.cfg.moe.num_experts if self.cfg.moe is not None else 0
         for i in range(L):
             for entry, key, idx in self.layer_keys(i):

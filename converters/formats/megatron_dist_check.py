@@ -6,8 +6,9 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from converters.formats.megatron_bridge import check_bridge_vision
-from converters.layout.model import BRIDGE_TEXT_PREFIX
+from converters.layout.model import BRIDGE_TEXT_PREFIX, is_qwen3_vl
 from models.common.errors import CheckpointError
+from models.common.hybrid_vision import TOWER_DEEPSTACK, TOWER_LAYERS
 
 # torch_dist entries that are not model weights: skipped by both paths (their bytes are never read)
 NON_MODEL_PREFIXES = ("optimizer.", "rng_state", "rerun_state")
@@ -82,8 +83,9 @@ def check_config_against_dist(cfg: Any, shapes: Mapping[str, tuple], config_path
         bad(f"intermediate_size={ffn}", fc2, "")
     if problems:
         raise CheckpointError(f"{config_path} does not describe the checkpoint {where}: {'; '.join(problems[:4])}")
-    if vision is not None:
-        check_bridge_vision(vision, model, config_path, f"{where}/.metadata")
+    if vision is not None:  # Qwen3-VL: Bridge's Qwen3VLModel tower (vision_model.*); Qwen2(.5)-VL: visual.*
+        check = check_qwen3_vl_tower if is_qwen3_vl(cfg) else check_bridge_vision
+        check(vision, model, config_path, f"{where}/.metadata")
 
 
 def _find(model: Mapping[str, tuple], suffix: str, layers: str = "decoder.layers.") -> str | None:
@@ -92,3 +94,28 @@ def _find(model: Mapping[str, tuple], suffix: str, layers: str = "decoder.layers
         if key in model:
             return key
     return None
+
+
+def check_qwen3_vl_tower(vis: Any, shapes: Mapping[str, tuple], config_path: str, metadata: str) -> None:
+    """Qwen3-VL's tower in a torch_dist checkpoint (Bridge's ``Qwen3VLModel``: ``vision_model.*``, blocks and
+    DeepStack mergers stacked) against ``vision_config``, before anything sized by it is listed: the stacked block
+    count against ``depth``, the stacked DeepStack mergers against ``deepstack_visual_indexes`` (every tensor's
+    shape is then checked with the rest). One CheckpointError naming the file, the tensor and the numbers."""
+    if any(k.startswith("visual.") for k in shapes):
+        raise CheckpointError(f"{metadata}: the vision tower is stored as visual.* (transformers' names, Bridge's "
+                              f"Qwen2.5-VL layout); Megatron-Bridge's Qwen3-VL keeps it as vision_model.*")
+    for stack, key, want, what in (
+            (TOWER_LAYERS, "self_attention.linear_qkv.weight", vis.depth, "vision_config.depth"),
+            (TOWER_DEEPSTACK, "linear_fc1.weight", vis.deepstack_count,
+             f"vision_config.deepstack_visual_indexes={list(vis.deepstack_visual_indexes)}")):
+        key = stack + key
+        got = shapes.get(key)
+        per_block = sorted(k for k in shapes if k.startswith(stack) and k[len(stack):].split(".", 1)[0].isdigit())
+        if per_block:
+            raise CheckpointError(f"{metadata}: {per_block[0]}: the tower's modules are stacked in Bridge's "
+                                  f"Qwen3VLModel checkpoints ({key} [n, ...]), not numbered")
+        if got is None and want:
+            raise CheckpointError(f"{metadata}: missing tensor {key} ({what}: {want} stacked)")
+        if got is not None and got[0] != want:
+            raise CheckpointError(f"{config_path}: {what} implies {want} stacked, but {metadata} has {key} of shape "
+                                  f"{tuple(got)}")

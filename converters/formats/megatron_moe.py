@@ -135,8 +135,10 @@ def check_hf_against_args(config: Any, args: Any, where: str, hf_dir: str, arch:
     for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
                  "norm_topk_prob"):
         ours = getattr(config, name, None)
-        if name == "norm_topk_prob":
-            ours = bool(ours)
+        if name == "num_experts" and ours is None:  # transformers 5's name for it (Qwen3-VL-MoE's text config)
+            ours = getattr(config, "num_local_experts", None)
+        if name == "norm_topk_prob":  # Qwen3-VL-MoE always renormalises (its config has no such field)
+            ours = True if getattr(config, "model_type", None) == "qwen3_vl_moe_text" else bool(ours)
         if ours is not None and name in fields and ours != fields[name]:
             bad.append(f"{name}={ours} vs args' {fields[name]}")
     step = int(getattr(config, "decoder_sparse_step", 1) or 1)

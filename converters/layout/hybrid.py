@@ -34,9 +34,12 @@ from converters.layout.stages import absent_tensors, unit_megatron_keys_ep
 from models.common.hybrid_vision import (
     MEGATRON_TOWER,
     TOWER_BLOCK_MODULES,
+    TOWER_DEEPSTACK,
+    TOWER_DEEPSTACK_MODULES,
     TOWER_LAYERS,
     TOWER_OTHER_MODULES,
     TOWER_QKV,
+    TOWER_STACKS,
 )
 from models.common.weight_map import PACKED, WeightEntry, WeightMap
 
@@ -82,21 +85,31 @@ def dist_name(key: str) -> str:
 
 
 def tower_block(key: str) -> tuple[str, int] | None:
-    """(torch_dist's stacked key, block) of a vision-tower block tensor's Megatron key, else None."""
-    if not key.startswith(TOWER_LAYERS):
-        return None
-    block, rest = key[len(TOWER_LAYERS):].split(".", 1)
-    return TOWER_LAYERS + rest, int(block)
+    """(torch_dist's stacked key, index) of a vision-tower block tensor's Megatron key (or of a Qwen3-VL DeepStack
+    merger's: ``TOWER_STACKS``), else None."""
+    for stack in TOWER_STACKS:
+        if key.startswith(stack):
+            block, rest = key[len(stack):].split(".", 1)
+            return stack + rest, int(block)
+    return None
 
 
-def tower_depth(wmap: Any) -> int:
-    """The vision tower's blocks in a map (0 without a tower)."""
-    return len({tower_block(e.megatron)[1] for e in getattr(wmap, "carried_entries", ())
-                if e.megatron and tower_block(e.megatron)})
+def tower_depth(wmap: Any, key: str = TOWER_LAYERS) -> int:
+    """How many modules the tower's stack holding ``key`` has in a map (default its blocks; a DeepStack key: the
+    mergers); 0 without a tower."""
+    stack = next((s for s in TOWER_STACKS if key.startswith(s)), TOWER_LAYERS)
+    entries = tuple(getattr(wmap, "carried_entries", ())) + tuple(wmap.first_entries)
+    return len({tower_block(e.megatron)[1] for e in entries if e.megatron and e.megatron.startswith(stack)})
+
+
+def vision_heads_of(cfg: Any) -> int:
+    """The tower's attention heads: a hybrid's ``vision_heads``, Qwen3-VL's ``vision.num_heads``; 0 without."""
+    vision = getattr(cfg, "vision", None)
+    return int(vision.num_heads if vision is not None else getattr(cfg, "vision_heads", 0) or 0)
 
 
 def _tower_qkv_heads(entry: WeightEntry, cfg: Any, rows: int) -> tuple[int, int]:
-    heads = int(getattr(cfg, "vision_heads", 0))
+    heads = vision_heads_of(cfg)
     if heads < 1 or rows % (3 * heads):
         raise LayoutError(f"{entry.megatron}: {rows} rows are not 3 x {heads} vision heads")
     return heads, rows // (3 * heads)
@@ -143,13 +156,13 @@ def dist_lead(wmap: Any, key: str, index: tuple | None) -> tuple[int, ...]:
     tower's blocks ``(depth,)``, a layer's experts ``(E,)``, none without an index."""
     if index is None:
         return ()
-    return (tower_depth(wmap),) if key.startswith(TOWER_LAYERS) else (_experts(wmap),)
+    return (tower_depth(wmap, key),) if key.startswith(TOWER_STACKS) else (_experts(wmap),)
 
 
 def check_tower_tp(cfg: Any, tp: int, where: str) -> None:
     """megatron-core splits the tower's attention by heads: ``tp`` must divide the vision heads."""
-    heads = int(getattr(cfg, "vision_heads", 0))
-    if getattr(cfg, "carried", ()) and heads % tp:
+    heads = vision_heads_of(cfg)
+    if (getattr(cfg, "carried", ()) or getattr(cfg, "vision", None) is not None) and heads and heads % tp:
         raise LayoutError(f"{where}: --tp {tp} does not divide the vision tower's num_heads={heads} (megatron-core "
                           f"splits its attention by heads)")
 
@@ -192,9 +205,7 @@ def _unit_modules(wmap: Any, unit: Unit, index: int | None) -> list[tuple[str, b
     """(TE module of ``unit`` with layer ``index`` filled in, whether it is a per-expert ``{e}`` template): the
     layer's modules, on ``FINAL`` the final norm and the MTP block's, on ``EMBED`` the vision tower's."""
     if unit == EMBED:
-        depth = tower_depth(wmap)
-        return ([(f"{TOWER_LAYERS}{b}.{m}", False) for b in range(depth) for m in TOWER_BLOCK_MODULES]
-                + [(MEGATRON_TOWER + m, False) for m in TOWER_OTHER_MODULES] if depth else [])
+        return [(m, False) for m in tower_modules(wmap)]
     if isinstance(unit, int):
         groups = [(wmap.layer_templates(unit), index)]
     elif unit == FINAL:
@@ -205,6 +216,29 @@ def _unit_modules(wmap: Any, unit: Unit, index: int | None) -> list[tuple[str, b
     else:
         return []
     return [(m.replace("{i}", str(i)), "{e}" in m) for entries, i in groups for m in _te_modules(entries)]
+
+
+def tower_modules(wmap: Any) -> list[str]:
+    """The vision tower's Transformer-Engine modules (an empty ``_extra_state`` each, as Bridge writes them): each
+    block's four linears, the merger's norm and linears, each Qwen3-VL DeepStack merger's; none without a tower."""
+    depth = tower_depth(wmap)
+    if not depth:
+        return []
+    deepstack = tower_depth(wmap, TOWER_DEEPSTACK)
+    return ([f"{TOWER_LAYERS}{b}.{m}" for b in range(depth) for m in TOWER_BLOCK_MODULES]
+            + [MEGATRON_TOWER + m for m in TOWER_OTHER_MODULES]
+            + [f"{TOWER_DEEPSTACK}{k}.{m}" for k in range(deepstack) for m in TOWER_DEEPSTACK_MODULES])
+
+
+def dist_tower_extra_states(wmap: Any) -> list[tuple[str, str]]:
+    """(module, shard suffix) of the tower's empty ``_extra_state`` items in torch_dist: a stacked module's
+    ``shard_{b}_{n}`` (blocks, DeepStack mergers), the merger's ``shard_0_1``."""
+    out = []
+    for module in tower_modules(wmap):
+        block = tower_block(module + ".")
+        out.append((block[0][:-1], f"shard_{block[1]}_{tower_depth(wmap, module)}") if block is not None
+                   else (module, "shard_0_1"))
+    return out
 
 
 def legacy_extra_states(wmap: Any, unit: Unit, local_index: int | None, ep: int, sequential: bool) -> list[str]:
@@ -232,7 +266,7 @@ def dist_extra_states(wmap: Any, unit: Unit) -> list[tuple[str, str]]:
         module = dist_name(module)
         block = tower_block(module + ".")
         if block is not None:  # the tower's blocks are stacked
-            out.append((block[0][:-1], f"shard_{block[1]}_{tower_depth(wmap)}"))
+            out.append((block[0][:-1], f"shard_{block[1]}_{tower_depth(wmap, module)}"))
         elif per_expert:
             head, tail = module.split("local_experts.{e}.")
             out += [(f"{head}experts.{tail}", f"shard_{e}_{E}") for e in range(E)]

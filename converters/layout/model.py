@@ -15,7 +15,7 @@ from typing import Any, Iterable, Union
 from models.common.architecture import Architecture
 from models.common.config import ModelConfig
 from models.common.errors import CheckpointError
-from models.common.hybrid_weights import MTP_PREFIX, HybridWeightMap
+from models.common.hybrid_weights import MTP_PREFIX, HybridWeightMap, tower_entry
 from models.common.weight_map import PLAIN, WeightEntry, WeightMap
 
 EMBED = "embed"
@@ -50,13 +50,13 @@ BRIDGE_TEXT_PREFIX = "language_model."
 BRIDGE_TARGET = "--to megatron-bridge"
 
 
-# Vision-language architectures with no Megatron layout in pmz at all (why, in the refusal's words): Megatron-LM's
-# formats have no names for their tower, and Megatron-Bridge's layout for them is not written (not guessed) yet
-NO_MEGATRON_LAYOUT = {"qwen3_vl": "Megatron-Bridge's Qwen3VLModel layout for it (the tower under vision_model., its "
-                                  "DeepStack mergers) is not implemented yet",
-                      "qwen3_vl_moe": "Megatron-Bridge's Qwen3VLModel layout for it (the tower under "
-                                      "vision_model., its DeepStack mergers, the experts) is not implemented yet"}
+# Vision-language architectures with no Megatron layout in pmz at all (why, in the refusal's words); none today:
+# Qwen3-VL and Qwen3-VL-MoE have Megatron-Bridge's Qwen3VLModel layout (``bridge_qwen3_vl_weight_map``)
+NO_MEGATRON_LAYOUT: dict[str, str] = {}
 NO_MEGATRON_HINT = "convert it with --to hf or --to vllm"
+# Megatron-Bridge's Qwen3VLModel (``qwen3_vl_bridge.py``): text GPT under language_model., megatron-core's ViT under
+# vision_model. (DeepStack mergers included), in every Megatron format
+QWEN3_VL_MEGATRON = ("qwen3_vl", "qwen3_vl_moe")
 
 
 def no_megatron_layout(architecture: str) -> str:
@@ -66,15 +66,20 @@ def no_megatron_layout(architecture: str) -> str:
             f"{NO_MEGATRON_HINT}")
 
 
+def is_qwen3_vl(cfg: ModelConfig) -> bool:
+    """Qwen3-VL / Qwen3-VL-MoE: Megatron-Bridge's ``Qwen3VLModel`` in every Megatron format."""
+    return cfg.architecture in QWEN3_VL_MEGATRON and cfg.vision is not None
+
+
 def require_megatron_layout(cfg: ModelConfig, where: str, bridge: bool = False) -> None:
     """A vision-language model has a Megatron layout only as Megatron-Bridge saves it (torch_dist,
     ``bridge``): Megatron-LM's legacy and plain torch_dist layouts have no names for its vision tower. A Gated
-    DeltaNet hybrid's conditional-generation checkpoint (``cfg.carried``) has one in both Megatron formats
-    (Bridge's ``Qwen3VLModel`` names, ``models/common/hybrid_weights``). ``NO_MEGATRON_LAYOUT``'s architectures
-    (Qwen3-VL) have none: CheckpointError in one line for every Megatron format, read or written."""
+    DeltaNet hybrid's conditional-generation checkpoint (``cfg.carried``) and Qwen3-VL (``is_qwen3_vl``) have one in
+    both Megatron formats (Bridge's ``Qwen3VLModel`` names: ``models/common/hybrid_weights``,
+    ``bridge_qwen3_vl_weight_map``). CheckpointError in one line otherwise."""
     if cfg.architecture in NO_MEGATRON_LAYOUT:
         raise CheckpointError(f"{where}: {no_megatron_layout(cfg.architecture)}")
-    if cfg.vision is not None and not bridge:
+    if cfg.vision is not None and not bridge and not is_qwen3_vl(cfg):
         raise CheckpointError(f"{where}: {cfg.architecture} has no Megatron layout yet in Megatron-LM's formats "
                               f"(--to megatron, megatron-dist: no names for its vision tower); its Megatron layout is "
                               f"Megatron-Bridge's (torch_dist, the text model under {BRIDGE_TEXT_PREFIX}): "
@@ -114,7 +119,9 @@ def megatron_weight_map(arch: Architecture, cfg: ModelConfig, mtp_layers: int = 
     if cfg.architecture in NO_MEGATRON_LAYOUT:
         raise CheckpointError(no_megatron_layout(cfg.architecture))
     wmap = conversion_weight_map(arch, cfg, mtp_layers)
-    return wmap if cfg.vision is None else bridge_vl_weight_map(wmap)
+    if cfg.vision is None:
+        return wmap
+    return bridge_qwen3_vl_weight_map(wmap) if is_qwen3_vl(cfg) else bridge_vl_weight_map(wmap)
 
 
 def is_hybrid(wmap: WeightMap) -> bool:
@@ -160,6 +167,28 @@ def bridge_vl_weight_map(wmap: WeightMap) -> WeightMap:
                   for j, name in enumerate(e.hf)]
     return WeightMap(tuple(map(text, wmap.layer_entries)), tuple(first), tuple(map(text, wmap.last_entries)),
                      tuple(map(text, wmap.moe_layer_entries)), wmap.moe_layers)
+
+
+def bridge_qwen3_vl_weight_map(wmap: WeightMap) -> WeightMap:
+    """Megatron-Bridge's names for Qwen3-VL / Qwen3-VL-MoE (``qwen3_vl_bridge.py``'s mapping registry; docs/formats.md
+    "Qwen3-VL and Qwen3-VL-MoE in Megatron checkpoints"): every text entry's Megatron name under
+    ``BRIDGE_TEXT_PREFIX`` (Qwen3 / Qwen3-MoE layouts as they are), every tower tensor one entry named
+    ``vision_model.*`` with megatron-core's TP split as its rule (``hybrid_weights.tower_entry``, the rule Qwen3.5's
+    carried tower takes: blocks, merger, DeepStack mergers, ``qkv`` per head)."""
+
+    def text(e: WeightEntry) -> WeightEntry:
+        return replace(e, megatron=BRIDGE_TEXT_PREFIX + e.megatron)
+
+    first: list[WeightEntry] = []
+    for e in wmap.first_entries:
+        if e.megatron is not None:
+            first.append(text(e))
+            continue
+        assert e.shapes is not None and len(e.hf) == 1, f"{e.param}: tower entries are one HF tensor with its shape"
+        first.append(tower_entry(e.hf[0], tuple(e.shapes[0])))
+    return replace(wmap, layer_entries=tuple(map(text, wmap.layer_entries)), first_entries=tuple(first),
+                   last_entries=tuple(map(text, wmap.last_entries)),
+                   moe_layer_entries=tuple(map(text, wmap.moe_layer_entries)))
 
 
 def model_from_config(hf_config: Any, where: str, megatron: bool | str,

@@ -207,8 +207,8 @@ def extra_state_modules(unit: Unit, local_index: int | None, wmap: Any = None, e
     """Modules whose (empty) ``_extra_state`` a Megatron-LM rank file holds for this unit (MoE
     layers: attention, this EP rank's local experts and the shared expert, as megatron-core writes;
     ``experts`` is the expert module (``converters/layout/experts``): GroupedMLP keeps none)."""
-    if isinstance(unit, int):
-        prefix = f"decoder.layers.{local_index}."
+    if isinstance(unit, int):  # (Bridge's Qwen3VLModel: under language_model.)
+        prefix = f"{LAYER_PREFIX if wmap is None else layer_prefix(wmap)}{local_index}."
         if wmap is None or unit not in wmap.moe_layers:
             return [prefix + m for m in LINEAR_MODULES]
         modules = [prefix + m for m in LINEAR_MODULES[:2]]
@@ -218,7 +218,8 @@ def extra_state_modules(unit: Unit, local_index: int | None, wmap: Any = None, e
         if stores_shared_expert(wmap.moe_layer_entries):
             modules += [f"{prefix}mlp.shared_experts.linear_fc{j}" for j in (1, 2)]
         return modules
-    return ["output_layer"] if unit == FINAL else []
+    head = "" if wmap is None else layer_prefix(wmap)[:-len(LAYER_PREFIX)]  # language_model. in Bridge's VL models
+    return [head + "output_layer"] if unit == FINAL else []
 
 
 def chunk_state(data: Any, chunk: int, vpp: int, path: Path) -> dict:
@@ -311,6 +312,21 @@ LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 def stacks_layers(wmap: Any, num_layers: int) -> bool:
     """Whether megatron-core stacks this model's layers (uniform layers: all MoE, or none)."""
     return not wmap.has_experts or len(wmap.moe_layers) == num_layers
+
+
+def te_norm_extra_states(wmap: Any, layer: int, *, num_layers: int, stacked: bool,
+                         prefix: str) -> list[tuple[str, str]]:
+    """(module, shard suffix) of the empty ``_extra_state`` items of a layer's Transformer-Engine norms that are
+    modules of their own (q/k ``layernorm``; a MoE layer's ``pre_mlp_layernorm``), as Megatron-Bridge writes a
+    Qwen3-VL checkpoint (its provider builds the TE spec); the fused norms live in their linear's state."""
+    head = prefix if stacked else f"{prefix}{layer}."
+    where = f"shard_{layer}_{num_layers}" if stacked else "shard_0_1"
+    names = [t.megatron for t in wmap.layer_templates(layer) if t.megatron]
+    modules = [m for m in ("self_attention.q_layernorm", "self_attention.k_layernorm")
+               if any(n.endswith(f".{m}.weight") for n in names)]
+    if layer in wmap.moe_layers:
+        modules.append("pre_mlp_layernorm")
+    return [(head + m, where) for m in modules]
 
 
 def layer_extra_states(wmap: Any, layer: int, *, num_layers: int, experts: int, stacked: bool,

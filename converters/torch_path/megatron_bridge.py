@@ -36,9 +36,12 @@ from converters.formats.megatron_args import HF_CONFIG_DIR, iteration_folder
 from converters.formats.megatron_bridge import (
     RUN_CONFIG,
     TRAIN_STATE,
+    check_bridge_qwen3_vl,
     check_bridge_text_model,
     run_config_text,
 )
+from converters.layout.hybrid import LayoutError, check_tower_tp
+from converters.layout.model import is_qwen3_vl
 from converters.layout.stages import MegatronLayout, check_target_stages, validate_target_layout
 from converters.torch_path.megatron_dist import write_dist
 from converters.torch_path.megatron_target import MegatronTarget
@@ -52,6 +55,12 @@ def plan_bridge_target(reader: CheckpointReader, *, tp: int, pp: int, vpp: int, 
     cfg = reader.cfg
     if cfg.vision is None:
         check_bridge_text_model(cfg, reader.path, _mtp_layers(reader))
+    elif is_qwen3_vl(cfg):
+        check_bridge_qwen3_vl(cfg, reader.path)
+        try:
+            check_tower_tp(cfg, tp, reader.path)
+        except LayoutError as exc:
+            raise ValueError(str(exc)) from None
     check_target_stages(cfg.num_hidden_layers, pp, vpp, first, last)
     validate_target_layout(cfg, "megatron-bridge", tp=tp, pp=pp, vpp=vpp, first=first, last=last)
     layout = MegatronLayout(cfg.num_hidden_layers, pp, vpp, first, last, "target")

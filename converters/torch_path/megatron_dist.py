@@ -25,13 +25,22 @@ from converters.layout.hybrid import (
     dist_components,
     dist_expert,
     dist_extra_states,
+    dist_tower_extra_states,
     to_hf,
     tower_block,
     tower_depth,
     unit_absent,
 )
 from converters.layout.megatron import LayoutError
-from converters.layout.model import EMBED, FINAL, Unit, conversion_weight_map, is_hybrid, megatron_weight_map
+from converters.layout.model import (
+    EMBED,
+    FINAL,
+    Unit,
+    conversion_weight_map,
+    is_hybrid,
+    is_qwen3_vl,
+    megatron_weight_map,
+)
 from converters.layout.stages import (
     DIST_DATA_FILES,
     DIST_METADATA_JSON,
@@ -40,6 +49,7 @@ from converters.layout.stages import (
     layer_prefix,
     stacked_key,
     stacks_layers,
+    te_norm_extra_states,
     writer_norm_aliases,
 )
 from converters.runtime.tasks import run_tasks
@@ -133,9 +143,11 @@ def write_dist_units(reopen_args: tuple, target, directory: str, units: list, fi
     """Write ``units`` into ``file_name``; returns (key, global_shape, dtype, offsets, sizes, storage) records."""
     reader = reopen(reopen_args)
     L = reader.cfg.num_hidden_layers
-    # a Bridge target's names (Bridge's for vision-language models), a hybrid's MTP block included
-    wmap = megatron_weight_map(reader.arch, reader.cfg, getattr(reader.wmap, "mtp_layers", 0)) if target.bridge \
-        else reader.wmap
+    # a Bridge target's names (Bridge's for vision-language models; Qwen3-VL's in every Megatron format), a hybrid's
+    # MTP block included
+    qwen3_vl = is_qwen3_vl(reader.cfg)
+    wmap = megatron_weight_map(reader.arch, reader.cfg, getattr(reader.wmap, "mtp_layers", 0)) \
+        if target.bridge or qwen3_vl else reader.wmap
     prefix = layer_prefix(wmap)  # decoder.layers. (language_model.decoder.layers. for Bridge's VL models)
     # megatron-core stacks layers only when they are uniform: with dense layers between MoE ones
     # every key carries its global layer number (norms still under their TE names)
@@ -157,9 +169,11 @@ def write_dist_units(reopen_args: tuple, target, directory: str, units: list, fi
             layer = None if unit in (EMBED, FINAL) else int(unit)
             for _entry, key, full in megatron_unit_tensors(reader, unit, layer, target.padded_vocab, target.dtype,
                                                            wmap=wmap):
-                expert = LOCAL_EXPERT.search(key)
+                expert, block = LOCAL_EXPERT.search(key), tower_block(key)
                 lead: tuple[int, ...] = ()
-                if layer is None:
+                if block is not None:  # Qwen3-VL's tower blocks / DeepStack mergers stacked [n, ...]
+                    gkey, gshape, offsets, lead = block[0], (tower_depth(wmap, key),), (block[1],), (1,)
+                elif layer is None:
                     gkey, gshape, offsets = key, (), ()
                 elif expert is not None:  # experts stacked per layer and per global expert
                     e = int(expert.group(1))
@@ -179,10 +193,13 @@ def write_dist_units(reopen_args: tuple, target, directory: str, units: list, fi
                 chunk = full.reshape(*lead, *full.shape).contiguous()
                 put(gkey, (*gshape, *full.shape), full.dtype, (*offsets, *(0,) * full.dim()), tuple(chunk.shape),
                     chunk)
+            extras = dist_tower_extra_states(wmap) if unit == EMBED else []
             if layer is not None:
-                for module, suffix in layer_extra_states(wmap, layer, num_layers=L, experts=E, stacked=stacked,
-                                                        prefix=prefix):
-                    put(f"{module}._extra_state/{suffix}", None, None, None, None, [None])
+                extras = layer_extra_states(wmap, layer, num_layers=L, experts=E, stacked=stacked, prefix=prefix)
+                if target.bridge and qwen3_vl:  # Bridge's TE spec: its norms keep an _extra_state too
+                    extras += te_norm_extra_states(wmap, layer, num_layers=L, stacked=stacked, prefix=prefix)
+            for module, suffix in extras:
+                put(f"{module}._extra_state/{suffix}", None, None, None, None, [None])
     reader.close()
     return records
 

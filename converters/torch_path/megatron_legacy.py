@@ -32,7 +32,7 @@ from converters.layout.experts import (
     pack_grouped,
     stored_key,
 )
-from converters.layout.hybrid import legacy_extra_states, to_hf, unit_absent, unit_keys
+from converters.layout.hybrid import legacy_extra_states, to_hf, tower_modules, unit_absent, unit_keys
 from converters.layout.megatron import (
     COL1,
     GATE_UP,
@@ -45,7 +45,7 @@ from converters.layout.megatron import (
     slices_of_shards,
     tp_split_kind,
 )
-from converters.layout.model import EMBED, FINAL, Unit, is_hybrid
+from converters.layout.model import EMBED, FINAL, Unit, is_hybrid, is_qwen3_vl, megatron_weight_map
 from converters.layout.stages import RANK_FILE, extra_state_modules
 from converters.torch_path.megatron_target import MegatronTarget, megatron_unit_tensors
 from converters.torch_path.reader import TORCH_DTYPES, CheckpointReader, MappedFiles, ReaderInfo, reopen
@@ -185,6 +185,8 @@ def write_legacy_rank(reopen_args: tuple, target: MegatronTarget, directory: str
         return legacy_shards(entry, full, target.tp, key)[t].clone()
 
     hybrid = is_hybrid(reader.wmap)
+    # Qwen3-VL: Megatron-Bridge's Qwen3VLModel names (the tower under vision_model.), whatever the source's map
+    wmap = megatron_weight_map(reader.arch, reader.cfg) if is_qwen3_vl(reader.cfg) else reader.wmap
     experts = SEQUENTIAL
     if getattr(target.args, "moe_grouped_gemm", False):  # the Transformer-Engine spec's module for the hybrids
         experts = TE_GROUPED if hybrid else GROUPED_GEMM
@@ -194,7 +196,7 @@ def write_legacy_rank(reopen_args: tuple, target: MegatronTarget, directory: str
         for unit, local in target.layout.stage_units(p, v):
             blocks: dict[str, dict[int, torch.Tensor]] = {}  # GroupedMLP weight1/weight2: local expert -> shard
             for entry, key, full in megatron_unit_tensors(reader, unit, local, target.padded_vocab, target.dtype,
-                                                          target.ep, e):
+                                                          target.ep, e, wmap=wmap):
                 stored, slot = stored_key(key, experts)
                 if slot is None:
                     chunk[stored] = shard_of(entry, key, full)
@@ -204,7 +206,9 @@ def write_legacy_rank(reopen_args: tuple, target: MegatronTarget, directory: str
             for stored, by_slot in blocks.items():
                 chunk[stored] = pack_grouped([by_slot[i] for i in sorted(by_slot)], fc_of(stored))
             modules = (legacy_extra_states(reader.wmap, unit, local, target.ep, experts == SEQUENTIAL) if hybrid
-                       else extra_state_modules(unit, local, reader.wmap, target.ep, e, experts))
+                       else extra_state_modules(unit, local, wmap, target.ep, e, experts))
+            if unit == EMBED and not hybrid:  # Qwen3-VL's tower (Transformer-Engine modules in Bridge's model)
+                modules = modules + tower_modules(wmap)
             chunk.update({f"{m}._extra_state": None for m in modules})
         if reader.cfg.tie_word_embeddings and target.pp > 1 and p == target.pp - 1 and v == target.vpp - 1:
             # Megatron's last stage keeps its own copy of the tied embedding as output_layer.weight.

@@ -32,6 +32,10 @@ TEXT_PREFIX = "model.language_model."  # the text decoder in a conditional-gener
 MEGATRON_TOWER = "vision_model."  # the tower in Megatron-Bridge's Qwen3VLModel
 MEGATRON_TEXT = "language_model."  # the text GPT (and its MTP block) in the same model
 TOWER_LAYERS = MEGATRON_TOWER + "decoder.layers."
+# Qwen3-VL's DeepStack mergers (Bridge's ``qwen3_vl_bridge.py``: ``vision_model.decoder.deepstack_merger_list.{k}.*``),
+# stacked like the blocks in torch_dist (``[len(deepstack_visual_indexes), ...]``)
+TOWER_DEEPSTACK = MEGATRON_TOWER + "decoder.deepstack_merger_list."
+TOWER_STACKS = (TOWER_LAYERS, TOWER_DEEPSTACK)  # the tower's module lists torch_dist stacks
 TOWER_QKV = "tower_qkv_per_head"  # Megatron layout tag: HF [q; k; v] -> per head [q_h; k_h; v_h]
 COLUMN, ROW, REPLICATED = "column", "row", "replicated"  # how megatron-core splits a Megatron tensor over TP
 
@@ -106,11 +110,16 @@ _OTHER = {
 # the tower's Transformer-Engine modules (an empty ``_extra_state`` each in Bridge's checkpoints)
 TOWER_BLOCK_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 TOWER_OTHER_MODULES = ("merger.patch_norm", "merger.linear_fc1", "merger.linear_fc2")
+TOWER_DEEPSTACK_MODULES = ("patch_norm", "linear_fc1", "linear_fc2")  # each DeepStack merger's (Qwen3-VL)
 
 
 def tower_megatron(hf_name: str) -> tuple[str, str, bool]:
     """(Megatron name, TP split, whether it is ``linear_qkv``) of a tower tensor's HF name."""
     local = hf_name[len(VISUAL_PREFIX):]
+    if local.startswith("deepstack_merger_list."):  # Qwen3-VL: a merger of its own per DeepStack block
+        _, k, rest = local.split(".", 2)
+        name, split = _OTHER["merger." + rest]
+        return f"{TOWER_DEEPSTACK}{k}.{name.removeprefix('merger.')}", split, False
     if local.startswith("blocks."):
         _, block, rest = local.split(".", 2)
         name, split = _BLOCK[rest]

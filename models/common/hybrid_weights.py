@@ -172,12 +172,13 @@ def hybrid_decoder_weight_map(cfg: HybridModelConfig, padded_vocab_size: int, *,
         conversion_linear=merged + dense + dec.norms("linear", False),
         conversion_linear_moe=merged + sparse + dec.norms("linear", True),
         mtp_layer_entries=mtp_layer, mtp_head_entries=mtp_head,
-        carried_entries=tuple(_tower_entry(name, shape) for name, shape in cfg.carried))
+        carried_entries=tuple(tower_entry(name, shape) for name, shape in cfg.carried))
 
 
-def _tower_entry(name: str, shape: tuple[int, ...]) -> WeightEntry:
+def tower_entry(name: str, shape: tuple[int, ...]) -> WeightEntry:
     """A vision-tower tensor (module doc): its Megatron name, megatron-core's TP split as the rule, ``qkv``
-    reordered per head."""
+    reordered per head. The one rule for Qwen3.5's carried tower and Qwen3-VL's (DeepStack mergers included:
+    ``converters/layout/model.bridge_qwen3_vl_weight_map``)."""
     megatron, split, qkv = tower_megatron(name)
     rule = Split(0) if split == COLUMN else Split(1) if split == ROW and len(shape) > 1 else Replicated()
     return WeightEntry(name, (name,), (rule,), megatron, TOWER_QKV if qkv else PLAIN, shapes=(shape,))
