@@ -359,6 +359,8 @@ def target_arg_fields(hf_config: Any, cfg, *, tp: int, pp: int, vpp: int, padded
     if getattr(cfg, "linear_num_key_heads", 0) or getattr(hf_config, "model_type", None) in MODEL_TYPES.values():
         fields.update(hybrid_arg_fields(cfg, mtp_layers))
     qwen3_vl = getattr(_text_view(hf_config), "model_type", None) in QWEN3_VL_TEXT
+    if qwen3_vl and fmt == "torch_dist":  # the only model that loads it, Bridge's Qwen3VLModel, is TE-only
+        fields["transformer_impl"] = "transformer_engine"
     if (getattr(cfg, "carried", ()) or qwen3_vl) and getattr(hf_config, "text_config", None) is not None:
         top = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(vars(hf_config))
         text = _text_view(hf_config)

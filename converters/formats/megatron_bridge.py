@@ -371,7 +371,7 @@ def bridge_provider(cfg: Any) -> str | None:
 def qwen3_vl_bridge_fields(hf_config: Any, cfg: Any, dtype: str) -> dict[str, Any]:
     """What Bridge 0.6.2's ``Qwen3VLBridge`` / ``Qwen3VLMoEBridge.provider_bridge`` set beyond the Qwen3 /
     Qwen3-MoE text fields (``bridge_text_fields``): ``hybrid_vision_fields``' M-RoPE, token ids and ``vision_config``
-    (their default sections [24, 20, 20]), ``head_dim``, the text config as ``hf_text_config``, and for the MoE one
+    (their default sections [24, 20, 20]), the text config as ``hf_text_config``, and for the MoE one ``head_dim`` and
     its constants (``moe_aux_loss_coeff`` 1e-3 whatever ``router_aux_loss_coef`` says, ``decoder_sparse_step`` and
     ``mlp_only_layers`` as the config says them: every layer is sparse in what it builds)."""
     fields = hybrid_vision_fields(hf_config, cfg, dtype)
@@ -383,8 +383,9 @@ def qwen3_vl_bridge_fields(hf_config: Any, cfg: Any, dtype: str) -> dict[str, An
     inner = {k: v for k, v in text.items() if k != "transformers_version"}
     if cfg.moe is not None:  # transformers 5.12's text config takes the count as num_experts (Bridge records both)
         inner["num_experts"] = cfg.moe.num_experts
-    fields.update(head_dim=cfg.head_dim, hf_text_config={"_target_": QWEN3_VL_TEXT_CONFIGS[cfg.architecture], **inner})
-    if cfg.moe is not None:
+    fields["hf_text_config"] = {"_target_": QWEN3_VL_TEXT_CONFIGS[cfg.architecture], **inner}
+    if cfg.moe is not None:  # (``head_dim``: a field of the MoE provider only; the dense bridge sets an attribute)
+        fields["head_dim"] = cfg.head_dim
         fields.update(moe_aux_loss_coeff=1e-3, decoder_sparse_step=int(text.get("decoder_sparse_step", 1) or 1),
                       mlp_only_layers=list(text.get("mlp_only_layers") or []))
     return fields

@@ -52,6 +52,9 @@ from converters.layout.stages import (
     te_norm_extra_states,
     writer_norm_aliases,
 )
+from converters.layout.stages import (
+    TRANSFORMER_ENGINE as TE,
+)
 from converters.runtime.tasks import run_tasks
 from converters.torch_path.megatron_target import megatron_unit_tensors
 from converters.torch_path.reader import TORCH_DTYPES, CheckpointReader, MappedFiles, ReaderInfo, reopen
@@ -196,7 +199,8 @@ def write_dist_units(reopen_args: tuple, target, directory: str, units: list, fi
             extras = dist_tower_extra_states(wmap) if unit == EMBED else []
             if layer is not None:
                 extras = layer_extra_states(wmap, layer, num_layers=L, experts=E, stacked=stacked, prefix=prefix)
-                if target.bridge and qwen3_vl:  # Bridge's TE spec: its norms keep an _extra_state too
+                if qwen3_vl and (target.bridge or getattr(target.args, "transformer_impl", None) == TE):
+                    # Bridge's Qwen3VLModel is the Transformer-Engine spec: its own norms keep an _extra_state too
                     extras += te_norm_extra_states(wmap, layer, num_layers=L, stacked=stacked, prefix=prefix)
             for module, suffix in extras:
                 put(f"{module}._extra_state/{suffix}", None, None, None, None, [None])
