@@ -10,15 +10,9 @@ the vision work shared by the cp x ulysses ranks, ``forward_backward``) with Qwe
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
-
-from models.common.builder import build_model
+from models.common.entry_point import entry_point
 from models.common.vision_language import ParallelVisionLanguageModel, VisionFeatures
 from models.qwen2_vl.architecture import ARCHITECTURE
-from parallel.config import ParallelConfig
-from parallel.groups import ParallelGroups
 
 __all__ = ["ARCHITECTURE", "ParallelQwen2VL", "VisionFeatures", "build_parallel_model"]
 
@@ -27,14 +21,5 @@ class ParallelQwen2VL(ParallelVisionLanguageModel):
     """A tensor/sequence/pipeline-parallel Qwen2-VL; build it with ``build_parallel_model``."""
 
 
-def build_parallel_model(source: Any, parallel_config: ParallelConfig | None = None, *,
-                         dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                         groups: ParallelGroups | None = None, seed: int = 0, lora: Any = None,
-                         loss_chunk_tokens: int | None = None, compile: bool = False) -> ParallelQwen2VL:
-    """Build this rank's Qwen2-VL shard from an HF directory (either key layout) or a transformers
-    config (random weights). Call after ``torch.distributed.init_process_group`` when the layout
-    uses more than one rank. See ``models.common.builder.build_model`` for the arguments."""
-    if lora is not None:
-        raise ValueError("qwen2_vl: LoRA is not supported yet")
-    return build_model(ARCHITECTURE, source, parallel_config, dtype=dtype, device=device, groups=groups, seed=seed,
-                       loss_chunk_tokens=loss_chunk_tokens, compile=compile)
+build_parallel_model = entry_point(ARCHITECTURE, "Qwen2-VL", __name__, returns="ParallelQwen2VL",
+                                   lora_refusal="qwen2_vl: LoRA is not supported yet")

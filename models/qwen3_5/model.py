@@ -13,23 +13,17 @@ tower without DeepStack (transformers' ``Qwen3_5VisionModel``), and interleaved 
 
 from __future__ import annotations
 
-import os
-from typing import Any
-
 import torch
 
 from models.common.blocks.hybrid_decoder import HybridDecoder
 from models.common.blocks.rope import RotaryEmbedding
-from models.common.builder import build_model, load_hf_config
-from models.common.causal_lm import ParallelCausalLM
-from models.common.hybrid_vl import is_conditional_generation
+from models.common.entry_point import hybrid_entry_point
 from models.common.training.pipeline_chunk import PipelineChunk
 from models.qwen3_5.architecture import ARCHITECTURE, VL_ARCHITECTURE
 from models.qwen3_vl.model import ParallelQwen3VL
-from parallel.config import ParallelConfig
 from parallel.groups import ParallelGroups
 
-__all__ = ["ARCHITECTURE", "VL_ARCHITECTURE", "ParallelQwen3_5VL", "build_parallel_model", "build_hybrid"]
+__all__ = ["ARCHITECTURE", "VL_ARCHITECTURE", "ParallelQwen3_5VL", "build_parallel_model"]
 
 
 class ParallelQwen3_5VL(ParallelQwen3VL):
@@ -60,34 +54,5 @@ class ParallelQwen3_5VL(ParallelQwen3VL):
         self._unloaded = tuple(n for n in names if n not in held)
 
 
-def build_hybrid(arch, vl_arch, source: Any, parallel_config: ParallelConfig | None, *, text_only: bool,
-                 **kwargs) -> ParallelCausalLM:
-    """``build_model`` with ``vl_arch`` (the vision-language model) for a conditional-generation config or
-    checkpoint unless ``text_only``, else ``arch`` (the text model; a conditional-generation checkpoint's
-    tower is then carried bitwise, as before the vision-language build existed)."""
-    if not text_only:
-        hf_config = source[0] if isinstance(source, tuple) else source
-        if isinstance(source, (str, os.PathLike)):
-            hf_config = load_hf_config(source)
-        if is_conditional_generation(hf_config):
-            arch = vl_arch  # LoRA: the language model's (tower targets refused by models/common/blocks/lora.py)
-    return build_model(arch, source, parallel_config, **kwargs)
-
-
-def build_parallel_model(source: Any, parallel_config: ParallelConfig | None = None, *,
-                         dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                         groups: ParallelGroups | None = None, seed: int = 0, lora: Any = None,
-                         loss_chunk_tokens: int | None = None, compile: bool = False,
-                         text_only: bool = False) -> ParallelCausalLM:
-    """Build this rank's Qwen3.5 shard from an HF directory or a transformers config (random weights).
-
-    A ``Qwen3_5ForConditionalGeneration`` config or checkpoint gives ``ParallelQwen3_5VL`` (the vision tower
-    runs); ``text_only=True`` builds its text model alone (the tower carried, not run). Text configs and
-    ``Qwen3_5ForCausalLM`` checkpoints give the hybrid causal LM. Call after
-    ``torch.distributed.init_process_group`` when the layout uses more than one rank. See
-    ``models.common.builder.build_model`` for the arguments."""
-    return build_hybrid(ARCHITECTURE, VL_ARCHITECTURE, source, parallel_config, text_only=text_only, dtype=dtype,
-                        device=device, groups=groups, seed=seed, lora=lora, loss_chunk_tokens=loss_chunk_tokens,
-                        compile=compile)
-
-
+build_parallel_model = hybrid_entry_point(ARCHITECTURE, VL_ARCHITECTURE, "Qwen3.5", __name__,
+                                          vl_model="``ParallelQwen3_5VL``")
