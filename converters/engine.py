@@ -241,7 +241,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, tp: int 
         from converters.layout.model import require_megatron_layout
         from converters.torch_path.megatron_bridge import plan_bridge_target, write_bridge
 
-        require_megatron_layout(reader.cfg, str(src), bridge=True)  # e.g. Qwen3-VL: no Bridge layout yet
+        require_megatron_layout(reader.cfg, str(src), bridge=True)  # a model without a Megatron layout: one line
 
         target = plan_bridge_target(reader, tp=tp or layout["tp"], pp=pp, vpp=vpp or 1, dtype=out_dtype,
                                     first=first, last=last)
