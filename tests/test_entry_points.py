@@ -1,7 +1,7 @@
 """Every model folder's ``build_parallel_model`` (made by ``models/common/entry_point.py`` from one declaration,
 or written out where a model needs more): importable as ``from models.X import build_parallel_model``, named
 and documented as the folder's own function, with the keyword arguments users pass written out in its
-signature (``help()`` shows them), the hybrids' ``text_only`` and the LoRA refusals of Qwen2-VL / Qwen2.5-VL."""
+signature (``help()`` shows them), and the hybrids' ``text_only``."""
 
 from __future__ import annotations
 
@@ -36,12 +36,3 @@ def test_entry_point_signature_name_and_doc(folder):
     assert not any(p.kind in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
                    for p in params.values())
     assert "Build this rank's" in fn.__doc__ and "init_process_group" in fn.__doc__
-
-
-@pytest.mark.parametrize("folder", ["qwen2_vl", "qwen2_5_vl"])
-def test_lora_refused_before_anything_is_built(folder):
-    from transformers import AutoConfig
-
-    fn = importlib.import_module(f"models.{folder}").build_parallel_model
-    with pytest.raises(ValueError, match=f"{folder}: LoRA is not supported yet"):
-        fn(AutoConfig.for_model(folder), lora=object())

@@ -7,9 +7,10 @@ by name, since peft would adapt them and ours would not. The multimodal Qwen3.5 
 (``ParallelQwen3_5VL``) likewise: an adapter on the gated attention, the Gated DeltaNet projections
 (``in_proj_qkv``/``in_proj_z``/``in_proj_b``/``in_proj_a``/``out_proj``) and the dense MLP or the MoE's
 shared expert (routed experts are refused), whose module names peft gives exactly as our weight map's HF
-names. (Qwen2-VL / Qwen2.5-VL still refuse LoRA:
-their weight maps use the release checkpoint names, ``model.layers.*``, where peft's adapters name
-transformers' ``model.language_model.layers.*``.) ~60 s on 2 cores."""
+names. Qwen3-VL-MoE: the attention and the dense MLP of its ``mlp_only_layers`` (routed experts and the router
+refused by name). Qwen2-VL / Qwen2.5-VL: their weight maps use the release checkpoint names, ``model.layers.*``,
+where peft names transformers' modules ``model.language_model.layers.*``: targets are matched and adapters
+named through ``Architecture.module_name`` (the key aliases read backwards). ~90 s on 2 cores."""
 
 from __future__ import annotations
 
@@ -19,9 +20,14 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
+from tests.vl_cases import vl_batch as qwen2_vl_batch
+from tests.vl_cases import vl_packed_batch as qwen2_vl_packed_batch
+from tests.vl_cases import write_vl_model
 from tests.workers_lora import lora_state_of_grads
 from tests.workers_qwen3_5_vl import build_ours, vl_batch, vl_packed_batch, write_case
 from tests.workers_qwen3_vl import qwen3_vl_batch, qwen3_vl_packed_batch, write_qwen3_vl_model
+from tests.workers_qwen3_vl_moe import BASE as MOE_BASE
+from tests.workers_qwen3_vl_moe import write_qwen3_vl_moe_model
 from tests.workers_vl import _inputs, _segments
 
 TEXT_TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
@@ -33,6 +39,13 @@ HYBRID_TARGETS = {
     "q35_moe": r".*language_model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|linear_attn\.(in_proj_qkv|in_proj_z|"
                r"in_proj_b|in_proj_a|out_proj)|mlp\.shared_expert\.(gate|up|down)_proj)",
 }
+# Qwen2-VL / Qwen2.5-VL: their weight map keeps the release names (model.layers.*), peft names transformers'
+# modules (model.language_model.layers.*): a regular expression over the latter, attention and MLP
+QWEN2_VL_TARGETS = r"model\.language_model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
+QWEN2_VL_CASES = ("untied", "v25_untied")
+# Qwen3-VL-MoE: the attention and the dense MLP of its mlp_only layer (layer 1); routed experts and the router
+# take none (refused by name, as in Qwen3-MoE)
+MOE_TARGETS = r".*language_model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
 TOL = {"logits": 1e-5, "loss": 1e-5, "grads": 1e-4}
 
 
@@ -57,6 +70,11 @@ def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("vl_lora")
     q3 = write_qwen3_vl_model(root, "q3_untied", seed=31)
     out = {"q3_untied": (q3, _adapter(q3, str(root / "q3_adapter"), TEXT_TARGETS))}
+    for i, case in enumerate(QWEN2_VL_CASES):
+        path = write_vl_model(root, case, seed=35 + i)
+        out[case] = (path, _adapter(path, str(root / f"{case}_adapter"), QWEN2_VL_TARGETS))
+    moe = write_qwen3_vl_moe_model(root, "m_untied", seed=34)
+    out["m_untied"] = (moe, _adapter(moe, str(root / "m_adapter"), MOE_TARGETS))
     for i, (case, targets) in enumerate(HYBRID_TARGETS.items()):
         path = write_case(root, case.removeprefix("q35_"), seed=32 + i)
         out[case] = (path, _adapter(path, str(root / f"{case}_adapter"), targets))
@@ -66,6 +84,15 @@ def dirs(tmp_path_factory):
 def _builder(case: str):
     if case.startswith("q35_"):
         return functools.partial(build_ours, case.removeprefix("q35_"))
+    if case in QWEN2_VL_CASES:
+        from models.qwen2_5_vl import build_parallel_model as build_25
+        from models.qwen2_vl import build_parallel_model as build_2
+
+        return build_25 if case.startswith("v25") else build_2
+    if case in MOE_BASE:
+        from models.qwen3_vl_moe import build_parallel_model as build_moe
+
+        return build_moe
     from models.qwen3_vl import build_parallel_model
 
     return build_parallel_model
@@ -75,6 +102,9 @@ def _batches(case: str, path: str) -> dict:
     if case.startswith("q35_"):
         name = case.removeprefix("q35_")
         return {"padded": vl_batch(name, "images_and_video"), "packed": vl_packed_batch(name)}
+    if case in QWEN2_VL_CASES:
+        return {"padded": qwen2_vl_batch(case, "image_video"), "packed": qwen2_vl_packed_batch(case)}
+    case = MOE_BASE.get(case, case)  # the MoE cases extend a Qwen3-VL case: its batches
     return {"padded": qwen3_vl_batch(case, "images_and_video"), "packed": qwen3_vl_packed_batch(case)}
 
 
@@ -130,7 +160,7 @@ def _records(tp: int, case: str, path: str, adapter: str) -> tuple:
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("case", ["q3_untied", *HYBRID_TARGETS])
+@pytest.mark.parametrize("case", ["q3_untied", "m_untied", *QWEN2_VL_CASES, *HYBRID_TARGETS])
 def test_text_lora_on_vl_models_matches_peft(dirs, case, tp):
     records = _records(tp, case, *dirs[case])
     assert {r[2] for r in records} == set(_batches(case, dirs[case][0]))
@@ -143,6 +173,9 @@ def test_text_lora_on_vl_models_matches_peft(dirs, case, tp):
     ("q3_untied", ["q_proj", "linear_fc1"], "model.visual.blocks.0.mlp.linear_fc1"),
     ("q35_dense", "all-linear", "model.visual.blocks.0.attn.qkv"),
     ("q35_moe", ["in_proj_qkv", "linear_fc2"], "model.visual.blocks.0.mlp.linear_fc2"),
+    ("m_untied", ["q_proj", "linear_fc1"], "model.visual.blocks.0.mlp.linear_fc1"),
+    ("untied", "all-linear", "model.visual.blocks.0.attn.qkv"),
+    ("v25_untied", ["q_proj", "gate_proj"], "model.visual.blocks.0.mlp.gate_proj"),
 ])
 def test_targets_that_select_the_tower_are_refused(dirs, case, targets, module):
     from peft import LoraConfig
@@ -153,35 +186,54 @@ def test_targets_that_select_the_tower_are_refused(dirs, case, targets, module):
         _builder(case)(dirs[case][0], lora=LoraConfig(r=4, target_modules=targets))
 
 
-def test_expert_targets_of_the_moe_vl_model_are_refused(dirs):
-    """Qwen3.5-MoE's routed experts take no LoRA (peft would adapt transformers' fused experts): refused by name."""
+@pytest.mark.parametrize(("case", "targets", "selects"), [
+    ("q35_moe", ["q_proj", "gate_proj"], r"'gate_proj' selects .*mlp\.experts"),
+    ("m_untied", ["q_proj", "down_proj"], r"'down_proj' selects .*mlp\.experts"),
+    ("m_untied", ["q_proj", "gate"], r"'gate' selects .*mlp\.gate\b"),
+])
+def test_expert_and_router_targets_of_the_moe_vl_models_are_refused(dirs, case, targets, selects):
+    """The routed experts (and Qwen3-VL-MoE's router) of the MoE vision-language models take no LoRA (peft would
+    adapt transformers' fused experts): refused by name, in one line."""
     from peft import LoraConfig
 
     from models.common.blocks.lora import LoraError
 
-    with pytest.raises(LoraError, match=r"LoRA target 'gate_proj' selects .*mlp\.experts.*not supported") as err:
-        _builder("q35_moe")(dirs["q35_moe"][0], lora=LoraConfig(r=4, target_modules=["q_proj", "gate_proj"]))
+    with pytest.raises(LoraError, match=rf"LoRA target {selects}.*not supported") as err:
+        _builder(case)(dirs[case][0], lora=LoraConfig(r=4, target_modules=targets))
     assert "\n" not in str(err.value)
+
+
+def module_name(case: str):
+    """The case's weight-map name -> transformers' name (Qwen2-VL / Qwen2.5-VL: ``hf_key_aliases`` backwards)."""
+    if case not in QWEN2_VL_CASES:
+        return lambda name: name
+    from models.qwen2_5_vl.architecture import ARCHITECTURE as QWEN2_5_VL
+    from models.qwen2_vl.architecture import ARCHITECTURE as QWEN2_VL
+
+    return (QWEN2_5_VL if case.startswith("v25") else QWEN2_VL).module_name
 
 
 def test_peft_module_names_are_the_weight_maps_hf_names(dirs):
     """The modules peft adapts on transformers' Qwen3.5 conditional-generation models are named as our weight
-    map's HF tensors (``model.language_model.layers.N...``): the adapter loads as it is (not Qwen2-VL's case)."""
+    map's HF tensors (``model.language_model.layers.N...``); on Qwen2-VL / Qwen2.5-VL, whose weight map keeps the
+    release names (``model.layers.N...``), as those names read through ``Architecture.module_name``."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from models.common.blocks.lora import lora_targets
     from models.common.weight_map import hf_shapes
 
-    for case in HYBRID_TARGETS:
+    for case, targets in [*HYBRID_TARGETS.items(), *((c, QWEN2_VL_TARGETS) for c in QWEN2_VL_CASES)]:
         path = dirs[case][0]
         model = _builder(case)(path)
         cfg, wmap = model.config, model.weight_map
-        ours = {t.hf_module for t in lora_targets(cfg, wmap, LoraConfig(r=4, target_modules=HYBRID_TARGETS[case]),
-                                                  hf_shapes(cfg, wmap))}
-        hf = {n for e in wmap.entries(range(cfg.num_hidden_layers)) for n in e.hf}
+        rename = module_name(case)
+        ours = {t.hf_module for t in lora_targets(cfg, wmap, LoraConfig(r=4, target_modules=targets),
+                                                  hf_shapes(cfg, wmap), module_name=rename)}
+        hf = {rename(n) for e in wmap.entries(range(cfg.num_hidden_layers)) for n in e.hf}
         with torch.device("meta"):
             ref = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(path))
-        peft_model = get_peft_model(ref, LoraConfig(r=4, target_modules=HYBRID_TARGETS[case]))
+        peft_model = get_peft_model(ref, LoraConfig(r=4, target_modules=targets))
         adapted = {n.removeprefix("base_model.model.") for n, m in peft_model.named_modules() if hasattr(m, "lora_A")}
         assert adapted and [n for n in adapted if n + ".weight" not in hf] == [] and ours == adapted, case
+        assert all(n.startswith("model.language_model.layers.") for n in adapted), case

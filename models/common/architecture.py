@@ -37,3 +37,12 @@ class Architecture:
             if name.startswith(prefix):
                 return replacement + name[len(prefix):]
         return name
+
+    def module_name(self, name: str) -> str:
+        """A weight-map name as transformers names the tensor in memory (``hf_key_aliases`` read backwards:
+        Qwen2-VL's ``model.layers.0.mlp.up_proj.weight`` is ``model.language_model.layers.0.mlp.up_proj.weight``
+        on transformers' model): the names peft matches ``target_modules`` against and writes in adapters."""
+        for prefix, replacement in self.hf_key_aliases:
+            if name.startswith(replacement):
+                return prefix + name[len(replacement):]
+        return name

@@ -104,7 +104,7 @@ def build_model(arch: Architecture, source: Any, parallel_config: ParallelConfig
     if lora is not None:
         from models.common.blocks.lora import check_lora_config
 
-        lora_targets = check_lora_config(cfg, wmap, lora, parallel_config, hf_shapes(cfg, wmap))
+        lora_targets = check_lora_config(cfg, wmap, lora, parallel_config, hf_shapes(cfg, wmap), arch.module_name)
     unloaded: tuple[str, ...] = ()
     if isinstance(source, (str, os.PathLike)):  # fused experts read per expert, as the converters read them
         tensor_source = checkpoint_source(source, cfg, arch.canonical_name if arch.hf_key_aliases else None, where,

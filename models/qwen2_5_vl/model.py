@@ -25,5 +25,4 @@ class ParallelQwen2_5_VL(ParallelVisionLanguageModel):
     """A tensor/sequence/pipeline-parallel Qwen2.5-VL; build it with ``build_parallel_model``."""
 
 
-build_parallel_model = entry_point(ARCHITECTURE, "Qwen2.5-VL", __name__, returns="ParallelQwen2_5_VL",
-                                   lora_refusal="qwen2_5_vl: LoRA is not supported yet")
+build_parallel_model = entry_point(ARCHITECTURE, "Qwen2.5-VL", __name__, returns="ParallelQwen2_5_VL")

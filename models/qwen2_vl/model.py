@@ -21,5 +21,4 @@ class ParallelQwen2VL(ParallelVisionLanguageModel):
     """A tensor/sequence/pipeline-parallel Qwen2-VL; build it with ``build_parallel_model``."""
 
 
-build_parallel_model = entry_point(ARCHITECTURE, "Qwen2-VL", __name__, returns="ParallelQwen2VL",
-                                   lora_refusal="qwen2_vl: LoRA is not supported yet")
+build_parallel_model = entry_point(ARCHITECTURE, "Qwen2-VL", __name__, returns="ParallelQwen2VL")

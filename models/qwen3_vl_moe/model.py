@@ -21,15 +21,9 @@ mm_token_type_ids=, cu_seqlens=, output_router_logits=)`` computes what transfor
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
-
-from models.common.builder import build_model
+from models.common.entry_point import entry_point
 from models.qwen3_vl.model import ParallelQwen3VL
 from models.qwen3_vl_moe.architecture import ARCHITECTURE
-from parallel.config import ParallelConfig
-from parallel.groups import ParallelGroups
 
 __all__ = ["ARCHITECTURE", "ParallelQwen3VLMoe", "build_parallel_model"]
 
@@ -44,15 +38,6 @@ class ParallelQwen3VLMoe(ParallelQwen3VL):
         return super()._wants_router_logits(requested)
 
 
-def build_parallel_model(source: Any, parallel_config: ParallelConfig | None = None, *,
-                         dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                         groups: ParallelGroups | None = None, seed: int = 0, lora: Any = None,
-                         loss_chunk_tokens: int | None = None, compile: bool = False) -> ParallelQwen3VLMoe:
-    """Build this rank's Qwen3-VL-MoE shard from an HF directory (``Qwen3VLMoeForConditionalGeneration``'s
-    ``save_pretrained``) or a transformers config (random weights). Call after
-    ``torch.distributed.init_process_group`` when the layout uses more than one rank. See
-    ``models.common.builder.build_model`` for the arguments."""
-    if lora is not None:
-        raise ValueError("qwen3_vl_moe: LoRA is not supported yet")
-    return build_model(ARCHITECTURE, source, parallel_config, dtype=dtype, device=device, groups=groups, seed=seed,
-                       loss_chunk_tokens=loss_chunk_tokens, compile=compile)
+# LoRA: on the language model's attention and dense MLPs as in Qwen3-MoE (routed experts and the router
+# refused by name, tower targets too: models/common/blocks/lora.py)
+build_parallel_model = entry_point(ARCHITECTURE, "Qwen3-VL-MoE", __name__, returns="ParallelQwen3VLMoe")

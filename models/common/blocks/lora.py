@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -86,8 +86,16 @@ def _selected(leaf: str, hf_module: str, targets) -> bool:
     return leaf in targets
 
 
-def lora_targets(cfg, weight_map, lora_config: Any, shapes: dict, layers=None) -> list[LoraTarget]:
-    """The adapted modules of ``layers`` (default: all); LoraError for names the architecture lacks."""
+def _same(name: str) -> str:
+    return name
+
+
+def lora_targets(cfg, weight_map, lora_config: Any, shapes: dict, layers=None,
+                 module_name: Callable[[str], str] = _same) -> list[LoraTarget]:
+    """The adapted modules of ``layers`` (default: all); LoraError for names the architecture lacks.
+    ``module_name``: a weight-map HF name as transformers' model names it (``Architecture.module_name``; Qwen2-VL's
+    weight map keeps the release names ``model.layers.*``, its transformers model says
+    ``model.language_model.layers.*``): target regular expressions match it and adapter files carry it, as peft's."""
     r = int(lora_config.r)
     targets = _targets_of(lora_config)
     entries = weight_map.entries(range(cfg.num_hidden_layers) if layers is None else layers, first=False, last=False)
@@ -96,7 +104,7 @@ def lora_targets(cfg, weight_map, lora_config: Any, shapes: dict, layers=None) -
     for entry in entries:
         if entry.experts:  # expert 0's parts stand for every expert
             for hf_name in entry.hf[:len(entry.rules)]:
-                hf_module = hf_name[: -len(".weight")]
+                hf_module = module_name(hf_name)[: -len(".weight")]
                 _refuse_unadapted(hf_module.rsplit(".", 1)[1], hf_module, targets, True)
             continue
         if not entry.param.endswith(".weight"):
@@ -105,7 +113,7 @@ def lora_targets(cfg, weight_map, lora_config: Any, shapes: dict, layers=None) -
         packed = tuple((hf_name[: -len(".weight")].rsplit(".", 1)[1], shapes[hf_name][0])
                        for hf_name in entry.hf[:len(entry.rules)])
         for hf_name, rule in zip(entry.hf, entry.rules):
-            hf_module = hf_name[: -len(".weight")]
+            hf_module = module_name(hf_name)[: -len(".weight")]
             leaf = hf_module.rsplit(".", 1)[1]
             # Blocks: row blocks each split over TP (Gated DeltaNet's in_proj_qkv); Groups: Qwen3-Next's
             # interleaved in_proj_qkvz / in_proj_ba, each rank's key-head groups; B takes the same rows
@@ -123,7 +131,7 @@ def lora_targets(cfg, weight_map, lora_config: Any, shapes: dict, layers=None) -
             out_f, in_f = shapes[hf_name]
             found.append(LoraTarget(layer, hf_module, leaf, column, Replicated() if column else Split(1),
                                     rule if column else Replicated(), (r, in_f), (out_f, r), packed))
-    _refuse_tower_targets(weight_map, shapes, targets, lora_config)
+    _refuse_tower_targets(weight_map, shapes, targets, lora_config, module_name)
     if isinstance(targets, set):
         unknown = sorted(targets - leaves)
         if unknown:
@@ -134,13 +142,14 @@ def lora_targets(cfg, weight_map, lora_config: Any, shapes: dict, layers=None) -
     return found
 
 
-def _refuse_tower_targets(weight_map, shapes: dict, targets, lora_config: Any) -> None:
+def _refuse_tower_targets(weight_map, shapes: dict, targets, lora_config: Any,
+                          module_name: Callable[[str], str]) -> None:
     """LoRA on a vision tower is not built: refuse targets that select one of its linear modules, which
     peft would adapt (``all-linear``; Qwen2.5-VL's tower MLP is also ``gate_proj``/``up_proj``/
     ``down_proj``; Qwen3-VL's ``linear_fc1``), naming the module. Text-only models have none."""
     for entry in weight_map.entries((), first=True, last=False):
         for hf_name in entry.hf:
-            module = hf_name[: -len(".weight")]
+            module = module_name(hf_name)[: -len(".weight")]
             # 2-D weights of linear modules only: embeddings (embed_tokens, the tower's pos_embed) are not
             # adapted by peft's all-linear; the patch embedding is a Conv3d (5-D)
             leaf = module.rsplit(".", 1)[1]
@@ -173,8 +182,9 @@ _UNSUPPORTED = {"alpha_pattern": {}, "rank_pattern": {}, "use_dora": False, "mod
                 "target_parameters": None}
 
 
-def check_lora_config(cfg, weight_map, lora_config: Any, pconfig, shapes: dict) -> list[LoraTarget]:
-    """Everything that can be refused before any process group exists."""
+def check_lora_config(cfg, weight_map, lora_config: Any, pconfig, shapes: dict,
+                      module_name: Callable[[str], str] = _same) -> list[LoraTarget]:
+    """Everything that can be refused before any process group exists (``module_name``: ``lora_targets``')."""
     if int(lora_config.r) < 1:
         raise LoraError(f"LoRA r={lora_config.r} must be positive")
     if getattr(lora_config, "bias", "none") != "none":
@@ -190,7 +200,7 @@ def check_lora_config(cfg, weight_map, lora_config: Any, pconfig, shapes: dict) 
         raise ParallelConfigError(f"lora_dropout={lora_config.lora_dropout} with tp={pconfig.tp} needs "
                                   f"sequence_parallel=True (each rank then drops out only its own tokens; "
                                   f"without SP the TP ranks' masks would differ on the same tokens)")
-    targets = lora_targets(cfg, weight_map, lora_config, shapes)
+    targets = lora_targets(cfg, weight_map, lora_config, shapes, module_name=module_name)
     replicated = {t.leaf for t in targets if isinstance(t.b_rule, KVHeads) and t.b_rule.replicas(pconfig.tp) > 1}
     if replicated:
         raise ParallelConfigError(f"LoRA on {', '.join(sorted(replicated))} with tp={pconfig.tp} > "
