@@ -141,7 +141,8 @@ def test_legacy_round_trip(tmp_path, checkpoints, name, layout, rank1):
     assert (back / "config.json").read_bytes() == Path(f"{path}/config.json").read_bytes()
 
 
-@pytest.mark.parametrize("name,layout", [("vl", {"tp": 2}), ("moe", {"tp": 2, "ep": 2}), ("moe_dense", {})])
+@pytest.mark.parametrize("name,layout", [("vl", {"tp": 2}), ("moe", {"tp": 2, "pp": 2, "vpp": 2, "ep": 2}),
+                                         ("moe_dense", {})])
 def test_dist_round_trip_and_reshard(tmp_path, checkpoints, name, layout):
     """HF -> torch_dist -> HF bitwise (both read paths): the tower's blocks and DeepStack mergers stacked, merger
     k at index k (read with torch's own ``dcp.load``), the text layers stacked (per layer with a dense layer
