@@ -200,13 +200,13 @@ def vllm_states(sources, converted, tmp_path_factory):
         with torch.no_grad():
             out = hf.model.visual(px, grid_thw=grid)
         features[name] = torch.cat([out.pooler_output, *out.deepstack_features], dim=1)  # vLLM's concatenation
-    jobs = []
+    layouts = []
     for tp, pp in ((2, 1), (1, 2)):
         cases = [{"model": str(sources[name]), "sharded": str(converted[name, tp, pp]),
                   "out": str(root / f"{name}-tp{tp}-pp{pp}"), **({"pixels": str(pixels[name])} if pp == 1 else {})}
                  for name in ("untied", "tied")]
-        jobs.append(("state", {"tp": tp, "pp": pp, "cases": cases}, root / f"state-tp{tp}-pp{pp}.json"))
-    run_clients(jobs)
+        layouts.append({"tp": tp, "pp": pp, "cases": cases})
+    run_clients([("state", {"layouts": layouts}, root / "state.json")])  # both layouts in one set of 2 ranks
     return root, features
 
 

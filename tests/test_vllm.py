@@ -93,6 +93,7 @@ def run(tmp_path_factory):
     base = {"prompts": PROMPTS}
     adapter = qwen / "adapter"
     results["peft"] = _peft_logprobs(src["qwen2_vllm"], adapter)
+    train_ids, _ = prompt_batch()
     jobs = {  # one client process runs these engines one after another
         "qwen_capture1": ("capture", base | {"model": str(qwen / "hf"), "tp": 1}, qwen / "capture-tp1"),
         "qwen_capture2": ("capture", base | {"model": str(qwen / "hf"), "tp": 2}, qwen / "capture-tp2"),
@@ -104,11 +105,9 @@ def run(tmp_path_factory):
                                                "load_format": "sharded_state"}, llama / "lp-convert2"),
         "lora": ("logprobs", base | {"model": str(src["qwen2_vllm"]), "tp": 1, "adapter": str(adapter),
                                      "lora_rank": lora["r"]}, qwen / "lp-lora"),
+        "push": ("push", base | {"model": str(src["qwen2_vllm"]), "train_ids": train_ids.tolist()}, qwen / "push.json"),
     }
     results["vllm"] = dict(zip(jobs, run_clients(list(jobs.values()))))
-    train_ids, _ = prompt_batch()
-    results["vllm"]["push"], = run_clients([("push", base | {"model": str(src["qwen2_vllm"]),
-                                                            "train_ids": train_ids.tolist()}, qwen / "push.json")])
     return results
 
 

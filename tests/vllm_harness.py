@@ -1,7 +1,9 @@
 """Running vLLM itself (``tests/vllm_client.py`` under ``.venv-vllm``) from the tests.
 
 ``run_clients`` starts one client process for a list of jobs (one interpreter and one vLLM import
-for all of them; each job still builds and shuts down its own engine). A job's result counts only
+for all of them; each job still builds and shuts down its own engine, without a process of its own:
+TP-1 engines run in the client, TP-N engines in N rank processes spawned once per client, state jobs
+in ranks spawned once per job, which may hold several layouts: tests/vllm_client.py). A job's result counts only
 when the whole client finished cleanly: exit code 0 *and* the client's closing line
 (``FINISHED_LINE``), which it prints after every engine was shut down and every distributed state
 destroyed. A client that wrote its results and then crashed at exit fails the test (no retry, no
@@ -32,6 +34,7 @@ FINISHED_LINE = "pmz-vllm-client: finished"  # tests/vllm_client.py prints it la
 SHM = Path("/dev/shm")
 SURVIVOR_GRACE_S = 30.0  # how long the client's helper processes may take to end after it exits
 JOB_LINE = "pmz-vllm-client: job"  # tests/vllm_client.py prints it on stderr as each job starts
+DONE_LINE = "pmz-vllm-client: done"  # ... and this one, with the job's seconds, as each job ends
 ALIVE_EVERY_S = 60.0  # with no other progress line for this long, say the client is still at work
 # Writes a line to the terminal past pytest's output capture (tests/conftest.py sets it); plain
 # stderr outside pytest.
@@ -59,6 +62,8 @@ def _wait_speaking(client: subprocess.Popen, steps: str, timeout: float) -> tupl
             into.append(line)
             if watch and line.startswith(JOB_LINE):
                 jobs.append(line[len(JOB_LINE):].strip())
+            elif watch and line.startswith(DONE_LINE):
+                _say(f"vLLM client: job {line[len(DONE_LINE):].strip()}")
 
     readers = [threading.Thread(target=drain, args=(client.stdout, out, False), daemon=True),
                threading.Thread(target=drain, args=(client.stderr, err, True), daemon=True)]
