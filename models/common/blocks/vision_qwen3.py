@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.common.blocks.vision import VisionAttention, VisionRotary, quick_gelu
+from models.common.blocks.vision import VisionAttention, VisionRotary, patch_linear, quick_gelu
 from models.common.vision_positions import vision_cu_seqlens, vision_patch_positions
 from models.common.vision_qwen3 import Qwen3VisionConfig
 from parallel.groups import ParallelGroups
@@ -45,9 +45,7 @@ class Qwen3PatchEmbed(nn.Module):
         self.proj.bias = nn.Parameter(torch.empty(cfg.embed_dim, dtype=dtype, device=device))
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        c, w = self.cfg, self.proj.weight
-        x = pixels.view(-1, c.in_channels, c.temporal_patch_size, c.patch_size, c.patch_size)
-        return F.conv3d(x.to(w.dtype), w, self.proj.bias, stride=w.shape[2:]).view(-1, c.embed_dim)
+        return patch_linear(pixels, self.proj.weight, self.proj.bias)
 
 
 def _axis_taps(index: torch.Tensor, size: torch.Tensor, side: int) -> tuple[torch.Tensor, torch.Tensor]:
