@@ -331,3 +331,29 @@ def test_bad_input_refused_in_one_line(checkpoints, tmp_path, capsys, monkeypatc
     for to in ("megatron", "megatron-dist", "megatron-bridge"):
         err = _refused([str(one), "--to", to, "--tp", "2"], tmp_path / f"h-{to}", capsys)
         assert "--tp 2 does not divide the vision tower's num_heads=1" in err, err
+
+
+# ------------------------------------------------------------------------------------------ copy path
+
+COPY_CASES = [("vl", "megatron", {"tp": 2, "pp": 3}), ("vl", "megatron-dist", {"tp": 2}),
+              ("moe", "megatron", {"tp": 2, "ep": 2}), ("moe", "megatron-dist", {"ep": 2}),
+              ("moe_dense", "megatron", {"ep": 2, "moe_grouped_gemm": True}), ("moe_dense", "megatron-dist", {})]
+
+
+@pytest.mark.parametrize("name,to,layout", COPY_CASES, ids=[f"{n}-{t}" for n, t, _ in COPY_CASES])
+def test_copy_path_writes_what_the_torch_path_writes(checkpoints, tmp_path, paths_taken, name, to, layout):
+    """HF -> Megatron on the copy path: the torch path's checkpoint tensor for tensor (rank files' keys, order and
+    tensors; torch_dist's metadata, common state and tensors), the tower's stacks and _extra_state items included;
+    and a Megatron -> Megatron reshard of it likewise."""
+    from tests.test_copy_path_hybrid import _same_output
+
+    path = checkpoints[name][0]
+    _torch_path(path, tmp_path / "slow", to=to, workers=1, **layout)
+    convert(path, tmp_path / "fast", to=to, workers=2, **layout)
+    assert paths_taken[-1] is True, "the copy path was not taken"
+    _same_output(tmp_path / "slow", tmp_path / "fast")
+    other = "megatron" if to == "megatron-dist" else "megatron-dist"
+    _torch_path(tmp_path / "fast", tmp_path / "slow2", to=other, tp=1, workers=1)
+    convert(tmp_path / "fast", tmp_path / "fast2", to=other, tp=1, workers=2)
+    assert paths_taken[-1] is True, "the copy path was not taken"
+    _same_output(tmp_path / "slow2", tmp_path / "fast2")

@@ -61,23 +61,27 @@ from converters.layout.hybrid import (
     dist_components,
     dist_expert,
     dist_extra_states,
+    dist_tower_extra_states,
     legacy_extra_states,
     tower_block,
     tower_depth,
+    tower_modules,
     unit_keys,
 )
 from converters.layout.megatron import COL1, LayoutError, megatron_full_shape, megatron_padded_vocab, tp_split_kind
-from converters.layout.model import EMBED, FINAL, is_hybrid, require_megatron_layout
+from converters.layout.model import EMBED, FINAL, is_hybrid, is_qwen3_vl, require_megatron_layout
 from converters.layout.stages import (
     DIST_DATA_FILES,
     DIST_METADATA_JSON,
-    LAYER_PREFIX,
     RANK_FILE,
+    TRANSFORMER_ENGINE,
     MegatronLayout,
     check_target_stages,
     extra_state_modules,
     layer_extra_states,
+    layer_prefix,
     stacks_layers,
+    te_norm_extra_states,
     unit_megatron_keys,
     validate_target_layout,
 )
@@ -211,6 +215,8 @@ def _legacy_file(source: RawSource, target: CopyTarget, directory: Path, p: int,
                                                         target.tag))
             modules = (legacy_extra_states(source.wmap, unit, local, target.ep, target.experts == SEQUENTIAL) if hybrid
                        else extra_state_modules(unit, local, source.wmap, target.ep, e, target.experts))
+            if unit == EMBED and not hybrid:  # Qwen3-VL's tower, as the torch path writes it
+                modules = modules + tower_modules(source.wmap)
             chunk.update({f"{m}._extra_state": None for m in modules})
         if source.cfg.tie_word_embeddings and target.pp > 1 and p == target.pp - 1 and v == target.vpp - 1:
             # Megatron's last stage keeps its own copy of the tied embedding as output_layer.weight.
@@ -307,6 +313,9 @@ def _dist_files(source: RawSource, target: CopyTarget, directory: Path) -> tuple
     L = source.cfg.num_hidden_layers
     E = source.cfg.moe.num_experts if source.cfg.moe is not None else 0
     stacked = stacks_layers(source.wmap, L)
+    prefix = layer_prefix(source.wmap)  # decoder.layers. (language_model.decoder.layers. for Qwen3-VL)
+    # Qwen3-VL is Bridge's Qwen3VLModel, the Transformer-Engine spec: its own norms keep an _extra_state too
+    te_norms = is_qwen3_vl(source.cfg) and target.args.get("transformer_impl") == TRANSFORMER_ENGINE
     extra = archive_bytes(pw.dumps([None]))
     tensors: dict[str, dict] = {}
     bytes_keys: list[tuple[str, str, int, int]] = []
@@ -321,12 +330,16 @@ def _dist_files(source: RawSource, target: CopyTarget, directory: Path) -> tuple
             layer = None if unit in (EMBED, FINAL) else int(unit)
             for entry, key in unit_megatron_keys(source.wmap, unit, layer):
                 full, ops = shard_ops(source, entry, target.hf_shapes, target.padded_vocab, 1, 0, key)
-                if layer is None:
+                block = tower_block(key)
+                if block is not None:  # Qwen3-VL's tower blocks / DeepStack mergers stacked [n, ...]
+                    gkey, gshape = block[0], (tower_depth(source.wmap, key), *full)
+                    offsets, chunk = (block[1], *(0,) * len(full)), (1, *full)
+                elif layer is None:
                     gkey, gshape, offsets, chunk = key, full, (0,) * len(full), full
                 else:  # stacked [L, ...] (experts [L, E, ...]), or per layer between dense and MoE layers
                     gkey, gshape, offsets, chunk = dist_placement(source.wmap, key, layer, full, num_layers=L,
                                                                   experts=E, stacked=stacked, args=target.args,
-                                                                  prefix=LAYER_PREFIX)
+                                                                  prefix=prefix)
                 nbytes = sum(op.nbytes for op in ops)
                 lay = layout_archive(pw.dumps(pw.tensor("0", target.tag, chunk)), [nbytes], base=pos)
                 headers += lay.pieces
@@ -334,12 +347,15 @@ def _dist_files(source: RawSource, target: CopyTarget, directory: Path) -> tuple
                 meta = tensors.setdefault(gkey, {"size": gshape, "chunks": []})
                 meta["chunks"].append((offsets, chunk, name, pos, lay.size))
                 pos = lay.end
+            extras = dist_tower_extra_states(source.wmap) if unit == EMBED else []
             if layer is not None:
-                for module, suffix in layer_extra_states(source.wmap, layer, num_layers=L, experts=E, stacked=stacked,
-                                                         prefix=LAYER_PREFIX):
-                    bytes_keys.append((f"{module}._extra_state/{suffix}", name, pos, len(extra)))
-                    headers.append((pos, extra))
-                    pos += len(extra)
+                extras = layer_extra_states(source.wmap, layer, num_layers=L, experts=E, stacked=stacked, prefix=prefix)
+                if te_norms:
+                    extras += te_norm_extra_states(source.wmap, layer, num_layers=L, stacked=stacked, prefix=prefix)
+            for module, suffix in extras:
+                bytes_keys.append((f"{module}._extra_state/{suffix}", name, pos, len(extra)))
+                headers.append((pos, extra))
+                pos += len(extra)
         plans.append(_FilePlan(str(directory / name), pos, headers, work))
     return plans, pw.dumps(dist_metadata(tensors, bytes_keys, target.tag))
 

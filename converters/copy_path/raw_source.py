@@ -13,7 +13,7 @@ from converters.formats.hf import nbytes
 from converters.formats.tensors import TAG_TO_TORCH_NAME
 from converters.layout.hybrid import unit_absent
 from converters.layout.megatron import LayoutError, shift_bytes
-from converters.layout.model import Unit, all_units, is_qwen3_vl, unit_entries
+from converters.layout.model import Unit, all_units, is_qwen3_vl, megatron_weight_map, unit_entries
 from models.common.errors import CheckpointError
 from models.common.weight_map import MINUS_ONE, WeightEntry, hf_shapes
 
@@ -60,11 +60,11 @@ class RawSource:
 
     def plan_megatron_values(self) -> None:
         """The Megatron values of the ``minus_one`` tensors (HF - 1, in fp32, rounded) for a Megatron target,
-        computed now, before anything is written: ``Unsupported`` where there is no one answer (a NaN), and for
-        Qwen3-VL, whose Megatron tower (stacked blocks and DeepStack mergers, ``vision_model.*``) the copy path's
-        Megatron writers do not lay out yet: the torch path writes it."""
+        computed now, before anything is written: ``Unsupported`` where there is no one answer (a NaN). Qwen3-VL's
+        map becomes the one with its Megatron names (the tower's ``vision_model.*``: ``layout.model.
+        megatron_weight_map``; an HF source's map names only HF tensors there), as the torch path's writers take."""
         if is_qwen3_vl(self.cfg):
-            raise Unsupported(f"{self.path}: {self.cfg.architecture} Megatron targets are written by the torch path")
+            self.wmap = megatron_weight_map(self.arch, self.cfg)
         for entry in _minus_one_entries(self):
             pt = self.planned[entry.hf[0]]
             if pt.megatron_ops is None:
