@@ -10,7 +10,7 @@ units. Peak memory is therefore a few units, whatever the model size.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Iterable, Union
+from typing import Any, Callable, Iterable, Union
 
 from models.common.architecture import Architecture
 from models.common.config import ModelConfig
@@ -146,13 +146,9 @@ def mtp_layers_of(names: Iterable[str], where: str) -> int:
     return 1
 
 
-def bridge_vl_weight_map(wmap: WeightMap) -> WeightMap:
-    """Megatron-Bridge's names for a Qwen2-VL-family weight map (its ``Qwen25VLBridge`` mapping
-    registry; docs/formats.md has the table): every text entry's Megatron name under
-    ``BRIDGE_TEXT_PREFIX`` (same layouts: interleaved QKV, stacked gate/up, layer-stacked in torch_dist),
-    and every vision tensor one plain entry named as in HF (Bridge's ``ReplicatedMapping("visual.**")``:
-    the tower is transformers' module, so the packed ``mlp.gate_up_proj`` is stored as ``gate_proj`` and
-    ``up_proj`` again)."""
+def _bridge_names(wmap: WeightMap, tower: Callable[[WeightEntry], list[WeightEntry]]) -> WeightMap:
+    """``wmap`` with every text entry's Megatron name under ``BRIDGE_TEXT_PREFIX`` and every tower entry (the
+    first entries without a Megatron name) replaced by ``tower(entry)``."""
 
     def text(e: WeightEntry) -> WeightEntry:
         return replace(e, megatron=BRIDGE_TEXT_PREFIX + e.megatron)
@@ -163,10 +159,21 @@ def bridge_vl_weight_map(wmap: WeightMap) -> WeightMap:
             first.append(text(e))
             continue
         assert e.shapes is not None, f"{e.param}: vision entries carry their shapes"
-        first += [WeightEntry(name, (name,), (e.rules[j],), name, PLAIN, shapes=(e.shapes[j],))
-                  for j, name in enumerate(e.hf)]
-    return WeightMap(tuple(map(text, wmap.layer_entries)), tuple(first), tuple(map(text, wmap.last_entries)),
-                     tuple(map(text, wmap.moe_layer_entries)), wmap.moe_layers)
+        first += tower(e)
+    return replace(wmap, layer_entries=tuple(map(text, wmap.layer_entries)), first_entries=tuple(first),
+                   last_entries=tuple(map(text, wmap.last_entries)),
+                   moe_layer_entries=tuple(map(text, wmap.moe_layer_entries)))
+
+
+def bridge_vl_weight_map(wmap: WeightMap) -> WeightMap:
+    """Megatron-Bridge's names for a Qwen2-VL-family weight map (its ``Qwen25VLBridge`` mapping
+    registry; docs/formats.md has the table): every text entry's Megatron name under
+    ``BRIDGE_TEXT_PREFIX`` (same layouts: interleaved QKV, stacked gate/up, layer-stacked in torch_dist),
+    and every vision tensor one plain entry named as in HF (Bridge's ``ReplicatedMapping("visual.**")``:
+    the tower is transformers' module, so the packed ``mlp.gate_up_proj`` is stored as ``gate_proj`` and
+    ``up_proj`` again)."""
+    return _bridge_names(wmap, lambda e: [WeightEntry(name, (name,), (e.rules[j],), name, PLAIN, shapes=(e.shapes[j],))
+                                          for j, name in enumerate(e.hf)])
 
 
 def bridge_qwen3_vl_weight_map(wmap: WeightMap) -> WeightMap:
@@ -176,19 +183,11 @@ def bridge_qwen3_vl_weight_map(wmap: WeightMap) -> WeightMap:
     ``vision_model.*`` with megatron-core's TP split as its rule (``hybrid_weights.tower_entry``, the rule Qwen3.5's
     carried tower takes: blocks, merger, DeepStack mergers, ``qkv`` per head)."""
 
-    def text(e: WeightEntry) -> WeightEntry:
-        return replace(e, megatron=BRIDGE_TEXT_PREFIX + e.megatron)
+    def tower(e: WeightEntry) -> list[WeightEntry]:
+        assert len(e.hf) == 1, f"{e.param}: tower entries are one HF tensor with its shape"
+        return [tower_entry(e.hf[0], tuple(e.shapes[0]))]
 
-    first: list[WeightEntry] = []
-    for e in wmap.first_entries:
-        if e.megatron is not None:
-            first.append(text(e))
-            continue
-        assert e.shapes is not None and len(e.hf) == 1, f"{e.param}: tower entries are one HF tensor with its shape"
-        first.append(tower_entry(e.hf[0], tuple(e.shapes[0])))
-    return replace(wmap, layer_entries=tuple(map(text, wmap.layer_entries)), first_entries=tuple(first),
-                   last_entries=tuple(map(text, wmap.last_entries)),
-                   moe_layer_entries=tuple(map(text, wmap.moe_layer_entries)))
+    return _bridge_names(wmap, tower)
 
 
 def model_from_config(hf_config: Any, where: str, megatron: bool | str,
