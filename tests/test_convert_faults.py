@@ -216,7 +216,7 @@ def test_ctrl_c_mid_conversion(hf, tmp_path, held_runs, to, extra, path_extra):
     assert one_error_line(err) == "pmz convert: interrupted"
     assert "KeyboardInterrupt" not in err
     assert not (tmp_path / "out").exists(), "temp dir or created parent left behind"
-    wait_for(lambda: not any(alive(p) for p in pids), timeout=10, what="workers to exit")
+    wait_for(lambda: not any(alive(p) for p in pids), timeout=60, what="workers to exit")
     assert snapshot(hf) == before
 
 
@@ -233,7 +233,7 @@ def test_sigterm_cleans_up_like_ctrl_c(hf, tmp_path, held_runs, path_extra):
     assert rc == 143, (rc, err)
     assert one_error_line(err) == "pmz convert: terminated (SIGTERM)"
     assert not (tmp_path / "out").exists()
-    wait_for(lambda: not any(alive(p) for p in pids), timeout=10, what="workers to exit")
+    wait_for(lambda: not any(alive(p) for p in pids), timeout=60, what="workers to exit")
 
 
 @linux_only
@@ -248,7 +248,7 @@ def test_sigkill_workers_die_with_parent_and_next_run_cleans_up(hf, tmp_path, he
     _check_workers(run, pids, path_extra)
     os.kill(run.proc.pid, signal.SIGKILL)
     run.proc.wait()  # not communicate(): orphaned workers would hold its stdout/stderr pipes open
-    wait_for(lambda: not any(alive(p) for p in pids), timeout=10, what="orphaned workers to die")
+    wait_for(lambda: not any(alive(p) for p in pids), timeout=60, what="orphaned workers to die")
     stale = temp_dirs(dst.parent, dst.name)
     assert len(stale) == 1
     left = snapshot(stale[0])
@@ -279,7 +279,7 @@ def test_sigkill_during_overwrite_keeps_the_old_destination(hf, tmp_path, held_r
     _check_workers(run, pids, path_extra)
     os.kill(run.proc.pid, signal.SIGKILL)
     run.proc.wait()
-    wait_for(lambda: not any(alive(p) for p in pids), timeout=10, what="orphaned workers to die")
+    wait_for(lambda: not any(alive(p) for p in pids), timeout=60, what="orphaned workers to die")
     assert snapshot(dst) == old, "the killed --overwrite run changed the existing destination"
     assert len(temp_dirs(dst.parent, dst.name)) == 1
 
