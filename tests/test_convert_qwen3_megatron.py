@@ -14,6 +14,7 @@ the references (tests/megatron_qwen3_oracle.py builds the megatron-core models).
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import shutil
@@ -111,6 +112,13 @@ def _hf_logits(path: str, spec: Qwen3Spec) -> torch.Tensor:
     return model(input_ids=prompt_ids(spec)).logits
 
 
+@functools.lru_cache(maxsize=None)
+def _reference_logits(root: str, kind: str) -> torch.Tensor:
+    """transformers' logits of the module's HF checkpoint ``hf_{kind}`` (written once by the ``oracle``
+    fixture, read-only): computed once per module, not once per test (29 calls, 3 models)."""
+    return _hf_logits(os.path.join(root, f"hf_{kind}"), SPECS[kind])
+
+
 def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
     assert a.shape == b.shape, (a.shape, b.shape)
     return (a - b).abs().max().item()
@@ -129,11 +137,11 @@ SAVED = {**SAVES2, **SAVES4}
 @pytest.mark.parametrize("name", sorted(SAVED))
 def test_megatron_core_gives_transformers_logits(oracle, name):
     spec = SPECS[SAVED[name][0]]
-    reference = _hf_logits(os.path.join(oracle["root"], f"hf_{SAVED[name][0]}"), spec)
+    reference = _reference_logits(oracle["root"], SAVED[name][0])
     assert _diff(oracle[name], reference) <= TOL
     other = "moe" if SAVED[name][0] == "moe_plain" else "moe_plain"
     if spec.moe:  # negative control: the other router normalisation is another model
-        assert _diff(oracle[name], _hf_logits(os.path.join(oracle["root"], f"hf_{other}"), SPECS[other])) > 1e-2
+        assert _diff(oracle[name], _reference_logits(oracle["root"], other)) > 1e-2
 
 
 def _paths(kind: str) -> tuple[str, ...]:
@@ -163,7 +171,7 @@ def _spy_copy_path(monkeypatch) -> list[str]:
 def test_grouped_gemm_layout_is_megatron_cores_view(oracle):
     """Negative control of the oracle's GroupedMLP mapping: weight1 filled as column blocks (not the
     ``view(E_local, H, 2F/tp)`` megatron-core computes with) gives other logits than transformers'."""
-    reference = _hf_logits(os.path.join(oracle["root"], "hf_moe"), MOE)
+    reference = _reference_logits(oracle["root"], "moe")
     assert _diff(oracle["m_ep2gg"], reference) <= TOL
     assert _diff(oracle["weight1_columns"], reference) > 1e-3
 
@@ -183,7 +191,7 @@ def test_megatron_core_checkpoint_to_hf_is_bitwise(oracle, tmp_path, monkeypatch
 @pytest.mark.parametrize("name", sorted({**LOADS2, **LOADS4}))
 def test_hf_to_megatron_loads_in_megatron_core(oracle, name):
     kind = {**LOADS2, **LOADS4}[name][0]
-    reference = _hf_logits(os.path.join(oracle["root"], f"hf_{kind}"), SPECS[kind])
+    reference = _reference_logits(oracle["root"], kind)
     assert _diff(oracle[name], reference) <= TOL
 
 
