@@ -92,6 +92,8 @@ def _engine(model: str, tp: int, load_format: str = "auto", lora_rank: int | Non
     llm = LLM(model=model, tensor_parallel_size=tp, load_format=load_format, dtype=dtype, max_model_len=64,
               enforce_eager=True, seed=0, skip_tokenizer_init=True, max_num_seqs=4,
               distributed_executor_backend="external_launcher" if tp > 1 else "uni", **lora)
+    if tp == 1:  # its worker (this thread) was bound to one core: on a loaded machine that slows the client's own
+        os.sched_setaffinity(0, affinity)  # work (push trains our model here); binding is speed only, not results
     try:
         yield llm
     finally:
