@@ -17,6 +17,7 @@ runs the conversions the 4-rank group loads (inline: daemonic ranks cannot fork 
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from pathlib import Path
@@ -67,6 +68,22 @@ def _hf_logits(path: str, spec: MoeSpec) -> torch.Tensor:
 
     model = Qwen2MoeForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return model(input_ids=prompt_ids(spec)).logits
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_logits(root: str, seed: int) -> torch.Tensor:
+    """transformers' logits of the ``oracle`` fixture's HF checkpoint ``hf_{seed}`` (read-only): once per module,
+    not once per test (10 tests, 2 models)."""
+    return _hf_logits(os.path.join(root, f"hf_{seed}"), SPEC if seed == HF_SEED else SPEC_NORM_HF)
+
+
+@pytest.fixture(scope="module")
+def other_model_logits(tmp_path_factory) -> dict:
+    """The negative control's logits: another model (seed HF_SEED + 5) of each spec, written and run once per
+    module, not once per test (6 tests, 2 models)."""
+    root = tmp_path_factory.mktemp("convert_moe_other")
+    return {spec: _hf_logits(_hf_dir(str(root / name), spec, HF_SEED + 5), spec)
+            for name, spec in (("plain", SPEC), ("norm", SPEC_NORM))}
 
 
 def world2_suite(root: str) -> dict:
@@ -130,7 +147,7 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("name,fmt", [(n, f) for n in ("ep2", "norm_ep2", "tp2ep2") for f in ("torch", "torch_dist")])
-def test_megatron_core_checkpoint_to_hf_matches(oracle, tmp_path, name, fmt):
+def test_megatron_core_checkpoint_to_hf_matches(oracle, other_model_logits, tmp_path, name, fmt):
     spec = SPEC_NORM if name.startswith("norm") else SPEC
     src = os.path.join(oracle["root"], f"mc_{name}_{fmt}")
     assert pmz(["convert", src, str(tmp_path / "hf"), "--to", "hf", "--quiet"]) == 0
@@ -138,7 +155,7 @@ def test_megatron_core_checkpoint_to_hf_matches(oracle, tmp_path, name, fmt):
     ours = _hf_logits(str(tmp_path / "hf"), spec)
     assert _diff(ours, saved[..., :spec.vocab_size]) <= PARITY_TOL
     # negative control: another model's logits are far away
-    assert _diff(ours, _hf_logits(_hf_dir(str(tmp_path), spec, HF_SEED + 5), spec)) > 0.1
+    assert _diff(ours, other_model_logits[spec]) > 0.1
 
 
 @pytest.mark.parametrize("seed", [HF_SEED, HF_SEED + 1])
@@ -149,8 +166,7 @@ def test_hf_to_megatron_loads_in_megatron_core(oracle, seed, key):
     layout, to = key.split()
     loaded = {"ep2": oracle.get(("load", seed, to)), "tp2ep2": oracle.get(("load_tp2ep2", seed, to)),
               "ep4": oracle.get(("load_ep4", seed))}[layout]
-    reference = _hf_logits(os.path.join(oracle["root"], f"hf_{seed}"), spec)
-    assert _diff(loaded[..., :spec.vocab_size], reference) <= PARITY_TOL
+    assert _diff(loaded[..., :spec.vocab_size], _reference_logits(oracle["root"], seed)) <= PARITY_TOL
 
 
 @pytest.mark.parametrize("name,layout", [("re_tp2ep2", TP2EP2), ("re_ep4", EP4)])
