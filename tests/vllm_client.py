@@ -40,8 +40,7 @@ Steps (each starts one engine; results go to OUT_FILE as JSON / safetensors):
             (the reference) and once by vLLM's strict ``ShardedStateLoader`` from a ``sharded_state``
             directory; both states are saved per rank, and with ``pixels`` (pp 1) the vision tower of
             the second model encodes them (vLLM's own ``visual`` forward at TP N). ``cases``: several
-            models (each ``model``, ``sharded``, ``pixels``, ``out``) in the same ranks, one after another;
-            ``layouts``: several layouts of one world size (each ``tp``, ``pp``, ``cases``) in the same ranks
+            models (each ``model``, ``sharded``, ``pixels``, ``out``) in the same ranks, one after another
 The project is imported from the repository root (PYTHONPATH); vLLM pins its own transformers.
 As each job starts, one ``JOB_LINE`` on stderr names it (the harness shows it on the terminal).
 """
@@ -211,9 +210,7 @@ def step_push(args: dict, out: str) -> dict:
 
 def _state_rank(rank: int, args: dict, port: int, out: str) -> None:
     """One vLLM rank of ``step_state`` (global rank = pp_rank * tp + tp_rank, as vLLM numbers them): every
-    layout of the job (``layouts``: each ``tp``, ``pp``, ``cases``, all of one world size; or the job's own),
-    and every case of each, one after another in this one process (one vLLM import and one process group for
-    all; vLLM's TP/PP groups are made per layout)."""
+    case of the job, one after another, in this one process (one vLLM import and one set-up for all)."""
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.distributed import (
@@ -225,38 +222,28 @@ def _state_rank(rank: int, args: dict, port: int, out: str) -> None:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    layouts = args.get("layouts") or [args]
-    world = {layout["tp"] * layout["pp"] for layout in layouts}
-    assert len(world) == 1, f"one set of ranks serves layouts of one world size, not {sorted(world)}"
+    tp, pp = args["tp"], args["pp"]
+    cases = args.get("cases") or [{"model": args["model"], "sharded": args.get("sharded"),
+                                   "pixels": args.get("pixels"), "out": out}]
+
+    def config(model: str, load_format: str):
+        return EngineArgs(model=model, tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype="float32",
+                          load_format=load_format, skip_tokenizer_init=True, max_model_len=64, enforce_eager=True,
+                          distributed_executor_backend="mp" if tp * pp > 1 else None).create_engine_config()
 
     def has_experts(model: str) -> bool:
         cfg = json.load(open(os.path.join(model, "config.json")))  # a conditional-generation one: under text_config
         return bool(cfg.get("num_experts") or cfg.get("text_config", {}).get("num_experts"))
 
+    # vLLM creates its expert-parallel group only when the current config has experts: set up with one that does
+    ref_config = config(next((c["model"] for c in cases if has_experts(c["model"])), cases[0]["model"]), "auto")
+    with set_current_vllm_config(ref_config), set_default_torch_dtype(torch.float32), torch.device("cpu"):
+        init_distributed_environment(world_size=tp * pp, rank=rank, local_rank=rank, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
+        initialize_model_parallel(tp, pp)
     try:
-        for number, layout in enumerate(layouts):
-            tp, pp = layout["tp"], layout["pp"]
-            cases = layout.get("cases") or [{"model": layout["model"], "sharded": layout.get("sharded"),
-                                             "pixels": layout.get("pixels"), "out": out}]
-
-            def config(model: str, load_format: str, tp: int = tp, pp: int = pp):
-                return EngineArgs(model=model, tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype="float32",
-                                  load_format=load_format, skip_tokenizer_init=True, max_model_len=64,
-                                  enforce_eager=True,
-                                  distributed_executor_backend="mp" if tp * pp > 1 else None).create_engine_config()
-
-            # vLLM creates its expert-parallel group only when the current config has experts: set up with one
-            ref_config = config(next((c["model"] for c in cases if has_experts(c["model"])), cases[0]["model"]), "auto")
-            with set_current_vllm_config(ref_config), set_default_torch_dtype(torch.float32), torch.device("cpu"):
-                if number == 0:
-                    init_distributed_environment(world_size=tp * pp, rank=rank, local_rank=rank, backend="gloo",
-                                                 distributed_init_method=f"tcp://127.0.0.1:{port}")
-                initialize_model_parallel(tp, pp)
-            try:
-                for case in cases:
-                    _state_models(rank, case, pp, config)
-            finally:
-                destroy_model_parallel()
+        for case in cases:
+            _state_models(rank, case, pp, config)
     finally:  # vLLM's groups (and their CPU shared-memory segments) end with the rank, not at exit
         destroy_model_parallel()
         destroy_distributed_environment()
@@ -319,9 +306,8 @@ def step_state(args: dict, out: str) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    layout = (args.get("layouts") or [args])[0]
-    mp.spawn(_state_rank, args=(args, port, out), nprocs=layout["tp"] * layout["pp"])  # joins every rank
-    return {"ranks": layout["tp"] * layout["pp"]}
+    mp.spawn(_state_rank, args=(args, port, out), nprocs=args["tp"] * args["pp"])  # joins every rank
+    return {"ranks": args["tp"] * args["pp"]}
 
 
 STEPS = {"capture": step_capture, "logprobs": step_logprobs, "push": step_push, "state": step_state}
@@ -368,9 +354,7 @@ def _run_launched(jobs: list, world: int) -> None:
 
 
 def _layout(args: dict) -> str:
-    layouts = "+".join(f"tp{layout['tp']}pp{layout['pp']}" for layout in args.get("layouts", []))
-    return " ".join([f"{k}={args[k]}" for k in ("tp", "pp", "load_format") if k in args]
-                    + ([f"layouts={layouts}"] if layouts else []))
+    return " ".join(f"{k}={args[k]}" for k in ("tp", "pp", "load_format") if k in args)
 
 
 def _job_line(number: int, total: int, step: str, args: dict) -> float:

@@ -3,7 +3,7 @@
 ``run_clients`` starts one client process for a list of jobs (one interpreter and one vLLM import
 for all of them; each job still builds and shuts down its own engine, without a process of its own:
 TP-1 engines run in the client, TP-N engines in N rank processes spawned once per client, state jobs
-in ranks spawned once per job, which may hold several layouts: tests/vllm_client.py). A job's result counts only
+in ranks spawned once per job, which may hold several models: tests/vllm_client.py). A job's result counts only
 when the whole client finished cleanly: exit code 0 *and* the client's closing line
 (``FINISHED_LINE``), which it prints after every engine was shut down and every distributed state
 destroyed. A client that wrote its results and then crashed at exit fails the test (no retry, no
