@@ -24,19 +24,17 @@ ulysses ranks, ``forward_backward``) with Qwen3-VL's differences:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 
 from models.common.blocks.moe import carry_router_sums, recording_routes
 from models.common.blocks.rope import RotaryEmbedding
 from models.common.blocks.vision_qwen3 import Qwen3VisionTower
-from models.common.builder import build_model
+from models.common.entry_point import entry_point
 from models.common.training.pipeline_chunk import PipelineChunk
 from models.common.vision_language import ParallelVisionLanguageModel, VisionFeatures
 from models.qwen3_vl.architecture import ARCHITECTURE
 from models.qwen3_vl.positions import split_video_frames
-from parallel.config import ParallelConfig
 from parallel.groups import ParallelGroups
 from parallel.pipeline_layout import stage_layer_ranges
 
@@ -172,13 +170,4 @@ class ParallelQwen3VL(ParallelVisionLanguageModel):
         return h
 
 
-def build_parallel_model(source: Any, parallel_config: ParallelConfig | None = None, *,
-                         dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                         groups: ParallelGroups | None = None, seed: int = 0, lora: Any = None,
-                         loss_chunk_tokens: int | None = None, compile: bool = False) -> ParallelQwen3VL:
-    """Build this rank's Qwen3-VL shard from an HF directory (``Qwen3VLForConditionalGeneration``'s
-    ``save_pretrained``) or a transformers config (random weights). Call after
-    ``torch.distributed.init_process_group`` when the layout uses more than one rank. See
-    ``models.common.builder.build_model`` for the arguments."""
-    return build_model(ARCHITECTURE, source, parallel_config, dtype=dtype, device=device, groups=groups, seed=seed,
-                       lora=lora, loss_chunk_tokens=loss_chunk_tokens, compile=compile)
+build_parallel_model = entry_point(ARCHITECTURE, "Qwen3-VL", __name__, returns="ParallelQwen3VL")
