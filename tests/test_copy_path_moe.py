@@ -343,7 +343,23 @@ def test_row_views_kept_per_grid_are_the_rows_of_each_block(monkeypatch, iov_max
         got[0][:1] = b"\xff"
         assert raw[start + col] == 0xff
         raw[start + col] = rng.getrandbits(8)
-    assert views.kept == sum(map(len, views.cache.values())) <= views.BUDGET
+    assert views.kept == sum(len(spans) for _, spans in views.cache.values()) <= views.BUDGET
+
+
+def test_row_views_grid_reaches_only_as_far_as_the_blocks_read():
+    """A grid is made as far down the buffer as the blocks read so far (doubling), not over the whole buffer:
+    a 4-row tensor in a 2 MiB buffer of 128-byte rows makes 4 views, not 16K (making them, and the garbage
+    collections they set off in a process holding torch, once took longer than the copy)."""
+    import converters.copy_path.io as cio
+
+    buf = memoryview(bytearray(2 << 20))
+    views = cio.RowViews(buf)
+    views(0, 4, 128, 0, 128, 0)
+    assert [rows for rows, _ in views.cache.values()] == [4] and views.kept == 4
+    views(100 * 128, 8, 128, 0, 128, 0)  # further down the same grid: extended to reach row 108
+    assert [rows for rows, _ in views.cache.values()] == [108] and views.kept == 108
+    views(0, 2, 128, 0, 128, 0)  # within it: nothing made
+    assert views.kept == 108
 
 
 # ---------------------------------------------------------------------------------------------- Megatron targets

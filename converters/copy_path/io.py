@@ -416,13 +416,16 @@ class RowViews:
     row width: a block starts with what crossed the previous block's end). So the buffers of
     every row of the whole buffer are made once per (phase, row width, columns, gap) and a block
     takes a slice of that list. At most ``BUDGET`` memoryviews are kept (~6 MiB; the oldest grids
-    go first); a grid finer than that is made per block, as before."""
+    go first); a grid finer than that is made per block, as before. A grid is made only as far down the
+    buffer as the blocks read so far reach (doubling as they reach further): a tensor of 64 rows of
+    128 bytes needs 64 views, not the 16K of the whole 2 MiB buffer, whose making (and the garbage
+    collections 16K new objects set off in a process holding torch) took longer than the copy."""
 
     BUDGET = 1 << 15
 
     def __init__(self, buf: memoryview) -> None:
         self.buf = buf
-        self.cache: dict[tuple, list] = {}
+        self.cache: dict[tuple, tuple[int, list]] = {}  # key -> (rows the grid covers, its spans)
         self.kept = 0  # memoryviews in the cache
 
     def __call__(self, start: int, k: int, width: int, col: int, nbytes: int, gap: int) -> list[tuple[list, int]]:
@@ -430,16 +433,20 @@ class RowViews:
         IOV_MAX buffers: ``[(buffers, their bytes), ...]``."""
         phase, first = start % width, start // width
         key = (phase, width, col, nbytes, gap)
-        spans = self.cache.get(key)
-        if spans is None:
-            rows = (len(self.buf) - phase) // width
-            if rows * (2 if gap else 1) > self.BUDGET:  # too fine to keep: this block's rows only
+        have, spans = self.cache.get(key, (0, None))
+        if have < first + k:
+            total = (len(self.buf) - phase) // width
+            per_row = 2 if gap else 1
+            if total * per_row > self.BUDGET:  # too fine to keep: this block's rows only
                 spans, first = row_spans(self.buf[start:start + k * width], k, width, col, nbytes, gap), 0
             else:
-                while self.cache and self.kept + rows * (2 if gap else 1) > self.BUDGET:
-                    self.kept -= len(self.cache.pop(next(iter(self.cache))))
-                spans = self.cache[key] = row_spans(self.buf[phase:phase + rows * width], rows, width, col, nbytes,
-                                                    gap)
+                rows = min(total, max(first + k, 2 * have))
+                self.kept -= len(spans) if spans is not None else 0
+                self.cache.pop(key, None)
+                while self.cache and self.kept + rows * per_row > self.BUDGET:
+                    self.kept -= len(self.cache.pop(next(iter(self.cache)))[1])
+                spans = row_spans(self.buf[phase:phase + rows * width], rows, width, col, nbytes, gap)
+                self.cache[key] = (rows, spans)
                 self.kept += len(spans)
         if not gap:
             return [(spans[i:min(first + k, i + _IOV_MAX)], (min(first + k, i + _IOV_MAX) - i) * nbytes)
