@@ -80,6 +80,11 @@ def hf(tmp_path_factory) -> Path:
 def _env(hook: Path | None = None, **extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(([str(hook)] if hook else []) + [str(ROOT)])
+    # These children run under file size limits and are killed mid-write: one must never write a bytecode
+    # cache. Under RLIMIT_FSIZE CPython's pyc writer takes a short write for a whole one and renames the
+    # truncated file into __pycache__ ("marshal data too short" for every later import of that module: a
+    # clean-clone run lost 60 tests to converters/copy_path/vllm.py's 8192-byte pyc).
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
     env.update(extra)
     return env
 
