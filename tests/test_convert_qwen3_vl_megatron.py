@@ -30,9 +30,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from converters.cli import main as pmz
 from converters.engine import convert
 from tests.cases import save_randomized
+from tests.test_convert_qwen3_vl import _refused
 from tests.test_copy_path_vllm import assert_same_files
 from tests.test_copy_targets import _torch_path
 from tests.workers_qwen3_vl import QWEN3_VL_CASES
@@ -281,14 +281,6 @@ def test_megatron_bridge_output_loads_in_bridge(bridge, checkpoints, tmp_path, n
 
 
 # ------------------------------------------------------------------------------------------ bad input
-
-
-def _refused(args: list[str], dst: Path, capsys) -> str:
-    assert pmz(["convert", *args[:1], str(dst), *args[1:], "--quiet"]) == 1
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err
-    assert not dst.exists() and not list(dst.parent.glob(f".{dst.name}*")), "something was left at the destination"
-    return err
 
 
 def _with_config(src, dst: Path, edit) -> Path:
