@@ -12,7 +12,7 @@
   mergers, ``pos_embed``, attention scales) must be equal, bitwise, and at TP 2 vLLM's own tower forward over our
   shards must give transformers' image features (merger and DeepStack outputs, two images of different grids, the
   position table interpolated).
-* Refused in one line, nothing written: Megatron targets (no Megatron layout for Qwen3-VL yet), a layout vLLM
+* Refused in one line, nothing written (Megatron layouts: tests/test_convert_qwen3_vl_megatron.py): a layout vLLM
   cannot hold (``attention_bias``: vLLM's Qwen3 ``o_proj`` has no bias; pipeline stages starting inside the
   DeepStack layers), a config.json without ``text_config``, a tie flag set only in ``text_config`` (transformers
   reads the top-level one).
@@ -137,9 +137,6 @@ def _refused(args: list[str], dst: Path, capsys) -> str:
 def test_refusals_in_one_line_with_nothing_written(sources, tmp_path, capsys, monkeypatch, copy_path):
     monkeypatch.setenv("PMZ_COPY_PATH", copy_path)
     src = str(sources["untied"])
-    for to in ("megatron", "megatron-dist", "megatron-bridge"):
-        err = _refused([src, "--to", to], tmp_path / f"m-{to}", capsys)
-        assert "qwen3_vl has no Megatron layout in pmz" in err and src in err, err  # names the source too
     err = _refused([str(sources["biased"]), "--to", "vllm", "--tp", "2"], tmp_path / "biased", capsys)
     assert "vLLM layout tp=2 pp=1: attention_bias=True: vLLM's qwen3_vl builds o_proj without a bias" in err, err
     # untied: 3 layers, 2 DeepStack layers; pp 3 puts stage 1 at layer 1
