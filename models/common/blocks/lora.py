@@ -43,7 +43,7 @@ class LoraTarget:
     """One adapted HF module: the parallel layer holding it and how its A/B are sharded."""
 
     layer: str  # internal module path of the parallel layer, e.g. model.layers.3.self_attn.qkv_proj
-    hf_module: str  # e.g. model.layers.3.self_attn.q_proj
+    hf_module: str  # as transformers names the module (module_name), e.g. model.layers.3.self_attn.q_proj
     leaf: str  # e.g. q_proj
     column: bool
     a_rule: Rule
