@@ -178,13 +178,13 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:  # nothing to reduce: one fused GEMM with the bias (addmm), as nn.Linear computes
             y = F.linear(x, self.weight, self.bias)
-            return y if self.lora is None else y + self.lora(x)
-        y = F.linear(x, self.weight)
-        if self.sequence_parallel:
-            y = reduce_scatter_to_sequence(y, self.tp_group)
         else:
-            y = reduce_from_group(y, self.tp_group)
-        y = y + self.bias if self.bias is not None else y
+            y = F.linear(x, self.weight)
+            if self.sequence_parallel:
+                y = reduce_scatter_to_sequence(y, self.tp_group)
+            else:
+                y = reduce_from_group(y, self.tp_group)
+            y = y + self.bias if self.bias is not None else y
         return y if self.lora is None else y + self.lora(x)
 
     def extra_repr(self) -> str:

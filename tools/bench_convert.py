@@ -83,9 +83,8 @@ import time
 from pathlib import Path
 
 from bench_convert_sources import (
-    HYBRIDS,
+    ALL_HYBRIDS,
     ROOT,
-    VL_HYBRIDS,
     child_naive,
     child_setup,
     child_setup_hybrid,
@@ -110,7 +109,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "default 1,8, qwen3-moe: 8)")
     p.add_argument("--directions", default=None, help="comma-separated conversions to time (default: all of the "
                    "model's; qwen3-moe: legacy->hf)")
-    p.add_argument("--model", choices=("dense", "qwen3-moe") + HYBRIDS + VL_HYBRIDS, default="dense",
+    p.add_argument("--model", choices=("dense", "qwen3-moe") + ALL_HYBRIDS, default="dense",
                    help="dense: Llama/Qwen2 (--arch); qwen3-moe: Qwen3-MoE-shaped, legacy EP2 x TP2; qwen3.5, "
                         "qwen3.5-moe: Gated DeltaNet hybrids (TP2 Megatron and vLLM targets)")
     p.add_argument("--arch", choices=("llama", "qwen2"), default="llama", help="architecture of the dense model")
@@ -151,7 +150,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--_count", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--_setup_hybrid", nargs=3, metavar=("HF_DIR", "LEGACY_DIR", "DIST_DIR"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    moe, hybrid = args.model == "qwen3-moe", args.model in HYBRIDS + VL_HYBRIDS
+    moe, hybrid = args.model == "qwen3-moe", args.model in ALL_HYBRIDS
     args.sizes = args.sizes or ("8" if moe else "2" if hybrid else "1,8")
     args.directions = args.directions or ("legacy->hf" if moe else ",".join(HYBRID_DIRECTIONS if hybrid
                                                                              else DIRECTIONS))
@@ -231,8 +230,7 @@ MOE_DIRECTIONS = {  # --model qwen3-moe: Megatron sources and targets are EP2 x 
 
 def speed_target(model: str, direction: str) -> float:
     """Issue 40's ratio target for a direction: 0.8x cp for dense models, 0.7x for MoE models and vLLM targets."""
-    moe = model == "qwen3-moe" or "moe" in model
-    return COPY_TARGET_MOE_VLLM if moe or direction.endswith("->vllm") else COPY_TARGET
+    return COPY_TARGET_MOE_VLLM if "moe" in model or direction.endswith("->vllm") else COPY_TARGET
 
 
 def make_vllm_source(srcs: dict[str, Path], work: Path, pmz: list[str]) -> None:
@@ -245,7 +243,7 @@ def make_vllm_source(srcs: dict[str, Path], work: Path, pmz: list[str]) -> None:
 def make_sources(args: argparse.Namespace, size_gb: float, directions: list[str], work: Path, me: list[str],
                  pmz: list[str]) -> dict[str, Path]:
     """The source checkpoints the directions read, at ~``size_gb`` (set-up, not timed): name -> directory."""
-    moe, hybrid = args.model == "qwen3-moe", args.model in HYBRIDS + VL_HYBRIDS
+    moe, hybrid = args.model == "qwen3-moe", args.model in ALL_HYBRIDS
     layers = layers_for(args, size_gb)
     shape = ["--model", args.model, "--arch", args.arch, "--dtype", args.dtype, "--hidden", str(args.hidden),
              "--heads", str(args.heads), "--kv-heads", str(args.kv_heads), "--ffn", str(args.ffn),
@@ -356,7 +354,7 @@ def main(argv=None) -> int:
         return 0
 
     t_script = time.perf_counter()
-    moe, hybrid = args.model == "qwen3-moe", args.model in HYBRIDS + VL_HYBRIDS
+    moe, hybrid = args.model == "qwen3-moe", args.model in ALL_HYBRIDS
     table = MOE_DIRECTIONS if moe else HYBRID_DIRECTIONS if hybrid else DIRECTIONS
     directions = [d.strip() for d in args.directions.split(",") if d.strip()]
     if args.profile:

@@ -24,6 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 HYBRIDS = ("qwen3.5", "qwen3.5-moe")
 VL_HYBRIDS = ("qwen3.5-vl", "qwen3.5-moe-vl")  # the same text models as conditional-generation checkpoints
+ALL_HYBRIDS = HYBRIDS + VL_HYBRIDS
 
 def write_sharded(hf_dir: Path, groups: list) -> int:
     """An HF safetensors checkpoint of one file per group (each group a callable making its tensors, one
@@ -310,7 +311,7 @@ def layers_for(args: argparse.Namespace, size_gb: float) -> int:
     """Smallest even layer count whose checkpoint reaches ``size_gb`` (even: PP=2 splits it evenly);
     qwen3-moe: the layer count nearest to it (no PP; a layer is ~1.25 GB at the default shape)."""
     item = 2 if args.dtype == "bf16" else 4
-    if args.model in HYBRIDS + VL_HYBRIDS:  # four layers (three linear, one full) at a time, from the meta
+    if args.model in ALL_HYBRIDS:  # four layers (three linear, one full) at a time, from the meta
         # model's shapes, counted in a child: torch imported here would be in every timed child's peak RSS
         # (a fork copies the parent's pages, which ru_maxrss counts before exec)
         shape = ["--model", args.model, "--hidden", str(args.hidden), "--heads", str(args.heads), "--kv-heads",
