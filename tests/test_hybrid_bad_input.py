@@ -5,7 +5,7 @@ reaches the same verdict at once instead of some hanging in a collective.
 
   * configs: a ``layer_types`` entry the blocks do not compute, ``layer_types`` of the wrong length, linear
     value heads that are not a multiple of the key heads, attention heads not divisible by the KV heads
-    (``models/common/hybrid_config.py``, ``ParallelConfig.validate``);
+    (``models/common/hybrid/config.py``, ``ParallelConfig.validate``);
   * layouts: a TP that cannot split the linear key-head groups (value heads go with their group, so they
     split whenever the key heads do), a Ulysses size that cannot split the key-head groups of a TP rank;
     CP splits tokens, not heads, so any CP size is accepted;

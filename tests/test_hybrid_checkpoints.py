@@ -110,11 +110,11 @@ def test_conditional_generation_checkpoint_loads_its_text_model(tmp_path, name, 
 @pytest.mark.parametrize("vision", [VISION, dict(VISION, depth=3, patch_size=2, temporal_patch_size=1,
                                                  spatial_merge_size=1, in_channels=1)])
 def test_vision_tower_table_is_transformers_module(vision):
-    """The tower's names and shapes (models/common/hybrid_vision.py) are transformers' own module's."""
+    """The tower's names and shapes (models/common/hybrid/vision.py) are transformers' own module's."""
     from transformers import Qwen3_5VisionConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 
-    from models.common.hybrid_vision import VISUAL_PREFIX, vision_tensors
+    from models.common.hybrid.vision import VISUAL_PREFIX, vision_tensors
 
     config = Qwen3_5VisionConfig(**vision)
     with torch.device("meta"):

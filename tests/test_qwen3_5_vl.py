@@ -140,7 +140,7 @@ def test_built_from_a_transformers_config_and_text_only_from_the_directory(dirs,
     """From the transformers config (random weights) the vision-language model is built with the tower; from the
     directory with ``text_only=True``, the text model of before (tower carried, not run): transformers' logits
     on text."""
-    from models.common.hybrid_lm import HybridCausalLM
+    from models.common.hybrid.lm import HybridCausalLM
     from models.qwen3_5.model import ParallelQwen3_5VL
 
     hf, _ = models[name]
@@ -166,7 +166,7 @@ def test_image_tokens_not_matching_the_features_are_refused(dirs, models, kind):
     """Image placeholders not matching the images' features, in total (one turned into text) or per sample (one
     moved to the next row, totals unchanged): one line naming the numbers, before the tower runs; the first also
     on every rank of TP2+SP and CP2, none hanging."""
-    from models.common.vision_positions import VisionInputError
+    from models.common.vision.positions import VisionInputError
 
     _, model = models["dense"]
     batch = (short_of_one_image_token if kind == "short" else moved_image_token)("dense")

@@ -224,7 +224,7 @@ def training_parity(case: str, path: str, pconfig: ParallelConfig, microbatches:
 
 def bad_input(case: str, path: str, pconfig: ParallelConfig) -> list[tuple]:
     """Image tokens not matching the images' features: the error on every rank, before any collective."""
-    from models.common.vision_positions import VisionInputError
+    from models.common.vision.positions import VisionInputError
 
     model = build_ours(case, path, pconfig)
     try:

@@ -114,7 +114,7 @@ MUTATIONS = (
                "        weight = torch.ones_like(st.mask)[:, None]\n"),),
              ("tests/test_moe.py",)),
     Mutation("vl-qkv-contiguous", "vision qkv split over TP as contiguous rows of the fused tensor (not per q/k/v)",
-             (("models/common/vision_weights.py",
+             (("models/common/vision/weights.py",
                "    col, row, rep, fused = Split(0), Split(1), Replicated(), Fused(3)\n",
                "    col, row, rep, fused = Split(0), Split(1), Replicated(), Split(0)\n"),),
              ("tests/test_qwen2_vl.py",)),
@@ -124,7 +124,7 @@ MUTATIONS = (
                "    return torch.cat([part[0] for i, part in enumerate(parts)], dim=-1)\n"),),
              ("tests/test_qwen2_vl.py",)),
     Mutation("vl-sp-feature-grad", "under SP the vision features' gradient is not summed over the TP ranks",
-             (("models/common/vision_language.py",
+             (("models/common/vision/language.py",
                "            features = copy_to_group(features, groups.tp_group)  # bwd: the slices' gradients "
                "summed\n", "            pass\n"),),
              ("tests/test_qwen2_vl.py",)),
@@ -185,7 +185,7 @@ MUTATIONS = (
                "hf = (full.float() + 0).to(full.dtype)")),
              ("tests/test_convert_hybrid.py", "tests/test_copy_path_hybrid.py")),
     Mutation("gdn-in-proj-beta-alpha", "Megatron in_proj's beta and alpha components swapped (writer and reader)",
-             (("models/common/hybrid_weights.py", 'IN_PROJ_PARTS = ("query", "key", "value", "z", "beta", "alpha")',
+             (("models/common/hybrid/weights.py", 'IN_PROJ_PARTS = ("query", "key", "value", "z", "beta", "alpha")',
                'IN_PROJ_PARTS = ("query", "key", "value", "z", "alpha", "beta")'),),
              ("tests/test_convert_hybrid.py",)),
     Mutation("gated-qkv-gate-first", "gated linear_qkv with each group's gates before its queries (writer, "

@@ -24,7 +24,7 @@ ARCHITECTURE_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", 
 # (top-level text fields are ignored there: transformers would build the text model from its defaults)
 NESTED_TEXT_CONFIG = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 # ... whose transformers model (5.24) ties the LM head by the top-level ``tie_word_embeddings`` alone, where
-# ``models/common/vision_config.text_and_vision_sections`` reads either place (checked for Qwen3-VL). Not
+# ``models/common/vision/config.text_and_vision_sections`` reads either place (checked for Qwen3-VL). Not
 # Qwen3-VL-MoE: its ``text_config`` flag defaults to (and is saved as) true in untied checkpoints too, and its
 # model config reads the top-level flag alone (``models/qwen3_vl_moe/config.py``), as transformers does
 TOP_LEVEL_TIE = ("qwen3_vl",)

@@ -140,7 +140,7 @@ def check_bridge_vision(vis: Any, shapes: Mapping[str, tuple], config_path: str,
     tensors) against ``vision_config`` (``vis``: VisionConfig): the block count first (a config
     claiming 10^9 blocks fails before anything is listed), then every tensor's shape. One
     CheckpointError naming the file, the tensor and the numbers."""
-    from models.common.vision_weights import vision_entries
+    from models.common.vision.weights import vision_entries
 
     if any(k.startswith("vision_model.") for k in shapes):
         raise CheckpointError(f"{metadata}: the vision tower is stored as vision_model.* (mbridge's layout: "

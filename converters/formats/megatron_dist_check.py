@@ -8,7 +8,7 @@ from typing import Any, Mapping
 from converters.formats.megatron_bridge import check_bridge_vision
 from converters.layout.model import BRIDGE_TEXT_PREFIX, is_qwen3_vl
 from models.common.errors import CheckpointError
-from models.common.hybrid_vision import TOWER_DEEPSTACK, TOWER_LAYERS
+from models.common.hybrid.vision import TOWER_DEEPSTACK, TOWER_LAYERS
 
 # torch_dist entries that are not model weights: skipped by both paths (their bytes are never read)
 NON_MODEL_PREFIXES = ("optimizer.", "rng_state", "rerun_state")

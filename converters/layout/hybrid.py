@@ -14,7 +14,7 @@ What megatron-core 0.19.2 saves for these models (Transformer-Engine spec, ``Gat
   files), saved as ``mtp.layers.{k}.transformer_layer.*`` in torch_dist (its backward-compatible name).
 
 A conditional-generation checkpoint (Megatron-Bridge's ``Qwen3VLModel``) holds all of that under
-``language_model.`` and its vision tower under ``vision_model.`` (``models/common/hybrid_vision``): in torch_dist
+``language_model.`` and its vision tower under ``vision_model.`` (``models/common/hybrid/vision``): in torch_dist
 the tower's blocks are stacked (``vision_model.decoder.layers.<param>`` ``[depth, ...]``, ``dist_unit_keys``
 gives the block's index), its ``qkv`` per head ``[q_h; k_h; v_h]`` (layout ``TOWER_QKV``: ``to_megatron`` /
 ``to_hf`` place rows by ``row_ranges``, the one statement of that order, which the copy path reads too, and
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from converters.layout.megatron import LayoutError, hf_row_ranges, hf_to_megatron, megatron_to_hf, packed_components
 from converters.layout.model import EMBED, FINAL, Unit, is_hybrid
 from converters.layout.stages import absent_tensors, unit_megatron_keys_ep
-from models.common.hybrid_vision import (
+from models.common.hybrid.vision import (
     MEGATRON_TOWER,
     TOWER_BLOCK_MODULES,
     TOWER_DEEPSTACK,

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Union
 from models.common.architecture import Architecture
 from models.common.config import ModelConfig
 from models.common.errors import CheckpointError
-from models.common.hybrid_weights import MTP_PREFIX, HybridWeightMap, tower_entry
+from models.common.hybrid.weights import MTP_PREFIX, HybridWeightMap, tower_entry
 from models.common.weight_map import PLAIN, WeightEntry, WeightMap
 
 EMBED = "embed"
@@ -75,7 +75,7 @@ def require_megatron_layout(cfg: ModelConfig, where: str, bridge: bool = False) 
     """A vision-language model has a Megatron layout only as Megatron-Bridge saves it (torch_dist,
     ``bridge``): Megatron-LM's legacy and plain torch_dist layouts have no names for its vision tower. A Gated
     DeltaNet hybrid's conditional-generation checkpoint (``cfg.carried``) and Qwen3-VL (``is_qwen3_vl``) have one in
-    both Megatron formats (Bridge's ``Qwen3VLModel`` names: ``models/common/hybrid_weights``,
+    both Megatron formats (Bridge's ``Qwen3VLModel`` names: ``models/common/hybrid/weights``,
     ``bridge_qwen3_vl_weight_map``). CheckpointError in one line otherwise."""
     if cfg.architecture in NO_MEGATRON_LAYOUT:
         raise CheckpointError(f"{where}: {no_megatron_layout(cfg.architecture)}")

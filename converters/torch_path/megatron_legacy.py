@@ -50,7 +50,7 @@ from converters.layout.stages import RANK_FILE, extra_state_modules
 from converters.torch_path.megatron_target import MegatronTarget, megatron_unit_tensors
 from converters.torch_path.reader import TORCH_DTYPES, CheckpointReader, MappedFiles, ReaderInfo, reopen
 from models.common.errors import CheckpointError
-from models.common.hybrid_vision import TOWER_QKV
+from models.common.hybrid.vision import TOWER_QKV
 from models.common.weight_map import PLAIN
 
 

@@ -148,10 +148,10 @@ def build_model(arch: Architecture, source: Any, parallel_config: ParallelConfig
 
 def _unloaded_tensors(wmap: Any, names: set[str]) -> tuple[str, ...]:
     """Checkpoint tensors the model does not hold and leaves unread, as transformers' CausalLM classes do:
-    a Gated DeltaNet hybrid's MTP block (``mtp.*``; pmz converts it, models/common/hybrid_weights.py) and a
-    conditional-generation checkpoint's vision tower (``model.visual.*``, models/common/hybrid_vision.py)."""
-    from models.common.hybrid_vision import VISUAL_PREFIX
-    from models.common.hybrid_weights import MTP_PREFIX, HybridWeightMap
+    a Gated DeltaNet hybrid's MTP block (``mtp.*``; pmz converts it, models/common/hybrid/weights.py) and a
+    conditional-generation checkpoint's vision tower (``model.visual.*``, models/common/hybrid/vision.py)."""
+    from models.common.hybrid.vision import VISUAL_PREFIX
+    from models.common.hybrid.weights import MTP_PREFIX, HybridWeightMap
     from models.common.weight_map import IGNORED_SUFFIXES
 
     if not isinstance(wmap, HybridWeightMap):

@@ -52,7 +52,7 @@ class ParallelCausalLM(nn.Module):
     """A tensor/sequence-parallel causal LM; build it with ``models.<arch>.build_parallel_model``."""
 
     # the decoder stack (embedding, layers, final norm); models with other layers (the Gated DeltaNet
-    # hybrids, ``models/common/hybrid_lm.py``) set theirs
+    # hybrids, ``models/common/hybrid/lm.py``) set theirs
     decoder_class = ParallelDecoder
 
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups, weight_map: WeightMap, *,

@@ -19,7 +19,7 @@ import torch
 from models.common.architecture import Architecture
 from models.common.builder import build_model, load_hf_config
 from models.common.causal_lm import ParallelCausalLM
-from models.common.hybrid_vl import is_conditional_generation
+from models.common.hybrid.vl import is_conditional_generation
 from parallel.config import ParallelConfig
 from parallel.groups import ParallelGroups
 

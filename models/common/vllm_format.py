@@ -27,7 +27,7 @@ is), Qwen2.5-VL's MLP a MergedColumnParallelLinear ``mlp.gate_up_proj`` (``[gate
 
 Gated DeltaNet hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next; vLLM 0.32's ``qwen3_5.py``, ``qwen3_next.py`` and
 ``QwenGatedDeltaNetAttention``, checked against vLLM building and loading them in tests/test_vllm_hybrid.py):
-the model's names and packing are vLLM's (``models/common/hybrid_weights.py``): ``linear_attn.in_proj_qkvz``
+the model's names and packing are vLLM's (``models/common/hybrid/weights.py``): ``linear_attn.in_proj_qkvz``
 ``[q_r | k_r | v_r | z_r]`` (Qwen3.5: a MergedColumnParallelLinear of the four blocks), ``in_proj_ba``
 ``[b_r | a_r]``, ``conv1d`` ``[q_r | k_r | v_r]`` channels (vLLM's ``mamba_v2_sharded_weight_loader``),
 ``A_log``/``dt_bias`` split by value head, the gated ``norm`` whole, ``out_proj`` row-parallel; the gated
@@ -68,8 +68,8 @@ from typing import Sequence
 
 from models.common.architecture import Architecture
 from models.common.config import ModelConfig
-from models.common.hybrid_vision import VISUAL_PREFIX
-from models.common.hybrid_weights import HybridWeightMap
+from models.common.hybrid.vision import VISUAL_PREFIX
+from models.common.hybrid.weights import HybridWeightMap
 from models.common.vllm_vision import deepstack_stage_problems
 from models.common.weight_map import WeightEntry, WeightMap  # plain data: converters read this torch-free
 from parallel.sharding import Fused, Groups, Replicated, ShardingError, Split, Vocab

@@ -21,7 +21,7 @@ PLAIN = "plain"  # same tensor in both
 QKV_INTERLEAVED = "qkv_interleaved"  # mcore linear_qkv: per query group [q heads of g, k_g, v_g]
 GATE_UP_STACKED = "gate_up_stacked"  # mcore linear_fc1: [gate; up]
 VOCAB_PADDED = "vocab_padded"  # mcore pads vocab rows to its own multiple
-# the Gated DeltaNet hybrids (models/common/hybrid_weights.py; converters/layout/megatron.py applies them):
+# the Gated DeltaNet hybrids (models/common/hybrid/weights.py; converters/layout/megatron.py applies them):
 QKV_GATED = "qkv_gated_interleaved"  # mcore linear_qkv with attention_output_gate: per group [q | gates | k_g | v_g]
 PACKED = "packed_components"  # the parts' row components in order (sharding rules at TP 1); a legacy TP shard is
 #                               the entry's packed parameter shard, torch_dist one global tensor per component

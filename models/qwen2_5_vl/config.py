@@ -1,7 +1,7 @@
 """Qwen2.5-VL: transformers ``Qwen2_5_VLConfig`` -> ModelConfig (the Qwen2 text decoder with M-RoPE, plus
 the vision tower's ``VisionConfig`` with Qwen2.5-VL's options: RMSNorm, gated SiLU MLP, window
 attention, ``out_hidden_size``, video positions scaled by ``tokens_per_second``); the reading shared
-with Qwen2-VL is in ``models/common/vision_config.py``.
+with Qwen2-VL is in ``models/common/vision/config.py``.
 
 Vision field names differ from Qwen2-VL's: ``hidden_size`` is the tower's own width (Qwen2-VL's
 ``embed_dim``), ``intermediate_size`` its MLP width, ``out_hidden_size`` the merger's output.
@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from models.common.config import ModelConfig, UnsupportedConfigError, VisionConfig
-from models.common.vision_config import (
+from models.common.vision.config import (
     VISION_ACTIVATIONS,
     text_and_vision_sections,
     text_model_config,

@@ -4,7 +4,7 @@ attention.
 ``model(input_ids, ..., pixel_values=, image_grid_thw=, pixel_values_videos=, video_grid_thw=,
 mm_token_type_ids=, second_per_grid_ts=)`` computes what transformers'
 ``Qwen2_5_VLForConditionalGeneration`` computes. The model is the Qwen2-VL family's
-``ParallelVisionLanguageModel`` (``models/common/vision_language.py``: input checks, one tower pass,
+``ParallelVisionLanguageModel`` (``models/common/vision/language.py``: input checks, one tower pass,
 M-RoPE positions, features merged at embed time under SP/CP/Ulysses, the vision work shared by the
 cp x ulysses ranks, ``forward_backward``); Qwen2.5-VL differs by options of the shared tower and
 positions only (``VisionConfig``: RMSNorm, gated SiLU MLP with biases, window attention with
@@ -15,7 +15,7 @@ positions only (``VisionConfig``: RMSNorm, gated SiLU MLP with biases, window at
 from __future__ import annotations
 
 from models.common.entry_point import entry_point
-from models.common.vision_language import ParallelVisionLanguageModel, VisionFeatures
+from models.common.vision.language import ParallelVisionLanguageModel, VisionFeatures
 from models.qwen2_5_vl.architecture import ARCHITECTURE
 
 __all__ = ["ARCHITECTURE", "ParallelQwen2_5_VL", "VisionFeatures", "build_parallel_model"]

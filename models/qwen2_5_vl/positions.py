@@ -1,10 +1,10 @@
 """Qwen2.5-VL positions and input checks: the family's pure functions in
-``models/common/vision_positions.py`` (shared with Qwen2-VL). Qwen2.5-VL passes its
+``models/common/vision/positions.py`` (shared with Qwen2-VL). Qwen2.5-VL passes its
 ``tokens_per_second``: a video's temporal positions step by ``tokens_per_second * second_per_grid_ts[v]``
 (truncated to integers, as transformers' ``get_rope_index``); and its tower reorders the merged patches
 window by window (``vision_window_index``, transformers' ``get_vision_window_index``)."""
 
-from models.common.vision_positions import (
+from models.common.vision.positions import (
     IMAGE,
     TEXT,
     VIDEO,

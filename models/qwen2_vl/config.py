@@ -1,13 +1,13 @@
 """Qwen2-VL: transformers ``Qwen2VLConfig`` -> ModelConfig (the Qwen2 text decoder with M-RoPE, plus
 the vision tower's ``VisionConfig``); the reading shared with Qwen2.5-VL is in
-``models/common/vision_config.py``."""
+``models/common/vision/config.py``."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from models.common.config import ModelConfig, VisionConfig
-from models.common.vision_config import (
+from models.common.vision.config import (
     text_and_vision_sections,
     text_model_config,
     token_id,

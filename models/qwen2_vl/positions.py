@@ -1,8 +1,8 @@
 """Qwen2-VL positions and input checks: the family's pure functions in
-``models/common/vision_positions.py`` (shared with Qwen2.5-VL), used here with Qwen2-VL's temporal
+``models/common/vision/positions.py`` (shared with Qwen2.5-VL), used here with Qwen2-VL's temporal
 step of 1 (no ``tokens_per_second``)."""
 
-from models.common.vision_positions import (
+from models.common.vision.positions import (
     IMAGE,
     TEXT,
     VIDEO,

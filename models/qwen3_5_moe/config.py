@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from models.common.hybrid_config import HybridModelConfig, hybrid_checkpoint_config, hybrid_config_from_hf
-from models.common.hybrid_vl import hybrid_vl_config
+from models.common.hybrid.config import HybridModelConfig, hybrid_checkpoint_config, hybrid_config_from_hf
+from models.common.hybrid.vl import hybrid_vl_config
 from models.qwen2_moe.config import moe_from_hf
 
 HF_MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")  # text (CausalLM) and conditional-generation checkpoints
@@ -23,7 +23,7 @@ def model_config(hf_config: Any) -> HybridModelConfig:
 
 
 def vl_model_config(hf_config: Any) -> HybridModelConfig:
-    """A conditional-generation config with its vision tower run (``models/common/hybrid_vl.py``)."""
+    """A conditional-generation config with its vision tower run (``models/common/hybrid/vl.py``)."""
     return hybrid_vl_config(hf_config, _text_config)
 
 

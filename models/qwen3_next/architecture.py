@@ -7,4 +7,4 @@ from models.common.architecture import Architecture
 from models.qwen3_next import config, weights
 
 ARCHITECTURE = Architecture("qwen3_next", config.HF_MODEL_TYPES, config.model_config, weights.weight_map,
-                            model_class="models.common.hybrid_lm:HybridCausalLM")
+                            model_class="models.common.hybrid.lm:HybridCausalLM")

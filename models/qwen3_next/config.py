@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from models.common.hybrid_config import HybridModelConfig, hybrid_config_from_hf
+from models.common.hybrid.config import HybridModelConfig, hybrid_config_from_hf
 from models.qwen2_moe.config import moe_from_hf
 
 HF_MODEL_TYPES = ("qwen3_next",)

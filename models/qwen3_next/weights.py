@@ -4,8 +4,8 @@ sparse MLP (experts per expert, as transformers writes them) on ``cfg.sparse_lay
 
 from __future__ import annotations
 
-from models.common.hybrid_config import HybridModelConfig
-from models.common.hybrid_weights import HybridWeightMap, hybrid_decoder_weight_map
+from models.common.hybrid.config import HybridModelConfig
+from models.common.hybrid.weights import HybridWeightMap, hybrid_decoder_weight_map
 
 
 def weight_map(cfg: HybridModelConfig, padded_vocab_size: int) -> HybridWeightMap:

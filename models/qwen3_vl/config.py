@@ -1,6 +1,6 @@
 """Qwen3-VL: transformers ``Qwen3VLConfig`` -> ModelConfig (the Qwen3 text decoder: per-head q/k RMSNorm,
 ``attention_bias`` on q/k/v and o_proj, interleaved M-RoPE) plus the tower's ``Qwen3VisionConfig``
-(``models/common/vision_qwen3.py``: learned position table, DeepStack block indexes).
+(``models/common/vision/qwen3.py``: learned position table, DeepStack block indexes).
 
 Inputs are transformers config objects (the builder) or a config.json read as plain JSON (the
 converters): text fields in ``text_config``, the tower's in ``vision_config`` with transformers'
@@ -18,8 +18,8 @@ import dataclasses
 from typing import Any
 
 from models.common.config import ModelConfig, UnsupportedConfigError
-from models.common.vision_config import text_and_vision_sections, token_id, vision_rope_theta, with_vision
-from models.common.vision_qwen3 import QWEN3_VISION_ACTIVATIONS, Qwen3VisionConfig
+from models.common.vision.config import text_and_vision_sections, token_id, vision_rope_theta, with_vision
+from models.common.vision.qwen3 import QWEN3_VISION_ACTIVATIONS, Qwen3VisionConfig
 
 HF_MODEL_TYPES = ("qwen3_vl",)
 DEFAULT_MROPE_SECTION = (24, 20, 20)  # transformers' Qwen3VLTextRotaryEmbedding default

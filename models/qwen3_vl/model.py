@@ -32,7 +32,7 @@ from models.common.blocks.rope import RotaryEmbedding
 from models.common.blocks.vision_qwen3 import Qwen3VisionTower
 from models.common.entry_point import entry_point
 from models.common.training.pipeline_chunk import PipelineChunk
-from models.common.vision_language import ParallelVisionLanguageModel, VisionFeatures
+from models.common.vision.language import ParallelVisionLanguageModel, VisionFeatures
 from models.qwen3_vl.architecture import ARCHITECTURE
 from models.qwen3_vl.positions import split_video_frames
 from parallel.groups import ParallelGroups

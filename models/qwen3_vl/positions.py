@@ -1,5 +1,5 @@
 """Qwen3-VL positions and input checks: the Qwen2-VL family's pure functions
-(``models/common/vision_positions.py``) with Qwen3-VL's treatment of videos.
+(``models/common/vision/positions.py``) with Qwen3-VL's treatment of videos.
 
 Qwen3-VL's processor writes a video frame by frame, each frame's placeholder tokens behind a
 timestamp (``<t1> <vision_start> frame 1 <vision_end> <t2> <vision_start> frame 2 ...``), and
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from models.common.vision_positions import (
+from models.common.vision.positions import (
     IMAGE,
     TEXT,
     VIDEO,

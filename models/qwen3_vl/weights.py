@@ -1,12 +1,12 @@
 """Qwen3-VL weight map: the Qwen3 decoder table (q/k norms) under ``model.language_model.`` plus the
-vision tower under ``model.visual.`` (``models/common/vision_qwen3.py``: names, shapes, TP rules), and
+vision tower under ``model.visual.`` (``models/common/vision/qwen3.py``: names, shapes, TP rules), and
 ``lm_head.weight`` (absent when tied). transformers 5.24's ``save_pretrained`` writes exactly these
 names (its in-memory ones; checked in tests/test_qwen3_vl.py)."""
 
 from __future__ import annotations
 
 from models.common.config import ModelConfig
-from models.common.vision_qwen3 import VISUAL_HF_PREFIX, qwen3_vision_entries
+from models.common.vision.qwen3 import VISUAL_HF_PREFIX, qwen3_vision_entries
 from models.common.weight_map import WeightMap, dense_decoder_weight_map
 
 TEXT_HF_PREFIX = "model.language_model."

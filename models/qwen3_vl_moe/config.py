@@ -18,7 +18,7 @@ import dataclasses
 from typing import Any
 
 from models.common.config import ModelConfig
-from models.common.vision_config import text_and_vision_sections
+from models.common.vision.config import text_and_vision_sections
 from models.qwen2_moe.config import moe_from_hf
 from models.qwen3_vl import config as qwen3_vl_config
 

@@ -1,7 +1,7 @@
 """Qwen3-VL-MoE weight map: Qwen3-MoE's decoder table (``moe_decoder_weight_map``: q/k norms, router
 ``mlp.gate.weight``, experts stacked into ``mlp.experts.w13_weight`` / ``w2_weight`` and split over EP,
 the dense MLP on ``mlp_only_layers`` and off-step layers) under ``model.language_model.``, plus Qwen3-VL's
-vision tower under ``model.visual.`` (``models/common/vision_qwen3.py``) and ``lm_head.weight`` (absent
+vision tower under ``model.visual.`` (``models/common/vision/qwen3.py``) and ``lm_head.weight`` (absent
 when tied).
 
 Experts: the map names them per expert (``mlp.experts.{e}.gate_proj.weight`` ...: the names the converters
@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 from models.common.config import ModelConfig
-from models.common.vision_qwen3 import qwen3_vision_entries
+from models.common.vision.qwen3 import qwen3_vision_entries
 from models.common.weight_map import WeightMap, moe_decoder_weight_map
 from models.qwen3_vl.weights import TEXT_HF_PREFIX, counted_blocks
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from models.common.blocks.attention import ParallelAttention, causal_attention
 from models.common.blocks.norms import ZeroCenteredRMSNorm
-from models.common.hybrid_config import HybridModelConfig
+from models.common.hybrid.config import HybridModelConfig
 from parallel.fused_ops import apply_rotary
 from parallel.groups import ParallelGroups
 from parallel.layers import QKVParallelLinear, RowParallelLinear

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.common.blocks.norms import GatedRMSNorm
-from models.common.hybrid_config import HybridModelConfig
+from models.common.hybrid.config import HybridModelConfig
 from parallel.collectives import group_rank, group_size
 from parallel.context_gdn import context_conv, context_delta_rule
 from parallel.gated_delta_rule import causal_conv1d, gated_delta_rule, positions_in_sequence

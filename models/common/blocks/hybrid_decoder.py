@@ -18,7 +18,7 @@ from models.common.blocks.gated_deltanet import ParallelGatedDeltaNet
 from models.common.blocks.mlp import ParallelMLP
 from models.common.blocks.moe import ParallelMoE
 from models.common.blocks.norms import ZeroCenteredRMSNorm
-from models.common.hybrid_config import LINEAR_ATTENTION, HybridModelConfig
+from models.common.hybrid.config import LINEAR_ATTENTION, HybridModelConfig
 from parallel.groups import ParallelGroups
 
 

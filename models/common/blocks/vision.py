@@ -33,7 +33,7 @@ from torch import nn
 
 from models.common.blocks.rope import _rotate_half
 from models.common.config import VisionConfig
-from models.common.vision_positions import vision_cu_seqlens, vision_patch_positions, vision_window_index
+from models.common.vision.positions import vision_cu_seqlens, vision_patch_positions, vision_window_index
 from parallel.groups import ParallelGroups
 from parallel.layers import ColumnParallelLinear, MergedColumnParallelLinear, RMSNorm, RowParallelLinear
 
@@ -231,7 +231,7 @@ class ParallelVisionTower(nn.Module):
         """``pixel_values [sum t*h*w, patch_dim]`` of the images/videos whose grids are ``grid_thw [n, 3]``
         -> their merged features in the same order. Each patch's (h, w) rotary position and the frame
         boundaries (attention stays within a frame, or within a window) come from the grids
-        (``models/common/vision_positions.py``)."""
+        (``models/common/vision/positions.py``)."""
         cfg = self.cfg
         grid_thw = grid_thw.cpu()
         cos, sin = self.rotary_pos_emb(vision_patch_positions(grid_thw, cfg.spatial_merge_size).to(pixel_values.device))

@@ -1,6 +1,6 @@
 """The Qwen3-VL vision tower, tensor-parallel like the Qwen2-VL family's (``blocks/vision.py``).
 
-Semantics are transformers' ``Qwen3VLVisionModel`` (described in ``models/common/vision_qwen3.py``):
+Semantics are transformers' ``Qwen3VLVisionModel`` (described in ``models/common/vision/qwen3.py``):
 ``pixel_values [N, C*T*P*P]`` -> Conv3d patch embedding with bias, plus the learned position table
 bilinearly interpolated (align_corners) to each image's ``h x w`` patch grid -> ``depth`` LayerNorm
 blocks (fused ``qkv`` with the 2-D axial rotary, attention within each frame, MLP ``linear_fc1`` ->
@@ -9,7 +9,7 @@ through the DeepStack mergers (LayerNorm after the ``merge^2`` shuffle).
 
 ``forward`` returns ``[n, (1 + K) * out_hidden]``: the merged features, then the K DeepStack features
 of the same merged patch (in block order, transformers' order), side by side so that one tensor goes
-through the family's placement and cp/ulysses sharing (``models/common/vision_language.py``).
+through the family's placement and cp/ulysses sharing (``models/common/vision/language.py``).
 
 Tensor parallel as the Qwen2-VL tower: ``qkv`` per q/k/v block then per head (``Fused(3)``), ``proj`` /
 ``linear_fc2`` row-parallel, ``linear_fc1`` column-parallel (mergers too); patch embedding, position
@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.common.blocks.vision import VisionAttention, VisionRotary, patch_linear, quick_gelu
-from models.common.vision_positions import vision_cu_seqlens, vision_patch_positions
-from models.common.vision_qwen3 import Qwen3VisionConfig
+from models.common.vision.positions import vision_cu_seqlens, vision_patch_positions
+from models.common.vision.qwen3 import Qwen3VisionConfig
 from parallel.groups import ParallelGroups
 from parallel.layers import ColumnParallelLinear, RowParallelLinear
 

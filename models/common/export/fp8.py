@@ -61,7 +61,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from models.common.hybrid_vision import VISUAL_PREFIX
+from models.common.hybrid.vision import VISUAL_PREFIX
 
 QUANTIZATIONS = ("fp8",)  # what ``quantization=`` accepts besides None
 BLOCK = 128  # rows and columns of one scale block

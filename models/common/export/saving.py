@@ -299,7 +299,7 @@ def _carried(model, quantization: str | None = None):
     FP8 names (``quantization``): the MTP tensors ``fp8.is_quantized`` stores as FP8 (the roles
     ``pmz convert --quantize fp8`` reads, ``converters/torch_path/hf_fp8.role_map``)."""
     from models.common.errors import CheckpointError
-    from models.common.hybrid_weights import MTP_PREFIX, HybridWeightMap
+    from models.common.hybrid.weights import MTP_PREFIX, HybridWeightMap
     from models.common.weights import checkpoint_source
 
     directory, wmap, cfg = getattr(model, "source_dir", None), model.weight_map, model.config

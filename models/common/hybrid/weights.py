@@ -48,7 +48,7 @@ MoE models), <-> Megatron ``mtp.layers.0.eh_proj``, ``enorm``, ``hnorm``, ``fina
 The model never loads them; the conversion map carries them on the last pipeline stage when a checkpoint
 holds them (``for_conversion(mtp_layers=1)``).
 
-A conditional-generation checkpoint (``cfg.carried``: the vision tower, ``models/common/hybrid_vision.py``) is
+A conditional-generation checkpoint (``cfg.carried``: the vision tower, ``models/common/hybrid/vision.py``) is
 Megatron-Bridge's ``Qwen3VLModel`` in Megatron: every text and MTP name above under ``language_model.`` and each
 tower tensor one entry after the embedding (first pipeline stage, where Megatron builds pre-process modules),
 named ``vision_model.*`` with its TP split as a rule on the Megatron tensor (``Split(0)`` column-parallel,
@@ -60,8 +60,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from models.common.hybrid_config import HybridModelConfig
-from models.common.hybrid_vision import COLUMN, MEGATRON_TEXT, ROW, TOWER_QKV, tower_megatron
+from models.common.hybrid.config import HybridModelConfig
+from models.common.hybrid.vision import COLUMN, MEGATRON_TEXT, ROW, TOWER_QKV, tower_megatron
 from models.common.weight_map import (
     GATE_UP_STACKED,
     MINUS_ONE,

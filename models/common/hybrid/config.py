@@ -41,7 +41,7 @@ class HybridModelConfig(ModelConfig):
     zero_centered_norm: bool = True
     # Where the checkpoint keeps the decoder (``model.``: a CausalLM checkpoint; ``model.language_model.``: a
     # conditional-generation one) and the tensors it holds that the model does not (a conditional-generation
-    # checkpoint's vision tower, ``(name, shape)``: models/common/hybrid_vision.py), carried by conversions.
+    # checkpoint's vision tower, ``(name, shape)``: models/common/hybrid/vision.py), carried by conversions.
     hf_prefix: str = "model."
     carried: tuple[tuple[str, tuple[int, ...]], ...] = ()
     vision_heads: int = 0  # the carried tower's attention heads (its Megatron qkv is ordered per head)
@@ -153,7 +153,7 @@ def hybrid_checkpoint_config(hf_config: Any, read: Callable[[Any], HybridModelCo
     (``Qwen3_5Config`` / ``Qwen3_5MoeConfig``: ``read(text_config)``, the decoder under
     ``model.language_model.``, the vision tower carried, embeddings tied as the top-level config says, which
     is what transformers' ``Qwen3_5ForConditionalGeneration`` reads)."""
-    from models.common.hybrid_vision import TEXT_PREFIX, vision_heads, vision_tensors
+    from models.common.hybrid.vision import TEXT_PREFIX, vision_heads, vision_tensors
 
     text = getattr(hf_config, "text_config", None)
     if text is None:

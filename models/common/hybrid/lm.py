@@ -11,7 +11,7 @@ import torch
 from models.common.blocks.hybrid_decoder import HybridDecoder
 from models.common.blocks.rope import RotaryEmbedding
 from models.common.causal_lm import ParallelCausalLM
-from models.common.hybrid_config import HybridModelConfig
+from models.common.hybrid.config import HybridModelConfig
 from models.common.weight_map import WeightMap
 from parallel.groups import ParallelGroups
 

@@ -6,7 +6,7 @@ Plain data, no torch. The converters, and the text build of such a checkpoint
 ``model.language_model.``); the tower's tensors (``model.visual.*``) are named and shaped here from the
 vision config so that a checkpoint's tower is checked tensor by tensor (nothing missing, nothing
 mis-shaped, nothing unexplained) and carried bitwise by conversions whose target can hold it (HF), instead
-of being dropped (the default build runs the tower: ``models/common/hybrid_vl.py``). Names and shapes are
+of being dropped (the default build runs the tower: ``models/common/hybrid/vl.py``). Names and shapes are
 transformers 5.24's ``Qwen3_5VisionModel``: a Conv3d patch embedding with bias, a learned position table,
 ``depth`` pre-LayerNorm blocks (fused ``qkv`` with bias, ``proj``, a two-layer MLP with biases) and the patch
 merger (LayerNorm over one patch, two linears over the ``spatial_merge_size**2`` merged patches).

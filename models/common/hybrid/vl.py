@@ -4,7 +4,7 @@ and weight map, plain data (no torch).
 A ``Qwen3_5Config`` / ``Qwen3_5MoeConfig`` (``text_config`` + ``vision_config``) read for a model that *runs*
 its vision tower: the text decoder is the hybrid one (``hybrid_config_from_hf`` of ``text_config``, decoder
 under ``model.language_model.``), the tower is transformers 5.24's ``Qwen3_5VisionModel``, which is the
-Qwen3-VL tower without DeepStack (``models/common/vision_qwen3.py`` with ``deepstack_visual_indexes=()``: its
+Qwen3-VL tower without DeepStack (``models/common/vision/qwen3.py`` with ``deepstack_visual_indexes=()``: its
 blocks, learned position table, 2-D rotary and merger; tensors under ``model.visual.``). The gated attention
 rotates the first ``rotary_dim`` channels of each head with interleaved M-RoPE: of its ``rotary_dim / 2``
 frequencies, j follows the height row when ``j % 3 == 1`` and ``j < 3 * mrope_section[1]``, the width row when
@@ -13,7 +13,7 @@ frequencies, j follows the height row when ``j % 3 == 1`` and ``j < 3 * mrope_se
 ``rotary_dim / 2``: real checkpoints' do, tiny test models' may not).
 
 This is the builder's view only. The converters keep reading such checkpoints through the text
-architecture (``hybrid_checkpoint_config``: the tower carried bitwise, ``models/common/hybrid_vision.py``),
+architecture (``hybrid_checkpoint_config``: the tower carried bitwise, ``models/common/hybrid/vision.py``),
 which is also what ``build_parallel_model(..., text_only=True)`` builds.
 """
 
@@ -23,11 +23,11 @@ import dataclasses
 from typing import Any, Callable
 
 from models.common.config import UnsupportedConfigError
-from models.common.hybrid_config import HybridModelConfig
-from models.common.hybrid_vision import TEXT_PREFIX
-from models.common.hybrid_weights import HybridWeightMap, hybrid_decoder_weight_map
-from models.common.vision_config import text_and_vision_sections, vision_rope_theta, with_vision
-from models.common.vision_qwen3 import (
+from models.common.hybrid.config import HybridModelConfig
+from models.common.hybrid.vision import TEXT_PREFIX
+from models.common.hybrid.weights import HybridWeightMap, hybrid_decoder_weight_map
+from models.common.vision.config import text_and_vision_sections, vision_rope_theta, with_vision
+from models.common.vision.qwen3 import (
     QWEN3_VISION_ACTIVATIONS,
     VISUAL_HF_PREFIX,
     Qwen3VisionConfig,

@@ -12,7 +12,7 @@ mm_token_type_ids=, second_per_grid_ts=)`` computes what transformers'
    patch once: one pass over all of them (attention stays within each frame, so batching them
    changes nothing);
 3. M-RoPE positions ``[3, b, s]`` are computed on the whole (padded or packed) sequence
-   (``vision_positions.py``, transformers' ``get_rope_index``);
+   (``vision/positions.py``, transformers' ``get_rope_index``);
 4. the text tokens are embedded and each image/video feature replaces its placeholder token's
    embedding. Under sequence parallelism the embedding comes out already cut to this rank's
    ``seq/tp`` slice (the vocab-parallel reduce-scatter), so each rank writes only the features
@@ -31,7 +31,7 @@ from models.common.blocks.decoder import CausalLMOutput
 from models.common.blocks.vision import ParallelVisionTower
 from models.common.causal_lm import ParallelCausalLM
 from models.common.training.forward_backward import forward_backward
-from models.common.vision_positions import (
+from models.common.vision.positions import (
     VisionInputError,
     check_multimodal_inputs,
     mrope_positions,
