@@ -13,7 +13,9 @@
       ``sequence_parallel``, like a row-parallel bias).
 
 Packed layers get one (A, B) pair per adapted projection; projections without LoRA contribute
-zeros to their part of the packed output.
+zeros to their part of the packed output. A vision tower's layers are built without SP (its activations
+are whole on every TP rank): the same classes, the non-SP branches. Its patch embedding (a Conv3d held
+whole) takes ``PatchLoRA``, peft's Conv3d LoRA as the matmul it is over one patch.
 """
 
 from __future__ import annotations
@@ -83,3 +85,24 @@ class RowLoRA(nn.Module):
         else:
             u = reduce_from_group(u, self.tp_group)
         return F.linear(u, getattr(self, f"lora_B_{self.name}")) * self.scaling
+
+
+class PatchLoRA(nn.Module):
+    """LoRA for a vision tower's patch embedding, a Conv3d of stride = kernel held whole on every rank
+    (computed as the matmul over one flattened patch per row, ``blocks/vision.py``'s ``patch_linear``). As
+    peft's Conv3d LoRA: ``lora_A_<name>`` ``[r, C, T, P, P]`` (a convolution of the same kernel and stride),
+    ``lora_B_<name>`` ``[out, r, 1, 1, 1]`` (a 1x1x1 convolution): over one patch, ``B_flat A_flat x``."""
+
+    def __init__(self, name: str, a_shape: Sequence[int], b_shape: Sequence[int], *, scaling: float,
+                 dropout: float, dtype=None, device=None) -> None:
+        super().__init__()
+        self.name, self.scaling = name, scaling
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.register_parameter(f"lora_A_{name}", nn.Parameter(torch.zeros(*a_shape, dtype=dtype, device=device)))
+        self.register_parameter(f"lora_B_{name}", nn.Parameter(torch.zeros(*b_shape, dtype=dtype, device=device)))
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """``pixels [N, C*T*P*P]`` (the kernel's order) -> the delta ``[N, out]``."""
+        a, b = getattr(self, f"lora_A_{self.name}"), getattr(self, f"lora_B_{self.name}")
+        u = F.linear(self.dropout(pixels.reshape(-1, a[0].numel()).to(a.dtype)), a.flatten(1))
+        return F.linear(u, b.flatten(1)) * self.scaling

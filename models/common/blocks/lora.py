@@ -12,6 +12,13 @@ the same adapter.
 Mixture-of-experts models: the attention projections (and a shared expert's or dense layer's MLP)
 take LoRA as in dense models; a target that selects an expert or the router is refused by name.
 
+Vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 conditional generation):
+targets are matched against every module transformers' model has, text and tower alike, by peft's rule
+(``_selected``: a list entry names a module or a dotted suffix of one, so ``qkv``, ``proj``, ``fc1`` reach
+``model.visual.blocks.N.attn.qkv`` ...). The tower's linear layers take LoRA by the same weight-map rules
+(its fused ``qkv``: ``Fused(3)``, B per q/k/v block then per head); its patch embedding, a Conv3d whole on
+every rank, takes peft's Conv3d LoRA (``PatchLoRA``); its position table (an embedding) is refused by name.
+
 Which rows/columns of A and B a rank holds follows from the weight map: the rule of the adapted
 HF tensor (``Split(0)``/``KVHeads`` for column layers: B takes it, A is whole; ``Split(1)`` for
 row layers: A takes it, B is whole). Adapter files use peft's names
@@ -28,8 +35,8 @@ import torch
 
 from parallel.config import ParallelConfigError
 from parallel.fsdp import unshard
-from parallel.lora import ColumnLoRA, RowLoRA
-from parallel.sharding import Blocks, Groups, KVHeads, Replicated, Rule, Split
+from parallel.lora import ColumnLoRA, PatchLoRA, RowLoRA
+from parallel.sharding import Blocks, Fused, Groups, KVHeads, Replicated, Rule, Split
 
 PEFT_PREFIX = "base_model.model."
 
@@ -48,8 +55,8 @@ class LoraTarget:
     column: bool
     a_rule: Rule
     b_rule: Rule
-    a_shape: tuple[int, int]  # full [r, in]
-    b_shape: tuple[int, int]  # full [out, r]
+    a_shape: tuple[int, ...]  # full [r, in] (the patch embedding's Conv3d: [r, C, T, P, P])
+    b_shape: tuple[int, ...]  # full [out, r] ([out, r, 1, 1, 1])
     packed: tuple[tuple[str, int], ...] = ()  # (HF leaf, full rows) of every projection packed in the layer
 
     @property
@@ -78,12 +85,15 @@ def _targets_of(lora_config: Any) -> set[str] | str:
     return set(targets)
 
 
-def _selected(leaf: str, hf_module: str, targets) -> bool:
+def _selected(hf_module: str, targets) -> bool:
+    """peft's match (``check_target_module_exists``): a regular expression over the whole module name
+    (or ``all-linear``), else a list entry equal to the name or to a dotted suffix of it (``qkv``,
+    ``attn.proj``, ``mlp.0``)."""
     if isinstance(targets, str):
         import re
 
         return targets == "all-linear" or re.fullmatch(targets, hf_module) is not None
-    return leaf in targets
+    return hf_module in targets or any(hf_module.endswith("." + t) for t in targets)
 
 
 def _same(name: str) -> str:
@@ -92,14 +102,15 @@ def _same(name: str) -> str:
 
 def lora_targets(cfg, weight_map, lora_config: Any, shapes: dict, layers=None,
                  module_name: Callable[[str], str] = _same) -> list[LoraTarget]:
-    """The adapted modules of ``layers`` (default: all); LoraError for names the architecture lacks.
-    ``module_name``: a weight-map HF name as transformers' model names it (``Architecture.module_name``; Qwen2-VL's
-    weight map keeps the release names ``model.layers.*``, its transformers model says
-    ``model.language_model.layers.*``): target regular expressions match it and adapter files carry it, as peft's."""
+    """The adapted modules of ``layers`` (default: all) and of the vision tower, if any; LoraError for
+    targets the architecture lacks. ``module_name``: a weight-map HF name as transformers' model names it
+    (``Architecture.module_name``; Qwen2-VL's weight map keeps the release names ``model.layers.*`` and
+    ``visual.*``, its transformers model says ``model.language_model.layers.*`` and ``model.visual.*``):
+    target regular expressions match it and adapter files carry it, as peft's."""
     r = int(lora_config.r)
     targets = _targets_of(lora_config)
     entries = weight_map.entries(range(cfg.num_hidden_layers) if layers is None else layers, first=False, last=False)
-    leaves = set()
+    modules: list[str] = []  # every linear module a target may name (for the unknown-target check)
     found: list[LoraTarget] = []
     for entry in entries:
         if entry.experts:  # expert 0's parts stand for every expert
@@ -107,59 +118,66 @@ def lora_targets(cfg, weight_map, lora_config: Any, shapes: dict, layers=None,
                 hf_module = module_name(hf_name)[: -len(".weight")]
                 _refuse_unadapted(hf_module.rsplit(".", 1)[1], hf_module, targets, True)
             continue
-        if not entry.param.endswith(".weight"):
-            continue
-        layer = entry.param[: -len(".weight")]
-        packed = tuple((hf_name[: -len(".weight")].rsplit(".", 1)[1], shapes[hf_name][0])
-                       for hf_name in entry.hf[:len(entry.rules)])
-        for hf_name, rule in zip(entry.hf, entry.rules):
-            hf_module = module_name(hf_name)[: -len(".weight")]
-            leaf = hf_module.rsplit(".", 1)[1]
-            # Blocks: row blocks each split over TP (Gated DeltaNet's in_proj_qkv); Groups: Qwen3-Next's
-            # interleaved in_proj_qkvz / in_proj_ba, each rank's key-head groups; B takes the same rows
-            column = isinstance(rule, (KVHeads, Blocks, Groups)) or (isinstance(rule, Split) and rule.dim == 0)
-            row = isinstance(rule, Split) and rule.dim == 1
-            if not (column or row):
-                if len(shapes[hf_name]) == 2:  # a linear module held whole: MoE router, shared-expert gate
-                    _refuse_unadapted(leaf, hf_module, targets, False)
-                continue
-            if len(shapes[hf_name]) != 2:  # a convolution (Gated DeltaNet's conv1d): not a linear module
-                continue
-            leaves.add(leaf)
-            if not _selected(leaf, hf_module, targets):
-                continue
-            out_f, in_f = shapes[hf_name]
-            found.append(LoraTarget(layer, hf_module, leaf, column, Replicated() if column else Split(1),
-                                    rule if column else Replicated(), (r, in_f), (out_f, r), packed))
-    _refuse_tower_targets(weight_map, shapes, targets, lora_config, module_name)
+        found += _entry_targets(entry, shapes, targets, r, module_name, modules, tower=False)
+    for entry in weight_map.entries((), first=True, last=False):  # the vision tower (text models: the embedding)
+        found += _entry_targets(entry, shapes, targets, r, module_name, modules, tower=True)
     if isinstance(targets, set):
-        unknown = sorted(targets - leaves)
+        unknown = sorted(t for t in targets if not any(m == t or m.endswith("." + t) for m in modules))
         if unknown:
+            leaves = sorted({m.rsplit(".", 1)[1] for m in modules})
             raise LoraError(f"LoRA target module(s) {', '.join(unknown)} not in this architecture "
-                            f"(its linear modules: {', '.join(sorted(leaves))})")
+                            f"(its linear modules: {', '.join(leaves)})")
     if not found:
         raise LoraError(f"LoRA target_modules={lora_config.target_modules!r} matches no module")
     return found
 
 
-def _refuse_tower_targets(weight_map, shapes: dict, targets, lora_config: Any,
-                          module_name: Callable[[str], str]) -> None:
-    """LoRA on a vision tower is not built: refuse targets that select one of its linear modules, which
-    peft would adapt (``all-linear``; Qwen2.5-VL's tower MLP is also ``gate_proj``/``up_proj``/
-    ``down_proj``; Qwen3-VL's ``linear_fc1``), naming the module. Text-only models have none."""
-    for entry in weight_map.entries((), first=True, last=False):
-        for hf_name in entry.hf:
-            module = module_name(hf_name)[: -len(".weight")]
-            # 2-D weights of linear modules only: embeddings (embed_tokens, the tower's pos_embed) are not
-            # adapted by peft's all-linear; the patch embedding is a Conv3d (5-D)
-            leaf = module.rsplit(".", 1)[1]
-            if not hf_name.endswith(".weight") or len(shapes.get(hf_name, ())) != 2 or "embed" in leaf:
+def _entry_targets(entry, shapes: dict, targets, r: int, module_name: Callable[[str], str], modules: list[str],
+                   tower: bool) -> list[LoraTarget]:
+    """The selected linear modules of one weight-map entry (several when it packs projections), with their
+    A/B rules from the entry's: column-parallel (``Split(0)``, ``KVHeads``, ``Blocks``, ``Groups``, the
+    tower's fused ``qkv``: ``Fused(3)``, per q/k/v block then per head) -> B takes the rule, A whole;
+    row-parallel (``Split(1)``) -> A takes it, B whole. Linear modules the model cannot adapt are refused
+    by name when selected; embeddings and convolutions are not linear modules (peft's ``all-linear``)."""
+    if not entry.param.endswith(".weight"):
+        return []
+    layer = entry.param[: -len(".weight")]
+    packed = tuple((hf_name[: -len(".weight")].rsplit(".", 1)[1], shapes[hf_name][0])
+                   for hf_name in entry.hf[:len(entry.rules)])
+    found = []
+    for hf_name, rule in zip(entry.hf, entry.rules):
+        hf_module = module_name(hf_name)[: -len(".weight")]
+        leaf = hf_module.rsplit(".", 1)[1]
+        shape = shapes[hf_name]
+        if tower and (len(shape) != 2 or "embed" in leaf):  # embeddings, the tower's position table, its Conv3d
+            if len(shape) == 1 or targets == "all-linear" or not _selected(hf_module, targets):
                 continue
-            if _selected(leaf, module, targets):
-                raise LoraError(f"LoRA on the vision tower is not built: target_modules="
-                                f"{lora_config.target_modules!r} selects {module} (peft would adapt it); "
-                                "name the language model's modules only, e.g. a regular expression such as "
-                                r"'.*language_model.*\.(q_proj|v_proj)'")
+            if len(shape) == 5 and isinstance(rule, Replicated):  # the patch embedding: peft's Conv3d LoRA
+                modules.append(hf_module)
+                found.append(LoraTarget(layer, hf_module, leaf, False, rule, rule, (r, *shape[1:]),
+                                        (shape[0], r, 1, 1, 1)))
+                continue
+            kind = "an embedding" if len(shape) == 2 else f"a {len(shape)}-D weight"
+            raise LoraError(f"LoRA target_modules selects {hf_module} ({kind}): LoRA on it is not built "
+                            f"(adapt linear modules)")
+        # Blocks: row blocks each split over TP (Gated DeltaNet's in_proj_qkv); Groups: Qwen3-Next's
+        # interleaved in_proj_qkvz / in_proj_ba, each rank's key-head groups; B takes the same rows
+        column = isinstance(rule, (KVHeads, Blocks, Groups, Fused)) or (isinstance(rule, Split) and rule.dim == 0)
+        row = isinstance(rule, Split) and rule.dim == 1
+        if not (column or row):
+            if len(shape) == 2:  # a linear module held whole: MoE router, shared-expert gate
+                _refuse_unadapted(leaf, hf_module, targets, False)
+            continue
+        if len(shape) != 2:  # a convolution (Gated DeltaNet's conv1d): not a linear module
+            continue
+        modules.append(hf_module)
+        if not _selected(hf_module, targets):
+            continue
+        out_f, in_f = shape
+        found.append(LoraTarget(layer, hf_module, leaf, column,
+                                Replicated() if column else Split(1), rule if column else Replicated(),
+                                (r, in_f), (out_f, r), packed))
+    return found
 
 
 def _refuse_unadapted(leaf: str, hf_module: str, targets, expert: bool) -> None:
@@ -170,7 +188,7 @@ def _refuse_unadapted(leaf: str, hf_module: str, targets, expert: bool) -> None:
     if expert:  # model.layers.{i}.mlp.experts.{e}.gate_proj -> the fused module model.layers.{i}.mlp.experts
         names.append(("experts", hf_module.rsplit(".", 2)[0]))
     for name, module in names:
-        if _selected(name, module, targets):
+        if _selected(module, targets):
             raise LoraError(f"LoRA target {name!r} selects {module}: LoRA on mixture-of-experts "
                             f"{'experts' if expert else 'routers and gates'} is not supported (adapt the "
                             f"attention projections q_proj/k_proj/v_proj/o_proj)")
@@ -201,6 +219,11 @@ def check_lora_config(cfg, weight_map, lora_config: Any, pconfig, shapes: dict,
                                   f"sequence_parallel=True (each rank then drops out only its own tokens; "
                                   f"without SP the TP ranks' masks would differ on the same tokens)")
     targets = lora_targets(cfg, weight_map, lora_config, shapes, module_name=module_name)
+    tower = [t.hf_module for t in targets if not _in_decoder(t.layer)]
+    if tower and float(getattr(lora_config, "lora_dropout", 0.0) or 0.0) > 0 and pconfig.tp > 1:
+        raise ParallelConfigError(f"lora_dropout={lora_config.lora_dropout} with tp={pconfig.tp} on the vision "
+                                  f"tower ({tower[0]}): its activations are whole on every TP rank, whose dropout "
+                                  f"masks would differ; use lora_dropout=0 or tp=1")
     replicated = {t.leaf for t in targets if isinstance(t.b_rule, KVHeads) and t.b_rule.replicas(pconfig.tp) > 1}
     if replicated:
         raise ParallelConfigError(f"LoRA on {', '.join(sorted(replicated))} with tp={pconfig.tp} > "
@@ -214,13 +237,14 @@ def scaling(lora_config: Any) -> float:
     return float(lora_config.lora_alpha) / (math.sqrt(r) if getattr(lora_config, "use_rslora", False) else r)
 
 
-def _init_a(name: str, shape: tuple[int, int], seed: int) -> torch.Tensor:
+def _init_a(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """peft's A init (Kaiming uniform, a = sqrt(5)) of the full tensor, from the seed and the name."""
     import hashlib
 
     digest = hashlib.sha256(f"lora:{seed}:{name}".encode()).digest()
     gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
-    bound = 1.0 / math.sqrt(shape[1])  # kaiming_uniform_(a=sqrt(5)): gain sqrt(2/6), bound gain*sqrt(3/fan_in)
+    # kaiming_uniform_(a=sqrt(5)): gain sqrt(2/6), bound gain*sqrt(3/fan_in); fan_in: a convolution's in*kernel
+    bound = 1.0 / math.sqrt(math.prod(shape[1:]))
     return (torch.rand(shape, generator=gen) * 2 - 1) * bound
 
 
@@ -230,7 +254,7 @@ def apply_lora(model, lora_config: Any, targets: list[LoraTarget], seed: int = 0
     mine = set(model.layer_ids())
     by_layer: dict[str, list[LoraTarget]] = {}
     for t in targets:
-        if int(t.layer.split(".")[2]) in mine:
+        if (int(t.layer.split(".")[2]) in mine) if _in_decoder(t.layer) else model.visual is not None:
             by_layer.setdefault(t.layer, []).append(t)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -238,7 +262,11 @@ def apply_lora(model, lora_config: Any, targets: list[LoraTarget], seed: int = 0
     dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
     for layer_name, layer_targets in by_layer.items():
         layer = model.get_submodule(layer_name)
-        if layer_targets[0].column:
+        if len(layer_targets[0].a_shape) > 2:  # the tower's patch embedding (a Conv3d), whole on every rank
+            t = layer_targets[0]
+            layer.lora = PatchLoRA(t.leaf, t.a_shape, t.b_shape, scaling=s, dropout=dropout, dtype=dtype,
+                                   device=device)
+        elif layer_targets[0].column:
             leaves = {t.leaf: t for t in layer_targets}
             parts = _packed_parts(layer, layer_targets[0])
             layer.lora = ColumnLoRA(layer.in_features,
@@ -258,6 +286,12 @@ def apply_lora(model, lora_config: Any, targets: list[LoraTarget], seed: int = 0
                 params[t.a_param].copy_(t.a_rule.split(full, groups.tp_rank, groups.tp_size))
     model.lora_config, model.lora_targets = lora_config, [t for t in targets if t.a_param in params]
     model.all_lora_targets = targets  # every stage's (adapter files hold all of them)
+
+
+def _in_decoder(layer: str) -> bool:
+    """A decoder layer's module (``model.layers.N...``), not the vision tower's (``visual.*``: on the first
+    pipeline stage, with the embedding)."""
+    return layer.startswith("model.layers.")
 
 
 def _packed_parts(layer, target: LoraTarget) -> list[tuple[str, int]]:
@@ -302,8 +336,8 @@ def _merge_layer(model, layer_name: str, base: torch.Tensor) -> torch.Tensor:
                 b = unshard(getattr(lora, f"lora_B_{leaf}")).detach()
                 weight[row:row + rows] += s * (b @ a)
             row += rows
-    else:
+    else:  # RowLoRA; PatchLoRA: convolution kernels, flattened (B is 1x1x1)
         a = unshard(getattr(lora, f"lora_A_{lora.name}")).detach()
         b = unshard(getattr(lora, f"lora_B_{lora.name}")).detach()
-        weight += s * (b @ a)
+        weight += s * (b.flatten(1) @ a.flatten(1)).view(weight.shape)
     return weight

@@ -55,9 +55,10 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Module()
         self.proj.weight = nn.Parameter(torch.empty(cfg.embed_dim, cfg.in_channels, t, p, p, dtype=dtype,
                                                     device=device))
+        self.proj.lora = None  # a parallel.lora.PatchLoRA when LoRA adapts the patch embedding
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        return patch_linear(pixels, self.proj.weight)
+        return with_patch_lora(self.proj, pixels, patch_linear(pixels, self.proj.weight))
 
 
 def patch_linear(pixels: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -66,6 +67,11 @@ def patch_linear(pixels: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     -> ``[N, E]``. Same sums as the convolution (fp32 rounding apart); on CPU the convolution's backward
     took ~4x the matmul's time."""
     return F.linear(pixels.reshape(-1, weight[0].numel()).to(weight.dtype), weight.flatten(1), bias)
+
+
+def with_patch_lora(proj: nn.Module, pixels: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The patch embedding's output ``y`` plus its LoRA delta, if LoRA adapts it (``proj.lora``)."""
+    return y if proj.lora is None else y + proj.lora(pixels)
 
 
 class VisionRotary(nn.Module):

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.common.blocks.vision import VisionAttention, VisionRotary, patch_linear, quick_gelu
+from models.common.blocks.vision import VisionAttention, VisionRotary, patch_linear, quick_gelu, with_patch_lora
 from models.common.vision.positions import vision_cu_seqlens, vision_patch_positions
 from models.common.vision.qwen3 import Qwen3VisionConfig
 from parallel.groups import ParallelGroups
@@ -43,9 +43,10 @@ class Qwen3PatchEmbed(nn.Module):
         self.proj.weight = nn.Parameter(torch.empty(cfg.embed_dim, cfg.in_channels, t, p, p, dtype=dtype,
                                                     device=device))
         self.proj.bias = nn.Parameter(torch.empty(cfg.embed_dim, dtype=dtype, device=device))
+        self.proj.lora = None  # a parallel.lora.PatchLoRA when LoRA adapts the patch embedding
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        return patch_linear(pixels, self.proj.weight, self.proj.bias)
+        return with_patch_lora(self.proj, pixels, patch_linear(pixels, self.proj.weight, self.proj.bias))
 
 
 def _axis_taps(index: torch.Tensor, size: torch.Tensor, side: int) -> tuple[torch.Tensor, torch.Tensor]:
