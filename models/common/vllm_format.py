@@ -13,8 +13,9 @@ holding the LM head therefore expects ``lm_head.weight``; a first stage without 
 Each attention layer also carries four fp32 scalars (``self_attn.attn._k_scale``, ``_v_scale``,
 ``_q_scale``, ``_prob_scale``; 1.0 for unquantized KV caches) that the strict loader requires.
 
-Pipeline stages follow ``vllm.distributed.utils.get_pp_indices`` (without ``VLLM_PP_LAYER_PARTITION``):
-equal layer counts, the remainder given one each to the stages before the last. Parts: ``split_parts``.
+Pipeline stages: layers as ``vllm.distributed.utils.get_pp_indices`` splits them, the embedding, final norm and LM
+head on the stages the architecture's vLLM class builds them (some on every stage): ``vllm_stages``. Parts:
+``split_parts``.
 
 Vision-language models (Qwen2-VL, Qwen2.5-VL, checked against vLLM 0.32 in tests/test_vllm_vl.py; Qwen3-VL in
 tests/test_convert_qwen3_vl.py, its facts in ``vllm_vision``): vLLM wraps the text model, so its keys gain
@@ -70,6 +71,7 @@ from models.common.architecture import Architecture
 from models.common.config import ModelConfig
 from models.common.hybrid.vision import VISUAL_PREFIX
 from models.common.hybrid.weights import HybridWeightMap
+from models.common.vllm_stages import pp_layer_ranges, stage_parts
 from models.common.vllm_vision import deepstack_stage_problems
 from models.common.weight_map import WeightEntry, WeightMap  # plain data: converters read this torch-free
 from parallel.sharding import Fused, Groups, Replicated, ShardingError, Split, Vocab
@@ -195,15 +197,6 @@ def vllm_name(key: str, cfg: ModelConfig) -> str:
     return LANGUAGE_MODEL_PREFIX + key
 
 
-def pp_layer_ranges(num_layers: int, pp: int) -> list[range]:
-    """Layers of each vLLM pipeline stage (``get_pp_indices``)."""
-    sizes = [num_layers // pp] * pp
-    for i in range(2, num_layers % pp + 2):
-        sizes[-i] += 1
-    starts = [sum(sizes[:p]) for p in range(pp)]
-    return [range(s, s + n) for s, n in zip(starts, sizes)]
-
-
 def check_layout(cfg: ModelConfig, tp: int, pp: int = 1) -> None:
     """Refuse a (tp, pp) vLLM would refuse or that the weights cannot be split into (before any work)."""
     for name, value in (("tp", tp), ("pp", pp)):
@@ -315,12 +308,13 @@ def stage_tensors(wmap: WeightMap, cfg: ModelConfig, pp_rank: int, pp: int, *, s
     ``named_parameters()`` of a single-stage vLLM model has it).
     """
     layers = pp_layer_ranges(cfg.num_hidden_layers, pp)[pp_rank]
-    first, last = pp_rank == 0, pp_rank == pp - 1
+    has = stage_parts(cfg.architecture, pp_rank, pp)  # embedding, final norm, LM head: on this stage?
+    tied = cfg.tie_word_embeddings
     embed, *vision = wmap.first_entries
     if scales:
         check_sharded_state_source(wmap, cfg)
     out: list[VllmTensor] = [VllmTensor(e.param, e) for e in vision]  # every stage holds the vision tower
-    if first and not (last and cfg.tie_word_embeddings and head_alias):
+    if has.embed and not (has.head and tied and head_alias):
         out.append(VllmTensor(vllm_name(embed.param, cfg), embed))
     for i in layers:
         for entry in wmap.layer_templates(i):
@@ -331,10 +325,10 @@ def stage_tensors(wmap: WeightMap, cfg: ModelConfig, pp_rank: int, pp: int, *, s
             if scales and entry.param.endswith("self_attn.o_proj.weight"):
                 out += [VllmTensor(vllm_name(f"model.layers.{i}.self_attn.attn.{s}", cfg), None)
                         for s in ATTENTION_SCALES]
-    if last:
-        out += [VllmTensor(vllm_name(e.param, cfg), e) for e in wmap.last_entries]
-        if cfg.tie_word_embeddings and (head_alias or not first):
-            out.append(VllmTensor(vllm_name(TIED_HEAD_KEY, cfg), embed))
+    out += [VllmTensor(vllm_name(e.param, cfg), e) for e in wmap.last_entries
+            if (has.head if e.param == TIED_HEAD_KEY else has.norm)]
+    if has.head and tied and (head_alias or not has.embed):
+        out.append(VllmTensor(vllm_name(TIED_HEAD_KEY, cfg), embed))
     return out
 
 

@@ -14,12 +14,11 @@ whole), every ``linear_fc1`` (block MLP, merger, each DeepStack merger) column-p
 ``patch_embed.proj`` (weight and bias) and ``pos_embed.weight`` (an ``nn.Embedding``) whole.
 
 One constraint is vLLM's alone: with pipeline stages, every stage but the first must start at or after decoder
-layer ``len(deepstack_visual_indexes)`` (its ``Qwen3VLForConditionalGeneration`` asserts it: the DeepStack
-features are added on the first stage only), which ``deepstack_stage_problems`` checks. Qwen3-VL-MoE
-(``qwen3_vl_moe.py``) takes no pipeline split from pmz yet: its ``Qwen3MoeLLMForCausalLM`` builds the
-embedding, the final norm and the LM head on every stage (no pipeline checks there), so its strict loader wants
-them in every stage's files, which pmz writes on their own stages only (measured: "Missing keys
-('language_model.model.norm.weight', 'language_model.lm_head.weight')" on stage 0).
+layer ``len(deepstack_visual_indexes)``: the DeepStack features are added on the first stage only, and the
+``__init__`` of ``qwen3_vl.py``'s and ``qwen3_vl_moe.py``'s ``...ForConditionalGeneration`` asserts
+``language_model.model.start_layer >= len(deepstack_visual_indexes)`` on every stage but the first; this
+``deepstack_stage_problems`` checks. Qwen3-VL-MoE's text model (vLLM's Qwen3-MoE) builds the embedding, the final
+norm and the LM head on every stage; ``vllm_stages`` says so and ``vllm_format.stage_tensors`` lists them there.
 """
 
 from __future__ import annotations
@@ -35,11 +34,9 @@ def deepstack_stage_problems(cfg: ModelConfig, pp: int, stages: Sequence[range])
     count = getattr(cfg.vision, "deepstack_count", 0)
     if pp < 2 or not count:
         return []
-    whole = [f"pp={pp}: vLLM 0.32's {cfg.architecture} builds the embedding, final norm and LM head on every "
-             f"pipeline stage, which pmz's vLLM files do not hold yet"] if cfg.architecture == "qwen3_vl_moe" else []
     early = [p for p, layers in enumerate(stages) if p > 0 and layers.start < count]
     if not early:
-        return whole
-    return whole + [f"pipeline stage {early[0]} starts at layer {stages[early[0]].start}, inside the {count} DeepStack "
+        return []
+    return [f"pipeline stage {early[0]} starts at layer {stages[early[0]].start}, inside the {count} DeepStack "
             f"layers (vision_config.deepstack_visual_indexes): vLLM's {cfg.architecture} adds their features on the "
             f"first stage only and needs every later stage to start at layer {count} or after"]
