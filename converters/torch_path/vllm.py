@@ -121,9 +121,14 @@ def write_vllm_rank(reopen_args: tuple, directory: str, pp_rank: int, tp_rank: i
         vmap = vllm_format.vllm_map(reader.arch, cfg)
         wanted = vllm_format.stage_tensors(vmap, cfg, pp_rank, pp)
         layers = vllm_format.pp_layer_ranges(cfg.num_hidden_layers, pp)[pp_rank]
-        first_params = {e.param for e in vmap.first_entries}  # the embedding and any vision tower
-        units = ([EMBED] if any(t.entry is not None and t.entry.param in first_params for t in wanted) else []) \
-            + list(layers) + ([FINAL] if pp_rank == pp - 1 else [])
+        # the stage's units as its listing has them (vllm_stages: some architectures hold the embedding, the final
+        # norm and the head on every stage): the embedding and any vision tower, its layers, the norm and head
+        def holds(entries) -> bool:
+            params = {e.param for e in entries}
+            return any(t.entry is not None and t.entry.param in params for t in wanted)
+
+        units = ([EMBED] if holds(vmap.first_entries) else []) + list(layers) + \
+            ([FINAL] if holds(vmap.last_entries) else [])
         written = 0
 
         def write(tensors: dict, part: int) -> None:
