@@ -16,6 +16,7 @@ import pytest
 
 from converters.copy_path import hf as hf_writer
 from converters.copy_path import io as cio
+from converters.copy_path import vectored
 from converters.engine import convert
 from models.common.errors import CheckpointError
 from tests.cases import copy_path_configs, snapshot, write_hf_model
@@ -124,9 +125,9 @@ def test_full_disk_at_fallocate_is_one_error_naming_the_file(source, tmp_path, m
 
 
 def test_page_aligned_buffers_and_their_fallback(source, tmp_path, monkeypatch, paths_taken):
-    """The worker threads' buffers (``io.page_aligned``) start on a page; where no anonymous mapping can
+    """The worker threads' buffers (``vectored.page_aligned``) start on a page; where no anonymous mapping can
     be made they are plain bytearrays, and the output is the same either way."""
-    buf = cio.page_aligned(3 << 20)
+    buf = vectored.page_aligned(3 << 20)
     assert len(buf) == 3 << 20 and bytes(memoryview(buf)[:64]) == bytes(64)
     assert ctypes.addressof(ctypes.c_char.from_buffer(buf)) % os.sysconf("SC_PAGE_SIZE") == 0
     aligned = tmp_path / "aligned"
@@ -137,7 +138,7 @@ def test_page_aligned_buffers_and_their_fallback(source, tmp_path, monkeypatch, 
         raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
 
     monkeypatch.setattr(mmap, "mmap", no_mmap)
-    assert isinstance(cio.page_aligned(100), bytearray)
+    assert isinstance(vectored.page_aligned(100), bytearray)
     fallback = tmp_path / "fallback"
     convert(source, fallback, to="hf", workers=2, max_shard_size="20KB")
     assert paths_taken == [True, True]

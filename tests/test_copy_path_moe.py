@@ -318,7 +318,7 @@ def test_row_views_kept_per_grid_are_the_rows_of_each_block(monkeypatch, iov_max
     buffers whose byte counts are right, with and without gaps between rows."""
     import random
 
-    import converters.copy_path.io as cio
+    import converters.copy_path.vectored as cio
 
     monkeypatch.setattr(cio, "_IOV_MAX", iov_max)
     monkeypatch.setattr(cio.RowViews, "BUDGET", budget)  # 300: most grids too fine to keep, the rest evicted
@@ -350,7 +350,7 @@ def test_row_views_grid_reaches_only_as_far_as_the_blocks_read():
     """A grid is made as far down the buffer as the blocks read so far (doubling), not over the whole buffer:
     a 4-row tensor in a 2 MiB buffer of 128-byte rows makes 4 views, not 16K (making them, and the garbage
     collections they set off in a process holding torch, once took longer than the copy)."""
-    import converters.copy_path.io as cio
+    import converters.copy_path.vectored as cio
 
     buf = memoryview(bytearray(2 << 20))
     views = cio.RowViews(buf)
@@ -477,7 +477,7 @@ def test_bad_expert_layouts_fail_as_on_the_torch_path(models, tmp_path, capsys, 
 
 @pytest.mark.parametrize("numpy", [True, False])
 def test_transposed_bytes_for_every_element_size(monkeypatch, numpy):
-    """``io.transposed_bytes`` (the one computation of grouped-GEMM conversions) is the transpose, for
+    """``transpose.transposed_bytes`` (the one computation of grouped-GEMM conversions) is the transpose, for
     tall and wide matrices of 1-, 2-, 4- and 8-byte elements, by numpy and without it."""
     import random
     import struct
@@ -486,8 +486,8 @@ def test_transposed_bytes_for_every_element_size(monkeypatch, numpy):
     if not numpy:
         monkeypatch.setitem(sys.modules, "numpy", None)  # ``import numpy`` raises ImportError
 
-    from converters.copy_path.io import transposed_bytes
     from converters.copy_path.ops import Data, Transposed
+    from converters.copy_path.transpose import transposed_bytes
 
     rng = random.Random(3)
     for size, fmt in ((1, "B"), (2, "H"), (4, "I"), (8, "Q")):

@@ -299,7 +299,7 @@ def _rows_reference(data: bytes, parts, r: int, k: int) -> bytes:
 def test_read_rows_places_each_part_in_its_columns(tmp_path, stride_extra):
     """``read_rows`` reads rows straight into their columns of the block: contiguous parts, parts
     whose row gaps are read into the discard buffer, and parts whose rows are read one by one."""
-    from converters.copy_path.io import SourceFiles, read_rows
+    from converters.copy_path.vectored import SourceFiles, read_rows
 
     path = tmp_path / "src.bin"
     data = os.urandom(600_000)
@@ -327,7 +327,7 @@ def test_vector_io_continues_short_transfers(tmp_path, monkeypatch):
     """A short ``preadv``/``pwritev`` (a nearly full disk, a signal) is continued from the byte it
     stopped at, across buffer boundaries and past IOV_MAX buffers; a write that makes no progress is
     an error, not a silent hole."""
-    import converters.copy_path.io as cp
+    import converters.copy_path.vectored as cp
 
     src = tmp_path / "src.bin"
     data = os.urandom(5000)

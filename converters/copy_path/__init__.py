@@ -12,7 +12,9 @@ layer), grouped-GEMM expert blocks are transposed in bounded blocks, the rest ar
   grouped_moe   grouped-GEMM (``GroupedMLP``) expert sources as transposed blocks
   ops           the operations (Copy, Interleave, Zeros, Transposed) and the blocks of Megatron tensors
   megatron_ops  Megatron tensors and TP shards as operations on the source files
-  io            executing operations: the block writer, vector reads and writes, bounded transposes
+  io            executing operations: the block writer (``fill_file``), preallocation
+  vectored      vector reads and writes (``preadv``/``pwritev``), rows read into their columns, thread buffers
+  transpose     bounded, cache-friendly transposes (padded rows, tiles) straight into the writer's block
   hf            the HF writer; ``megatron`` / ``megatron_moe``: the legacy and torch_dist writers;
   vllm          the vLLM ``sharded_state`` writer (rank files laid out from ``vllm_format``'s rules)
 """

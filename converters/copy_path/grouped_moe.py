@@ -11,7 +11,7 @@ contiguous byte range, the *transpose* of its SequentialMLP shard (``converters/
   ``weight2`` (``[F/tp, H]`` each) one under the other.
 
 Each is a list of ``ops.Transposed`` over column bands of those blocks (each band read in one piece of at
-most ``TRANSPOSE_BYTES``, transposed in memory by ``io.transposed_bytes``): no torch, bounded memory.
+most ``TRANSPOSE_BYTES``, transposed in memory by ``copy_path.transpose``): no torch, bounded memory.
 """
 
 from __future__ import annotations

@@ -24,24 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from converters.copy_path.io import (
-    DEFAULT_BUFFER,
-    WRITE_BYTES,
-    RowViews,
-    SourceFiles,
-    _buffer,
-    fill_file,
-    preallocate,
-    pwritev_all,
-    read_rows,
-    row_views,
-    thread_buffer,
-    write_lock,
-)
+from converters.copy_path.io import DEFAULT_BUFFER, WRITE_BYTES, fill_file, preallocate, thread_buffer, write_lock
 from converters.copy_path.megatron_moe import dist_placement, grouped_weight
 from converters.copy_path.megatron_ops import full_rows_ops, full_segments, row_nbytes, shard_ops
 from converters.copy_path.ops import Data, Interleave, Op, Transposed, Zeros
 from converters.copy_path.raw_source import RawSource
+from converters.copy_path.vectored import SourceFiles, pwritev_all, read_rows, thread_block, thread_views
 from converters.formats import pickles as pw
 from converters.formats.hf_config import write_config_dir
 from converters.formats.megatron_args import (
@@ -261,11 +249,8 @@ def scatter_bands(ops: list[Op], width: int, outputs: list, buffer_bytes: int) -
             except OSError as exc:
                 raise CheckpointError(f"{path}: cannot open for writing ({exc.strerror or exc})") from exc
         step = max(1, buffer_bytes // width)
-        buf = _buffer(step * width)
-        reads = RowViews(buf)
-        # (rows, rank) -> the rank's band of each row, made once while they stay few (see RowViews)
-        band_views: dict[tuple[int, int], list] = {}
-        keep_bands = tp * step <= RowViews.BUDGET
+        buf = thread_block(step * width)
+        views = thread_views()  # the row buffers of reads and of each rank's band, kept from task to task
         per_write = max(1, WRITE_BYTES // band)  # rows per write (why: copy_path.io.WRITE_BYTES)
         locks = [write_lock(path) for _, path, _ in flat]
         for op in ops:
@@ -280,19 +265,13 @@ def scatter_bands(ops: list[Op], width: int, outputs: list, buffer_bytes: int) -
                 check_stop()
                 k = min(step, rows - r)
                 block = buf[: k * width]
-                read_rows(parts, fd_of, r, block, width, reads)
+                read_rows(parts, fd_of, r, block, width, views)
                 for fd, lock, (t, path, dst) in zip(outs, locks, flat):
-                    views = band_views.get((k, t))
-                    if views is None:
-                        views = row_views(block, k, width, t * band, band)
-                        if keep_bands:
-                            if len(band_views) >= tp:  # (the last rows of an op: another row count)
-                                band_views.clear()
-                            band_views[(k, t)] = views
+                    rows_t = views.rows(0, k, width, t * band, band)
                     try:
                         with lock:
                             for i in range(0, k, per_write):
-                                pwritev_all(fd, views[i:i + per_write], dst + (row + r + i) * band)
+                                pwritev_all(fd, rows_t[i:i + per_write], dst + (row + r + i) * band)
                     except OSError as exc:
                         raise CheckpointError(f"{path}: write failed ({exc.strerror or exc})") from exc
             row += rows

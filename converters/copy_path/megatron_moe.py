@@ -41,7 +41,7 @@ def dist_placement(wmap: Any, key: str, layer: int, full: tuple[int, ...], *, nu
     return gkey.replace(prefix, f"{prefix}{layer}.", 1), full, zeros, full
 
 
-TRANSPOSE_BYTES = 4 << 20  # input bytes of one Transposed op: what a worker thread holds (twice) while it runs
+TRANSPOSE_BYTES = 4 << 20  # input bytes of one Transposed op: what a worker thread holds while it runs
 
 
 def transposed_ops(shape: tuple[int, int], tag: str, ops: list[Op], limit: int | None = None) -> list[Op]:

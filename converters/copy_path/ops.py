@@ -93,7 +93,7 @@ class Transposed:
     """The transpose of the ``[rows, cols]`` row-major matrix of ``itemsize``-byte elements that ``ops``
     produce: ``cols`` rows of ``rows`` elements. A grouped-GEMM expert (``GroupedMLP``'s ``weight1`` /
     ``weight2`` hold each expert transposed) is not a byte range of a SequentialMLP or HF tensor; it is
-    read into memory and transposed there (``io.transposed_bytes``), a bounded block at a time: planners
+    read into memory and transposed there (``copy_path.transpose``), a bounded block at a time: planners
     cut a big matrix into ops of a few column bands each (``megatron_moe.transposed_ops``)."""
 
     rows: int

@@ -68,10 +68,7 @@ def plan_entry(entry: WeightEntry, shards: list[RawTensor], shapes: dict, where:
     """The HF tensors of ``entry`` from every TP rank's packed shard (``shards[t]``; ``[E, ...]`` stacks for
     expert entries, planned expert by expert)."""
     if entry.experts:
-        out: dict[str, PlannedTensor] = {}
-        for e in range(entry.experts):
-            out.update(plan_entry(entry.expert(e), [s.index(e) for s in shards], shapes, f"{where}[{e}]"))
-        return out
+        return _plan_experts(entry, shards, shapes, where)
     size = len(shards)
     full = vllm_format.entry_with_vocab_padding(entry, None)  # the HF tensor: every rule at size 1, unpadded
     try:
@@ -112,6 +109,35 @@ def plan_entry(entry: WeightEntry, shards: list[RawTensor], shapes: dict, where:
             raise CheckpointError(f"{where}: {name} {list(shape)} is not covered by the rank shards")
         out[name] = PlannedTensor(shape, tag, merge_copies(ops))
     return out
+
+
+def _plan_experts(entry: WeightEntry, shards: list[RawTensor], shapes: dict, where: str) -> dict[str, PlannedTensor]:
+    """An ``[E, ...]`` expert stack, expert by expert: expert 0 planned (``plan_entry``), every other expert of the
+    same shapes the same operations moved by its offset in each rank's stack (one plan instead of ``E``: planning
+    them one by one took ~0.1 s of a 1 GB Qwen3-MoE conversion, a third of ``cp``'s whole time)."""
+    first = entry.expert(0)
+    template = plan_entry(first, [s.index(0) for s in shards], shapes, f"{where}[0]")
+    out = dict(template)
+    for e in range(1, entry.experts):
+        ex = entry.expert(e)
+        stacks = [s.index(e) for s in shards]
+        if any(shapes[a] != shapes[b] for a, b in zip(first.hf, ex.hf)) or len({s.path for s in shards}) != len(shards):
+            out.update(plan_entry(ex, stacks, shapes, f"{where}[{e}]"))
+            continue
+        shift = {s.path: s.offset - s0.offset for s, s0 in zip(stacks, (s.index(0) for s in shards))}
+        for name, base in zip(ex.hf, first.hf):
+            pt = template[base]
+            out[name] = PlannedTensor(pt.shape, pt.dtype, [_moved(op, shift) for op in pt.ops])
+    return out
+
+
+def _moved(op: Op, shift: dict[str, int]) -> Op:
+    """``op`` reading each file ``shift[path]`` bytes further on."""
+    if isinstance(op, Copy):
+        return Copy(op.path, op.offset + shift[op.path], op.n)
+    if isinstance(op, Interleave):
+        return Interleave(op.rows, tuple((p, o + shift[p], rb, st) for p, o, rb, st in op.parts))
+    raise CheckpointError(f"internal: an expert planned as {type(op).__name__}")
 
 
 def _part_rows(entry: WeightEntry, shapes: dict, size: int) -> list[list[int]]:
