@@ -23,8 +23,14 @@ item 4; the one rule is ``models/common/export/fp8.py``'s ``TOWER_PREFIX``).
   layers); every text projection is FP8 with scales. No engine is started: vLLM's vision-language engine needs an
   HF processor, hence torchvision, which has no wheel beside the CPU torch (tests/test_vllm_hybrid_vision.py), and
   the existing FP8 text tests run no vLLM engine on FP8 either.
+* Qwen3-VL-MoE in vLLM's FP8 ``sharded_state`` (``pmz convert --to vllm --tp 2 --quantize fp8``): the text
+  projections and the routed experts (vLLM's fused ``w13`` / ``w2`` stacks, each expert its own block grid) are the
+  reference block quantization of the unquantized conversion's tensors, bitwise; the tower and everything else
+  that conversion's bytes; vLLM's own ``Fp8Config`` skips exactly what we kept. (Its HF FP8 checkpoint is still
+  refused: ``converters/torch_path/hf_fp8.py``.)
 
-Cost: ~60-90 s on 2 cores (the vLLM client ~40 s of it).
+Cost: ~60-90 s on 2 cores (the vLLM client ~40 s of it), plus 62 s measured at load 10-11 for Qwen3-VL-MoE (two
+conversions, one vLLM config read).
 """
 
 from __future__ import annotations
@@ -212,12 +218,15 @@ def test_fp8_exports_at_two_rank_layouts_equal_the_single_process_export(dirs, s
 # Run by .venv-vllm's python: vLLM's own FP8 config parser and skip rule on our config.json, for the prefixes
 # vLLM gives its linear layers (argv: quantization_config, prefixes), as its model loader applies them
 VLLM_SKIPPED = """
-import json, sys
+import importlib, json, sys
 from vllm.model_executor.layers.quantization.fp8 import Fp8Config
 from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
-from vllm.model_executor.models.qwen3_5 import Qwen3_5ForConditionalGeneration as cls
+module, name = (sys.argv[3:5] if len(sys.argv) > 3 else
+                ("vllm.model_executor.models.qwen3_5", "Qwen3_5ForConditionalGeneration"))
+cls = getattr(importlib.import_module(module), name)
 cfg = Fp8Config.from_config(json.loads(sys.argv[1]))
-cfg.packed_modules_mapping = dict(getattr(cls, "packed_modules_mapping", {}))
+cfg.packed_modules_mapping = dict(getattr(cls, "packed_modules_mapping", {})) | json.loads(sys.argv[5] if
+                                                                                         len(sys.argv) > 5 else "{}")
 cfg.apply_vllm_mapper(cls.hf_to_vllm_mapper)
 print(json.dumps({p: is_layer_skipped(p, cfg.ignored_layers, cfg.packed_modules_mapping,
                                       match_mode=cfg.ignored_layers_match_mode) for p in json.loads(sys.argv[2])}))
@@ -231,12 +240,9 @@ def test_vllm_reads_the_skip_list_of_a_vl_fp8_checkpoint(tmp_path):
     layers we left unquantized, tower included, and quantizes every one we wrote with scales. (vLLM refuses to
     build an FP8 model in fp32 - "torch.float32 is not supported for quantization method fp8" - and the client's
     ``state`` job builds fp32 models, so its weight loader is not run on these files.)"""
-    import subprocess
-
     from safetensors.torch import load_file
 
     from tests.test_vllm_hybrid_vision import write_condgen
-    from tests.vllm_harness import ROOT, VLLM_PYTHON
 
     src = write_condgen(tmp_path, "qwen3_5", seed=61)
     model = build("qwen3_5", str(src))
@@ -251,12 +257,7 @@ def test_vllm_reads_the_skip_list_of_a_vl_fp8_checkpoint(tmp_path):
     assert not any(k.startswith("visual.") and k.endswith("_scale_inv") for k in ours)
     linears = sorted(k.removesuffix(".weight") for k, t in ours.items() if k.endswith(".weight") and t.dim() == 2
                      and not re.search(r"embed|norm|lm_head|conv1d", k))
-    env = {k: v for k, v in __import__("os").environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
-    env["PYTHONPATH"] = f"{ROOT}:{ROOT / 'tests' / 'vllm_shims'}"
-    done = subprocess.run([str(VLLM_PYTHON), "-c", VLLM_SKIPPED, json.dumps(qconfig), json.dumps(linears)],
-                          env=env, capture_output=True, text=True, timeout=600, cwd=str(ROOT))
-    assert done.returncode == 0, done.stderr[-2000:]
-    skipped = json.loads(done.stdout.strip().splitlines()[-1])
+    skipped = vllm_skipped(qconfig, linears)
     wrong = [p for p in linears if skipped[p] == (p + ".weight_scale_inv" in ours)]
     assert wrong == [] and any(skipped[p] for p in tower_modules(linears)), wrong
     assert sum(not s for s in skipped.values()) >= 8  # the text projections are quantized
@@ -264,3 +265,100 @@ def test_vllm_reads_the_skip_list_of_a_vl_fp8_checkpoint(tmp_path):
 
 def tower_modules(names: list[str]) -> list[str]:
     return [n for n in names if n.startswith("visual.")]
+
+
+def vllm_skipped(qconfig: dict, prefixes: list[str], cls: tuple[str, str] | None = None,
+                 packed: dict | None = None) -> dict[str, bool]:
+    """vLLM 0.32's own skip decision (``VLLM_SKIPPED``, in .venv-vllm) for each layer prefix, under the
+    ``quantization_config`` of our config.json and the model class ``cls`` (module, name; Qwen3.5's if None),
+    with ``packed`` added to its packed-modules mapping (what the instance adds to the class's)."""
+    import os
+    import subprocess
+
+    from tests.vllm_harness import ROOT, VLLM_PYTHON
+
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
+    env["PYTHONPATH"] = f"{ROOT}:{ROOT / 'tests' / 'vllm_shims'}"
+    argv = [json.dumps(qconfig), json.dumps(prefixes)] + ([*cls, json.dumps(packed or {})] if cls else [])
+    done = subprocess.run([str(VLLM_PYTHON), "-c", VLLM_SKIPPED, *argv], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=str(ROOT))
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------ Qwen3-VL-MoE in vLLM's FP8 sharded_state
+# The text model's projections vLLM holds as FP8 (its names; the routed experts as the fused w13 / w2 stacks of
+# vLLM's Qwen3-MoE, one 128x128 block grid per expert), named independently of fp8.py
+VLLM_QUANTIZED = re.compile(r"^language_model\.model\.layers\.\d+\.(self_attn\.(qkv|o)_proj\.weight|"
+                            r"mlp\.(gate_up|down)_proj\.weight|mlp\.experts\.routed_experts\.w(13|2)_weight)$")
+
+
+def write_qwen3_vl_moe_for_fp8(root: Path, seed: int) -> Path:
+    """tests/test_convert_qwen3_vl_moe.py's untied case (layer 1 dense, DeepStack [0, 2]) with every text
+    projection a whole number of 128-blocks per TP-2 rank and part (q/k/v 4 heads of 64, experts and MLP 256 wide:
+    vLLM's FP8 block rule, ``fp8.vllm_block_check``); the tower as small as before (kept unquantized)."""
+    import copy
+
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    from tests.cases import save_randomized
+    from tests.workers_qwen3_vl_moe import QWEN3_VL_MOE_CASES
+
+    config = copy.deepcopy(QWEN3_VL_MOE_CASES["m_untied"])
+    config["text_config"].update(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4,
+                                 head_dim=64, moe_intermediate_size=256)
+    config["text_config"]["rope_parameters"]["mrope_section"] = [8, 12, 12]
+    config["vision_config"]["out_hidden_size"] = 256
+    torch.manual_seed(seed)
+    return Path(save_randomized(Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(**config)), root / "q3vlmoe"))
+
+
+def _rank(directory: Path, rank: int) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for path in sorted(directory.glob(f"model-rank-{rank}-part-*.safetensors")):
+        out.update(load_file(str(path)))
+    return out
+
+
+def test_qwen3_vl_moe_vllm_fp8_quantizes_text_and_experts_and_keeps_the_tower(tmp_path):
+    """``pmz convert --to vllm --tp 2 --quantize fp8`` of a Qwen3-VL-MoE checkpoint: on each rank every text
+    projection, routed experts included (each expert of the ``w13`` / ``w2`` stack its own block grid), is the
+    reference block quantization of the unquantized conversion's tensor (tests/test_fp8_export.py's ``ref_quantize``,
+    bitwise), everything else (tower with its DeepStack mergers, embedding, norms, router, head) is that
+    conversion's tensor bitwise with no scale, plus vLLM's FP8 attention scalars; vLLM 0.32's ``Fp8Config`` read
+    from our config.json skips exactly the linear layers we left unquantized (tower included) and quantizes the
+    rest, the fused experts too."""
+    from converters.engine import convert
+    from models.common.export import fp8
+
+    src = write_qwen3_vl_moe_for_fp8(tmp_path, seed=64)
+    plain = convert(src, tmp_path / "plain", to="vllm", tp=2, workers=2)
+    quant = convert(src, tmp_path / "fp8", to="vllm", tp=2, quantization="fp8", workers=2)
+    attention = [n for n, _ in fp8.vllm_attention_scales("fp8")]
+    for rank in range(2):
+        want, got = _rank(plain, rank), _rank(quant, rank)
+        quantized = sorted(k for k in want if VLLM_QUANTIZED.match(k))
+        assert any(".w13_weight" in k for k in quantized) and any(".w2_weight" in k for k in quantized)
+        extra = {k.replace("attn._k_scale", f"attn.{n}") for k in want if k.endswith("attn._k_scale")
+                 for n in attention}
+        assert set(got) == set(want) | {k + "_scale_inv" for k in quantized} | extra, sorted(set(got) ^ set(want))
+        for name, tensor in want.items():
+            if name not in quantized:
+                assert _equal(got[name], tensor), name
+                continue
+            pairs = [ref_quantize(t) for t in (tensor.unbind(0) if tensor.dim() == 3 else [tensor])]
+            q, s = (torch.stack(x) if tensor.dim() == 3 else x[0] for x in zip(*pairs))
+            assert _equal(got[name], q) and _equal(got[name + "_scale_inv"], s), name
+    qconfig = json.loads((quant / "config.json").read_text())["quantization_config"]
+    ours = _rank(quant, 0)
+    linears = sorted(k.removesuffix(".weight").replace(".mlp.experts.gate", ".mlp.gate") for k, t in ours.items()
+                     if k.endswith(".weight") and t.dim() == 2 and not re.search(r"embed|norm|lm_head", k))
+    experts = sorted({k.removesuffix(".routed_experts.w13_weight") for k in ours if k.endswith(".w13_weight")})
+    skipped = vllm_skipped(qconfig, linears + experts, ("vllm.model_executor.models.qwen3_vl_moe",
+                                                        "Qwen3VLMoeForConditionalGeneration"),
+                           {"gate_up_proj": ["gate_proj", "up_proj"]})  # Qwen3-MoE's, with mlp_only_layers
+    scaled = {k.removesuffix(".weight_scale_inv").replace(".mlp.experts.gate", ".mlp.gate") for k in ours}
+    wrong = [p for p in linears if skipped[p] == (p in scaled)] + [p for p in experts if skipped[p]]
+    assert wrong == [] and experts and sum(skipped[p] for p in tower_modules(linears)) >= 10, wrong
