@@ -39,5 +39,5 @@ class ParallelQwen3VLMoe(ParallelQwen3VL):
 
 
 # LoRA: on the language model's attention and dense MLPs as in Qwen3-MoE (routed experts and the router
-# refused by name, tower targets too: models/common/blocks/lora.py)
+# refused by name) and on the Qwen3-VL tower (models/common/blocks/lora.py)
 build_parallel_model = entry_point(ARCHITECTURE, "Qwen3-VL-MoE", __name__, returns="ParallelQwen3VLMoe")
