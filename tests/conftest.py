@@ -2,6 +2,10 @@ import os
 import time
 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' own bars (read at its import) off
+# inductor compiles in the rank's own process: its default on 2 cores is a pool of compile subprocesses per rank
+# (each importing torch), which two ranks on 2 cores pay for twice; tests/test_compile.py took 194-201 s with one
+# thread against 213-259 s by default (cold cache, alternating, load 8-15)
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
