@@ -82,11 +82,12 @@ def _derived_config_note(args: argparse.Namespace) -> str | None:
     if args.to not in ("hf", "vllm") or args.hf_config:
         return None
     from converters.formats.locate import locate_source
-    from converters.formats.megatron_args import sidecar_config_dir
 
     location = locate_source(args.src)
     if location.format not in ("megatron", "megatron-dist") or location.hf_config_dir:
         return None
+    from converters.formats.megatron_args import sidecar_config_dir
+
     if sidecar_config_dir(location.path):
         return None
     return ("config.json was rebuilt from the Megatron args with transformers' defaults for the rest; token ids, "

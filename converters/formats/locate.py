@@ -29,15 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from converters.formats.megatron_args import (
-    HF_CONFIG_DIR,
-    TRACKER,
-    read_tracker,
-    resolve_iteration_dir,
-    sidecar_config_dir,
-    tracker_step,
-)
-from converters.formats.megatron_bridge import bridge_hf_model_id
 from converters.formats.vllm_sharded import is_vllm_dir
 from models.common.errors import CheckpointError
 
@@ -77,6 +68,9 @@ def locate_source(path: Any, hf_config: str | None = None) -> SourceLocation:
         return SourceLocation(str(p), "vllm", "vLLM sharded_state")
     if is_hf_dir(p):
         return SourceLocation(str(p), "hf", "HuggingFace")
+    # the Megatron layouts' rules load only for a path that is neither HF nor vLLM
+    from converters.formats.megatron_args import TRACKER, read_tracker, resolve_iteration_dir, tracker_step
+
     tracker = p / TRACKER
     if tracker.is_file():
         text = read_tracker(tracker)
@@ -171,6 +165,9 @@ def _bridge_location(p: Path, it_dir: Path, hf_config: str | None) -> SourceLoca
     (``also_save_hf_checkpoint``) or by the local HF directory its run_config.yaml names
     (``converters/formats/megatron_bridge``: bounded, data only). With ``--hf-config`` given, a
     run_config.yaml that cannot be read only loses its note; without, it is an error naming it."""
+    from converters.formats.megatron_args import HF_CONFIG_DIR, sidecar_config_dir
+    from converters.formats.megatron_bridge import bridge_hf_model_id
+
     name = f"Megatron-Bridge ({it_dir.name}, run_config.yaml)"
     notes = []
     if (it_dir / "tokenizer").is_dir():

@@ -25,7 +25,6 @@ from pathlib import Path
 from converters.formats.hf_config import read_hf_config
 from converters.formats.quantized import check_unquantized_tensors
 from converters.layout.model import architecture_for, conversion_weight_map
-from models.common import vllm_format
 from models.common.errors import CheckpointError
 from models.common.hf_files import StoredTensor, read_safetensors_header
 from models.common.weight_map import hf_shapes
@@ -61,6 +60,8 @@ class VllmShardedCheckpoint:
     format = "vllm"
 
     def __init__(self, path: str | os.PathLike) -> None:
+        from models.common import vllm_format  # vLLM's layout rules: loaded when a vLLM directory is read
+
         self.path = str(path)
         directory = Path(path)
         self.hf_config = read_hf_config(path)
@@ -99,6 +100,8 @@ class VllmShardedCheckpoint:
                                           f"dtypes (files of two checkpoints mixed?); pmz does not narrow values")
 
     def _grid(self, directory: Path, files: dict[tuple[int, int], dict[int, Path]]) -> tuple[int, int]:
+        from models.common import vllm_format
+
         names = [p.name for parts in files.values() for p in parts.values()]
         if any(RANK_FILE.match(n) for n in names) and any(STAGE_FILE.match(n) for n in names):
             raise CheckpointError(f"{directory}: both model-rank-* and model-pp-*-tp-* files: two checkpoints mixed")
@@ -136,6 +139,8 @@ class VllmShardedCheckpoint:
         """The TP size rank 0's vocabulary shard implies (vLLM pads the vocabulary to a multiple of 64
         and splits it evenly), so missing trailing rank files read as missing, not as a smaller TP,
         and a stray one beyond it is named; 0 when it implies none."""
+        from models.common import vllm_format
+
         padded = vllm_format.padded_vocab(self.cfg.vocab_size)
         for part in sorted(files.get((0, 0), {}).values()):
             for key, stored in read_safetensors_header(part).items():
@@ -145,6 +150,8 @@ class VllmShardedCheckpoint:
         return 0  # unknown (rank 0 holds no vocabulary shard, or one of a size no TP gives): the names decide
 
     def _check_rank(self, parts: dict[int, Path], wanted: list, shapes: dict, tp_rank: int) -> dict[str, StoredTensor]:
+        from models.common import vllm_format
+
         found: dict[str, StoredTensor] = {}
         where: dict[str, Path] = {}
         for part in sorted(parts):

@@ -9,38 +9,36 @@ units. Peak memory is therefore a few units, whatever the model size.
 
 from __future__ import annotations
 
+import importlib
+import sys
 from dataclasses import replace
-from typing import Any, Callable, Iterable, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Union
 
-from models.common.architecture import Architecture
-from models.common.config import ModelConfig
 from models.common.errors import CheckpointError
-from models.common.hybrid.weights import MTP_PREFIX, HybridWeightMap, tower_entry
 from models.common.weight_map import PLAIN, WeightEntry, WeightMap
+
+if TYPE_CHECKING:
+    from models.common.architecture import Architecture
+    from models.common.config import ModelConfig
 
 EMBED = "embed"
 FINAL = "final"
 Unit = Union[int, str]
 
 
-def architectures() -> dict[str, Architecture]:
-    """Registered architectures by HF model_type."""
-    from models.llama.architecture import ARCHITECTURE as LLAMA
-    from models.qwen2.architecture import ARCHITECTURE as QWEN2
-    from models.qwen2_5_vl.architecture import ARCHITECTURE as QWEN2_5_VL
-    from models.qwen2_moe.architecture import ARCHITECTURE as QWEN2_MOE
-    from models.qwen2_vl.architecture import ARCHITECTURE as QWEN2_VL
-    from models.qwen3.architecture import ARCHITECTURE as QWEN3
-    from models.qwen3_5.architecture import ARCHITECTURE as QWEN3_5
-    from models.qwen3_5_moe.architecture import ARCHITECTURE as QWEN3_5_MOE
-    from models.qwen3_moe.architecture import ARCHITECTURE as QWEN3_MOE
-    from models.qwen3_next.architecture import ARCHITECTURE as QWEN3_NEXT
-    from models.qwen3_vl.architecture import ARCHITECTURE as QWEN3_VL
-    from models.qwen3_vl_moe.architecture import ARCHITECTURE as QWEN3_VL_MOE
+# The registered architectures: the model folders (``models/<name>/architecture.py``, its ``ARCHITECTURE``), each
+# named after the HF model_type it reads or a prefix of them (``qwen3_5`` reads ``qwen3_5_text`` too).
+ARCHITECTURE_PACKAGES = ("llama", "qwen2", "qwen2_moe", "qwen2_vl", "qwen2_5_vl", "qwen3", "qwen3_moe", "qwen3_5",
+                         "qwen3_5_moe", "qwen3_next", "qwen3_vl", "qwen3_vl_moe")
 
-    archs = (LLAMA, QWEN2, QWEN2_MOE, QWEN2_VL, QWEN2_5_VL, QWEN3, QWEN3_MOE, QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT,
-             QWEN3_VL, QWEN3_VL_MOE)
-    return {t: arch for arch in archs for t in arch.hf_model_types}
+
+def _architecture(package: str) -> Architecture:
+    return importlib.import_module(f"models.{package}.architecture").ARCHITECTURE
+
+
+def architectures() -> dict[str, Architecture]:
+    """Registered architectures by HF model_type (imports every model folder's plain-data modules)."""
+    return {t: arch for arch in map(_architecture, ARCHITECTURE_PACKAGES) for t in arch.hf_model_types}
 
 
 # Megatron-Bridge's vision-language models (``Qwen25VLModel``) hold megatron-core's GPTModel as
@@ -87,6 +85,15 @@ def require_megatron_layout(cfg: ModelConfig, where: str, bridge: bool = False) 
 
 
 def architecture_for(model_type: str | None, where: str) -> Architecture:
+    """The architecture registered for an HF model_type; CheckpointError naming the supported ones otherwise.
+    Only the model folder the type names is imported (the longest package name that is the type or a prefix
+    of it, and only if its ``hf_model_types`` has the type): a conversion loads one architecture, not all."""
+    named = [p for p in ARCHITECTURE_PACKAGES if isinstance(model_type, str) and model_type.startswith(p)
+             and model_type[len(p):len(p) + 1] in ("", "_")]
+    if named:
+        arch = _architecture(max(named, key=len))
+        if model_type in arch.hf_model_types:
+            return arch
     archs = architectures()
     if model_type not in archs:
         raise CheckpointError(f"{where}: unknown architecture {model_type!r} (supported: {', '.join(sorted(archs))})")
@@ -98,7 +105,7 @@ def conversion_weight_map(arch: Architecture, cfg: ModelConfig, mtp_layers: int 
     DeltaNet hybrid's with Megatron's one ``in_proj`` per linear layer and, with ``mtp_layers``, the MTP block
     (``HybridWeightMap.for_conversion``; ``mtp_layers`` from ``mtp_layers_of``)."""
     wmap = arch.weight_map(cfg, cfg.vocab_size)
-    if isinstance(wmap, HybridWeightMap):
+    if is_hybrid(wmap):
         return wmap.for_conversion(mtp_layers)
     if mtp_layers:
         raise CheckpointError(f"{arch.name} has no MTP block (mtp.* tensors): only the Gated DeltaNet hybrids do")
@@ -109,7 +116,7 @@ def checkpoint_weight_map(arch: Architecture, cfg: ModelConfig, names: Iterable[
     """The conversion map of a checkpoint whose tensors are ``names`` (HF names, or Megatron keys): a hybrid's
     carries the MTP block when they hold one (``mtp_layers_of``)."""
     wmap = conversion_weight_map(arch, cfg)
-    return wmap.for_conversion(mtp_layers_of(names, where)) if isinstance(wmap, HybridWeightMap) else wmap
+    return wmap.for_conversion(mtp_layers_of(names, where)) if is_hybrid(wmap) else wmap
 
 
 def megatron_weight_map(arch: Architecture, cfg: ModelConfig, mtp_layers: int = 0) -> WeightMap:
@@ -125,8 +132,11 @@ def megatron_weight_map(arch: Architecture, cfg: ModelConfig, mtp_layers: int = 
 
 
 def is_hybrid(wmap: WeightMap) -> bool:
-    """A Gated DeltaNet hybrid's map (Qwen3.5, Qwen3.5-MoE, Qwen3-Next)."""
-    return isinstance(wmap, HybridWeightMap)
+    """A Gated DeltaNet hybrid's map (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): a ``HybridWeightMap``. Its module
+    (``models/common/hybrid/weights``) is not imported for the other models: while it is not loaded, no map
+    is one."""
+    hybrid = sys.modules.get("models.common.hybrid.weights")
+    return hybrid is not None and isinstance(wmap, hybrid.HybridWeightMap)
 
 
 def mtp_layers_of(names: Iterable[str], where: str) -> int:
@@ -134,6 +144,8 @@ def mtp_layers_of(names: Iterable[str], where: str) -> int:
     {k}.*``; 0 without ``mtp.*``).
     pmz carries one MTP layer (Megatron-Bridge's mapping names ``mtp.layers.0`` only): CheckpointError for
     more, or for ``mtp.*`` tensors without a layer."""
+    from models.common.hybrid.weights import MTP_PREFIX
+
     mtp = [n.removeprefix(BRIDGE_TEXT_PREFIX) for n in names]  # Qwen3VLModel's MTP block is language_model.mtp.*
     mtp = [n for n in mtp if n.startswith(MTP_PREFIX)]
     if not mtp:
@@ -182,6 +194,7 @@ def bridge_qwen3_vl_weight_map(wmap: WeightMap) -> WeightMap:
     ``BRIDGE_TEXT_PREFIX`` (Qwen3 / Qwen3-MoE layouts as they are), every tower tensor one entry named
     ``vision_model.*`` with megatron-core's TP split as its rule (``hybrid_weights.tower_entry``, the rule Qwen3.5's
     carried tower takes: blocks, merger, DeepStack mergers, ``qkv`` per head)."""
+    from models.common.hybrid.weights import tower_entry
 
     def tower(e: WeightEntry) -> list[WeightEntry]:
         assert len(e.hf) == 1, f"{e.param}: tower entries are one HF tensor with its shape"
