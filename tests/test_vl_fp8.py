@@ -362,3 +362,53 @@ def test_qwen3_vl_moe_vllm_fp8_quantizes_text_and_experts_and_keeps_the_tower(tm
     scaled = {k.removesuffix(".weight_scale_inv").replace(".mlp.experts.gate", ".mlp.gate") for k in ours}
     wrong = [p for p in linears if skipped[p] == (p in scaled)] + [p for p in experts if skipped[p]]
     assert wrong == [] and experts and sum(skipped[p] for p in tower_modules(linears)) >= 10, wrong
+
+
+def test_qwen3_vl_moe_hf_fp8_stores_fused_experts_as_transformers_fp8_model_holds_them(tmp_path):
+    """``pmz convert --to hf --quantize fp8`` of a Qwen3-VL-MoE checkpoint (experts stored fused): each layer's
+    ``mlp.experts.gate_up_proj [E, 2F, H]`` / ``down_proj [E, H, F]`` is FP8 with ``<name>_scale_inv``
+    ``[E, 2F/128, H/128]`` / ``[E, H/128, F/128]``, each expert's matrix its own block grid (the reference block
+    quantization, bitwise), the other text projections too, the tower and the rest bitwise with no scale; names,
+    shapes and dtypes are exactly the parameters of transformers 5.24's FP8 model of the config (its ``FP8Experts``
+    and FP8 linears, on a meta model as it prepares a GPU load); ``pmz verify`` holds every expert's dequantized
+    rows against the source within the e4m3 rounding bound and fails on one changed expert scale. (On CPU
+    transformers' ``dequantize=True`` load does not pair a fused expert with its ``_scale_inv``: measured, it reports
+    them unexpected, so that load is not the reference here.)"""
+    import transformers
+    from safetensors.torch import save_file
+    from transformers.quantizers.auto import AutoHfQuantizer
+
+    from converters.cli import main as pmz
+    from converters.engine import convert
+
+    src = write_qwen3_vl_moe_for_fp8(tmp_path, seed=65)
+    out = convert(src, tmp_path / "hf-fp8", to="hf", quantization="fp8", workers=2)
+    source, files = _load(src), _load(out)
+    fused = re.compile(r"^model\.language_model\.layers\.\d+\.mlp\.experts\.(gate_up|down)_proj$")
+    quantized = sorted(k for k in source if QUANTIZED.match(k) or fused.match(k))
+    assert any(fused.match(k) for k in quantized)
+    assert set(files) == set(source) | {k + "_scale_inv" for k in quantized}
+    for name, tensor in source.items():
+        if name not in quantized:
+            assert _equal(files[name], tensor), name
+            continue
+        pairs = [ref_quantize(t) for t in (tensor.unbind(0) if tensor.dim() == 3 else [tensor])]
+        q, s = (torch.stack(x) if tensor.dim() == 3 else x[0] for x in zip(*pairs))
+        assert _equal(files[name], q) and _equal(files[name + "_scale_inv"], s), name
+    config = json.loads((out / "config.json").read_text())
+    with torch.device("meta"):
+        model = transformers.Qwen3VLMoeForConditionalGeneration(transformers.AutoConfig.from_pretrained(out))
+    AutoHfQuantizer.from_config(dict(config["quantization_config"]), pre_quantized=True) \
+        ._process_model_before_weight_loading(model)
+    held = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
+    fp8_held = {n for n, (_, dtype) in held.items() if dtype == torch.float8_e4m3fn}
+    assert fp8_held == set(quantized), sorted(fp8_held ^ set(quantized))[:6]
+    for name in quantized + [k + "_scale_inv" for k in quantized]:
+        assert held[name] == (tuple(files[name].shape), files[name].dtype), (name, held.get(name))
+    assert pmz(["verify", str(src), str(out), "--quiet"]) == 0
+    name = next(k for k in quantized if k.endswith("gate_up_proj")) + "_scale_inv"
+    damaged = {**files, name: files[name].clone()}
+    damaged[name][1, -1, 0] *= 1.5  # expert 1's last up-row block
+    (out / "model.safetensors").unlink()
+    save_file(damaged, str(out / "model.safetensors"), metadata={"format": "pt"})
+    assert pmz(["verify", str(src), str(out), "--quiet"]) == 1

@@ -8,6 +8,13 @@ makes them, ``fp8.stored_layout`` gives names, shapes and dtypes for planning, a
 conditional-generation checkpoint's vision tower included (not in the role map: carried as stored, its
 linear modules listed in ``modules_to_not_convert`` by ``fp8.carried_linear_modules``).
 
+Experts stored fused (``WeightMap.fused_experts``, Qwen3-VL-MoE): ``mlp.experts.gate_up_proj [E, 2F, H]`` and
+``down_proj [E, H, F]`` are FP8 with ``<name>_scale_inv [E, ceil(2F/128), ceil(H/128)]`` / ``[E, ceil(H/128),
+ceil(F/128)]``, each expert's matrix its own block grid: the parameters transformers 5.24's FP8 model
+(``FP8Experts``) holds. Each expert's gate, up and down rows are quantized as they stream and written at their rows
+and block rows of the fused tensors (``fused_starts``), which needs each to start on a block edge: refused before
+anything is written otherwise (``moe_intermediate_size`` not a multiple of 128).
+
 Files are laid out as ``write_hf`` lays them out (``hf_plan``: HF tensors in unit order, split at
 ``--max-shard-size`` counted on the unquantized bytes, so FP8 files come out smaller), each HF
 tensor replaced by what is stored for it; inside a file the widest dtypes come first, so every
@@ -88,15 +95,13 @@ def quantized_names(reader: CheckpointReader) -> set[str]:
 
 def check_fp8_target(reader: CheckpointReader, tp: int | None = None) -> None:
     """QuantizationError (one line, the numbers named) before anything is written: a weight-map entry
-    with no FP8 role, (an HF target) experts the model's HF checkpoints store fused (``fused_experts``: the
-    FP8 layout here is per tensor, per expert), or (``tp``: a vLLM target) a TP whose shard boundaries cut a
+    with no FP8 role, (an HF target) experts stored fused whose per-expert tensors do not start on a block edge
+    of their fused matrix (``fused_starts``), or (``tp``: a vLLM target) a TP whose shard boundaries cut a
     128x128 block."""
-    if tp is None and reader.wmap.fused_experts:
-        raise fp8.QuantizationError(f"--quantize fp8 --to hf: {reader.arch.name} stores its experts fused "
-                                    f"(mlp.experts.gate_up_proj), which pmz's FP8 layout (per-expert tensors with "
-                                    f"their _scale_inv) does not describe")
     quantization_config(reader)  # every entry's role
-    quantized_names(reader)
+    quantized = quantized_names(reader)
+    if tp is None and reader.wmap.fused_experts:
+        fused_starts(reader, quantized)
     if tp is not None:
         from models.common import vllm_format
         from models.common.weight_map import hf_shapes
@@ -105,13 +110,39 @@ def check_fp8_target(reader: CheckpointReader, tp: int | None = None) -> None:
         fp8.vllm_block_check(vmap, reader.cfg, hf_shapes(reader.cfg, vmap), tp)
 
 
+def fused_starts(reader: CheckpointReader, quantized: set[str]) -> dict[str, tuple[str, int, int]]:
+    """Experts stored fused (``WeightMap.fused_experts``, Qwen3-VL-MoE: ``mlp.experts.gate_up_proj [E, 2F, H]`` /
+    ``down_proj [E, H, F]``, as transformers 5.24 holds them, its FP8 ``FP8Experts`` too, with
+    ``gate_up_proj_scale_inv [E, 2F/128, H/128]`` / ``down_proj_scale_inv``): per quantized per-expert tensor,
+    (its fused tensor, its element offset there, its scales' element offset in the fused tensor's scales). Each
+    expert's gate, up and down rows are quantized on their own, which is the fused matrix's quantization only when
+    each starts on a 128-row block edge of it (``fp8.scale_offset``: else QuantizationError, e.g.
+    ``moe_intermediate_size`` not a multiple of 128, naming the tensor)."""
+    from models.common.hf_files import fused_expert_layout
+
+    shapes = reader.hf_shapes()
+    layout, within = fused_expert_layout([(n, tuple(s)) for n, s in shapes.items()])
+    fused_shapes = dict(layout)
+    out = {}
+    for name, (fused, offset) in within.items():
+        if name in quantized:
+            try:
+                out[name] = (fused, offset, fp8.scale_offset(fused_shapes[fused], offset))
+            except fp8.QuantizationError as exc:
+                raise fp8.QuantizationError(f"--quantize fp8 --to hf: {name} in {fused} {list(fused_shapes[fused])} "
+                                            f"({reader.arch.name} stores its experts fused): {exc}") from None
+    return out
+
+
 def plan_fp8(reader: CheckpointReader, dtype: torch.dtype, max_shard_bytes: int) -> list[StoredFile]:
-    """The files of the FP8 checkpoint (see the module docstring)."""
+    """The files of the FP8 checkpoint (see the module docstring); a fused expert tensor is FP8 with its scales when
+    its experts' tensors are."""
     quantized = quantized_names(reader)
     files = []
     for plan in hf_plan(reader, dtype, max_shard_bytes):
-        stored = [(n, s, TAGS[dt]) for name, shape in plan.tensors
-                  for n, s, dt in fp8.stored_layout(name, shape, name in quantized, dtype)]
+        fused = {plan.within[n][0] for n in plan.within if n in quantized}
+        stored = [(n, s, TAGS[dt]) for name, shape in plan.on_disk()
+                  for n, s, dt in fp8.stored_layout(name, shape, name in quantized or name in fused, dtype)]
         stored.sort(key=lambda t: -nbytes((), t[2]))  # stable: widest first, every tensor aligned
         files.append(StoredFile(plan, stored))
     return files
@@ -139,11 +170,12 @@ def write_hf_fp8(reader: CheckpointReader, directory: str, dtype: torch.dtype, *
 
     files = plan_fp8(reader, dtype, max_shard_bytes)
     quantized = quantized_names(reader)
+    starts = fused_starts(reader, quantized) if reader.wmap.fused_experts else {}
     tasks = []
     for f in files:
         f.create(directory)
         parts = max(1, min(workers, len(f.plan.tensors)) * 2 // max(1, len(files)))
-        tasks += [(_write_range, (reader.reopen_args(), f, directory, dtype, lo, hi, quantized))
+        tasks += [(_write_range, (reader.reopen_args(), f, directory, dtype, lo, hi, quantized, starts))
                   for lo, hi in split_file_plan(f.plan, parts)]
     run_tasks(tasks, workers, "writing FP8 HF shards", progress)
     if len(files) > 1:
@@ -157,22 +189,29 @@ def write_hf_fp8(reader: CheckpointReader, directory: str, dtype: torch.dtype, *
 
 
 def _write_range(reopen_args: tuple, file: StoredFile, directory: str, dtype: torch.dtype, lo: int, hi: int,
-                 quantized: set[str]) -> int:
+                 quantized: set[str], starts: dict[str, tuple[str, int, int]]) -> int:
     reader = reopen(reopen_args)
     try:
-        return write_fp8_range(file, directory, dtype, lo, hi, reader.read_unit_pieces, quantized)
+        return write_fp8_range(file, directory, dtype, lo, hi, reader.read_unit_pieces, quantized, starts)
     finally:
         reader.close()
 
 
 def write_fp8_range(file: StoredFile, directory: str, dtype: torch.dtype, lo: int, hi: int,
-                    read_unit_pieces: Callable[[Unit], dict[str, list[torch.Tensor]]], quantized: set[str]) -> int:
+                    read_unit_pieces: Callable[[Unit], dict[str, list[torch.Tensor]]], quantized: set[str],
+                    starts: dict[str, tuple[str, int, int]] | None = None) -> int:
     """Write what is stored for HF tensors ``file.plan.tensors[lo:hi]``, unit by unit; returns the bytes
-    (``torch_path.hf.write_shard_range``, quantized tensors written by ``_write_quantized``)."""
+    (``torch_path.hf.write_shard_range``, quantized tensors written by ``_write_quantized``; a per-expert tensor
+    of a fused one at its rows and scale rows there, ``starts`` from ``fused_starts``)."""
+    starts = starts or {}
 
     def quantize(f, name: str, pieces: list[torch.Tensor], offsets: dict[str, int]) -> int | None:
         if name not in quantized:
             return None
+        if name in starts:
+            fused, at, scale_at = starts[name]  # FP8: one byte an element; scales fp32
+            return _write_quantized(f, name, pieces, offsets[fused] + at,
+                                    offsets[fp8.scale_name(fused)] + 4 * scale_at)
         return _write_quantized(f, name, pieces, offsets[name], offsets[fp8.scale_name(name)])
 
     return write_shard_range(file.plan, directory, dtype, lo, hi, read_unit_pieces, offsets=file.offsets(),

@@ -16,12 +16,15 @@ it and ``pmz verify SRC out/hf-fp8`` to say whether it is SRC quantized. This re
   bytes and are read by the constructor) and, when ``read_unit`` reads an F8 weight, any e4m3 NaN
   encoding (``0x7f``/``0xff``; e4m3fn has no infinities, and ``fp8.quantize`` clamps to +-448);
 * ``read_unit``: every tensor as fp32 ``fp8.dequantize(fp8, scale_inv)`` for FP8 tensors, as
-  stored for the rest; ``scales`` then holds, per FP8 tensor of that unit, each element's block
-  ``scale_inv`` (the tensor's shape). ``rounding_bound`` turns them and the unquantized weights into
-  the largest error round-to-nearest e4m3 allows each element: the distance to the nearest e4m3
-  point of ``w / scale_inv`` (torch's own round-to-nearest-even cast), times ``scale_inv``, plus fp32
-  rounding (16 ulps). ``pmz verify`` holds an FP8 tensor against its unquantized counterpart by it, element
-  by element: it passes exactly when every element is the nearest e4m3 value under its block's scale.
+  stored for the rest (experts stored fused, Qwen3-VL-MoE: each expert's gate, up and down rows of the fused
+  FP8 tensor with the block rows of its ``_scale_inv`` that ``fp8.scale_offset`` places them at, as
+  ``torch_path/hf_fp8.py`` writes them; a transposed release layout is not read); ``scales`` then holds, per
+  FP8 tensor of that unit, each element's block ``scale_inv`` (the tensor's shape). ``rounding_bound``
+  turns them and the unquantized weights into the largest error round-to-nearest e4m3 allows each
+  element: the distance to the nearest e4m3 point of ``w / scale_inv`` (torch's own round-to-nearest-even
+  cast), times ``scale_inv``, plus fp32 rounding (16 ulps). ``pmz verify`` holds an FP8 tensor against its
+  unquantized counterpart by it, element by element: it passes exactly when every element is the nearest
+  e4m3 value under its block's scale.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from converters.layout.model import Unit, architecture_for, checkpoint_weight_ma
 from converters.torch_path.reader import TORCH_DTYPES, CheckpointReader, ReaderInfo
 from models.common.errors import CheckpointError
 from models.common.export import fp8
-from models.common.hf_files import SafetensorsFiles, canonical_names, check_tensors
+from models.common.hf_files import SafetensorsFiles, canonical_names, check_tensors, per_expert_views
 from models.common.sources import SafetensorsSource
 from models.common.weight_map import hf_shapes
 from parallel.sharding import Piece
@@ -120,7 +123,18 @@ class FP8HFReader(CheckpointReader):
         cfg = arch.model_config(config)
         # the unquantized directory's checks (converters/formats/hf.py, HFCheckpoint) on the weights
         stored_as = canonical_names(weights, arch.canonical_name, self.path)
-        shapes = {name: weights[s].shape for name, s in stored_as.items()}
+        # experts stored fused (Qwen3-VL-MoE, transformers' FP8Experts layout): a view per expert, in
+        # transformers' layout only (a transposed release's FP8 blocks are not this writer's), its scales the block
+        # rows fp8.scale_offset places it at in the fused tensor's
+        # per-expert name -> (fused tensor, element offset there, its shape)
+        self.within: dict[str, tuple[str, int, tuple[int, ...]]] = {}
+        if arch.weight_map(cfg, cfg.vocab_size).fused_experts:
+            views, origin = per_expert_views(self.path, stored_as, weights, cfg, False)
+            self.within = {name: (origin[name], (v.offset - weights[origin[name]].offset) * math.prod(v.shape)
+                                  // v.nbytes, tuple(v.shape)) for name, v in views.items() if name not in stored_as}
+            stored_as = {name: origin[name] for name in views}
+        shapes = {name: self.within[name][2] if name in self.within else weights[s].shape
+                  for name, s in stored_as.items()}
         where = {name: files.file_of(s) for name, s in stored_as.items()}
         config_path = Path(path) / "config.json"
         for field, count, prefix in arch.counted_blocks(cfg) if arch.counted_blocks else ():
@@ -144,8 +158,7 @@ class FP8HFReader(CheckpointReader):
         self.files = files
         self.source = SafetensorsSource(path, files)
         self.scales: dict[str, torch.Tensor] = {}
-        for name in sorted(self.quantized):
-            scale = fp8.scale_name(stored_as[name])
+        for scale in sorted({fp8.scale_name(stored_as[name]) for name in self.quantized}):
             check_scales(self.source.read(scale, Piece(None)), scale, lambda s=scale: self._file(s))
 
     def _file(self, stored: str) -> str:
@@ -157,17 +170,26 @@ class FP8HFReader(CheckpointReader):
     def read_unit(self, unit: Unit) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         self.scales = {}
+        read: dict[str, torch.Tensor] = {}  # stored tensors of this unit (a fused one once for all its experts)
         for entry in unit_entries(self.wmap, unit):
             for name in entry.hf:
                 stored = self.stored_as[name]
-                tensor = self.source.read(stored, Piece(None))
+                if stored not in read:
+                    read[stored] = self.source.read(stored, Piece(None))
+                tensor = read[stored]
                 if name in self.quantized:
-                    check_no_nan_encodings(tensor, stored, lambda s=stored: self._file(s))
                     scale_name = fp8.scale_name(stored)
-                    scale = self.source.read(scale_name, Piece(None))
-                    check_scales(scale, scale_name, lambda s=scale_name: self._file(s))
+                    if scale_name not in read:
+                        check_no_nan_encodings(tensor, stored, lambda s=stored: self._file(s))
+                        read[scale_name] = self.source.read(scale_name, Piece(None))
+                        check_scales(read[scale_name], scale_name, lambda s=scale_name: self._file(s))
+                    scale = read[scale_name]
+                    if name in self.within:  # one expert's rows of a fused tensor and their block rows
+                        tensor, scale = _expert_rows(tensor, scale, *self.within[name][1:])
                     tensor = fp8.dequantize(tensor, scale, torch.float32)
                     self.scales[name] = fp8.dequantize(torch.ones(tensor.shape, dtype=fp8.FP8_DTYPE), scale)
+                elif name in self.within:
+                    tensor = _expert_rows(tensor, None, *self.within[name][1:])[0]
                 out[name] = tensor
         return out
 
@@ -178,3 +200,14 @@ class FP8HFReader(CheckpointReader):
         """The quantization line of ``pmz inspect``."""
         return (f"fp8 (e4m3, {fp8.BLOCK}x{fp8.BLOCK} blocks): {len(self.quantized)} tensors as float8_e4m3fn with "
                 f"fp32 <name>{fp8.SCALE_SUFFIX}, the rest {' and '.join(self.kept_dtypes)}")
+
+
+def _expert_rows(fused: torch.Tensor, scale: torch.Tensor | None, offset: int, shape: tuple[int, ...]
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ``shape`` tensor at element ``offset`` of ``fused`` (one expert's gate, up or down rows) and, for an FP8
+    one, its scales: the block rows ``fp8.scale_offset`` places it at in ``scale`` (fused tensors' scales)."""
+    rows = fused.reshape(-1)[offset:offset + math.prod(shape)].view(shape)
+    if scale is None:
+        return rows, None
+    at, want = fp8.scale_offset(fused.shape, offset), fp8.scale_shape(shape)
+    return rows, scale.reshape(-1)[at:at + math.prod(want)].view(want)

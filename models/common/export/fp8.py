@@ -184,6 +184,20 @@ def scale_shape(shape: Sequence[int]) -> tuple[int, ...]:
     return (*lead, math.ceil(rows / BLOCK), math.ceil(cols / BLOCK))
 
 
+def scale_offset(shape: Sequence[int], offset: int) -> int:
+    """Element offset, in the scales of a weight of ``shape`` (``[..., rows, cols]``), of the block row that starts
+    at element ``offset`` of the weight: a range of whole rows of one matrix starting on a block edge (an expert's
+    gate or up rows inside a fused ``gate_up_proj``) is quantized on its own exactly as inside the whole tensor,
+    and its scales are a contiguous range there too. QuantizationError for any other start."""
+    *_, rows, cols = shape
+    matrix, rest = divmod(offset, rows * cols)
+    row, col = divmod(rest, cols)
+    if col or row % BLOCK:
+        raise QuantizationError(f"element {offset} of a {list(shape)} weight starts row {row} (column {col}) of its "
+                                f"matrix: not on a {BLOCK}-row block edge, so its scale blocks are shared")
+    return (matrix * math.ceil(rows / BLOCK) + row // BLOCK) * math.ceil(cols / BLOCK)
+
+
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(fp8, scale_inv)`` of ``weight [..., rows, cols]`` (bf16/fp16/fp32), computed in fp32 (module doc)."""
     w = weight.detach().to(torch.float32)
