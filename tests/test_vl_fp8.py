@@ -26,8 +26,8 @@ item 4; the one rule is ``models/common/export/fp8.py``'s ``TOWER_PREFIX``).
 * Qwen3-VL-MoE in vLLM's FP8 ``sharded_state`` (``pmz convert --to vllm --tp 2 --quantize fp8``): the text
   projections and the routed experts (vLLM's fused ``w13`` / ``w2`` stacks, each expert its own block grid) are the
   reference block quantization of the unquantized conversion's tensors, bitwise; the tower and everything else
-  that conversion's bytes; vLLM's own ``Fp8Config`` skips exactly what we kept. (Its HF FP8 checkpoint is still
-  refused: ``converters/torch_path/hf_fp8.py``.)
+  that conversion's bytes; vLLM's own ``Fp8Config`` skips exactly what we kept. Its HF FP8 checkpoint
+  (``--to hf --quantize fp8``): the fused experts as transformers' FP8 model holds them (the last test).
 
 Cost: ~60-90 s on 2 cores (the vLLM client ~40 s of it), plus 62 s measured at load 10-11 for Qwen3-VL-MoE (two
 conversions, one vLLM config read).
