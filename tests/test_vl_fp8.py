@@ -29,8 +29,9 @@ item 4; the one rule is ``models/common/export/fp8.py``'s ``TOWER_PREFIX``).
   that conversion's bytes; vLLM's own ``Fp8Config`` skips exactly what we kept. Its HF FP8 checkpoint
   (``--to hf --quantize fp8``): the fused experts as transformers' FP8 model holds them (the last test).
 
-Cost: ~60-90 s on 2 cores (the vLLM client ~40 s of it), plus 62 s measured at load 10-11 for Qwen3-VL-MoE (two
-conversions, one vLLM config read).
+Cost: ~60-90 s on 2 cores. The two vLLM skip-list cases (Qwen3.5, Qwen3-VL-MoE) share one .venv-vllm process
+(``vllm_fp8``: 27 s at load 5-6 with both cases' exports; one process per case took 62 s for the Qwen3-VL-MoE one
+alone at load 10-11); the Qwen3-VL-MoE HF FP8 test ~5 s.
 """
 
 from __future__ import annotations
@@ -216,62 +217,28 @@ def test_fp8_exports_at_two_rank_layouts_equal_the_single_process_export(dirs, s
 
 
 # Run by .venv-vllm's python: vLLM's own FP8 config parser and skip rule on our config.json, for the prefixes
-# vLLM gives its linear layers (argv: quantization_config, prefixes), as its model loader applies them
+# vLLM gives its linear layers, as its model loader applies them. stdin: a JSON list of queries, each
+# {"qconfig", "prefixes", "module", "cls", "packed" (added to the class's packed-modules mapping, as its instance
+# adds them)}; stdout's last line: per query, prefix -> skipped
 VLLM_SKIPPED = """
 import importlib, json, sys
 from vllm.model_executor.layers.quantization.fp8 import Fp8Config
 from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
-module, name = (sys.argv[3:5] if len(sys.argv) > 3 else
-                ("vllm.model_executor.models.qwen3_5", "Qwen3_5ForConditionalGeneration"))
-cls = getattr(importlib.import_module(module), name)
-cfg = Fp8Config.from_config(json.loads(sys.argv[1]))
-cfg.packed_modules_mapping = dict(getattr(cls, "packed_modules_mapping", {})) | json.loads(sys.argv[5] if
-                                                                                         len(sys.argv) > 5 else "{}")
-cfg.apply_vllm_mapper(cls.hf_to_vllm_mapper)
-print(json.dumps({p: is_layer_skipped(p, cfg.ignored_layers, cfg.packed_modules_mapping,
-                                      match_mode=cfg.ignored_layers_match_mode) for p in json.loads(sys.argv[2])}))
+out = []
+for q in json.loads(sys.stdin.read()):
+    cls = getattr(importlib.import_module(q["module"]), q["cls"])
+    cfg = Fp8Config.from_config(q["qconfig"])
+    cfg.packed_modules_mapping = dict(getattr(cls, "packed_modules_mapping", {})) | q["packed"]
+    cfg.apply_vllm_mapper(cls.hf_to_vllm_mapper)
+    out.append({p: is_layer_skipped(p, cfg.ignored_layers, cfg.packed_modules_mapping,
+                                    match_mode=cfg.ignored_layers_match_mode) for p in q["prefixes"]})
+print(json.dumps(out))
 """
 
 
-def test_vllm_reads_the_skip_list_of_a_vl_fp8_checkpoint(tmp_path):
-    """A multimodal Qwen3.5 sized for vLLM's FP8 blocks at TP 2 (tests/test_vllm_hybrid_vision.py's): our FP8
-    ``sharded_state`` at TP 2 holds the tower as the unquantized export does (bitwise, no scales), and vLLM 0.32's
-    ``Fp8Config`` read from our config.json (renamed by the model's ``hf_to_vllm_mapper``) skips exactly the linear
-    layers we left unquantized, tower included, and quantizes every one we wrote with scales. (vLLM refuses to
-    build an FP8 model in fp32 - "torch.float32 is not supported for quantization method fp8" - and the client's
-    ``state`` job builds fp32 models, so its weight loader is not run on these files.)"""
-    from safetensors.torch import load_file
-
-    from tests.test_vllm_hybrid_vision import write_condgen
-
-    src = write_condgen(tmp_path, "qwen3_5", seed=61)
-    model = build("qwen3_5", str(src))
-    model.save_pretrained(tmp_path / "fp8", quantization="fp8")
-    model.save_vllm_sharded_state(tmp_path / "fp8-tp2", tp=2, quantization="fp8")
-    model.save_vllm_sharded_state(tmp_path / "tp2", tp=2)
-    qconfig = json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"]
-    assert json.loads((tmp_path / "fp8-tp2" / "config.json").read_text())["quantization_config"] == qconfig
-    ours, plain = (load_file(str(tmp_path / d / "model-rank-0-part-0.safetensors")) for d in ("fp8-tp2", "tp2"))
-    tower = [k for k in plain if k.startswith("visual.")]
-    assert tower and [k for k in tower if not (k in ours and _equal(ours[k], plain[k]))] == []
-    assert not any(k.startswith("visual.") and k.endswith("_scale_inv") for k in ours)
-    linears = sorted(k.removesuffix(".weight") for k, t in ours.items() if k.endswith(".weight") and t.dim() == 2
-                     and not re.search(r"embed|norm|lm_head|conv1d", k))
-    skipped = vllm_skipped(qconfig, linears)
-    wrong = [p for p in linears if skipped[p] == (p + ".weight_scale_inv" in ours)]
-    assert wrong == [] and any(skipped[p] for p in tower_modules(linears)), wrong
-    assert sum(not s for s in skipped.values()) >= 8  # the text projections are quantized
-
-
-def tower_modules(names: list[str]) -> list[str]:
-    return [n for n in names if n.startswith("visual.")]
-
-
-def vllm_skipped(qconfig: dict, prefixes: list[str], cls: tuple[str, str] | None = None,
-                 packed: dict | None = None) -> dict[str, bool]:
-    """vLLM 0.32's own skip decision (``VLLM_SKIPPED``, in .venv-vllm) for each layer prefix, under the
-    ``quantization_config`` of our config.json and the model class ``cls`` (module, name; Qwen3.5's if None),
-    with ``packed`` added to its packed-modules mapping (what the instance adds to the class's)."""
+def vllm_skipped(queries: list[dict]) -> list[dict[str, bool]]:
+    """vLLM 0.32's own skip decisions (``VLLM_SKIPPED``) for ``queries``, in one .venv-vllm process (importing
+    vLLM takes ~40 s on 2 cores)."""
     import os
     import subprocess
 
@@ -279,14 +246,44 @@ def vllm_skipped(qconfig: dict, prefixes: list[str], cls: tuple[str, str] | None
 
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
     env["PYTHONPATH"] = f"{ROOT}:{ROOT / 'tests' / 'vllm_shims'}"
-    argv = [json.dumps(qconfig), json.dumps(prefixes)] + ([*cls, json.dumps(packed or {})] if cls else [])
-    done = subprocess.run([str(VLLM_PYTHON), "-c", VLLM_SKIPPED, *argv], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=str(ROOT))
+    done = subprocess.run([str(VLLM_PYTHON), "-c", VLLM_SKIPPED], input=json.dumps(queries), env=env,
+                          capture_output=True, text=True, timeout=600, cwd=str(ROOT))
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-# ------------------------------------------------------------------ Qwen3-VL-MoE in vLLM's FP8 sharded_state
+def tower_modules(names: list[str]) -> list[str]:
+    return [n for n in names if n.startswith("visual.")]
+
+
+def _rank(directory: Path, rank: int) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for path in sorted(directory.glob(f"model-rank-{rank}-part-*.safetensors")):
+        out.update(load_file(str(path)))
+    return out
+
+
+def _qwen3_5_vllm_case(root: Path) -> dict:
+    """A multimodal Qwen3.5 sized for vLLM's FP8 blocks at TP 2 (tests/test_vllm_hybrid_vision.py's): its live FP8
+    exports, rank 0 of the unquantized TP-2 one, and the query of its linear layers."""
+    from tests.test_vllm_hybrid_vision import write_condgen
+
+    src = write_condgen(root, "qwen3_5", seed=61)
+    model = build("qwen3_5", str(src))
+    model.save_pretrained(root / "fp8", quantization="fp8")
+    model.save_vllm_sharded_state(root / "fp8-tp2", tp=2, quantization="fp8")
+    model.save_vllm_sharded_state(root / "tp2", tp=2)
+    ours, plain = _rank(root / "fp8-tp2", 0), _rank(root / "tp2", 0)
+    qconfig = json.loads((root / "fp8" / "config.json").read_text())["quantization_config"]
+    linears = sorted(k.removesuffix(".weight") for k, t in ours.items() if k.endswith(".weight") and t.dim() == 2
+                     and not re.search(r"embed|norm|lm_head|conv1d", k))
+    return {"root": root, "ours": ours, "plain": plain, "qconfig": qconfig, "linears": linears,
+            "query": {"qconfig": qconfig, "prefixes": linears, "module": "vllm.model_executor.models.qwen3_5",
+                      "cls": "Qwen3_5ForConditionalGeneration", "packed": {}}}
+
+
 # The text model's projections vLLM holds as FP8 (its names; the routed experts as the fused w13 / w2 stacks of
 # vLLM's Qwen3-MoE, one 128x128 block grid per expert), named independently of fp8.py
 VLLM_QUANTIZED = re.compile(r"^language_model\.model\.layers\.\d+\.(self_attn\.(qkv|o)_proj\.weight|"
@@ -313,16 +310,55 @@ def write_qwen3_vl_moe_for_fp8(root: Path, seed: int) -> Path:
     return Path(save_randomized(Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(**config)), root / "q3vlmoe"))
 
 
-def _rank(directory: Path, rank: int) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def _qwen3_vl_moe_vllm_case(root: Path) -> dict:
+    """``pmz convert --to vllm --tp 2`` of a Qwen3-VL-MoE checkpoint, unquantized and FP8, and the query of rank 0's
+    linear layers (the router under vLLM's module name ``mlp.gate``) and fused-expert layers."""
+    from converters.engine import convert
 
-    out: dict[str, torch.Tensor] = {}
-    for path in sorted(directory.glob(f"model-rank-{rank}-part-*.safetensors")):
-        out.update(load_file(str(path)))
-    return out
+    src = write_qwen3_vl_moe_for_fp8(root, seed=64)
+    plain = convert(src, root / "plain", to="vllm", tp=2, workers=2)
+    quant = convert(src, root / "fp8", to="vllm", tp=2, quantization="fp8", workers=2)
+    qconfig = json.loads((quant / "config.json").read_text())["quantization_config"]
+    ours = _rank(quant, 0)
+    linears = sorted(k.removesuffix(".weight").replace(".mlp.experts.gate", ".mlp.gate") for k, t in ours.items()
+                     if k.endswith(".weight") and t.dim() == 2 and not re.search(r"embed|norm|lm_head", k))
+    experts = sorted({k.removesuffix(".routed_experts.w13_weight") for k in ours if k.endswith(".w13_weight")})
+    return {"plain": plain, "quant": quant, "ours": ours, "linears": linears, "experts": experts,
+            "query": {"qconfig": qconfig, "prefixes": linears + experts,
+                      "module": "vllm.model_executor.models.qwen3_vl_moe", "cls": "Qwen3VLMoeForConditionalGeneration",
+                      "packed": {"gate_up_proj": ["gate_proj", "up_proj"]}}}  # Qwen3-MoE's, with mlp_only_layers
 
 
-def test_qwen3_vl_moe_vllm_fp8_quantizes_text_and_experts_and_keeps_the_tower(tmp_path):
+@pytest.fixture(scope="module")
+def vllm_fp8(tmp_path_factory) -> dict:
+    """Both vLLM FP8 cases below, written, with vLLM's skip decisions from one .venv-vllm process."""
+    root = tmp_path_factory.mktemp("vl_fp8_vllm")
+    cases = {"qwen3_5": _qwen3_5_vllm_case(root / "qwen3_5"), "qwen3_vl_moe": _qwen3_vl_moe_vllm_case(root / "moe")}
+    for case, skipped in zip(cases.values(), vllm_skipped([c["query"] for c in cases.values()])):
+        case["skipped"] = skipped
+    return cases
+
+
+def test_vllm_reads_the_skip_list_of_a_vl_fp8_checkpoint(vllm_fp8):
+    """A multimodal Qwen3.5 sized for vLLM's FP8 blocks at TP 2: our FP8 ``sharded_state`` at TP 2 holds the tower
+    as the unquantized export does (bitwise, no scales), and vLLM 0.32's ``Fp8Config`` read from our config.json
+    (renamed by the model's ``hf_to_vllm_mapper``) skips exactly the linear layers we left unquantized, tower
+    included, and quantizes every one we wrote with scales. (vLLM refuses to build an FP8 model in fp32 -
+    "torch.float32 is not supported for quantization method fp8" - and the client's ``state`` job builds fp32
+    models, so its weight loader is not run on these files.)"""
+    case = vllm_fp8["qwen3_5"]
+    ours, plain, linears, skipped = case["ours"], case["plain"], case["linears"], case["skipped"]
+    qconfig = json.loads((case["root"] / "fp8-tp2" / "config.json").read_text())["quantization_config"]
+    assert qconfig == case["qconfig"]
+    tower = [k for k in plain if k.startswith("visual.")]
+    assert tower and [k for k in tower if not (k in ours and _equal(ours[k], plain[k]))] == []
+    assert not any(k.startswith("visual.") and k.endswith("_scale_inv") for k in ours)
+    wrong = [p for p in linears if skipped[p] == (p + ".weight_scale_inv" in ours)]
+    assert wrong == [] and any(skipped[p] for p in tower_modules(linears)), wrong
+    assert sum(not s for s in skipped.values()) >= 8  # the text projections are quantized
+
+
+def test_qwen3_vl_moe_vllm_fp8_quantizes_text_and_experts_and_keeps_the_tower(vllm_fp8):
     """``pmz convert --to vllm --tp 2 --quantize fp8`` of a Qwen3-VL-MoE checkpoint: on each rank every text
     projection, routed experts included (each expert of the ``w13`` / ``w2`` stack its own block grid), is the
     reference block quantization of the unquantized conversion's tensor (tests/test_fp8_export.py's ``ref_quantize``,
@@ -330,15 +366,12 @@ def test_qwen3_vl_moe_vllm_fp8_quantizes_text_and_experts_and_keeps_the_tower(tm
     conversion's tensor bitwise with no scale, plus vLLM's FP8 attention scalars; vLLM 0.32's ``Fp8Config`` read
     from our config.json skips exactly the linear layers we left unquantized (tower included) and quantizes the
     rest, the fused experts too."""
-    from converters.engine import convert
     from models.common.export import fp8
 
-    src = write_qwen3_vl_moe_for_fp8(tmp_path, seed=64)
-    plain = convert(src, tmp_path / "plain", to="vllm", tp=2, workers=2)
-    quant = convert(src, tmp_path / "fp8", to="vllm", tp=2, quantization="fp8", workers=2)
+    case = vllm_fp8["qwen3_vl_moe"]
     attention = [n for n, _ in fp8.vllm_attention_scales("fp8")]
     for rank in range(2):
-        want, got = _rank(plain, rank), _rank(quant, rank)
+        want, got = _rank(case["plain"], rank), _rank(case["quant"], rank)
         quantized = sorted(k for k in want if VLLM_QUANTIZED.match(k))
         assert any(".w13_weight" in k for k in quantized) and any(".w2_weight" in k for k in quantized)
         extra = {k.replace("attn._k_scale", f"attn.{n}") for k in want if k.endswith("attn._k_scale")
@@ -351,15 +384,8 @@ def test_qwen3_vl_moe_vllm_fp8_quantizes_text_and_experts_and_keeps_the_tower(tm
             pairs = [ref_quantize(t) for t in (tensor.unbind(0) if tensor.dim() == 3 else [tensor])]
             q, s = (torch.stack(x) if tensor.dim() == 3 else x[0] for x in zip(*pairs))
             assert _equal(got[name], q) and _equal(got[name + "_scale_inv"], s), name
-    qconfig = json.loads((quant / "config.json").read_text())["quantization_config"]
-    ours = _rank(quant, 0)
-    linears = sorted(k.removesuffix(".weight").replace(".mlp.experts.gate", ".mlp.gate") for k, t in ours.items()
-                     if k.endswith(".weight") and t.dim() == 2 and not re.search(r"embed|norm|lm_head", k))
-    experts = sorted({k.removesuffix(".routed_experts.w13_weight") for k in ours if k.endswith(".w13_weight")})
-    skipped = vllm_skipped(qconfig, linears + experts, ("vllm.model_executor.models.qwen3_vl_moe",
-                                                        "Qwen3VLMoeForConditionalGeneration"),
-                           {"gate_up_proj": ["gate_proj", "up_proj"]})  # Qwen3-MoE's, with mlp_only_layers
-    scaled = {k.removesuffix(".weight_scale_inv").replace(".mlp.experts.gate", ".mlp.gate") for k in ours}
+    linears, experts, skipped = case["linears"], case["experts"], case["skipped"]
+    scaled = {k.removesuffix(".weight_scale_inv").replace(".mlp.experts.gate", ".mlp.gate") for k in case["ours"]}
     wrong = [p for p in linears if skipped[p] == (p in scaled)] + [p for p in experts if skipped[p]]
     assert wrong == [] and experts and sum(skipped[p] for p in tower_modules(linears)) >= 10, wrong
 
