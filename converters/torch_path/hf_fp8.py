@@ -111,27 +111,12 @@ def check_fp8_target(reader: CheckpointReader, tp: int | None = None) -> None:
 
 
 def fused_starts(reader: CheckpointReader, quantized: set[str]) -> dict[str, tuple[str, int, int]]:
-    """Experts stored fused (``WeightMap.fused_experts``, Qwen3-VL-MoE: ``mlp.experts.gate_up_proj [E, 2F, H]`` /
-    ``down_proj [E, H, F]``, as transformers 5.24 holds them, its FP8 ``FP8Experts`` too, with
-    ``gate_up_proj_scale_inv [E, 2F/128, H/128]`` / ``down_proj_scale_inv``): per quantized per-expert tensor,
-    (its fused tensor, its element offset there, its scales' element offset in the fused tensor's scales). Each
-    expert's gate, up and down rows are quantized on their own, which is the fused matrix's quantization only when
-    each starts on a 128-row block edge of it (``fp8.scale_offset``: else QuantizationError, e.g.
-    ``moe_intermediate_size`` not a multiple of 128, naming the tensor)."""
-    from models.common.hf_files import fused_expert_layout
-
-    shapes = reader.hf_shapes()
-    layout, within = fused_expert_layout([(n, tuple(s)) for n, s in shapes.items()])
-    fused_shapes = dict(layout)
-    out = {}
-    for name, (fused, offset) in within.items():
-        if name in quantized:
-            try:
-                out[name] = (fused, offset, fp8.scale_offset(fused_shapes[fused], offset))
-            except fp8.QuantizationError as exc:
-                raise fp8.QuantizationError(f"--quantize fp8 --to hf: {name} in {fused} {list(fused_shapes[fused])} "
-                                            f"({reader.arch.name} stores its experts fused): {exc}") from None
-    return out
+    """``fp8.fused_expert_starts`` of the reader's tensors (experts stored fused: where each expert's FP8 rows and
+    block rows go), the error naming the target."""
+    try:
+        return fp8.fused_expert_starts(list(reader.hf_shapes().items()), quantized)
+    except fp8.QuantizationError as exc:
+        raise fp8.QuantizationError(f"--quantize fp8 --to hf: {reader.arch.name}: {exc}") from None
 
 
 def plan_fp8(reader: CheckpointReader, dtype: torch.dtype, max_shard_bytes: int) -> list[StoredFile]:

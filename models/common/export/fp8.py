@@ -198,6 +198,32 @@ def scale_offset(shape: Sequence[int], offset: int) -> int:
     return (matrix * math.ceil(rows / BLOCK) + row // BLOCK) * math.ceil(cols / BLOCK)
 
 
+def fused_expert_starts(shapes: Sequence[tuple[str, Sequence[int]]], quantized: set[str]
+                        ) -> dict[str, tuple[str, int, int]]:
+    """Experts stored fused in HF (``WeightMap.fused_experts``, Qwen3-VL-MoE: ``mlp.experts.gate_up_proj [E, 2F, H]``
+    / ``down_proj [E, H, F]``, as transformers 5.24 holds them, its FP8 model's ``FP8Experts`` too, with
+    ``gate_up_proj_scale_inv [E, 2F/128, H/128]`` / ``down_proj_scale_inv``): per quantized per-expert tensor of
+    ``shapes`` (HF name, shape, in the weight map's order), (its fused tensor, its element offset there, its
+    scales' element offset in the fused tensor's scales). Each expert's gate, up and down rows are quantized on
+    their own, which is the fused matrix's quantization only when each starts on a 128-row block edge of it
+    (``scale_offset``: else QuantizationError naming the tensor, e.g. ``moe_intermediate_size`` not a multiple of
+    128). The one rule of the HF FP8 writers (``save_pretrained``, ``converters/torch_path/hf_fp8.py``) and of the
+    FP8 reader."""
+    from models.common.hf_files import fused_expert_layout
+
+    layout, within = fused_expert_layout([(n, tuple(s)) for n, s in shapes])
+    fused_shapes = dict(layout)
+    out = {}
+    for name, (fused, offset) in within.items():
+        if name in quantized:
+            try:
+                out[name] = (fused, offset, scale_offset(fused_shapes[fused], offset))
+            except QuantizationError as exc:
+                raise QuantizationError(f"FP8 of experts stored fused: {name} in {fused} "
+                                        f"{list(fused_shapes[fused])}: {exc}") from None
+    return out
+
+
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(fp8, scale_inv)`` of ``weight [..., rows, cols]`` (bf16/fp16/fp32), computed in fp32 (module doc)."""
     w = weight.detach().to(torch.float32)
