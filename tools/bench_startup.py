@@ -8,9 +8,11 @@ transformers) is converted HF->HF, HF->Megatron legacy / torch_dist, Megatron le
 HF<->vLLM, each run a fresh ``pmz`` process (the installed console script, ``--quiet --overwrite``). On a
 checkpoint this small nearly all of the wall is the fixed cost: interpreter start, imports, reading and
 planning. The directions and the baseline run round-robin, one of each per round, so a load change on a
-shared machine hits them alike; the last column is the median minus the baseline's (what pmz adds to an
-empty interpreter). Bytecode caches are written (``PYTHONDONTWRITEBYTECODE`` is dropped for the children)
-and one warm-up round is not counted.
+shared machine hits them alike; ``- baseline`` is the median minus the baseline's (what pmz adds to an
+empty interpreter), ``cpu`` the median user+sys time of the process (less inflated than the wall when
+other work shares the cores). Bytecode caches are written (``PYTHONDONTWRITEBYTECODE`` is dropped for the
+children) and one warm-up round is not counted. ``PYTHONPATH`` passes through: pointing it at another
+checkout's tree times that tree with the same venv.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import statistics
 import struct
 import subprocess
@@ -97,21 +100,28 @@ def main() -> int:
                     [pmz, "convert", str(root / cmd[0]), str(root / "out"), "--to", cmd[1], "--quiet", "--overwrite"]
                     for name, cmd in cases.items()}
         walls: dict[str, list[float]] = {name: [] for name in commands}
+        cpus: dict[str, list[float]] = {name: [] for name in commands}
+        load = os.getloadavg()[0]
         for round_ in range(args.runs + 1):
             for name, cmd in commands.items():
+                used = resource.getrusage(resource.RUSAGE_CHILDREN)
                 start = time.perf_counter()
                 subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+                wall = time.perf_counter() - start
+                now = resource.getrusage(resource.RUSAGE_CHILDREN)
                 if round_:  # round 0 warms the caches
-                    walls[name].append(time.perf_counter() - start)
-    base = statistics.median(walls["python -c pass"])
-    load = os.getloadavg()[0]
+                    walls[name].append(wall)
+                    cpus[name].append(now.ru_utime + now.ru_stime - used.ru_utime - used.ru_stime)
     size = sum(4 * math.prod(shape) for shape in tiny_tensors().values())
-    print(f"median wall of {args.runs} runs each (load {load:.2f}); the tiny Qwen2 is {size / 2**20:.2f} MiB")
-    print(f"{'direction':<22}{'median s':>10}{'min s':>9}{'- baseline':>12}")
+    print(f"{args.runs} runs each, load {load:.2f} -> {os.getloadavg()[0]:.2f} (1-minute average, {os.cpu_count()} "
+          f"cores); the tiny Qwen2 is {size / 2**20:.2f} MiB. cpu: the process's user+sys time, which a loaded "
+          f"machine inflates less than the wall")
+    print(f"{'direction':<22}{'median s':>10}{'min s':>9}{'- baseline':>12}{'cpu median':>12}")
+    base = statistics.median(walls["python -c pass"])
     for name, ts in walls.items():
         med = statistics.median(ts)
-        extra = "" if name.startswith("python") else f"{med - base:>12.3f}"
-        print(f"{name:<22}{med:>10.3f}{min(ts):>9.3f}{extra}")
+        extra = f"{'':>12}" if name.startswith("python") else f"{med - base:>12.3f}"
+        print(f"{name:<22}{med:>10.3f}{min(ts):>9.3f}{extra}{statistics.median(cpus[name]):>12.3f}")
     return 0
 
 
