@@ -31,7 +31,8 @@ What it measures
     a torch_dist EP2 x TP2 save, when asked for). Same timing and rounds; target (issue 22): ratio
     of medians >= 0.8, peak RSS <= 96 MiB. Directions ``hf->legacy``, ``hf->dist`` and ``hf->grouped``
     (issue 40: MoE Megatron targets on the copy path) time HF -> Megatron EP2 x TP2 (legacy SequentialMLP,
-    torch_dist, legacy GroupedMLP: experts transposed); smaller shapes suit them, e.g. ``--hidden 1024
+    torch_dist, legacy GroupedMLP: experts transposed), ``grouped->hf`` the way back from a GroupedMLP EP2 x TP2
+    source written by pmz in the set-up; smaller shapes suit them, e.g. ``--hidden 1024
     --heads 16 --head-dim 64 --experts 32 --moe-ffn 512 --vocab 32000 --sizes 0.3,0.9``.
 
     ``--model qwen3.5`` / ``--model qwen3.5-moe`` (issue 33): a synthetic Gated DeltaNet hybrid HF
@@ -222,6 +223,7 @@ MOE_DIRECTIONS = {  # --model qwen3-moe: Megatron sources and targets are EP2 x 
     "hf->legacy": ("hf", ["--to", "megatron", "--tp", "2", "--ep", "2"]),
     "hf->dist": ("hf", ["--to", "megatron-dist", "--tp", "2", "--ep", "2"]),
     "hf->grouped": ("hf", ["--to", "megatron", "--tp", "2", "--ep", "2", "--moe-grouped-gemm"]),
+    "grouped->hf": ("grouped", ["--to", "hf"]),  # a legacy GroupedMLP EP2 x TP2 source (experts transposed back)
     "hf->vllm": ("hf", ["--to", "vllm", "--tp", "2"]),
     "vllm->hf": ("vllm", ["--to", "hf"]),
     "hf->hf": ("hf", ["--to", "hf"]),
@@ -264,6 +266,10 @@ def make_sources(args: argparse.Namespace, size_gb: float, directions: list[str]
                   + [str(srcs[k]) if k in wanted else "-" for k in ("legacy", "dist")])
         if "vllm" in wanted:
             make_vllm_source(srcs, work, pmz)
+        if "grouped" in wanted:  # legacy GroupedMLP EP2 x TP2, by pmz (set-up, not timed)
+            srcs["grouped"] = work / "grouped"
+            subprocess.run(pmz + [str(srcs["hf"]), str(srcs["grouped"]), *MOE_DIRECTIONS["hf->grouped"][1], "--quiet"],
+                           check=True, cwd=str(ROOT))
         if "hf" not in wanted:
             remove(srcs["hf"])  # no direction reads it: the disk holds source + output + cp's copy
         srcs = {k: v for k, v in srcs.items() if k in wanted}
