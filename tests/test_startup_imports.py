@@ -30,7 +30,8 @@ OTHER_MODELS = ("llama", "qwen2_moe", "qwen2_vl", "qwen2_5_vl", "qwen3", "qwen3_
 NOT_FOR_HF = ("converters.formats.megatron_args", "converters.formats.megatron_bridge",
               "converters.formats.megatron_dist", "converters.formats.megatron_legacy", "converters.formats.pickles",
               "converters.formats.torch_zip", "models.common.vllm_format", "models.common.hybrid.weights",
-              "models.common.hybrid.config", "converters.torch_path.hf")
+              "models.common.hybrid.config", "converters.copy_path.megatron", "converters.copy_path.vllm",
+              "converters.torch_path.hf", "converters.torch_path.megatron")
 
 
 def _bench_startup():
@@ -107,8 +108,8 @@ def test_hf_to_hf_imports_only_hf(tiny_hf):
 
 
 def test_hf_to_megatron_imports_no_torch_nor_vllm(tiny_hf):
-    _check_direction(tiny_hf, "megatron", ("models.common.vllm_format", "converters.torch_path.hf",
-                                           "converters.torch_path.megatron"))
+    _check_direction(tiny_hf, "megatron", ("models.common.vllm_format", "converters.copy_path.vllm",
+                                           "converters.torch_path.hf", "converters.torch_path.megatron"))
 
 
 def test_formats_layer_opens_an_hf_source_alone(tiny_hf):
