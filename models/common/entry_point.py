@@ -63,7 +63,7 @@ def build_hybrid(arch: Architecture, vl_arch: Architecture, source: Any, paralle
         if isinstance(source, (str, os.PathLike)):
             hf_config = load_hf_config(source)
         if is_conditional_generation(hf_config):
-            arch = vl_arch  # LoRA: the language model's (tower targets refused by models/common/blocks/lora.py)
+            arch = vl_arch  # LoRA: text and tower (models/common/blocks/lora.py)
     return build_model(arch, source, parallel_config, **kwargs)
 
 

@@ -176,7 +176,8 @@ def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, max_s
     own after the model's (each written by one rank, global rank ``j % world`` for the j-th), listed in the
     index; planned, and refused if the source no longer holds them, before anything is written. Without them
     transformers' conditional-generation class would start a random tower and the MTP block that config.json
-    declares would be gone. ``merge_lora``/LoRA change nothing there: adapters sit on the text model only.
+    declares would be gone. ``merge_lora`` leaves the carried tensors as stored (a text-only build's tower); a
+    vision-language build holds its tower and merges the tower's adapters as the text model's.
 
     ``quantization="fp8"``: linear weights as block-wise FP8 with ``<name>_scale_inv`` and
     ``quantization_config`` in config.json (``fp8.py``), quantized in fp32 from the parameters;
