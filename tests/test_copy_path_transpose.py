@@ -69,14 +69,19 @@ def _input(path: str, data: bytes, rows: int, cols: int, size: int, rng: random.
     return ops, bytes(want)
 
 
-CASES = [(300, 7, 2), (131, 77, 2), (1, 5, 4), (5, 1, 4), (257, 129, 1), (3, 333, 8), (130, 64, 2), (2, 2, 2)]
+CASES = [(300, 7, 2), (131, 77, 2), (1, 5, 4), (5, 1, 4), (257, 129, 1), (3, 333, 8), (130, 64, 2), (2, 2, 2),
+         (1100, 3, 2)]
 
 
-@pytest.mark.parametrize("numpy", [True, False], ids=["numpy", "no-numpy"])
+@pytest.mark.parametrize("numpy,tile", [(True, None), (True, 7), (False, None)], ids=["numpy", "tiles-7", "no-numpy"])
 @pytest.mark.parametrize("buffer_bytes", [4096, 1 << 20], ids=["rows-cross-blocks", "one-block"])
-def test_transposed_operations_are_the_transpose_of_their_input(tmp_path, monkeypatch, numpy, buffer_bytes):
+def test_transposed_operations_are_the_transpose_of_their_input(tmp_path, monkeypatch, numpy, tile, buffer_bytes):
+    import converters.copy_path.transpose as transpose
+
     if not numpy:
         monkeypatch.setitem(sys.modules, "numpy", None)  # ``import numpy`` raises ImportError
+    if tile:  # many tiles, the last one short, in every matrix of more than 7 rows
+        monkeypatch.setattr(transpose, "TILE_ROWS", tile)
     rng = random.Random(11)
     data = bytes(rng.getrandbits(8) for _ in range(200_000))
     src = tmp_path / "src.bin"
