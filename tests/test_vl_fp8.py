@@ -438,3 +438,33 @@ def test_qwen3_vl_moe_hf_fp8_stores_fused_experts_as_transformers_fp8_model_hold
     (out / "model.safetensors").unlink()
     save_file(damaged, str(out / "model.safetensors"), metadata={"format": "pt"})
     assert pmz(["verify", str(src), str(out), "--quiet"]) == 1
+
+
+def test_live_fp8_exports_of_qwen3_vl_moe_equal_the_converters(tmp_path):
+    """A Qwen3-VL-MoE model built from the checkpoint: ``save_pretrained(quantization="fp8")`` writes the fused FP8
+    experts (and everything else) as ``pmz convert --to hf --quantize fp8`` does, bitwise, config included, and
+    ``save_vllm_sharded_state(tp=2, quantization="fp8")`` what ``--to vllm --tp 2 --quantize fp8`` does (each
+    checked against the reference above); a model whose experts' FP8 rows would not start on a block edge
+    (``moe_intermediate_size`` 48) is refused before anything is written."""
+    from converters.engine import convert
+    from models.common.export import ExportError
+    from models.qwen3_vl_moe import build_parallel_model
+    from tests.test_convert_qwen3_vl_moe import _write
+
+    src = write_qwen3_vl_moe_for_fp8(tmp_path, seed=66)
+    model = build_parallel_model(str(src))
+    model.save_pretrained(tmp_path / "live", quantization="fp8")
+    converted = convert(src, tmp_path / "hf-fp8", to="hf", quantization="fp8", workers=2)
+    live, files = _load(tmp_path / "live"), _load(converted)
+    assert live.keys() == files.keys() and [k for k in files if not _equal(live[k], files[k])] == []
+    assert json.loads((tmp_path / "live" / "config.json").read_text())["quantization_config"] == \
+        json.loads((converted / "config.json").read_text())["quantization_config"]
+    model.save_vllm_sharded_state(tmp_path / "live-tp2", tp=2, quantization="fp8")
+    quant = convert(src, tmp_path / "fp8-tp2", to="vllm", tp=2, quantization="fp8", workers=2)
+    for rank in range(2):
+        ours, want = _rank(tmp_path / "live-tp2", rank), _rank(quant, rank)
+        assert ours.keys() == want.keys() and [k for k in want if not _equal(ours[k], want[k])] == [], rank
+    with pytest.raises(ExportError, match="not on a 128-row block edge"):
+        build_parallel_model(str(_write(tmp_path, "untied", seed=1))).save_pretrained(tmp_path / "bad",
+                                                                                     quantization="fp8")
+    assert not (tmp_path / "bad").exists()

@@ -141,9 +141,6 @@ def _check_saveable(model, merge_lora: bool, quantization=None) -> None:
         fp8.check_quantization(quantization)
     except fp8.QuantizationError as exc:
         raise ExportError(str(exc)) from None
-    if quantization and getattr(getattr(model, "weight_map", None), "fused_experts", False):
-        raise ExportError(f"quantization={quantization!r}: {model.config.architecture} stores its experts fused, "
-                          f"which the FP8 layout (per-tensor scales, fp8.py) does not describe")
     if getattr(model, "hf_config", None) is None:
         raise ExportError("the model has no transformers config to save (build it with build_parallel_model)")
     if merge_lora and getattr(model, "lora_config", None) is None:
@@ -193,7 +190,8 @@ def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, max_s
     from models.common.hf_files import save_safetensors
 
     staged = _StagedDirectory(directory, "save_pretrained")
-    _, carried = staged.check((_check_saveable, model, merge_lora, quantization), (_carried, model, quantization))
+    _, carried, _ = staged.check((_check_saveable, model, merge_lora, quantization), (_carried, model, quantization),
+                                 (_fused_fp8_starts, model, quantization))
     source, carried_layout, fp8_carried, mtp_layers = carried or (None, (), frozenset(), 0)
     limit = _parse_shard_size(max_shard_size)
     hf_config = model.hf_config
@@ -213,7 +211,7 @@ def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, max_s
         writer = _first_replica(groups) and groups.tp_rank == index % groups.tp_size
         tensors = {}
         quantized = {n for e in plan.entries if quantization and fp8.is_quantized(e) for n in e.hf}
-        fused = _FusedExperts(plan, model.weight_map, dtype, tensors) if writer else None
+        fused = _FusedExperts(plan, model.weight_map, dtype, tensors, quantized) if writer else None
         for name, full in export_hf_state(named, list(plan.entries), shapes, groups.tp_group, groups.ep_group):
             if writer and not fused.place(name, full):
                 for key, t in fp8.quantize_named([(name, full)], name in quantized, dtype):
@@ -227,10 +225,12 @@ def save_pretrained(model, directory, *, dtype: torch.dtype | None = None, max_s
             staged.run(_write_carried, source, layout, dtype, fp8_carried, staged.tmp / file_name)
 
     def stored(plan):  # (name, shape, dtype) of what the plan's file holds
-        if model.weight_map.fused_experts:  # experts fused (no quantization: refused above)
-            return [(n, shape, dtype) for n, shape in fused_expert_layout([(m.name, m.shape) for m in plan.metas])[0]]
         quantized = {n for e in plan.entries if quantization and fp8.is_quantized(e) for n in e.hf}
-        return [t for m in plan.metas for t in fp8.stored_layout(m.name, m.shape, m.name in quantized, dtype)]
+        layout, within = [(m.name, m.shape) for m in plan.metas], {}
+        if model.weight_map.fused_experts:  # experts fused: FP8 when their experts are
+            layout, within = fused_expert_layout(layout)
+        quantized |= {within[n][0] for n in within if n in quantized}
+        return [t for n, shape in layout for t in fp8.stored_layout(n, shape, n in quantized, dtype)]
 
     def finish(tmp) -> None:
         _copy_source_files(model, tmp)
@@ -260,23 +260,44 @@ class _FusedExperts:
     per-expert tensor is copied into its range as the export yields it, so a layer's experts are held once.
     A map without fused experts places nothing."""
 
-    def __init__(self, plan, wmap, dtype: torch.dtype, tensors: dict) -> None:
+    def __init__(self, plan, wmap, dtype: torch.dtype, tensors: dict, quantized: set[str] = frozenset()) -> None:
         self.within: dict[str, tuple[str, int]] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         if wmap.fused_experts:
             layout, self.within = fused_expert_layout([(m.name, m.shape) for m in plan.metas])
             self.shapes = dict(layout)
-        self.dtype, self.tensors = dtype, tensors
+        self.dtype, self.tensors, self.quantized = dtype, tensors, quantized
 
     def place(self, name: str, full: torch.Tensor) -> bool:
-        """Copy ``full`` into its fused tensor; False when ``name`` is not a fused expert tensor."""
+        """Copy ``full`` into its fused tensor (FP8 ones: its FP8 rows and their block rows of the fused scales,
+        ``fp8.scale_offset``); False when ``name`` is not a fused expert tensor."""
         if name not in self.within:
             return False
         fused, at = self.within[name]
-        if fused not in self.tensors:
-            self.tensors[fused] = torch.empty(self.shapes[fused], dtype=self.dtype)
-        self.tensors[fused].view(-1)[at:at + full.numel()].copy_(full.reshape(-1))
+        parts = [(fused, at, full)]
+        if name in self.quantized:
+            q, s = fp8.quantize(full)
+            parts = [(fused, at, q), (fp8.scale_name(fused), fp8.scale_offset(self.shapes[fused], at), s)]
+        for key, offset, tensor in parts:
+            if key not in self.tensors:
+                shape = fp8.scale_shape(self.shapes[fused]) if key != fused else self.shapes[fused]
+                kind = torch.float32 if key != fused else tensor.dtype if name in self.quantized else self.dtype
+                self.tensors[key] = torch.empty(shape, dtype=kind)
+            self.tensors[key].view(-1)[offset:offset + tensor.numel()].copy_(tensor.reshape(-1))
         return True
+
+
+def _fused_fp8_starts(model, quantization) -> None:
+    """ExportError (before anything is written) when an FP8 ``save_pretrained`` of experts stored fused cannot
+    place an expert's FP8 rows on block edges of its fused tensor (``fp8.fused_expert_starts``)."""
+    wmap = model.weight_map
+    if not quantization or not wmap.fused_experts:
+        return
+    quantized = {n for e in wmap.entries(range(model.config.num_hidden_layers)) if fp8.is_quantized(e) for n in e.hf}
+    try:
+        fp8.fused_expert_starts(list(hf_shapes(model.config, wmap).items()), quantized)
+    except fp8.QuantizationError as exc:
+        raise ExportError(f"quantization={quantization!r}: {exc}") from None
 
 
 Layout = tuple[tuple[str, tuple[int, ...]], ...]
