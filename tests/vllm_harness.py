@@ -18,9 +18,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -142,6 +144,17 @@ def run_clients(jobs: list[tuple[str, dict, Path]]) -> list[dict]:
     assert VLLM_PYTHON.exists(), f"{VLLM_PYTHON} missing: run tools/setup.sh (it creates the vLLM venv)"
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests" / "vllm_shims")])  # see its sitecustomize
+    # vLLM's ZeroMQ IPC socket files (its shared-memory broadcast queue, engine sockets) go to a directory of this
+    # run's, removed below: under the default (the system's temp dir) each client left 2-4 socket files behind
+    rpc_dir = tempfile.mkdtemp(prefix="pmz-vllm-rpc-")
+    env["VLLM_RPC_BASE_PATH"] = rpc_dir
+    try:
+        return _run_client(jobs, env)
+    finally:
+        shutil.rmtree(rpc_dir, ignore_errors=True)
+
+
+def _run_client(jobs: list[tuple[str, dict, Path]], env: dict) -> list[dict]:
     before = _vllm_segments()
     payload = json.dumps([[step, args, str(out)] for step, args, out in jobs])
     # a session of its own: whatever the client started must have ended with it
