@@ -387,8 +387,40 @@ def test_scatter_bands_writes_every_ranks_band(tmp_path):
         f = tmp_path / f"out{t}.bin"
         f.write_bytes(b"\xff" * (5 + rows * band))
         outputs.append((str(f), 5))
-    assert scatter_bands(ops, width, outputs, buffer_bytes=3 * width) == rows * width
+    assert scatter_bands([(ops, width, outputs)], buffer_bytes=3 * width) == rows * width
     for t, (f, _) in enumerate(outputs):
         got = Path(f).read_bytes()
         assert got[:5] == b"\xff" * 5
         assert got[5:] == b"".join(full[i * width + t * band:i * width + (t + 1) * band] for i in range(rows)), t
+
+
+def test_band_tasks_batch_groups_that_share_files(tmp_path, monkeypatch):
+    """Several bands in one task (``band_tasks``: a MoE model's expert bands), of different widths, written to
+    the same rank files at their own offsets, each file opened once per task: every band lands where the
+    one-group call puts it, and the tasks cover every group once."""
+    import converters.copy_path.megatron as megatron
+    from converters.copy_path.ops import Copy
+
+    monkeypatch.setattr(megatron, "BAND_BATCH", 500)  # two or three groups a task
+    data = os.urandom(20_000)
+    src = tmp_path / "src.bin"
+    src.write_bytes(data)
+    tp, files = 2, [tmp_path / f"rank{t}.bin" for t in range(2)]
+    for f in files:
+        f.write_bytes(bytes(6000))
+    groups, want, at = [], {}, 0
+    for g, (rows, width) in enumerate([(9, 40), (5, 8), (30, 12), (7, 40), (11, 6)]):
+        off = 100 + g * 997
+        ops = [Copy(str(src), off, rows * width)]
+        band = width // tp
+        groups.append((ops, width, [(str(f), at) for f in files]))
+        for t in range(tp):
+            want[(t, at)] = b"".join(data[off + i * width + t * band:off + i * width + (t + 1) * band]
+                                     for i in range(rows))
+        at += rows * band + 3
+    tasks = megatron.band_tasks(groups, buffer_bytes=64)
+    assert 1 < len(tasks) < len(groups) and [g for _, (batch, _) in tasks for g in batch] == groups
+    for fn, args in tasks:
+        fn(*args)
+    for (t, off), expected in want.items():
+        assert files[t].read_bytes()[off:off + len(expected)] == expected, (t, off)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from converters.copy_path.io import DEFAULT_BUFFER, fill_file, preallocate, thread_buffer
-from converters.copy_path.megatron import band_scatterable, scatter_bands
+from converters.copy_path.megatron import band_scatterable, band_tasks
 from converters.copy_path.megatron_ops import row_nbytes, select
 from converters.copy_path.ops import Data, Op, PlannedTensor, Unsupported, Zeros, merge_copies
 from converters.copy_path.raw_source import RawSource
@@ -247,7 +247,7 @@ def _lay_out(target: VllmCopyTarget, directory: str, max_shard_bytes: int,
 def _tasks(files: list[_File], target: VllmCopyTarget, outputs: dict[int, list], workers: int,
            buffer_bytes: int) -> list[tuple]:
     """Fill tasks of about equal bytes, round-robin over the files (workers at the same time write different
-    files), then one ``scatter_bands`` task per row-parallel weight."""
+    files), then ``scatter_bands`` tasks for the row-parallel weights (``band_tasks``)."""
     total = sum(n for f in files for *_, n in f.work) + sum(op.nbytes for ops, _ in target.bands.values()
                                                             for op in ops)
     share = max(1, total // max(1, 2 * workers))
@@ -266,8 +266,8 @@ def _tasks(files: list[_File], target: VllmCopyTarget, outputs: dict[int, list],
     ordered = []
     for i in range(max(map(len, per_file), default=0)):
         ordered += [tasks[i] for tasks in per_file if i < len(tasks)]
-    return ordered + [(scatter_bands, (ops, width, outputs[group], buffer_bytes))
-                      for group, (ops, width) in sorted(target.bands.items())]
+    return ordered + band_tasks([(ops, width, outputs[group]) for group, (ops, width) in sorted(target.bands.items())],
+                                buffer_bytes)
 
 
 def write_vllm_by_copy(source: RawSource, target: VllmCopyTarget, directory: str, *, max_shard_bytes: int,
