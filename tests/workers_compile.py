@@ -86,3 +86,28 @@ def compile_suite(dirs: dict[str, str], layouts: list[tuple]) -> list[tuple]:
         records += compile_case(case, dirs[case], kwargs)
     # graphs dynamo built in this process: 0 would mean the "compiled" model ran eagerly
     return records + [("all layouts", "compiled_graphs", counters["stats"]["unique_graphs"])]
+
+
+def compile_images_suite(path: str, layouts: list[dict]) -> list[tuple]:
+    """Qwen3-VL with ``compile=True`` next to the eager model and transformers on the padded batch of two images
+    of different sizes and a video (tests/test_qwen3_vl_compile.py), in each layout of ``layouts`` (the DeepStack
+    features added on each rank's own tokens between compiled layers: SP shards, CP chunks)."""
+    from torch._dynamo.utils import counters
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from models.qwen3_vl import build_parallel_model
+    from tests.workers_qwen3_vl import qwen3_vl_batch
+    from tests.workers_vl import _inputs
+
+    records = []
+    graphs = counters["stats"]["unique_graphs"]
+    batch = _inputs(qwen3_vl_batch("q3_untied", "images_and_video", seed=3))
+    for kwargs in layouts:
+        pconfig = ParallelConfig(**kwargs)
+        hf = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
+        compiled, eager = build_parallel_model(path, pconfig, compile=True), build_parallel_model(path, pconfig)
+        records += train_side_by_side((pconfig.describe(),), compiled, eager, hf, batch, batch, pipeline=False,
+                                      lr=0.5, eager_grads=True)
+    records.append(("all layouts", "compiled_graphs", counters["stats"]["unique_graphs"] - graphs))
+    torch._dynamo.reset()  # the rank's compiled graphs are not kept for the module's later calls
+    return records
