@@ -271,18 +271,25 @@ def training_parity(case: str, path: str, pconfig: ParallelConfig, microbatches:
     return records
 
 
-def bf16_parity(case: str, path: str, pconfig: ParallelConfig) -> list[tuple]:
+def bf16_parity(case: str, path: str, pconfig: ParallelConfig, *, moe: bool = False, base: str | None = None
+                ) -> list[tuple]:
     """Ours in bf16 against transformers in bf16 on the images-and-video batch, and both against transformers
-    in fp32 (the VL models' bf16 quantities, tests/vl_cases.py ``VL_BF16_BOUNDS``)."""
-    from transformers import Qwen3VLForConditionalGeneration
+    in fp32 (the VL models' bf16 quantities, tests/vl_cases.py ``VL_BF16_BOUNDS``). ``moe``: Qwen3-VL-MoE, whose
+    batches are those of the Qwen3-VL case ``base``."""
+    if moe:
+        from transformers import Qwen3VLMoeForConditionalGeneration as hf_class
 
-    from models.qwen3_vl import build_parallel_model
+        from models.qwen3_vl_moe import build_parallel_model
+    else:
+        from transformers import Qwen3VLForConditionalGeneration as hf_class
+
+        from models.qwen3_vl import build_parallel_model
 
     tag = (case, pconfig.describe())
     model = build_parallel_model(path, pconfig, dtype=torch.bfloat16)
-    hf = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=torch.bfloat16).eval()
-    exact = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    batch = _inputs(qwen3_vl_batch(case, "images_and_video"))
+    hf = hf_class.from_pretrained(path, dtype=torch.bfloat16).eval()
+    exact = hf_class.from_pretrained(path, dtype=torch.float32).eval()
+    batch = _inputs(qwen3_vl_batch(base or case, "images_and_video"))
     low = {k: v.to(torch.bfloat16) if k.startswith("pixel_values") else v for k, v in batch.items()}
     with torch.no_grad():
         ours, ref, truth = model(**low, gather_logits=True), hf(**low), exact(**batch)

@@ -25,7 +25,7 @@ import torch
 from parallel import ParallelConfig
 from tests.cases import save_randomized
 from tests.workers import _max_diff, _rel_diff, hf_named_grads
-from tests.workers_qwen3_vl import QWEN3_VL_CASES, _packed_reference, qwen3_vl_batch, qwen3_vl_packed_batch
+from tests.workers_qwen3_vl import QWEN3_VL_CASES, _packed_reference, bf16_parity, qwen3_vl_batch, qwen3_vl_packed_batch
 from tests.workers_vl import _inputs, _unscored_padding_predictions
 
 BASE = {"m_untied": "q3_untied", "m_tied": "q3_tied"}  # the Qwen3-VL case each MoE case extends
@@ -188,7 +188,9 @@ def suite(dirs: dict[str, str], layouts: list[tuple]) -> list[tuple]:
     records = []
     for case, kwargs, *options in layouts:
         options = options[0] if options else {}
-        if options.get("forward_backward"):
+        if options.get("bf16"):
+            records += bf16_parity(case, dirs[case], ParallelConfig(**kwargs), moe=True, base=BASE[case])
+        elif options.get("forward_backward"):
             records += training_parity(case, dirs[case], ParallelConfig(**kwargs),
                                        microbatches=options.get("microbatches", 2), aux=options.get("aux", False))
         else:
