@@ -33,27 +33,17 @@ shared expert of width 0) are zeros, as the torch path's readers give them (``ab
 
 from __future__ import annotations
 
-from converters.copy_path.grouped_moe import grouped_expert_ops
-from converters.copy_path.ops import (
-    Block,
-    Copy,
-    PlannedTensor,
-    Unsupported,
-    legacy_blocks,
-    megatron_entry_ops,
-)
+from typing import TYPE_CHECKING
+
+from converters.copy_path.ops import Block, Copy, PlannedTensor, Unsupported, legacy_blocks, megatron_entry_ops
 from converters.copy_path.raw_source import RawSource
-from converters.copy_path.vllm_source import VllmRawSource
 from converters.formats import open_checkpoint
-from converters.formats.hf import HFCheckpoint
-from converters.formats.megatron_args import args_layout
-from converters.formats.megatron_dist import DistCheckpoint, DistTensor
-from converters.formats.megatron_legacy import LegacyCheckpoint
-from converters.formats.tensors import RawTensor
-from converters.layout.experts import source_grouped_gemm, stored_key
-from converters.layout.megatron import megatron_full_shape
-from converters.layout.model import all_units
 from models.common.weight_map import hf_shapes
+
+if TYPE_CHECKING:  # each source's format modules load with it (pmz's start-up: tests/test_startup_imports.py)
+    from converters.formats.hf import HFCheckpoint
+    from converters.formats.megatron_dist import DistCheckpoint, DistTensor
+    from converters.formats.megatron_legacy import LegacyCheckpoint
 
 
 class HFRawSource(RawSource):
@@ -79,6 +69,11 @@ class LegacyRawSource(RawSource):
     format = "megatron"
 
     def __init__(self, checkpoint: LegacyCheckpoint) -> None:
+        from converters.copy_path.grouped_moe import grouped_expert_ops
+        from converters.formats.megatron_args import args_layout
+        from converters.formats.tensors import RawTensor
+        from converters.layout.experts import source_grouped_gemm, stored_key
+        from converters.layout.megatron import megatron_full_shape
         ckpt = checkpoint
         self.path = ckpt.path
         self.layout, self.iteration = args_layout(ckpt.args), ckpt.iteration
@@ -114,6 +109,10 @@ class DistRawSource(RawSource):
     format = "megatron-dist"
 
     def __init__(self, checkpoint: DistCheckpoint) -> None:
+        from converters.formats.tensors import RawTensor
+        from converters.layout.experts import source_grouped_gemm
+        from converters.layout.megatron import megatron_full_shape
+        from converters.layout.model import all_units
         ckpt = checkpoint
         self.path = str(ckpt.it_dir)
         self.layout, self.iteration = ckpt.layout, ckpt.iteration
@@ -193,6 +192,7 @@ def open_raw_source(path: str, *, arch: str | None = None, hf_config: str | None
     location = locate_source(path, hf_config)
     path, hf_config = location.path, hf_config or location.hf_config_dir
     if location.format == "vllm":  # converters/copy_path/vllm_source.py
+        from converters.copy_path.vllm_source import VllmRawSource
         source = VllmRawSource(open_checkpoint("vllm", path), note=False)  # said once the copy path writes
         source.hf_config_dir = hf_config
         return source
