@@ -1,14 +1,17 @@
 """Qwen3.5 / Qwen3.5-MoE as vision-language models (the Gated DeltaNet hybrid decoder fed by the Qwen3-VL tower
 without DeepStack, interleaved M-RoPE over the partial rotary channels) against transformers'
-``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5MoeForConditionalGeneration`` (fp32, CPU; gloo for two ranks), on
-the cases and batches of tests/workers_qwen3_5_vl.py: two images of different sizes and a two-frame video in one
-batch (right padding), a mixed batch with a text-only row (left padding), a packed batch (against each sample run
-alone in transformers, which ignores packing); an SGD step with every vision and text gradient compared;
-``save_pretrained`` bitwise. Layouts: one process (dense and MoE), and one 2-rank group running TP2+SP (dense
-and MoE), CP2 (the images' tokens on both ranks; MoE with ``forward_backward``), PP2 (``forward_backward``, the
-tower on the first stage) and EP2 (MoE).
+``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5MoeForConditionalGeneration`` (fp32, CPU; gloo for two and four
+ranks), on the cases and batches of tests/workers_qwen3_5_vl.py: two images of different sizes and a two-frame
+video in one batch (right padding), a mixed batch with a text-only row (left padding), a packed batch (against
+each sample run alone in transformers, which ignores packing); two SGD steps (lr 0.02) with every vision and
+text gradient compared; ``save_pretrained`` bitwise. Layouts: one process (dense and MoE; and bf16 against
+transformers' bf16), one 2-rank group running TP2+SP (dense and MoE), CP2 with ``recompute="full"`` (the
+images' tokens on both ranks), Ulysses2, FSDP2 (MoE), PP2 and PP2 x VPP2 (``forward_backward``, the tower on
+the first stage; with VPP every layer its own chunk), EP2 (MoE), MoE CP2 ``forward_backward``, and one 4-rank
+group running TP2+SP x CP2 (dense) and EP2 x TP2+SP (MoE).
 
-Cost: ~50-60 s on 2 cores (the 2-rank group ~30 s, the in-process cases ~15 s, the rest seconds).
+Cost: ~35 s on 2 cores at load 2.5-6 (the 2-rank group ~20 s, the 4-rank group ~8 s, the in-process cases
+~5 s, the rest seconds).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import pytest
 import torch
 
 from tests.distributed import records_on_ranks
+from tests.vl_cases import VL_BF16_BOUNDS
 from tests.workers_qwen3_5_vl import (
     CASES,
     build_ours,
@@ -39,12 +43,19 @@ FP32_TOL = 1e-5
 GRAD_REL_TOL = 1e-4
 
 LAYOUTS = {
-    1: [("dense", {}, {"save": True}), ("moe", {}, {"save": True})],
-    2: [("dense", {"tp": 2, "sequence_parallel": True}, {"save": True}), ("dense", {"cp": 2}),
+    1: [("dense", {}, {"save": True}), ("moe", {}, {"save": True}), ("dense", {}, {"bf16": True}),
+        ("moe", {}, {"bf16": True})],
+    2: [("dense", {"tp": 2, "sequence_parallel": True}, {"save": True}), ("dense", {"cp": 2, "recompute": "full"}),
+        ("dense", {"ulysses": 2}), ("moe", {"fsdp": True}),
         ("dense", {"pp": 2}, {"forward_backward": True}), ("moe", {"ep": 2}),
+        # one layer per virtual chunk: the tower on chunk 0 of rank 0, every chunk boundary a stage boundary
+        ("dense", {"pp": 2, "vpp": 2}, {"forward_backward": True}),
         ("moe", {"tp": 2, "sequence_parallel": True}), ("moe", {"cp": 2}, {"forward_backward": True}),
         ("dense", {"tp": 2, "sequence_parallel": True}, {"bad_input": True}),
-        ("dense", {"cp": 2}, {"bad_input": True})],
+        ("dense", {"cp": 2}, {"bad_input": True}), ("dense", {"ulysses": 2}, {"bad_input": True})],
+    # one 4-rank group: the images' tokens over cp inside TP2+SP (dense); experts over EP2 inside TP2+SP (MoE)
+    4: [("dense", {"tp": 2, "sequence_parallel": True, "cp": 2}, {"save": True}),
+        ("moe", {"tp": 2, "sequence_parallel": True, "ep": 2})],
 }
 
 
@@ -66,15 +77,42 @@ METRICS = {"logits": r"logits_.*", "loss": r"loss_.*|step\d_loss", "grads": r"gr
 @pytest.mark.parametrize("metric", sorted(METRICS))
 def test_parity_with_transformers(dirs, world, metric):
     """Every fp32 layout within the bounds; every layout has loss and gradient records."""
-    records = [r for r in _records(world, dirs) if r[2] not in ("bad_input", "local_visual_tokens")]
+    records = [r for r in _records(world, dirs) if r[2] not in ("bad_input", "local_visual_tokens")
+               and not r[2].startswith("bf16_")]
     selected = [r for r in records if re.fullmatch(METRICS[metric], r[2])]
     assert selected, f"no {metric} records"
     if metric in ("loss", "grads"):
         runs = [opts for *_, opts in [(*lay, (lay[2:] or [{}])[0]) for lay in LAYOUTS[world]]
-                if not opts.get("bad_input")]
+                if not (opts.get("bad_input") or opts.get("bf16"))]
         assert len({(case, layout) for case, layout, *_ in selected}) == len(runs), "layouts missing"
+    if metric == "grads":  # two SGD steps (or two forward_backward batches) per layout
+        assert {int(re.search(r"step(\d)", name).group(1)) for *_, name, _ in selected} == {0, 1}
     bound = GRAD_REL_TOL if metric == "grads" else 0.0 if metric == "saved" else FP32_TOL
     bad = [f"{case} {layout} {name}={value:.3g}" for case, layout, name, value in selected if not value <= bound]
+    assert not bad, "; ".join(bad)
+
+
+def _bf16(dirs, names) -> list[tuple]:
+    selected = [r for r in _records(1, dirs) if r[2] in names]
+    assert {(r[0], r[2]) for r in selected} == {(c, m) for c in CASES for m in names}, selected
+    return [f"{case} {name}={value:.3g}" for case, _, name, value in selected if not value <= VL_BF16_BOUNDS[name]]
+
+
+def test_bf16_error_against_fp32_is_transformers_own(dirs):
+    """World 1, dense and MoE, the images-and-video batch: our bf16 logits' error against transformers' fp32
+    over transformers' own bf16 error (measured 1.24 dense, 1.00 MoE; bound 2, tests/vl_cases.py)."""
+    bad = _bf16(dirs, ("bf16_vs_fp32_ratio",))
+    assert not bad, "; ".join(bad)
+
+
+@pytest.mark.xfail(strict=True, reason="the torch causal conv of parallel/gated_delta_rule.py sums its K taps in "
+                   "bf16 (K roundings) where transformers' F.conv1d accumulates in fp32 and rounds once: 3.5% "
+                   "(dense) / 13.5% (MoE, routes flip) of max |logit| from transformers' bf16, loss 3.1e-3 / "
+                   "7.8e-3; with the taps summed in fp32 both are bitwise transformers' bf16")
+def test_bf16_matches_transformers_bf16(dirs):
+    """World 1, dense and MoE: ours in bf16 against transformers in bf16 (logits relative to max |logit|, loss)
+    within the VL models' bf16 bounds (tests/vl_cases.py ``VL_BF16_BOUNDS``)."""
+    bad = _bf16(dirs, ("bf16_logits_rel", "bf16_loss"))
     assert not bad, "; ".join(bad)
 
 
@@ -165,7 +203,7 @@ BAD_INPUT = {
 def test_image_tokens_not_matching_the_features_are_refused(dirs, models, kind):
     """Image placeholders not matching the images' features, in total (one turned into text) or per sample (one
     moved to the next row, totals unchanged): one line naming the numbers, before the tower runs; the first also
-    on every rank of TP2+SP and CP2, none hanging."""
+    on every rank of TP2+SP, CP2 and Ulysses2, none hanging."""
     from models.common.vision.positions import VisionInputError
 
     _, model = models["dense"]
@@ -180,7 +218,7 @@ def test_image_tokens_not_matching_the_features_are_refused(dirs, models, kind):
     assert not encoded and "\n" not in str(err.value)
     if kind == "short":
         refused = [r[3] for r in _records(2, dirs) if r[2] == "bad_input"]
-        assert len(refused) == 4 and all(m == str(err.value) for m in refused), refused
+        assert len(refused) == 6 and all(m == str(err.value) for m in refused), refused
 
 
 def test_bad_configs_are_refused_in_one_line(dirs, tmp_path):

@@ -26,6 +26,11 @@ from tests.workers_qwen3_vl import _packed_reference, qwen3_vl_batch, qwen3_vl_p
 from tests.workers_vl import _inputs, _unscored_padding_predictions
 
 PAD_ID = 0
+# SGD steps of lr 0.02, as the text hybrids' layout tests (tests/test_qwen3_5_layouts.py): after a step of lr 0.2
+# these randomized hybrids amplify fp32 rounding (step-1 gradients of layer 0's Gated DeltaNet 6.5e-5 from
+# transformers' in one process, 9.5e-5 under FSDP2; transformers' own fp32 against fp64 1.4e-5 there, ours 6e-5:
+# a different chunked algorithm, parallel/gated_delta_chunk.py); at lr 0.02 both sit within 3e-5 of fp64
+LR = 0.02
 _SPECIAL = {"image_token_id": 96, "video_token_id": 97, "vision_start_token_id": 98, "vision_end_token_id": 99}
 LIN, FULL = "linear_attention", "full_attention"
 _TEXT = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -151,8 +156,8 @@ def _step_records(tag, model, hf, loss, ref_loss, step) -> list[tuple]:
     return out
 
 
-def parity(case: str, path: str, pconfig: ParallelConfig, *, save: bool = False, steps: int = 1,
-           lr: float = 0.2) -> list[tuple]:
+def parity(case: str, path: str, pconfig: ParallelConfig, *, save: bool = False, steps: int = 2,
+           lr: float = LR) -> list[tuple]:
     """Logits and loss on the images-and-video batch (right padding), the mixed batch (left padding) and the
     packed batch (against each sample run alone: transformers ignores packing), optionally ``save_pretrained``
     bitwise, then SGD steps on the images-and-video batch with every gradient compared."""
@@ -206,7 +211,7 @@ def training_parity(case: str, path: str, pconfig: ParallelConfig, microbatches:
     batch, then on the packed one after an SGD step: loss and every gradient against transformers."""
     tag = (case, f"{pconfig.describe()} forward_backward({microbatches})")
     hf, model = load_hf(case, path), build_ours(case, path, pconfig)
-    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.2), torch.optim.SGD(hf.parameters(), lr=0.2)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=LR), torch.optim.SGD(hf.parameters(), lr=LR)
     records = []
     for step, batch in enumerate((vl_batch(case, "images_and_video"), vl_packed_batch(case))):
         opt.zero_grad()
@@ -220,6 +225,26 @@ def training_parity(case: str, path: str, pconfig: ParallelConfig, microbatches:
         opt.step()
         ref_opt.step()
     return records
+
+
+def bf16_parity(case: str, path: str, pconfig: ParallelConfig) -> list[tuple]:
+    """Ours in bf16 against transformers in bf16 on the images-and-video batch, and both against transformers in
+    fp32: the quantities of tests/workers_qwen3_vl.py ``bf16_parity`` (bounded by tests/vl_cases.py
+    ``VL_BF16_BOUNDS``) for this family's classes and batches."""
+    tag = (case, pconfig.describe())
+    model = build_ours(case, path, pconfig, dtype=torch.bfloat16).eval()
+    hf_class = hf_classes(case)[1]
+    hf = hf_class.from_pretrained(path, dtype=torch.bfloat16).eval()
+    exact = load_hf(case, path)
+    batch = _inputs(vl_batch(case, "images_and_video"))
+    low = {k: v.to(torch.bfloat16) if k.startswith("pixel_values") else v for k, v in batch.items()}
+    with torch.no_grad():
+        ours, ref, truth = model(**low, gather_logits=True), hf(**low), exact(**batch)
+    valid = batch["attention_mask"].bool()
+    ours_l, ref_l, truth_l = (x.logits[valid].float() for x in (ours, ref, truth))
+    return [(*tag, "bf16_logits_rel", _max_diff(ours_l, ref_l) / truth_l.abs().max().item()),
+            (*tag, "bf16_loss", _max_diff(ours.loss.float(), ref.loss.float())),
+            (*tag, "bf16_vs_fp32_ratio", _max_diff(ours_l, truth_l) / max(_max_diff(ref_l, truth_l), 1e-6))]
 
 
 def bad_input(case: str, path: str, pconfig: ParallelConfig) -> list[tuple]:
@@ -244,6 +269,8 @@ def suite(dirs: dict[str, str], layouts: list[tuple]) -> list[tuple]:
         pconfig = ParallelConfig(**kwargs)
         if options.get("bad_input"):
             records += bad_input(case, dirs[case], pconfig)
+        elif options.get("bf16"):
+            records += bf16_parity(case, dirs[case], pconfig)
         elif options.get("forward_backward"):
             records += training_parity(case, dirs[case], pconfig, microbatches=options.get("microbatches", 2))
         else:
