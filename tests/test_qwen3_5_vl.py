@@ -6,12 +6,12 @@ video in one batch (right padding), a mixed batch with a text-only row (left pad
 each sample run alone in transformers, which ignores packing); two SGD steps (lr 0.02) with every vision and
 text gradient compared; ``save_pretrained`` bitwise. Layouts: one process (dense and MoE; and bf16 against
 transformers' bf16), one 2-rank group running TP2+SP (dense and MoE), CP2 with ``recompute="full"`` (the
-images' tokens on both ranks), Ulysses2, FSDP2 (MoE), PP2 and PP2 x VPP2 (``forward_backward``, the tower on
-the first stage; with VPP every layer its own chunk), EP2 (MoE), MoE CP2 ``forward_backward``, and one 4-rank
-group running TP2+SP x CP2 (dense) and EP2 x TP2+SP (MoE).
+images' tokens on both ranks), Ulysses2 (dense and MoE), FSDP2 (MoE), PP2 and PP2 x VPP2
+(``forward_backward``, the tower on the first stage; with VPP every layer its own chunk), EP2 (MoE), MoE CP2
+``forward_backward``, and one 4-rank group running TP2+SP x CP2 (dense) and EP2 x TP2+SP (MoE).
 
-Cost: ~35 s on 2 cores at load 2.5-6 (the 2-rank group ~20 s, the 4-rank group ~8 s, the in-process cases
-~5 s, the rest seconds).
+Cost: ~36 s on 2 cores at load 3.5-5 (16 s before the Ulysses, FSDP2, VPP, recompute, bf16 and 4-rank
+layouts; the 2-rank group ~21 s, the 4-rank group ~8 s, the in-process cases ~5 s, the rest seconds).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ LAYOUTS = {
     1: [("dense", {}, {"save": True}), ("moe", {}, {"save": True}), ("dense", {}, {"bf16": True}),
         ("moe", {}, {"bf16": True})],
     2: [("dense", {"tp": 2, "sequence_parallel": True}, {"save": True}), ("dense", {"cp": 2, "recompute": "full"}),
-        ("dense", {"ulysses": 2}), ("moe", {"fsdp": True}),
+        ("dense", {"ulysses": 2}), ("moe", {"ulysses": 2}), ("moe", {"fsdp": True}),
         ("dense", {"pp": 2}, {"forward_backward": True}), ("moe", {"ep": 2}),
         # one layer per virtual chunk: the tower on chunk 0 of rank 0, every chunk boundary a stage boundary
         ("dense", {"pp": 2, "vpp": 2}, {"forward_backward": True}),
