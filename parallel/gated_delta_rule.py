@@ -115,9 +115,11 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor
     """Causal depthwise convolution ``x [B, T, C]``, ``weight [C, K]`` -> ``[B, T, C]``:
     ``out[t] = sum_j weight[:, K-1-j] * x[t-j]`` over the ``j`` with ``positions[t] >= j``, i.e. the
     window never reaches before the token's own sequence (``positions [B, T]`` or ``[T]``: index of
-    each token inside its sequence; None: every row is one sequence). Computed in ``weight``'s dtype
-    (torch; fla accumulates in fp32 and rounds once). ``cu_seqlens`` (the same sequences as
-    ``positions``, B == 1) lets fla's kernel take a packed call."""
+    each token inside its sequence; None: every row is one sequence). The result is in ``weight``'s dtype;
+    bf16/fp16 taps are summed in fp32 and rounded once, as transformers' ``F.conv1d`` and fla's kernel do (summed
+    in bf16, K roundings put Qwen3.5's bf16 logits 3.5% of the largest logit away from transformers' bf16 ones,
+    13.5% for Qwen3.5-MoE; summed in fp32 they are equal). ``cu_seqlens`` (the same sequences as ``positions``,
+    B == 1) lets fla's kernel take a packed call."""
     packed_ok = positions is None or (cu_seqlens is not None and x.shape[0] == 1)
     if packed_ok and x.dtype == weight.dtype and delta_rule_kernel(x, kernel) == "fla" and _fla_conv() is not None:
         fn = _fla_conv()
@@ -138,6 +140,9 @@ class _CausalConv(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, positions):
+        ctx.save_for_backward(x, weight, positions)  # in their own dtype: bf16 activations stay bf16 until backward
+        dtype, work = weight.dtype, _conv_work(weight)
+        x, weight = x.to(work), weight.to(work)
         t, k = x.shape[1], weight.shape[-1]
         out = x * weight[:, k - 1]
         for j in range(1, min(k, t)):
@@ -145,12 +150,13 @@ class _CausalConv(torch.autograd.Function):
             if positions is not None:
                 term = term * (positions[:, j:, None] >= j).to(x.dtype)  # t - j still in t's sequence
             out[:, j:] += term
-        ctx.save_for_backward(x, weight, positions)
-        return out
+        return out.to(dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, positions = ctx.saved_tensors
+        x0, low, positions = ctx.saved_tensors
+        work = _conv_work(low)
+        x, weight, dy = x0.to(work), low.to(work), dy.to(work)
         t, k = x.shape[1], weight.shape[-1]
         dx = dy * weight[:, k - 1]
         dw = torch.empty_like(weight)
@@ -164,7 +170,12 @@ class _CausalConv(torch.autograd.Function):
                 d = d * (positions[:, j:, None] >= j).to(dy.dtype)
             dx[:, : t - j] += d * weight[:, k - 1 - j]
             dw[:, k - 1 - j] = (d * x[:, : t - j]).sum((0, 1))
-        return dx, dw, None
+        return dx.to(x0.dtype), dw.to(low.dtype), None
+
+
+def _conv_work(weight: torch.Tensor) -> torch.dtype:
+    """The dtype the conv sums in: fp32 for half-precision weights, theirs otherwise (fp32, fp64: unchanged)."""
+    return torch.float32 if weight.dtype in (torch.bfloat16, torch.float16) else weight.dtype
 
 
 # ---------------------------------------------------------------------- the delta rule

@@ -105,10 +105,6 @@ def test_bf16_error_against_fp32_is_transformers_own(dirs):
     assert not bad, "; ".join(bad)
 
 
-@pytest.mark.xfail(strict=True, reason="the torch causal conv of parallel/gated_delta_rule.py sums its K taps in "
-                   "bf16 (K roundings) where transformers' F.conv1d accumulates in fp32 and rounds once: 3.5% "
-                   "(dense) / 13.5% (MoE, routes flip) of max |logit| from transformers' bf16, loss 3.1e-3 / "
-                   "7.8e-3; with the taps summed in fp32 both are bitwise transformers' bf16")
 def test_bf16_matches_transformers_bf16(dirs):
     """World 1, dense and MoE: ours in bf16 against transformers in bf16 (logits relative to max |logit|, loss)
     within the VL models' bf16 bounds (tests/vl_cases.py ``VL_BF16_BOUNDS``)."""
