@@ -23,7 +23,7 @@ from parallel import ParallelConfig
 from tests.workers import _max_diff, _rel_diff, hf_named_grads, saved_tensors_diff
 from tests.workers_moe import hf_grads
 from tests.workers_qwen3_vl import _packed_reference, qwen3_vl_batch, qwen3_vl_packed_batch
-from tests.workers_vl import _inputs, _unscored_padding_predictions
+from tests.workers_vl import _inputs, _unscored_padding_predictions, bf16_records
 
 PAD_ID = 0
 # SGD steps of lr 0.02, as the text hybrids' layout tests (tests/test_qwen3_5_layouts.py): after a step of lr 0.2
@@ -237,14 +237,7 @@ def bf16_parity(case: str, path: str, pconfig: ParallelConfig) -> list[tuple]:
     hf = hf_class.from_pretrained(path, dtype=torch.bfloat16).eval()
     exact = load_hf(case, path)
     batch = _inputs(vl_batch(case, "images_and_video"))
-    low = {k: v.to(torch.bfloat16) if k.startswith("pixel_values") else v for k, v in batch.items()}
-    with torch.no_grad():
-        ours, ref, truth = model(**low, gather_logits=True), hf(**low), exact(**batch)
-    valid = batch["attention_mask"].bool()
-    ours_l, ref_l, truth_l = (x.logits[valid].float() for x in (ours, ref, truth))
-    return [(*tag, "bf16_logits_rel", _max_diff(ours_l, ref_l) / truth_l.abs().max().item()),
-            (*tag, "bf16_loss", _max_diff(ours.loss.float(), ref.loss.float())),
-            (*tag, "bf16_vs_fp32_ratio", _max_diff(ours_l, truth_l) / max(_max_diff(ref_l, truth_l), 1e-6))]
+    return bf16_records(tag, model, hf, exact, batch)
 
 
 def bad_input(case: str, path: str, pconfig: ParallelConfig) -> list[tuple]:

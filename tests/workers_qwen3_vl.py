@@ -22,7 +22,7 @@ import torch
 from parallel import ParallelConfig
 from tests.cases import save_randomized
 from tests.workers import _max_diff, _rel_diff, hf_named_grads, saved_tensors_diff
-from tests.workers_vl import _inputs, _segments, _unscored_padding_predictions
+from tests.workers_vl import _inputs, _segments, _unscored_padding_predictions, bf16_records
 
 PAD_ID = 0
 _SPECIAL = {"image_token_id": 96, "video_token_id": 97, "vision_start_token_id": 98, "vision_end_token_id": 99}
@@ -290,14 +290,7 @@ def bf16_parity(case: str, path: str, pconfig: ParallelConfig, *, moe: bool = Fa
     hf = hf_class.from_pretrained(path, dtype=torch.bfloat16).eval()
     exact = hf_class.from_pretrained(path, dtype=torch.float32).eval()
     batch = _inputs(qwen3_vl_batch(base or case, "images_and_video"))
-    low = {k: v.to(torch.bfloat16) if k.startswith("pixel_values") else v for k, v in batch.items()}
-    with torch.no_grad():
-        ours, ref, truth = model(**low, gather_logits=True), hf(**low), exact(**batch)
-    valid = batch["attention_mask"].bool()
-    ours_l, ref_l, truth_l = (x.logits[valid].float() for x in (ours, ref, truth))
-    return [(*tag, "bf16_logits_rel", _max_diff(ours_l, ref_l) / truth_l.abs().max().item()),
-            (*tag, "bf16_loss", _max_diff(ours.loss.float(), ref.loss.float())),
-            (*tag, "bf16_vs_fp32_ratio", _max_diff(ours_l, truth_l) / max(_max_diff(ref_l, truth_l), 1e-6))]
+    return bf16_records(tag, model, hf, exact, batch)
 
 
 def misplaced_placeholders(name: str) -> dict:

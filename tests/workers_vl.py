@@ -339,3 +339,16 @@ def vllm_outputs(case: str, path: str, out: str, layout: dict | None = None) -> 
                                                                for k in collective)
             records.append((rank, f"shm_equals_collective_vllm_tp{n}_rank{r}", same))
     return records
+
+
+def bf16_records(tag: tuple, model, hf, exact, batch: dict) -> list[tuple]:
+    """Ours in bf16 (``model``) against transformers in bf16 (``hf``) on ``batch``, and both against transformers in
+    fp32 (``exact``): the VL models' bf16 quantities, bounded by tests/vl_cases.py ``VL_BF16_BOUNDS``."""
+    low = {k: v.to(torch.bfloat16) if k.startswith("pixel_values") else v for k, v in batch.items()}
+    with torch.no_grad():
+        ours, ref, truth = model(**low, gather_logits=True), hf(**low), exact(**batch)
+    valid = batch["attention_mask"].bool()
+    ours_l, ref_l, truth_l = (x.logits[valid].float() for x in (ours, ref, truth))
+    return [(*tag, "bf16_logits_rel", _max_diff(ours_l, ref_l) / truth_l.abs().max().item()),
+            (*tag, "bf16_loss", _max_diff(ours.loss.float(), ref.loss.float())),
+            (*tag, "bf16_vs_fp32_ratio", _max_diff(ours_l, truth_l) / max(_max_diff(ref_l, truth_l), 1e-6))]
