@@ -201,10 +201,8 @@ MUTATIONS = (
              ("tests/test_convert_hybrid.py", "tests/test_copy_path_hybrid.py")),
     Mutation("tower-qkv-not-per-head", "Qwen3.5's vision qkv written to Megatron as HF's [q; k; v] (no per-head "
              "reorder; reading undoes none, so our own round trips stay bitwise)",
-             (("converters/layout/hybrid.py", "t.reshape(3, heads, hd, *t.shape[1:]).transpose(0, 1)",
-               "t.reshape(3, heads, hd, *t.shape[1:]).transpose(0, 0)"),
-              ("converters/layout/hybrid.py", "full.reshape(heads, 3, hd, *full.shape[1:]).transpose(0, 1)",
-               "full.reshape(heads, 3, hd, *full.shape[1:]).transpose(0, 0)")),
+             (("converters/layout/hybrid.py", "((3 * h + part) * hd, (3 * h + part + 1) * hd)",
+               "((part * heads + h) * hd, (part * heads + h + 1) * hd)"),),
              ("tests/test_convert_hybrid_vision.py", "tests/test_copy_path_hybrid.py")),
     Mutation("copy-out-norm-not-shifted", "the copy path's out_norm bytes computed without the minus one",
              (("converters/layout/megatron.py", 'r = struct.pack("<f", v + delta)  # fp32 result',
