@@ -35,6 +35,17 @@ def pytest_configure(config):
     vllm_harness.say_on_terminal = lambda line: terminal_line(config, line)
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """The session's vLLM client server (tests/vllm_harness.py) ends with the run: one that does not end cleanly
+    (exit 0, nothing of its own left running) fails the run."""
+    from tests import vllm_harness
+
+    problem = vllm_harness.close_server()
+    if problem:
+        terminal_line(session.config, problem)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_fixture_setup(fixturedef, request):
     """Shared (module/session) fixtures train models and run vLLM engines for minutes: say which one

@@ -3,8 +3,10 @@
     .venv-vllm/bin/python tests/vllm_client.py JOBS_JSON
 
 ``JOBS_JSON`` is a list of ``[step, args, out_file]``; the jobs run one after another in this process
-(one interpreter and one vLLM import for all of them). Each job's engine is shut down explicitly
-before its result file is written (atomically), and the process prints ``FINISHED_LINE`` last,
+(one interpreter and one vLLM import for all of them). The harness does not start this script: it forks
+``main`` from the session's client server (tests/vllm_server.py), which imported vLLM once for the session.
+Each job's engine is shut down explicitly before its result file is written (atomically), and the process
+prints ``FINISHED_LINE`` last,
 after every engine and every distributed state is gone: the harness counts results only when that
 line is there and the exit code is 0.
 
@@ -14,9 +16,10 @@ even at TP 1) and ~15 s of waiting for them to leave, around ~3 s of engine work
 spawns a process of its own (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: EngineCore in the process):
   * TP 1: the engine and its one worker in this process (``distributed_executor_backend="uni"``);
   * TP N > 1: the TP-N ``capture`` / ``logprobs`` jobs of the client run first, in N rank processes
-    spawned once for all of them (``_run_launched``), each rank holding its engine's rank in-process
-    (vLLM's ``external_launcher`` executor, the torchrun way). An engine's shutdown destroys vLLM's groups
-    and the process group; each job gets a new one from the client's store. The TP all-reduce there goes
+    started once for all of them (``_run_launched``; forked with vLLM imported: ``_start_ranks``), each rank
+    holding its engine's rank in-process (vLLM's ``external_launcher`` executor, the torchrun way). An
+    engine's shutdown destroys vLLM's groups and the process group; each job gets a new one from the client's
+    file store. The TP all-reduce there goes
     through torch.distributed (gloo): vLLM falls back to it from its CPU shared-memory communicator when
     the ranks' segment names differ, as they do under this launcher (its log says so).
 The model, its loaders (``sharded_state`` strict, HF ``load_weights``, LoRA) and kernels are vLLM's same code.
@@ -56,6 +59,9 @@ import sys
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: the default takes most of the machine's memory
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # 2 cores: one per TP worker
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# numpy's OpenBLAS starts a thread pool at import (one thread on 2 cores), the only threads vLLM's import leaves;
+# without it the client has one thread until an engine runs here, so its rank processes can be forked (_start_ranks)
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function (test only)
 # On a loaded 2-core machine TP workers need more than vLLM's 5 s grace to leave after a shutdown; past
 # it they are SIGTERMed and their CPU shared-memory segments (/dev/shm/vllm_dist_*) stay behind.
@@ -299,14 +305,12 @@ def _state_models(rank: int, case: dict, pp: int, config) -> None:
 def step_state(args: dict, out: str) -> dict:
     import socket
 
-    import torch.multiprocessing as mp
-
     # vLLM's CPU shared-memory group name: one per job, so a job never meets another's segments
     os.environ["VLLM_DIST_IDENT"] = f"pmz-state-{os.getpid()}-{os.path.basename(out)}"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_state_rank, args=(args, port, out), nprocs=args["tp"] * args["pp"])  # joins every rank
+    _start_ranks(_state_rank, (args, port, out), args["tp"] * args["pp"])
     return {"ranks": args["tp"] * args["pp"]}
 
 
@@ -315,7 +319,7 @@ STEPS = {"capture": step_capture, "logprobs": step_logprobs, "push": step_push, 
 _LAUNCHED_WORLD: dict[str, int] = {}
 
 
-def _launched_rank(rank: int, jobs: list, world: int, port: int) -> None:
+def _launched_rank(rank: int, jobs: list, world: int, store_file: str) -> None:
     """One of ``world`` processes that run the TP-``world`` engine jobs one after another, each process holding
     one TP rank of each engine in-process (vLLM's ``external_launcher`` executor, the torchrun way): the ranks
     are spawned, and vLLM imported in them, once for all those jobs instead of two worker processes per engine.
@@ -326,10 +330,10 @@ def _launched_rank(rank: int, jobs: list, world: int, port: int) -> None:
     from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
 
     _LAUNCHED_WORLD.update(size=world, rank=rank)
-    # read by vLLM's external launcher (rank numbering); the process group is set up here from the parent's
-    # store (no picked port), and vLLM keeps a group that exists
+    # read by vLLM's external launcher (rank numbering); the process group is set up here from a file store (no
+    # picked port, no store thread in the client, which _start_ranks may fork), and vLLM keeps a group that exists
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
+    store = dist.FileStore(store_file, world)
     try:
         for number, total, step, args, out in jobs:
             start = _job_line(number, total, step, args) if rank == 0 else 0.0
@@ -345,12 +349,35 @@ def _launched_rank(rank: int, jobs: list, world: int, port: int) -> None:
 
 
 def _run_launched(jobs: list, world: int) -> None:
-    import torch.distributed as dist
+    import shutil
+    import tempfile
+
+    where = tempfile.mkdtemp(prefix="pmz-launched-store-")
+    try:
+        _start_ranks(_launched_rank, (jobs, world, os.path.join(where, "store")), world)
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def _start_ranks(fn, args: tuple, nprocs: int) -> None:
+    """``fn(rank, *args)`` in ``nprocs`` new processes, joined; an error in one is raised here.
+
+    Forked when this process has a single thread (``/proc/self/task``): the client imports vLLM once (``main``)
+    and its ranks start with it imported, where a spawned rank imports it again (~20 s per rank process on 2
+    loaded cores, both ranks at once) and tears a whole vLLM interpreter down at exit (a forked one leaves by
+    ``os._exit`` once its engines and groups were shut down explicitly, as every rank here does). A single thread
+    means no thread pool has started: libgomp's, which the first parallel op of an engine in this process starts,
+    is not fork-safe. So the jobs that start ranks run before the client's own engines (``main``), and a client
+    with more than one thread spawns (same ranks, slower)."""
     import torch.multiprocessing as mp
 
-    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)  # the OS picks the port
-    mp.spawn(_launched_rank, args=(jobs, world, store.port), nprocs=world)  # joins every rank
-    del store
+    threads = len(os.listdir("/proc/self/task"))
+    method = "fork" if threads == 1 else "spawn"
+    if method == "spawn":
+        print(f"pmz-vllm-client: {threads} threads here, spawning {nprocs} ranks (not forking)", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()  # nothing buffered is written twice, by the parent and a forked child
+    mp.start_processes(fn, args=args, nprocs=nprocs, start_method=method)  # joins every rank
 
 
 def _layout(args: dict) -> str:
@@ -373,9 +400,19 @@ def _done_line(number: int, total: int, step: str, args: dict, start: float) -> 
           f"(max RSS {rss} MiB)", file=sys.stderr, flush=True)
 
 
+def import_vllm() -> None:
+    """What every job uses, imported once for the client and the ranks it forks (in the session's client server,
+    tests/vllm_server.py, once for the session: its forked clients start with it)."""
+    import vllm.distributed  # noqa: F401
+    from vllm import LLM  # noqa: F401
+
+
 def main(jobs: list) -> None:
-    """The engine jobs at TP > 1 first, grouped by TP, each group in one set of TP ranks (``_run_launched``);
-    then the others in this process, in their order. Every job writes its own result file."""
+    """vLLM imported once here; the engine jobs at TP > 1 first, grouped by TP, each group in one set of TP ranks
+    (``_run_launched``); then the ``state`` jobs (ranks of their own); then the others in this process, in their
+    order: ranks are forked only before an engine ran here (``_start_ranks``). Every job writes its own result
+    file."""
+    import_vllm()
     numbered = [(number, len(jobs), step, args, out) for number, (step, args, out) in enumerate(jobs, 1)]
     launched: dict[int, list] = {}
     for job in numbered:
@@ -384,11 +421,12 @@ def main(jobs: list) -> None:
     for world, group in launched.items():
         _run_launched(group, world)
     done = {job[0] for group in launched.values() for job in group}
-    for number, total, step, args, out in numbered:
-        if number not in done:
-            start = _job_line(number, total, step, args)
-            _write_json(out, STEPS[step](args, out))
-            _done_line(number, total, step, args, start)
+    rest = [job for job in numbered if job[0] not in done]
+    for number, total, step, args, out in [job for job in rest if job[2] == "state"] + [
+            job for job in rest if job[2] != "state"]:
+        start = _job_line(number, total, step, args)
+        _write_json(out, STEPS[step](args, out))
+        _done_line(number, total, step, args, start)
     sys.stdout.flush()
     print(FINISHED_LINE, flush=True)
 
