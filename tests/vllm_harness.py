@@ -177,7 +177,8 @@ class _Server:
                 os.kill(pid, signal.SIGKILL)
         self.log.close()
         if code != 0 or survivors:
-            return f"the vLLM client server ended with exit {code}, leaving processes {survivors} running"
+            left = f", leaving processes {survivors} running" if survivors else ""
+            return f"the vLLM client server ended with exit {code}{left}"
         return None
 
 
