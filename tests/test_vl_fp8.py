@@ -256,6 +256,18 @@ def tower_modules(names: list[str]) -> list[str]:
     return [n for n in names if n.startswith("visual.")]
 
 
+def _assert_block_quantized(got: dict, want: dict, quantized) -> None:
+    """``got`` holds ``want``'s tensors: those named in ``quantized`` as the reference block quantization (each
+    expert of a 3-D stack its own block grid) with ``<name>_scale_inv``, the others bitwise."""
+    for name, tensor in want.items():
+        if name not in quantized:
+            assert _equal(got[name], tensor), name
+            continue
+        pairs = [ref_quantize(t) for t in (tensor.unbind(0) if tensor.dim() == 3 else [tensor])]
+        q, s = (torch.stack(x) if tensor.dim() == 3 else x[0] for x in zip(*pairs))
+        assert _equal(got[name], q) and _equal(got[name + "_scale_inv"], s), name
+
+
 def _rank(directory: Path, rank: int) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -377,13 +389,7 @@ def test_qwen3_vl_moe_vllm_fp8_quantizes_text_and_experts_and_keeps_the_tower(vl
         extra = {k.replace("attn._k_scale", f"attn.{n}") for k in want if k.endswith("attn._k_scale")
                  for n in attention}
         assert set(got) == set(want) | {k + "_scale_inv" for k in quantized} | extra, sorted(set(got) ^ set(want))
-        for name, tensor in want.items():
-            if name not in quantized:
-                assert _equal(got[name], tensor), name
-                continue
-            pairs = [ref_quantize(t) for t in (tensor.unbind(0) if tensor.dim() == 3 else [tensor])]
-            q, s = (torch.stack(x) if tensor.dim() == 3 else x[0] for x in zip(*pairs))
-            assert _equal(got[name], q) and _equal(got[name + "_scale_inv"], s), name
+        _assert_block_quantized(got, want, quantized)
     linears, experts, skipped = case["linears"], case["experts"], case["skipped"]
     scaled = {k.removesuffix(".weight_scale_inv").replace(".mlp.experts.gate", ".mlp.gate") for k in case["ours"]}
     wrong = [p for p in linears if skipped[p] == (p in scaled)] + [p for p in experts if skipped[p]]
@@ -414,13 +420,7 @@ def test_qwen3_vl_moe_hf_fp8_stores_fused_experts_as_transformers_fp8_model_hold
     quantized = sorted(k for k in source if QUANTIZED.match(k) or fused.match(k))
     assert any(fused.match(k) for k in quantized)
     assert set(files) == set(source) | {k + "_scale_inv" for k in quantized}
-    for name, tensor in source.items():
-        if name not in quantized:
-            assert _equal(files[name], tensor), name
-            continue
-        pairs = [ref_quantize(t) for t in (tensor.unbind(0) if tensor.dim() == 3 else [tensor])]
-        q, s = (torch.stack(x) if tensor.dim() == 3 else x[0] for x in zip(*pairs))
-        assert _equal(files[name], q) and _equal(files[name + "_scale_inv"], s), name
+    _assert_block_quantized(files, source, quantized)
     config = json.loads((out / "config.json").read_text())
     with torch.device("meta"):
         model = transformers.Qwen3VLMoeForConditionalGeneration(transformers.AutoConfig.from_pretrained(out))
