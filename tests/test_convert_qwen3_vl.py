@@ -10,8 +10,8 @@
   twice, filled by its ``load_weights`` from the HF directory (the reference: its ``hf_to_vllm_mapper``, its tower's
   TP split) and by its strict ``ShardedStateLoader`` from pmz's directory; every tensor (text, tower, DeepStack
   mergers, ``pos_embed``, attention scales) must be equal, bitwise, and at TP 2 vLLM's own tower forward over our
-  shards must give transformers' image features (merger and DeepStack outputs, two images of different grids, the
-  position table interpolated).
+  shards must give transformers' features (merger and DeepStack outputs, two images of different grids, the
+  position table interpolated, and a video of two temporal patches: tests/vllm_tower.py).
 * Refused in one line, nothing written (Megatron layouts: tests/test_convert_qwen3_vl_megatron.py): a layout vLLM
   cannot hold (``attention_bias``: vLLM's Qwen3 ``o_proj`` has no bias; pipeline stages starting inside the
   DeepStack layers), a config.json without ``text_config``, a tie flag set only in ``text_config`` (transformers
@@ -35,6 +35,7 @@ from tests.test_copy_path_vllm import assert_same_files
 from tests.test_copy_targets import _torch_path
 from tests.test_vllm import _load
 from tests.vllm_harness import run_clients
+from tests.vllm_tower import assert_tower_matches, tower_case
 from tests.workers_qwen3_vl import QWEN3_VL_CASES
 
 # "untied": 3 layers, DeepStack blocks [0, 2], vocab 128, patch 4, 4x4 position grid; "tied": 4 layers, DeepStack
@@ -45,7 +46,6 @@ CASES = {"untied": QWEN3_VL_CASES["q3_untied"],
                   "text_config": {**QWEN3_VL_CASES["q3_tied"]["text_config"], "attention_bias": False}},
          "biased": QWEN3_VL_CASES["q3_tied"]}
 VLLM_LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
-GRIDS = [[1, 4, 6], [1, 2, 4]]  # two images (t, h, w in patches)
 
 
 def _write(root: Path, name: str, seed: int) -> Path:
@@ -179,24 +179,16 @@ def test_tie_flag_only_in_text_config_is_refused(sources, tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def vllm_states(sources, converted, tmp_path_factory):
-    """One vLLM client: TP 2 (with the tower's image features) and PP 2, each on both vLLM-able cases."""
-    from safetensors.torch import save_file
+    """One vLLM client: TP 2 (with the tower's features: tests/vllm_tower.py) and PP 2, each on both vLLM-able
+    cases."""
     from transformers import Qwen3VLForConditionalGeneration
 
     root = tmp_path_factory.mktemp("qwen3_vl_vllm_state")
     features, pixels = {}, {}
     for i, name in enumerate(("untied", "tied")):
-        vis = CASES[name]["vision_config"]
-        grid = torch.tensor(GRIDS)
-        gen = torch.Generator().manual_seed(70 + i)
-        width = vis["in_channels"] * vis["temporal_patch_size"] * vis["patch_size"] ** 2
-        px = torch.randn(int(grid.prod(1).sum()), width, generator=gen)
         pixels[name] = root / f"{name}-pixels.safetensors"
-        save_file({"pixel_values": px, "grid_thw": grid}, str(pixels[name]))
         hf = Qwen3VLForConditionalGeneration.from_pretrained(str(sources[name]), dtype=torch.float32).eval()
-        with torch.no_grad():
-            out = hf.model.visual(px, grid_thw=grid)
-        features[name] = torch.cat([out.pooler_output, *out.deepstack_features], dim=1)  # vLLM's concatenation
+        features[name] = tower_case(pixels[name], hf.model.visual, seed=70 + i)
     jobs = []
     for tp, pp in ((2, 1), (1, 2)):
         cases = [{"model": str(sources[name]), "sharded": str(converted[name, tp, pp]),
@@ -222,8 +214,7 @@ def test_vllm_strict_loader_takes_pmz_files_as_its_own_hf_load(vllm_states, name
 
 @pytest.mark.parametrize("name", ["untied", "tied"])
 def test_vllm_tower_over_pmz_shards_encodes_like_transformers(vllm_states, name):
+    """vLLM's tower at TP 2 over our TP-2 files: transformers' features (merger and DeepStack outputs) for two
+    images and a video (tests/vllm_tower.py)."""
     root, features = vllm_states
-    for rank in range(2):
-        got = _load(root / f"{name}-tp2-pp1.rank{rank}.features.safetensors")["features"]
-        assert got.shape == features[name].shape
-        assert (got - features[name]).abs().max().item() <= 1e-5, rank
+    assert_tower_matches(root / f"{name}-tp2-pp1", features[name], ranks=2)

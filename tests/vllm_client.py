@@ -42,8 +42,9 @@ Steps (each starts one engine; results go to OUT_FILE as JSON / safetensors):
             builds vLLM's model twice, once filled by its own ``load_weights`` from the HF directory
             (the reference) and once by vLLM's strict ``ShardedStateLoader`` from a ``sharded_state``
             directory; both states are saved per rank, and with ``pixels`` (pp 1) the vision tower of
-            the second model encodes them (vLLM's own ``visual`` forward at TP N). ``cases``: several
-            models (each ``model``, ``sharded``, ``pixels``, ``out``) in the same ranks, one after another
+            the second model encodes them (vLLM's own ``visual`` forward at TP N, images and videos:
+            ``_tower_features``). ``cases``: several models (each ``model``, ``sharded``, ``pixels``,
+            ``out``) in the same ranks, one after another
 The project is imported from the repository root (PYTHONPATH); vLLM pins its own transformers.
 As each job starts, one ``JOB_LINE`` on stderr names it (the harness shows it on the terminal).
 """
@@ -296,10 +297,23 @@ def _state_models(rank: int, case: dict, pp: int, config) -> None:
             from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
             process_weights_after_loading(ours, ours_config.model_config, torch.device("cpu"))  # CPU GEMM packing
-            inputs = load_file(case["pixels"])
-            with torch.no_grad():
-                features = ours.visual(inputs["pixel_values"], grid_thw=inputs["grid_thw"].tolist())
-            save_file({"features": features.contiguous()}, f"{out}.rank{rank}.features.safetensors")
+            save_file(_tower_features(ours, load_file(case["pixels"])), f"{out}.rank{rank}.features.safetensors")
+
+
+def _tower_features(model, inputs: dict) -> dict:
+    """vLLM's own ``visual`` forward of ``model`` on each ``<name>pixel_values`` / ``<name>grid_thw`` pair of
+    ``inputs`` (images, or a video's frames: the tower's one call for both), as ``<name>features``: what the tower
+    returns, whole (Qwen3-VL's DeepStack outputs concatenated to the merger's). The tests' side of this rule:
+    tests/vllm_tower.py."""
+    import torch
+
+    out = {}
+    with torch.no_grad():
+        for key in sorted(k for k in inputs if k.endswith("pixel_values")):
+            name = key.removesuffix("pixel_values")
+            features = model.visual(inputs[key], grid_thw=inputs[f"{name}grid_thw"].tolist())
+            out[f"{name}features"] = features.contiguous()
+    return out
 
 
 def step_state(args: dict, out: str) -> dict:
