@@ -17,6 +17,7 @@ most ``TRANSPOSE_BYTES``, transposed in memory by ``copy_path.transpose``): no t
 from __future__ import annotations
 
 from converters.copy_path.ops import Interleave, Op, PlannedTensor, Transposed, Unsupported
+from converters.copy_path.transpose import preload_numpy
 from converters.formats.tensors import ITEMSIZE, RawTensor
 from converters.layout.experts import fc_of
 from models.common.weight_map import WeightEntry
@@ -34,6 +35,7 @@ def _transposed_columns(pieces: list[tuple[str, int, int, int]], cols: tuple[int
                         limit: int) -> list[Op]:
     """The transpose of columns ``cols`` of the matrix made of ``pieces`` one under the other (each
     ``(path, offset, rows, row stride in bytes)``, columns from ``offset``), as ``Transposed`` bands."""
+    preload_numpy()  # on the planning thread (transpose.preload_numpy)
     rows = sum(p[2] for p in pieces)
     a, b = cols
     out: list[Op] = []

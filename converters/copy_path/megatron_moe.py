@@ -17,6 +17,7 @@ from typing import Any
 
 from converters.copy_path.megatron_ops import select
 from converters.copy_path.ops import Op, PlannedTensor, Transposed
+from converters.copy_path.transpose import preload_numpy
 from converters.formats.tensors import ITEMSIZE
 from converters.layout.stages import LOCAL_EXPERT, stacked_key, writer_norm_aliases
 
@@ -49,6 +50,7 @@ def transposed_ops(shape: tuple[int, int], tag: str, ops: list[Op], limit: int |
     of consecutive column bands of it (rows of the transpose), each reading at most ``limit`` bytes
     (default ``TRANSPOSE_BYTES``; one column at least)."""
     limit = limit or TRANSPOSE_BYTES
+    preload_numpy()  # on the planning thread (transpose.preload_numpy)
     rows, cols = shape
     size = ITEMSIZE[tag]
     band = max(1, limit // max(1, rows * size))

@@ -16,6 +16,8 @@ threads transpose on both cores. Where numpy is missing, ``transposed_bytes`` do
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 
 from converters.copy_path.ops import Copy, Data, Interleave, Op, Transposed, Zeros
@@ -30,11 +32,31 @@ _inputs = threading.local()
 
 
 def _numpy():
+    """numpy, or None where it is not installed. Imported here the first time with OpenBLAS held to one thread
+    (``OPENBLAS_NUM_THREADS=1`` for the import only, unless the user set it): the transposes use numpy's copies,
+    never its BLAS, whose thread pool (started at import, one thread per core) spun beside the copy threads:
+    ~1% of a GroupedMLP conversion's CPU samples (``perf``) and ~10 ms of the import."""
+    np = sys.modules.get("numpy")
+    if np is not None:
+        return np
+    pinned = "OPENBLAS_NUM_THREADS" not in os.environ and threading.current_thread() is threading.main_thread()
+    if pinned:  # the environment is changed from the main thread only (planning; see preload_numpy)
+        os.environ["OPENBLAS_NUM_THREADS"] = "1"
     try:
         import numpy as np
     except ImportError:
         return None
+    finally:
+        if pinned:
+            os.environ.pop("OPENBLAS_NUM_THREADS", None)
     return np
+
+
+def preload_numpy() -> None:
+    """Import numpy now, on the planning (main) thread, when a plan holds a transpose: the worker threads would
+    otherwise both wait on the import lock at their first transpose (~0.1 s of CPU), and only the main thread
+    pins OpenBLAS's threads (``_numpy``)."""
+    _numpy()
 
 
 def padded_stride(row_bytes: int) -> int:
@@ -184,4 +206,5 @@ def transposed_bytes(op: Transposed, fd_of) -> bytearray:
     return out
 
 
-__all__ = ["TILE_ROWS", "padded_stride", "transpose_input", "transpose_into", "ops_bytes", "transposed_bytes"]
+__all__ = ["TILE_ROWS", "padded_stride", "preload_numpy", "transpose_input", "transpose_into", "ops_bytes",
+           "transposed_bytes"]

@@ -1,0 +1,97 @@
+"""The copy path's process-level settings (issue 40, session 17): what they change and that they are undone.
+
+- The cyclic garbage collector is paused while the copy path runs (``engine._without_cyclic_gc``) and its state
+  restored afterwards, on success and on failure, and left off when the caller had it off.
+- numpy, which the grouped-GEMM transposes use for copies only, is imported on the planning thread with
+  OpenBLAS held to one thread (``transpose.preload_numpy``): no BLAS thread pool beside the copy threads, and
+  ``OPENBLAS_NUM_THREADS`` back as it was (checked in a fresh interpreter, where numpy is not yet imported).
+Outputs are compared with the torch path byte for byte elsewhere (``test_copy_path_moe.py`` for GroupedMLP).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from converters.engine import convert
+from models.common.errors import CheckpointError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench_startup():
+    spec = importlib.util.spec_from_file_location("bench_startup", ROOT / "tools" / "bench_startup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("runtime") / "hf"
+    _bench_startup().write_tiny_hf(path)
+    return path
+
+
+def test_gc_paused_during_copy_path_and_restored(tiny_hf, tmp_path, monkeypatch):
+    """During the copy path's writer gc is off; after convert it is on again (and the output exists)."""
+    import converters.copy_path.hf as hf_writer
+
+    seen = []
+    original = hf_writer.write_hf_by_copy
+
+    def spy(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(hf_writer, "write_hf_by_copy", spy)
+    assert gc.isenabled()
+    out = convert(tiny_hf, tmp_path / "out", to="hf")
+    assert seen == [False]  # the copy path ran, with the collector paused
+    assert gc.isenabled()
+    assert any(Path(out).glob("*.safetensors"))
+
+
+def test_gc_restored_after_failure_and_left_off_when_off(tiny_hf, tmp_path, monkeypatch):
+    import converters.copy_path.hf as hf_writer
+
+    def fail(*args, **kwargs):
+        raise CheckpointError("made to fail")
+
+    monkeypatch.setattr(hf_writer, "write_hf_by_copy", fail)
+    with pytest.raises(CheckpointError, match="made to fail"):
+        convert(tiny_hf, tmp_path / "out", to="hf")
+    assert gc.isenabled()
+    assert not (tmp_path / "out").exists()  # nothing left behind
+    monkeypatch.undo()
+    gc.disable()
+    try:
+        convert(tiny_hf, tmp_path / "out2", to="hf")
+        assert not gc.isenabled()  # the caller's choice is kept
+    finally:
+        gc.enable()
+
+
+def test_preload_numpy_pins_openblas_for_the_import_only():
+    """A fresh interpreter: numpy imported by ``preload_numpy`` starts no BLAS threads, and the variable is gone
+    again; with the variable set by the user, it is left as it was."""
+    code = ("import os, sys\n"
+            "from converters.copy_path.transpose import preload_numpy\n"
+            "assert 'numpy' not in sys.modules\n"
+            "preload_numpy()\n"
+            "assert 'numpy' in sys.modules\n"
+            "print(len(os.listdir('/proc/self/task')), os.environ.get('OPENBLAS_NUM_THREADS'))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["1", "None"]
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**env, "OPENBLAS_NUM_THREADS": "3"},
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split()[1] == "3"
