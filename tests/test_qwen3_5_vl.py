@@ -52,7 +52,12 @@ LAYOUTS = {
         ("dense", {"pp": 2, "vpp": 2}, {"forward_backward": True}),
         ("moe", {"tp": 2, "sequence_parallel": True}), ("moe", {"cp": 2}, {"forward_backward": True}),
         ("dense", {"tp": 2, "sequence_parallel": True}, {"bad_input": True}),
-        ("dense", {"cp": 2}, {"bad_input": True}), ("dense", {"ulysses": 2}, {"bad_input": True})],
+        ("dense", {"cp": 2}, {"bad_input": True}), ("dense", {"ulysses": 2}, {"bad_input": True}),
+        # bf16 as users run it (~4 s together): TP2+SP dense and MoE, CP2 and Ulysses2 with the images' tokens in
+        # both ranks' parts, EP2
+        ("dense", {"tp": 2, "sequence_parallel": True}, {"bf16": True}),
+        ("moe", {"tp": 2, "sequence_parallel": True}, {"bf16": True}), ("dense", {"cp": 2}, {"bf16": True}),
+        ("dense", {"ulysses": 2}, {"bf16": True}), ("moe", {"ep": 2}, {"bf16": True})],
     # one 4-rank group: the images' tokens over cp inside TP2+SP (dense); experts over EP2 inside TP2+SP (MoE)
     4: [("dense", {"tp": 2, "sequence_parallel": True, "cp": 2}, {"save": True}),
         ("moe", {"tp": 2, "sequence_parallel": True, "ep": 2})],
@@ -92,24 +97,44 @@ def test_parity_with_transformers(dirs, world, metric):
     assert not bad, "; ".join(bad)
 
 
-def _bf16(dirs, names) -> list[tuple]:
-    selected = [r for r in _records(1, dirs) if r[2] in names]
-    assert {(r[0], r[2]) for r in selected} == {(c, m) for c in CASES for m in names}, selected
-    return [f"{case} {name}={value:.3g}" for case, _, name, value in selected if not value <= VL_BF16_BOUNDS[name]]
+BF16_WORLDS = sorted({w for w, layouts in LAYOUTS.items() for _, _, *opts in layouts if opts and opts[0].get("bf16")})
 
 
-def test_bf16_error_against_fp32_is_transformers_own(dirs):
-    """World 1, dense and MoE, the images-and-video batch: our bf16 logits' error against transformers' fp32
-    over transformers' own bf16 error (measured 1.24 dense, 1.00 MoE; bound 2, tests/vl_cases.py)."""
-    bad = _bf16(dirs, ("bf16_vs_fp32_ratio",))
+def _bf16(dirs, world, names) -> list[str]:
+    from parallel import ParallelConfig
+
+    selected = [r for r in _records(world, dirs) if r[2] in names]
+    assert {r[:3] for r in selected} == {(case, ParallelConfig(**kwargs).describe(), name)
+                                         for case, kwargs, *opts in LAYOUTS[world] if opts and opts[0].get("bf16")
+                                         for name in names}, selected
+    return [f"{case} {layout} {name}={value:.3g}" for case, layout, name, value in selected
+            if not value <= VL_BF16_BOUNDS[name]]
+
+
+@pytest.mark.parametrize("world", BF16_WORLDS)
+def test_bf16_error_against_fp32_is_transformers_own(dirs, world):
+    """Dense and MoE, the images-and-video batch, every bf16 layout: our bf16 logits' error against transformers'
+    fp32 over transformers' own bf16 error (world 1: 1.24 dense, 1.00 MoE; bound 2, tests/vl_cases.py)."""
+    bad = _bf16(dirs, world, ("bf16_vs_fp32_ratio",))
     assert not bad, "; ".join(bad)
 
 
-def test_bf16_matches_transformers_bf16(dirs):
-    """World 1, dense and MoE: ours in bf16 against transformers in bf16 (logits relative to max |logit|, loss)
-    within the VL models' bf16 bounds (tests/vl_cases.py ``VL_BF16_BOUNDS``)."""
-    bad = _bf16(dirs, ("bf16_logits_rel", "bf16_loss"))
+@pytest.mark.parametrize("world", BF16_WORLDS)
+def test_bf16_matches_transformers_bf16(dirs, world):
+    """Dense and MoE, every bf16 layout: ours in bf16 against transformers in bf16 (logits relative to max |logit|,
+    loss) within the VL models' bf16 bounds (tests/vl_cases.py ``VL_BF16_BOUNDS``; at TP2 with the row-parallel
+    partial sums in fp32, tests/workers_vl.py ``bf16_records``)."""
+    bad = _bf16(dirs, world, ("bf16_logits_rel", "bf16_loss"))
     assert not bad, "; ".join(bad)
+
+
+def test_bf16_cp_and_ulysses_ranks_each_place_visual_tokens(dirs):
+    """The bf16 CP2 and Ulysses2 layouts run with the images' tokens in both ranks' parts of the sequence."""
+    counts = {}
+    for _, layout, name, value in _records(2, dirs):
+        if name == "bf16_local_visual_tokens":
+            counts.setdefault(layout, []).append(value)
+    assert len(counts) == 2 and all(len(c) == 2 and min(c) > 0 for c in counts.values()), counts
 
 
 def test_cp_ranks_both_hold_image_tokens(dirs):

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.distributed import records_on_ranks
-from tests.vl_cases import VL_BF16_BOUNDS
+from tests.vl_cases import VL_BF16_BOUNDS, VL_BF16_REPORTED
 from tests.workers_qwen3_vl import (
     BATCHES,
     QWEN3_VL_CASES,
@@ -46,7 +46,11 @@ LAYOUTS = {
         # one layer per virtual chunk: feature 1 to global stage 1 (rank 1), nothing to the chunks after it
         ("q3_tied", {"pp": 2, "vpp": 2}, {"forward_backward": True}),
         ("q3_untied", {"tp": 2, "sequence_parallel": True}, {"bad_input": True}),
-        ("q3_untied", {"ulysses": 2}, {"bad_input": True})],
+        ("q3_untied", {"ulysses": 2}, {"bad_input": True}),
+        # bf16 as users run it (~3 s together): TP2+SP both cases, CP2 and Ulysses2 with images in both parts
+        ("q3_tied", {"tp": 2, "sequence_parallel": True}, {"bf16": True}),
+        ("q3_untied", {"tp": 2, "sequence_parallel": True}, {"bf16": True}),
+        ("q3_untied", {"cp": 2}, {"bf16": True}), ("q3_tied", {"ulysses": 2}, {"bf16": True})],
     # combined layouts (one 4-rank group, ~70 s on 2 cores: marked slow): the DeepStack tensor in SP slices
     # over cp ranks and across a pipeline boundary inside the DeepStack layers
     4: [("q3_tied", {"tp": 2, "sequence_parallel": True, "cp": 2}),
@@ -69,15 +73,22 @@ def _records(world: int, dirs: tuple) -> list[tuple]:
 
 METRICS = {"logits": r"logits_.*", "loss": r"loss_.*|step\d_loss.*", "grads": r"grads_.*", "saved": "saved_tensors",
            "bf16": r"bf16_.*"}
+BF16_WORLDS = {w for w, layouts in LAYOUTS.items() for _, _, *opts in layouts if opts and opts[0].get("bf16")}
 
 
 @pytest.mark.parametrize(("world", "metric"), [pytest.param(w, m, marks=[pytest.mark.slow] if w == 4 else [])
                                              for w in sorted(LAYOUTS) for m in sorted(METRICS)
-                                             if m != "bf16" or w == 1])
+                                             if m != "bf16" or w in BF16_WORLDS])
 def test_qwen3_vl_parity(q3_dirs, world, metric):
-    records = [r for r in _records(world, q3_dirs) if r[2] not in ("vision_share", "bad_input")]
+    records = [r for r in _records(world, q3_dirs) if r[2] not in ("vision_share", "bad_input", *VL_BF16_REPORTED)]
     pat = re.compile(METRICS[metric])
     selected = [r for r in records if pat.fullmatch(r[2])]
+    if metric == "bf16":  # every bf16 layout has the three bounded quantities (tests/workers_vl.py bf16_records)
+        from parallel import ParallelConfig
+
+        want = {(case, ParallelConfig(**kwargs).describe(), name) for case, kwargs, *opts in LAYOUTS[world]
+                if opts and opts[0].get("bf16") for name in VL_BF16_BOUNDS}
+        assert {r[:3] for r in selected} == want
     if metric in ("loss", "grads"):  # every fp32 layout (forward_backward ones have no logits or save records)
         records = [r for r in records if not r[2].startswith("bf16_")]
         from parallel import ParallelConfig
@@ -94,6 +105,15 @@ def test_qwen3_vl_parity(q3_dirs, world, metric):
     bad = [f"{case} {layout} {name}={value:.3g}" for case, layout, name, value in selected
            if not value <= VL_BF16_BOUNDS.get(name, bound)]
     assert not bad, "; ".join(bad)
+
+
+def test_bf16_cp_and_ulysses_ranks_each_place_visual_tokens(q3_dirs):
+    """The bf16 CP2 and Ulysses2 layouts run with images in both ranks' parts of the sequence."""
+    counts = {}
+    for _, layout, name, value in _records(2, q3_dirs):
+        if name == "bf16_local_visual_tokens":
+            counts.setdefault(layout, []).append(value)
+    assert len(counts) == 2 and all(len(c) == 2 and min(c) > 0 for c in counts.values()), counts
 
 
 def test_cp_and_ulysses_ranks_share_the_vision_work(q3_dirs):

@@ -36,6 +36,11 @@ PAD_ID = 0
 # against fp32 over transformers' error against fp32) measured 1.0 on 2026-11-25 and 1.57 at TP2 on an AMD
 # EPYC CPU (2026-11-26: bf16 GEMM roundings differ by CPU): bound 2.
 VL_BF16_BOUNDS = {"bf16_logits_rel": 0.03, "bf16_loss": 4e-3, "bf16_vs_fp32_ratio": 2.0}
+# Recorded by tests/workers_vl.py ``bf16_records`` beside the bounded ones, not bounded by VL_BF16_BOUNDS: at tp > 1
+# the plain TP model's distance to transformers' bf16 (its partial products rounded to bf16 before the TP sum;
+# the bounded bf16_logits_rel / bf16_loss are then those with the partial sums in fp32, and the ratio the plain
+# model's), and under cp / ulysses the visual tokens placed on each rank (asserted > 0: images in every part).
+VL_BF16_REPORTED = ("bf16_tp_logits_rel", "bf16_tp_loss", "bf16_local_visual_tokens")
 _SPECIAL = {"image_token_id": 96, "video_token_id": 97, "vision_start_token_id": 98, "vision_end_token_id": 99}
 _TEXT_IDS = (2, 96)  # ordinary text tokens are drawn from [2, 96): never padding, bos/eos or a vision token
 
