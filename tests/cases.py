@@ -139,8 +139,11 @@ def snapshot(folder: Path) -> dict[str, str]:
     return out
 
 
-def write_all(root: Path) -> dict[str, str]:
-    return {name: str(write_hf_model(root, name, cfg, seed=i)) for i, (name, cfg) in enumerate(_case_configs().items())}
+def write_all() -> dict[str, str]:
+    """The cases above, each seeded by its position, from the session's checkpoint cache (read-only)."""
+    from tests.checkpoint_cache import cached
+
+    return {name: cached(write_hf_model, name, cfg, seed=i) for i, (name, cfg) in enumerate(_case_configs().items())}
 
 
 def arch_of(case: str) -> str:

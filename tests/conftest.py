@@ -29,10 +29,27 @@ def terminal_line(config, line: str) -> None:
 
 
 def pytest_configure(config):
-    """The vLLM harness's progress lines (an engine start takes minutes) go to the terminal too."""
-    from tests import vllm_harness
+    """The vLLM harness's progress lines (an engine start takes minutes) go to the terminal too; the session's
+    checkpoint cache (tests/checkpoint_cache.py) is a fresh directory, named in the environment before any rank
+    process or fork server starts, so every process of the session finds it."""
+    import tempfile
+
+    from tests import checkpoint_cache, vllm_harness
 
     vllm_harness.say_on_terminal = lambda line: terminal_line(config, line)
+    config._pmz_checkpoint_cache = tempfile.mkdtemp(prefix="pmz-checkpoints-")
+    os.environ[checkpoint_cache.ENV] = config._pmz_checkpoint_cache
+
+
+def pytest_unconfigure(config):
+    """The session's checkpoint cache goes with it."""
+    from tests import checkpoint_cache
+
+    root = getattr(config, "_pmz_checkpoint_cache", None)
+    if root:
+        checkpoint_cache.remove(root)
+        if os.environ.get(checkpoint_cache.ENV) == root:
+            del os.environ[checkpoint_cache.ENV]
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -76,19 +93,25 @@ settings.load_profile("explore" if os.environ.get("PMZ_HYPOTHESIS") == "explore"
 def _fresh_ranks_per_module():
     """The reused rank processes (tests/worker_pool.py) live for one test module: a library's process-wide
     state that one module's rank bodies leave behind (FSDP2/DTensor caches, megatron-core's groups) never
-    meets another module's (the first full run with session-long ranks failed two modules that way)."""
+    meets another module's (the first full run with session-long ranks failed two modules that way).
+    Then the session's cached checkpoints are checked unchanged: a module that wrote into one fails here
+    (its last test errors at teardown), as chmod alone cannot make a root user's write fail."""
     yield
+    from tests.checkpoint_cache import changed
     from tests.worker_pool import close_all
 
     close_all()
+    problems = changed()
+    assert not problems, "\n".join(problems)
 
 
 @pytest.fixture(scope="session")
-def hf_dirs(tmp_path_factory):
-    """The tiny transformers models of tests/cases.py, written once per session."""
+def hf_dirs():
+    """The tiny transformers models of tests/cases.py, written once per session (read-only, in the session's
+    checkpoint cache: any module or rank process asking for the same model gets these files)."""
     from tests.cases import write_all
 
-    return write_all(tmp_path_factory.mktemp("hf_models"))
+    return write_all()
 
 
 @pytest.fixture()

@@ -30,6 +30,7 @@ pytest.importorskip("megatron.core")
 from converters.cli import main as pmz  # noqa: E402
 from converters.engine import convert  # noqa: E402
 from tests.cases import snapshot  # noqa: E402
+from tests.checkpoint_cache import cached, copy  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.megatron_moe_oracle import (  # noqa: E402
     MoeLayout,
@@ -204,11 +205,10 @@ def _safetensors(path: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def hf_models(tmp_path_factory):
+def hf_models():
     from tests.workers_moe import write_moe_model
 
-    root = tmp_path_factory.mktemp("moe_hf")
-    return {name: write_moe_model(root, name) for name in ("shared", "plain")}
+    return {name: cached(write_moe_model, name) for name in ("shared", "plain")}  # "shared": also tests/test_moe
 
 
 ROUND_TRIPS = [("megatron", ["--ep", "2"]), ("megatron", ["--tp", "2", "--pp", "2", "--ep", "2"]),
@@ -325,7 +325,7 @@ def test_mismatched_router_shape_in_hf(hf_models, tmp_path, capsys):
     from safetensors.torch import save_file
 
     src = tmp_path / "hf_bad"
-    shutil.copytree(hf_models["shared"], src)
+    copy(hf_models["shared"], src)  # writable: the source is read-only in the session's checkpoint cache
     tensors = _safetensors(str(src))
     tensors["model.layers.2.mlp.gate.weight"] = tensors["model.layers.2.mlp.gate.weight"][:5].clone()
     for f in src.glob("*.safetensors"):

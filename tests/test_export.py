@@ -29,12 +29,13 @@ def _run(world: int, dirs_key: tuple, out_root: str):
 
 
 @pytest.fixture(scope="module")
-def export_dirs(tmp_path_factory):
+def export_dirs():
+    """tests/test_pipeline.py's models (the same configs and seeds), read-only from the session's checkpoint cache."""
     from tests.cases import write_hf_model
+    from tests.checkpoint_cache import cached
     from tests.test_pipeline import _configs
 
-    root = tmp_path_factory.mktemp("export_models")
-    return {name: str(write_hf_model(root, name, cfg, seed=i)) for i, (name, cfg) in enumerate(_configs().items())}
+    return {name: cached(write_hf_model, name, cfg, seed=i) for i, (name, cfg) in enumerate(_configs().items())}
 
 
 BOUNDS = {"names_mismatch": 0.0, "vs_transformers": 1e-5, "oversize_buckets": 0.0, "ranks_differ": 0.0,

@@ -14,6 +14,7 @@ import re
 
 import pytest
 
+from tests.checkpoint_cache import cached
 from tests.distributed import run_distributed
 from tests.workers_moe import MOE_CASES, dispatch_suite, fsdp_with_ep_refusal, suite, write_moe_model
 
@@ -37,9 +38,9 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def moe_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe")
-    return tuple(sorted((name, write_moe_model(root, name, seed=i)) for i, name in enumerate(MOE_CASES)))
+def moe_dirs():
+    """Read-only, from the session's checkpoint cache ("shared" at seed 0 is also tests/test_convert_moe's)."""
+    return tuple(sorted((name, cached(write_moe_model, name, seed=i)) for i, name in enumerate(MOE_CASES)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,11 +99,11 @@ def test_dispatchers_match_dense_reference():
 
 def _edited_copy(src, dst, edit):
     """A copy of the HF directory ``src`` whose tensors pass through ``edit(dict)``."""
-    import shutil
-
     from safetensors.torch import load_file, save_file
 
-    shutil.copytree(src, dst)
+    from tests.checkpoint_cache import copy
+
+    copy(src, dst)  # writable: the source is read-only in the session's checkpoint cache
     tensors = load_file(str(dst / "model.safetensors"))
     edit(tensors)
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})

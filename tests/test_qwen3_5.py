@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.checkpoint_cache import cached
 from tests.distributed import run_distributed
 from tests.workers_qwen3_5 import case, configs, suite, write_model
 
@@ -25,9 +26,10 @@ PLAN = [("mixed", False), ("mixed", True), ("tied_kv1", False), ("tied_kv1", Tru
 
 
 @pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("qwen3_5")
-    return {name: write_model(root, name, cfg, seed=i) for i, (name, cfg) in enumerate(configs().items())}
+def dirs():
+    """Read-only, from the session's checkpoint cache (the same configs and seeds as tests/test_qwen3_5_layouts.py;
+    "mixed" at seed 0 as tests/test_qwen3_5_context.py)."""
+    return {name: cached(write_model, name, cfg, seed=i) for i, (name, cfg) in enumerate(configs().items())}
 
 
 @pytest.fixture(scope="module")
