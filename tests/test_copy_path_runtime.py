@@ -95,3 +95,38 @@ def test_preload_numpy_pins_openblas_for_the_import_only():
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split()[1] == "3"
+
+
+def test_pickle_writer_read_back_by_torch():
+    """``pickles.dumps`` (the copy path's Megatron pickles: a writer per node type, tensors pre-rendered by
+    ``pickles.tensor``) read back by ``torch.load`` (an independent unpickler) as the objects ``torch.save``
+    would have written: tensors of several dtypes and ranks, a namespace of mixed values, nested containers,
+    an OrderedDict (a dict subclass: the writers' isinstance fallback, read back as a dict); ``tensor`` against
+    ``tensor_node``."""
+    import argparse
+    import io
+    from collections import OrderedDict
+
+    import torch
+
+    from converters.formats import pickles as pw
+    from converters.formats.torch_zip import archive_bytes
+
+    shapes = [((3, 4), torch.float32, "F32"), ((5,), torch.int64, "I64"), ((2, 1, 3), torch.bfloat16, "BF16"),
+              ((), torch.float16, "F16"), ((300, 1), torch.uint8, "U8")]
+    fields = {"hidden_size": 1024, "big": 1 << 40, "neg": -3, "neg_big": -(1 << 35), "lr": 1.5e-4,
+              "name": "m\u00e9gatron", "flag": True, "off": False, "none": None, "sizes": [1, 256, 65536],
+              "pair": (7, "x"), "many": (1, 2, 3, 4, 5), "empty": (), "raw": b"\x00\xff"}
+    ref = {f"t{i}": (torch.arange(max(1, torch.Size(shape).numel())) % 100).to(dtype).reshape(shape)
+           for i, (shape, dtype, _) in enumerate(shapes)}
+    ours = {f"t{i}": pw.tensor(str(i), tag, shape) for i, (shape, _, tag) in enumerate(shapes)}
+    extra = {"iteration": 70000, "nested": {"a": [], "b": {"c": [1.0, None]}}, "od": OrderedDict(x=1)}
+    data = archive_bytes(pw.dumps({**ours, "args": pw.namespace(fields), **extra}),
+                         [t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in ref.values()])
+    got = torch.load(io.BytesIO(data), weights_only=False)
+    for key, tensor in ref.items():
+        assert got[key].dtype == tensor.dtype and got[key].shape == tensor.shape and torch.equal(got[key], tensor)
+    assert isinstance(got["args"], argparse.Namespace) and vars(got["args"]) == fields
+    assert {k: got[k] for k in extra} == extra  # a dict subclass is written as a plain dict, as before
+    for i, (shape, _, tag) in enumerate(shapes):
+        assert pw.dumps(pw.tensor(str(i), tag, shape)) == pw.dumps(pw.tensor_node(str(i), tag, shape))
