@@ -3,8 +3,9 @@
 ``run_clients`` runs one client process for a list of jobs, forked from the session's client server
 (``tests/vllm_server.py``: one interpreter and one vLLM import for the whole session, started by the
 first call; each job still builds and shuts down its own engine, without a process of its own:
-TP-1 engines run in the client, TP-N engines in N rank processes spawned once per client, state jobs
-in ranks spawned once per job, which may hold several models: tests/vllm_client.py). A job's result counts only
+TP-1 engines run in the client, TP-N engines in N rank processes forked once per client, state jobs
+in ranks forked once per job, which may hold several models; ranks are spawned instead where the client has a
+second thread, or with ``PMZ_VLLM_SPAWN_RANKS=1``: tests/vllm_client.py). A job's result counts only
 when the whole client finished cleanly: exit code 0 *and* the client's closing line
 (``FINISHED_LINE``), which it prints after every engine was shut down and every distributed state
 destroyed. A client that wrote its results and then crashed at exit fails the test (no retry, no
