@@ -1,8 +1,8 @@
 """Real Megatron-Bridge as a test oracle for the Gated DeltaNet hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next),
 run under ``.venv-bridge``: ``python tests/bridge_gdn_oracle.py JOBS.json RESULT.json``, one process for a
 list of jobs (importing Bridge costs ~12 s quiet; a model build or load ~0.3-1 s; built and loaded models
-are reused by later jobs). Nothing of the project is imported here. Result: ``versions``, per job its
-``op``, ``seconds`` and:
+are reused by later jobs), or the TP x PP ranks tests/bridge_run.py starts (bridge_oracle.init_world: every rank
+runs every job). Nothing of the project is imported here. Result: ``versions``, per job its ``op``, ``seconds``:
   {"op": "write", "hf": DIR, "out": DIR}    ``AutoBridge.from_hf_pretrained(hf).to_megatron_provider(
                                             load_weights=True)`` (Bridge's own mapping; MTP built and imported
                                             when config.json has ``mtp_num_hidden_layers`` and the weights
@@ -17,9 +17,8 @@ are reused by later jobs). Nothing of the project is imported here. Result: ``ve
                                             ``"via": "dist_checkpointing"``): the model built from ``hf``'s
                                             config, megatron-core ``dist_checkpointing.load(strict=RAISE_ALL)``
                                             (a missing or unexpected key raises) and ``load_state_dict(strict)``.
-  {"op": "logits", "ckpt": DIR | none, "hf": DIR, "ids": [[...]]}
-                                            fp32 logits [batch, seq, HF vocab] of the checkpoint's model (else
-                                            the one built from ``hf``), causal, positions 0..s-1, no padding.
+  {"op": "logits", "ckpt": DIR | none, "hf": DIR, "ids": [[...]]}  fp32 logits [batch, seq, HF vocab] of the
+                                            checkpoint's model (else ``hf``'s), causal, no padding.
   {"op": "export", "ckpt": DIR, "hf": DIR, "out": DIR}
                                             Bridge's megatron->HF export of the checkpoint's model
                                             (``save_hf_weights``: ``save_hf_pretrained`` without its tokenizer
@@ -37,7 +36,7 @@ megatron's local one (TE's ``TEDotProductAttention`` writes nothing to checkpoin
 ``HAVE_FLA`` set, FLA's ``chunk_gated_delta_rule`` -> megatron-core's ``torch_chunk_gated_delta_rule``,
 ``causal_conv1d`` / ``l2norm`` -> torch; ``torch.compile`` (megatron's ``jit_fuser``) off; the causal mask
 and RNG fork off CUDA; MoE with the allgather dispatcher, no permute/router fusion (these runtime fields,
-fp32 and TP=PP=1 show in run_config.yaml). Logits equal transformers' (fp32) to <= 5e-6.
+fp32 and the run's TP/PP show in run_config.yaml). Logits (one rank only) equal transformers' (fp32) to <= 5e-6.
 
 Facts (megatron-bridge 0.6.2, megatron-core 0.19.2, transformers 5.12.1; tests/test_bridge_gdn_oracle.py
 checks the layout against the HF tensors; L = layer, every key per layer, none stacked):
@@ -168,11 +167,12 @@ def _te_linears():
 
 
 def _te_grouped_linears():
-    """Stand-ins for TE's ``TEColumnParallelGroupedLinear`` / ``TERowParallelGroupedLinear`` (one process, no
-    expert TP): parameters ``weight0 .. weight{E-1}`` as TE's ``GroupedLinear`` holds them, one
+    """Stand-ins for TE's ``TEColumnParallelGroupedLinear`` / ``TERowParallelGroupedLinear``: parameters
+    ``weight0 .. weight{E-1}`` as TE's ``GroupedLinear`` holds them (this expert-TP rank's rows / columns), one
     ``_extra_state``; in the checkpoint each expert's weight is a slice of the global
     ``experts.linear_fc{1,2}.weight`` [E, out, in] and its ``_extra_state`` one shard of
-    ``experts.linear_fc{1,2}._extra_state`` (the keys megatron-core's TE wrapper makes)."""
+    ``experts.linear_fc{1,2}._extra_state`` (the keys megatron-core's TE wrapper makes). No forward over
+    expert-TP ranks (``logits`` runs on one rank)."""
     from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
     from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
@@ -185,6 +185,10 @@ def _te_grouped_linears():
             if bias:
                 raise ValueError("grouped-linear stand-in: no biases (Qwen experts have none)")
             self.num_gemms, self.config, self.pg_collection = num_gemms, config, pg_collection
+            self.tp_group = getattr(pg_collection, "expt_tp", None)
+            etp = self.tp_group.size() if self.tp_group is not None else 1
+            output_size, input_size = (output_size // etp, input_size) if self.tp_axis == 0 else \
+                (output_size, input_size // etp)
             for i in range(num_gemms):
                 self.register_parameter(f"weight{i}", torch.nn.Parameter(
                     torch.empty(output_size, input_size, dtype=config.params_dtype)))
@@ -208,7 +212,7 @@ def _te_grouped_linears():
                 sub = make_sharded_tensors_for_checkpoint(
                     {f"{i}.weight": getattr(self, f"weight{i}"), f"{i}._extra_state": self.get_extra_state()}, "",
                     {f"{i}.weight": self.tp_axis}, (*sharded_offsets, (len(sharded_offsets), first + i, total)),
-                    dp_cp_group=metadata["dp_cp_group"])
+                    tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
                 replace_prefix_for_sharding(sub, f"{i}.", prefix)
                 out[f"{prefix}weight{i}"] = sub[f"{i}.weight"]
                 out[f"{prefix}_extra_state{i or ''}"] = sub[f"{i}._extra_state"]
@@ -355,7 +359,7 @@ def _from_hf(hf: str, mtp: bool = True):
     return _BUILT[key]
 
 
-def _module(model):
+def _module(model):  # the model chunk (no virtual pipeline here)
     return model[0] if isinstance(model, list) else model
 
 
@@ -439,6 +443,8 @@ def _logits(job: dict) -> dict:
     0..s-1 in every row, no padding), trimmed to the HF vocab."""
     from transformers import AutoConfig
 
+    if bridge_oracle.PARALLEL != {"tp": 1, "pp": 1}:
+        raise ValueError(f"logits: one rank only (this run: {bridge_oracle.PARALLEL})")
     model = _load_model(job)[1] if "ckpt" in job else _from_hf(job["hf"], job.get("mtp", True))[1]
     module = _module(model).eval()
     ids = torch.tensor(job["ids"], dtype=torch.long)
@@ -473,13 +479,7 @@ OPS = {"write": _write, "load": _load, "logits": _logits, "export": _export}
 
 
 def main(jobs_path: str, result_path: str) -> None:
-    import torch.distributed as dist
-
-    # one rank: an in-process store, no port to pick (a port derived from the pid could be taken)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    from megatron.core import parallel_state
-
-    parallel_state.initialize_model_parallel(1, 1)
+    bridge_oracle.init_world()  # one rank, or one of the TP x PP ranks tests/bridge_run.py starts
     import megatron.bridge
 
     _install()
@@ -491,11 +491,9 @@ def main(jobs_path: str, result_path: str) -> None:
     from importlib.metadata import version
 
     packages = ("megatron-bridge", "megatron-core", "transformers", "torch")
-    out = {"import_seconds": round(imported - _T0, 2), "versions": {p: version(p) for p in packages},
-           "bridge_file": megatron.bridge.__file__, "results": results}
-    Path(result_path).write_text(json.dumps(out))
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    bridge_oracle.finish(result_path, {"import_seconds": round(imported - _T0, 2), "results": results,
+                                       "versions": {p: version(p) for p in packages},
+                                       "bridge_file": megatron.bridge.__file__})
 
 
 if __name__ == "__main__":  # the checkpoint writer starts worker processes that import this file

@@ -25,8 +25,16 @@ Megatron-Bridge 0.6.2 / megatron-core 0.19.2 run on CPU here with, in this proce
 missing ``typing.override``; stub modules for the imports ``megatron.bridge`` (and one megatron-core
 Triton kernel file) make of transformer_engine, modelopt, megatron.energon, nvidia_resiliency_ext and
 triton (megatron-core's own guarded imports still fail, so it builds its local non-TE layers);
-``torch.cuda`` device and RNG calls mapped to the CPU; a gloo world of one; fp32, no fusions, CPU
-initialisation; MoE with the allgather token dispatcher and no permute fusion (TE kernels, CUDA streams).
+``torch.cuda`` device and RNG calls and ``Tensor.cuda()`` mapped to the CPU; a gloo world of one, or of
+TP x PP ranks that tests/bridge_run.py starts (``PMZ_BRIDGE_WORLD``, ``init_world``: every rank runs every job,
+rank 0 writes the results of all ranks, ``gathered``); fp32, no fusions, CPU initialisation; MoE with the
+allgather token dispatcher and no permute fusion (TE kernels, CUDA streams).
+
+Measured (4 ranks, TP2 x PP2, gloo on CPU): megatron-core builds its tensor-parallel layers and Bridge imports,
+saves (one ``__{rank}_0.distcp`` per writing rank, same keys and global shapes as at TP1) and loads with only
+``Tensor.cuda()`` added to the shims (megatron-core's ``setup_embeddings_and_output_layer`` moves the embedding
+copy of a later stage there before its all-reduce, with tied embeddings or MTP). Bridge's unpadded vocabulary
+must divide by TP (``VocabParallelEmbedding``: "101 is not divisible by 2").
 
 Checkpoint names as Bridge writes them on a GPU: Bridge builds Transformer Engine's layer spec there
 (``default_layer_spec``). Here the layers are megatron-core's local (non-TE) modules, whose parameters
@@ -46,6 +54,7 @@ from __future__ import annotations
 
 import builtins
 import json
+import os
 import sys
 import typing
 from pathlib import Path
@@ -93,6 +102,9 @@ torch.cuda.current_device = lambda: "cpu"
 torch.cuda.synchronize = lambda *a, **k: None
 torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
 torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+torch.Tensor.cuda = lambda self, *a, **k: self
+WORLD_ENV = "PMZ_BRIDGE_WORLD"  # "RANK,TP,PP,STORE_FILE": one rank of the world tests/bridge_run.py starts
+PARALLEL = {"tp": 1, "pp": 1}  # this process's model-parallel sizes (init_world); every provider gets them
 FUSIONS = ("gradient_accumulation_fusion", "bias_activation_fusion", "masked_softmax_fusion", "persist_layer_norm",
            "bias_dropout_fusion", "apply_rope_fusion", "cross_entropy_loss_fusion", "bf16", "fp16")
 
@@ -153,8 +165,8 @@ def _cpu(provider, spec=None) -> None:
     provider.params_dtype = provider.pipeline_dtype = torch.float32
     provider.use_cpu_initialization = True
     provider.perform_initialization = False
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
-        setattr(provider, name, 1)
+    provider.tensor_model_parallel_size, provider.pipeline_model_parallel_size = PARALLEL["tp"], PARALLEL["pp"]
+    provider.context_parallel_size = 1
     provider.virtual_pipeline_model_parallel_size = None
     provider.sequence_parallel = False
     if getattr(provider, "num_moe_experts", None):  # MoE: no TE permutation kernels, no CUDA streams
@@ -252,14 +264,65 @@ def _load(ckpt: str, hf: str) -> dict:
             "missing": sorted(set(expected) - set(loaded)), "unexpected": sorted(set(loaded) - set(expected))}
 
 
-def main(jobs_path: str, result_path: str) -> None:
+def init_world() -> int:
+    """The gloo world and megatron-core's model-parallel groups; returns this rank. One rank: an in-process store
+    (no port to pick: one derived from the pid could be taken). ``PMZ_BRIDGE_WORLD`` = "RANK,TP,PP,FILE": rank
+    RANK of TP x PP ranks meeting in a FileStore at FILE (tests/bridge_run.py starts them all)."""
     import torch.distributed as dist
-
-    # one rank: an in-process store, no port to pick (a port derived from the pid could be taken)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(1, 1)
+    if os.environ.get(WORLD_ENV):
+        rank, tp, pp, store = os.environ[WORLD_ENV].split(",", 3)
+        PARALLEL.update(tp=int(tp), pp=int(pp))
+        world = PARALLEL["tp"] * PARALLEL["pp"]
+        dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=int(rank), world_size=world)
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(PARALLEL["tp"], PARALLEL["pp"])
+    return dist.get_rank()
+
+
+LOAD_LISTS = ("mismatched", "missing", "unexpected")
+
+
+def gathered(results: list[dict]) -> list[dict]:
+    """Every rank's results of the same jobs as one list (rank 0 gets it; a no-op on one rank): a ``load``
+    result holds each rank's ``mismatched`` / ``missing`` / ``unexpected`` names as "rank R: name", ``compared``
+    summed and ``compared_per_rank``; anything else is rank 0's (checkpoint keys and provider fields are the same
+    on every rank)."""
+    import torch.distributed as dist
+
+    if dist.get_world_size() == 1:
+        return results
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, results)
+    merged = []
+    for per_rank in zip(*everyone):
+        out = dict(per_rank[0])
+        if "compared" in out:
+            out["compared_per_rank"] = [r["compared"] for r in per_rank]
+            out["compared"] = sum(out["compared_per_rank"])
+            out.update({f: [f"rank {i}: {k}" for i, r in enumerate(per_rank) for k in r[f]] for f in LOAD_LISTS})
+        merged.append(out)
+    return merged
+
+
+def finish(result_path: str, out: dict) -> None:
+    """Rank 0 writes ``out`` (its ``results`` gathered from every rank); then the world is torn down."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    out["results"] = gathered(out["results"])
+    out["parallel"] = dict(PARALLEL)
+    if dist.get_rank() == 0:
+        with open(result_path, "w") as f:
+            json.dump(out, f)
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def main(jobs_path: str, result_path: str) -> None:
+    init_world()
     import megatron.bridge
 
     results = []
@@ -273,12 +336,9 @@ def main(jobs_path: str, result_path: str) -> None:
             results.append({"op": "load", **_load(job["ckpt"], job["hf"])})
     from importlib.metadata import version
 
-    out = {"versions": {p: version(p) for p in ("megatron-bridge", "megatron-core", "transformers", "torch")},
-           "bridge_file": megatron.bridge.__file__, "results": results}
-    with open(result_path, "w") as f:
-        json.dump(out, f)
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    finish(result_path, {"versions": {p: version(p) for p in ("megatron-bridge", "megatron-core", "transformers",
+                                                              "torch")},
+                         "bridge_file": megatron.bridge.__file__, "results": results})
 
 
 if __name__ == "__main__":  # the checkpoint writer starts worker processes that import this file

@@ -49,6 +49,28 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 import bridge_qwen35_vl_oracle as vl  # noqa: E402  (bridge_gdn_oracle's import guard, shims and stubs first)
 
+
+def _install_final_norm() -> None:
+    """The text block's final norm at TP > 1. ``Qwen3VLModel``'s text GPT is built from a layer spec, so its block
+    takes megatron-core's ``LayerNormImpl`` (``WrappedTorchNorm`` without TE: ``weight``, no ``_extra_state``),
+    which asserts ``not config.sequence_parallel``; the MoE provider's ``finalize`` turns sequence parallelism on
+    at TP > 1. Sequence parallelism splits activations, not weights: the same torch norm, built from a copy of
+    the config without it."""
+    import copy
+
+    from megatron.core.transformer import transformer_block
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    class _TorchNormAnySP:
+        def __new__(cls, config, hidden_size, *args, **kwargs):
+            config = copy.copy(config)
+            config.sequence_parallel = False
+            return WrappedTorchNorm(config, hidden_size, *args, **kwargs)
+
+    transformer_block.LayerNormImpl = _TorchNormAnySP
+
+
 if __name__ == "__main__":  # the checkpoint writer starts worker processes that import this file
     vl._install_vision()
+    _install_final_norm()
     vl.gdn.main(sys.argv[1], sys.argv[2])
