@@ -36,10 +36,12 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
+def all_reduce_sum(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Plain (no autograd) all-reduce: the sum over ranks of ``x``, in place (``x`` made contiguous first)."""
     x = x.contiguous()
     dist.all_reduce(x, group=group)
     return x
+
 
 
 def all_gather_dim0(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -89,13 +91,13 @@ class _CopyToGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+        return all_reduce_sum(grad, ctx.group), None
 
 
 class _ReduceFromGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x.clone(), group)
+        return all_reduce_sum(x.clone(), group)
 
     @staticmethod
     def backward(ctx, grad):

@@ -57,6 +57,17 @@ class ParallelConfig:
     moe_dispatcher: how MoE tokens reach experts on other EP ranks: "alltoall" (variable-size
         all-to-all of the routed tokens) or "allgather" (all-gather the EP group's tokens,
         reduce-scatter the outputs); see ``parallel/experts.py``.
+    tp_reduce_in_fp32: at tp > 1, every row-parallel layer (attention ``o_proj``, MLP ``down_proj``, the
+        shared expert's, Gated DeltaNet's ``out_proj``, the vision tower's and the merger's, LoRA's row-parallel
+        ``A x``) computes its partial product with fp32 output, sums the partials over TP in fp32 (all-reduce,
+        or the sequence-parallel reduce-scatter), adds the bias in fp32 and rounds once to the activation
+        dtype: the one rounding of a single GEMM, so bf16 models give transformers' single-process bf16
+        numbers (bitwise on the development CPU) instead of rounding each rank's partial, the sum and the bias
+        separately (the default; Megatron's and vLLM's numerics). Cost: those reductions move fp32, twice the
+        bytes of the default's all-reduce / reduce-scatter (forward only: the backward is the default's, which
+        has no partial sums), and on CPU the local weight is upcast per call (CUDA: ``torch.mm(out_dtype=
+        torch.float32)``). A no-op for fp32 models and at tp=1 (one GEMM already rounds once); see
+        ``parallel/layers.py`` ``row_parallel_linear``.
     """
 
     tp: int = 1
@@ -73,6 +84,7 @@ class ParallelConfig:
     fsdp: bool = False
     recompute: str = "none"
     moe_dispatcher: str = "alltoall"
+    tp_reduce_in_fp32: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "vpp", "cp", "ep", "vocab_padding_multiple", "ulysses"):
@@ -95,8 +107,9 @@ class ParallelConfig:
         if self.moe_dispatcher not in MOE_DISPATCHERS:
             raise ParallelConfigError(f"ParallelConfig.moe_dispatcher={self.moe_dispatcher!r}: "
                                       f"choose one of {', '.join(MOE_DISPATCHERS)}")
-        if not isinstance(self.fsdp, bool):
-            raise ParallelConfigError(f"ParallelConfig.fsdp must be True or False, got {self.fsdp!r}")
+        for name in ("fsdp", "tp_reduce_in_fp32"):
+            if not isinstance(getattr(self, name), bool):
+                raise ParallelConfigError(f"ParallelConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.fsdp and self.pp > 1:
             raise ParallelConfigError(f"fsdp=True with pp={self.pp} is not supported (FSDP2 here shards "
                                       f"whole-model replicas; use pp=1, or pp without fsdp)")
@@ -223,6 +236,8 @@ class ParallelConfig:
             if self.moe_dispatcher != "alltoall":
                 parts.append(f"moe_dispatcher={self.moe_dispatcher}")
         parts.append(f"sp={'on' if self.sequence_parallel else 'off'}")
+        if self.tp_reduce_in_fp32:
+            parts.append("tp_reduce=fp32")
         if self.fsdp:
             parts.append("fsdp")
         if self.recompute != "none":

@@ -19,6 +19,7 @@ from torch import nn
 
 from parallel.collectives import (
     all_gather_dim0,
+    all_reduce_sum,
     copy_to_group,
     group_rank,
     group_size,
@@ -62,6 +63,81 @@ def sequence_gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
                            group: Any) -> torch.Tensor:
     """Column-parallel matmul of a sequence-sharded ``x [s/tp, b, in]`` -> ``[s, b, out/tp]`` (see above)."""
     return _SequenceGatherLinear.apply(x, weight, bias, group)
+
+
+def _partial_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x W^T`` of bf16/fp16 operands with an fp32 output (products exact in fp32, sums in fp32, no rounding to the
+    operands' dtype). CUDA: ``torch.mm(out_dtype=torch.float32)`` (no upcast copy of the weight); where torch lacks
+    it, and on CPU (its ``mm.dtype`` kernel is CUDA-only in torch 2.13), the operands are upcast, which on the
+    development CPU gives bitwise transformers' one bf16 GEMM once rounded (tests/test_tp_parity.py)."""
+    if x.is_cuda and _CUDA_MM_OUT_DTYPE[0]:
+        try:
+            y = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32)
+            return y.view(*x.shape[:-1], weight.shape[0])
+        except torch.OutOfMemoryError:
+            raise
+        except (TypeError, RuntimeError):  # torch without mm's out_dtype, or a GPU its kernel refuses
+            _CUDA_MM_OUT_DTYPE[0] = False
+    return F.linear(x.float(), weight.float())
+
+
+_CUDA_MM_OUT_DTYPE = [True]  # set to False the first time torch.mm(out_dtype=) is refused
+
+
+class _RowLinearFp32Sum(torch.autograd.Function):
+    """``round(sum_tp(x_r W_r^T) + b)`` with the partials, their TP sum and the bias add in fp32 (see
+    ``row_parallel_linear``). Backward is the default path's (a row-parallel layer's backward has no partial
+    sums: each rank's input and weight gradients are slices of the one-process ones): the incoming gradient in the
+    activation dtype, all-gathered under SP, times the bf16 weight; the bias gradient from this rank's rows."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, sequence_parallel):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
+        y = _partial_fp32(x, weight)
+        y = reduce_scatter_dim0(y, group) if sequence_parallel else all_reduce_sum(y, group)
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_bias = None
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad.sum(dim=tuple(range(grad.dim() - 1)))  # this rank's rows, as ``y + bias`` gives
+        if ctx.sequence_parallel:
+            grad = all_gather_dim0(grad, ctx.group)
+        grad_input = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = grad.reshape(-1, grad.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+        return grad_input, grad_weight, grad_bias, None, None
+
+
+def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Any,
+                        sequence_parallel: bool, reduce_in_fp32: bool = False) -> torch.Tensor:
+    """``sum over the TP group of x_r W_r^T, + b``: all-reduced, or reduce-scattered along the sequence under SP.
+
+    Default: each rank's partial leaves the GEMM in the activation dtype, the sum and the bias add each round again
+    (Megatron's and vLLM's numerics). ``reduce_in_fp32`` (``ParallelConfig.tp_reduce_in_fp32``) for bf16/fp16
+    activations: the partials in fp32, summed in fp32 (twice the bytes on the wire), the bias added in fp32, one
+    rounding: what a single GEMM over the whole input computes, i.e. transformers' one-process numbers. fp32
+    activations take the default path (nothing to round: the flag is a no-op there)."""
+    if reduce_in_fp32 and x.element_size() < 4:
+        return _RowLinearFp32Sum.apply(x, weight, bias, group, sequence_parallel)
+    y = F.linear(x, weight)
+    y = reduce_scatter_to_sequence(y, group) if sequence_parallel else reduce_from_group(y, group)
+    return y + bias if bias is not None else y
+
+
+def set_tp_reduce_in_fp32(module: nn.Module, enabled: bool) -> int:
+    """Set ``reduce_in_fp32`` on every ``RowParallelLinear`` in ``module`` (their LoRA follows its layer); returns
+    how many. ``build_model`` calls it once with ``ParallelConfig.tp_reduce_in_fp32``, for every model."""
+    layers = [m for m in module.modules() if isinstance(m, RowParallelLinear)]
+    for layer in layers:
+        layer.reduce_in_fp32 = bool(enabled)
+    return len(layers)
 
 
 def _divide(a: int, b: int, what: str) -> int:
@@ -157,12 +233,15 @@ class RowParallelLinear(nn.Module):
     Input ``[s, b, in/tp]`` -> output ``[s, b, out]`` (all-reduce) or ``[s/tp, b, out]`` under SP
     (reduce-scatter). The bias is whole on every rank and added once, after the reduction (at tp=1, inside
     the GEMM: a separate add and its backward sum cost ~6x the fused call on CPU, measured on the vision tower).
+    ``reduce_in_fp32``: the partials summed in fp32 and rounded once (``row_parallel_linear``; set for a whole
+    model from ``ParallelConfig.tp_reduce_in_fp32`` by ``set_tp_reduce_in_fp32``).
     """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, tp_group: Any = None,
                  sequence_parallel: bool = False, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, reduce_in_fp32: bool = False) -> None:
         super().__init__()
+        self.reduce_in_fp32 = reduce_in_fp32
         self.tp_group = tp_group
         self.tp_size = group_size(tp_group)
         self.sequence_parallel = sequence_parallel and self.tp_size > 1
@@ -179,17 +258,14 @@ class RowParallelLinear(nn.Module):
         if self.tp_size == 1:  # nothing to reduce: one fused GEMM with the bias (addmm), as nn.Linear computes
             y = F.linear(x, self.weight, self.bias)
         else:
-            y = F.linear(x, self.weight)
-            if self.sequence_parallel:
-                y = reduce_scatter_to_sequence(y, self.tp_group)
-            else:
-                y = reduce_from_group(y, self.tp_group)
-            y = y + self.bias if self.bias is not None else y
-        return y if self.lora is None else y + self.lora(x)
+            y = row_parallel_linear(x, self.weight, self.bias, self.tp_group, self.sequence_parallel,
+                                    self.reduce_in_fp32)
+        return y if self.lora is None else y + self.lora(x, reduce_in_fp32=self.reduce_in_fp32)
 
     def extra_repr(self) -> str:
+        fp32 = ", reduce_in_fp32" if self.reduce_in_fp32 else ""
         return (f"in={self.in_features}, out={self.out_features}, local_in={self.weight.shape[1]}, "
-                f"tp={self.tp_size}, sp={self.sequence_parallel}")
+                f"tp={self.tp_size}, sp={self.sequence_parallel}{fp32}")
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -290,6 +366,8 @@ __all__ = [
     "QKVParallelLinear",
     "MergedColumnParallelLinear",
     "RowParallelLinear",
+    "row_parallel_linear",
+    "set_tp_reduce_in_fp32",
     "VocabParallelEmbedding",
     "ParallelLMHead",
     "RMSNorm",

@@ -10,7 +10,8 @@
       ``finalize_grads``).
   row-parallel (o_proj, down_proj): A ``[r, in/tp]`` this rank's columns, B ``[out, r]`` whole;
       ``A x`` is summed over TP (reduce-scattered over the sequence under SP; B then tagged
-      ``sequence_parallel``, like a row-parallel bias).
+      ``sequence_parallel``, like a row-parallel bias), in fp32 and rounded once when its layer's
+      ``reduce_in_fp32`` is set (``ParallelConfig.tp_reduce_in_fp32``).
 
 Packed layers get one (A, B) pair per adapted projection; projections without LoRA contribute
 zeros to their part of the packed output. A vision tower's layers are built without SP (its activations
@@ -26,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.collectives import copy_to_group, gather_from_sequence, reduce_from_group, reduce_scatter_to_sequence
+from parallel.collectives import copy_to_group, gather_from_sequence
+from parallel.layers import row_parallel_linear
 
 
 class ColumnLoRA(nn.Module):
@@ -78,12 +80,11 @@ class RowLoRA(nn.Module):
             b.sequence_parallel = True
         self.register_parameter(f"lora_B_{name}", b)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        u = F.linear(self.dropout(x), getattr(self, f"lora_A_{self.name}"))
-        if self.sequence_parallel:
-            u = reduce_scatter_to_sequence(u, self.tp_group)
-        else:
-            u = reduce_from_group(u, self.tp_group)
+    def forward(self, x: torch.Tensor, reduce_in_fp32: bool = False) -> torch.Tensor:
+        """``x [s, b, in/tp]`` (the layer's input) -> the delta; ``reduce_in_fp32``: its layer's setting, the TP sum
+        of ``A x`` in fp32 rounded once (peft's one bf16 GEMM ``A x``; ``parallel.layers.row_parallel_linear``)."""
+        a = getattr(self, f"lora_A_{self.name}")
+        u = row_parallel_linear(self.dropout(x), a, None, self.tp_group, self.sequence_parallel, reduce_in_fp32)
         return F.linear(u, getattr(self, f"lora_B_{self.name}")) * self.scaling
 
 

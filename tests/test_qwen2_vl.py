@@ -16,7 +16,7 @@ import re
 import pytest
 
 from tests.distributed import records_on_ranks, run_distributed
-from tests.vl_cases import VL_BF16_BOUNDS, VL_CASES, write_vl_model
+from tests.vl_cases import VL_BF16_BOUNDS, VL_CASES, vl_bf16_bound, write_vl_model
 from tests.workers_vl import bad_input_messages, dp_text_and_image_ranks, suite
 
 FP32_TOL = 1e-5
@@ -69,7 +69,7 @@ def test_qwen2_vl_parity(vl_dirs, world, metric):
     assert selected, f"no {metric} records"
     bound = GRAD_REL_TOL if metric == "grads" else 0.0 if metric == "saved" else FP32_TOL
     bad = [f"{case} {layout} {name}={value:.3g}" for case, layout, name, value in selected
-           if not value <= VL_BF16_BOUNDS.get(name, bound)]
+           if not value <= (vl_bf16_bound(name, layout) if name in VL_BF16_BOUNDS else bound)]
     assert not bad, "; ".join(bad)
 
 

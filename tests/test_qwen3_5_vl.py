@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from tests.distributed import records_on_ranks
-from tests.vl_cases import VL_BF16_BOUNDS
+from tests.vl_cases import vl_bf16_bound
 from tests.workers_qwen3_5_vl import (
     CASES,
     build_ours,
@@ -110,7 +110,7 @@ def _bf16(dirs, world, names) -> list[str]:
                                          for case, kwargs, *opts in LAYOUTS[world] if opts and opts[0].get("bf16")
                                          for name in names}, selected
     return [f"{case} {layout} {name}={value:.3g}" for case, layout, name, value in selected
-            if not value <= VL_BF16_BOUNDS[name]]
+            if not value <= vl_bf16_bound(name, layout)]
 
 
 @pytest.mark.parametrize("world", BF16_WORLDS)

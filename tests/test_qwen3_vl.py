@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.distributed import records_on_ranks
-from tests.vl_cases import VL_BF16_BOUNDS, VL_BF16_REPORTED
+from tests.vl_cases import VL_BF16_BOUNDS, VL_BF16_REPORTED, vl_bf16_bound
 from tests.workers_qwen3_vl import (
     BATCHES,
     QWEN3_VL_CASES,
@@ -105,7 +105,7 @@ def test_qwen3_vl_parity(q3_dirs, world, metric):
     assert selected, f"no {metric} records"
     bound = GRAD_REL_TOL if metric == "grads" else 0.0 if metric == "saved" else FP32_TOL
     bad = [f"{case} {layout} {name}={value:.3g}" for case, layout, name, value in selected
-           if not value <= VL_BF16_BOUNDS.get(name, bound)]
+           if not value <= (vl_bf16_bound(name, layout) if name in VL_BF16_BOUNDS else bound)]
     assert not bad, "; ".join(bad)
 
 

@@ -166,28 +166,100 @@ def packed_case(case: str, path: str, world: int, sp: bool) -> list[tuple]:
     ]
 
 
-def bf16_case(case: str, path: str, world: int, sp: bool) -> list[tuple]:
-    """bf16 model against transformers in bf16 (same weights): documented tolerance, see docs."""
+def bf16_case(case: str, path: str, world: int, sp: bool, *, plain: bool = True) -> list[tuple]:
+    """bf16 model against transformers in bf16 (same weights): documented tolerance, see docs. At tp > 1 with SP
+    also the model built with ``ParallelConfig.tp_reduce_in_fp32`` (``tp_fp32sum_*``: the row-parallel partials
+    summed in fp32 and rounded once, bitwise transformers' bf16 on the development CPU); ``plain=False``: that
+    model alone, and the plain model's ratio against fp32."""
     tag = (case, world, sp)
-    model = build(case, path, ParallelConfig(tp=world, sequence_parallel=sp), dtype=torch.bfloat16)
     hf = load_hf(path, dtype=torch.bfloat16)
     ref32 = load_hf(path)
     ids, labels = _batch(hf.config.vocab_size, seq_len_for(case))
-    out = model(ids, labels=labels, gather_logits=True)
     ref = hf(ids, labels=labels)
     exact = ref32(ids, labels=labels)
     scale = exact.logits.abs().max().item()
-    return [
-        (*tag, "bf16_logits_rel", _max_diff(out.logits, ref.logits) / scale),
-        (*tag, "bf16_loss", _max_diff(out.loss, ref.loss)),
+    records = []
+    layouts = [False] + ([True] if world > 1 and sp else [])
+    for fp32_sum in layouts:
+        pconfig = ParallelConfig(tp=world, sequence_parallel=sp, tp_reduce_in_fp32=fp32_sum)
+        out = build(case, path, pconfig, dtype=torch.bfloat16)(ids, labels=labels, gather_logits=True)
+        if fp32_sum:
+            records += [(*tag, "tp_fp32sum_logits_rel", _max_diff(out.logits, ref.logits) / scale),
+                        (*tag, "tp_fp32sum_loss", _max_diff(out.loss, ref.loss))]
+            continue
         # ours in bf16 is no further from the fp32 truth than transformers in bf16 (2x slack)
-        (*tag, "bf16_vs_fp32_ratio",
-         _max_diff(out.logits, exact.logits) / max(_max_diff(ref.logits, exact.logits), 1e-6)),
-    ]
+        records.append((*tag, "bf16_vs_fp32_ratio",
+                        _max_diff(out.logits, exact.logits) / max(_max_diff(ref.logits, exact.logits), 1e-6)))
+        if plain:
+            records += [(*tag, "bf16_logits_rel", _max_diff(out.logits, ref.logits) / scale),
+                        (*tag, "bf16_loss", _max_diff(out.loss, ref.loss))]
+    return records
 
 
-def parity_suite(dirs: dict[str, str], extras: bool) -> list[tuple]:
-    """Every case at TP = world size, SP off and (when tp > 1) on; packed/bf16 checks when ``extras``."""
+def tp_fp32sum_layer_case(world: int) -> list[tuple]:
+    """``RowParallelLinear`` (bias; SP off and on) with ``reduce_in_fp32`` in bf16 against one ``nn.Linear`` in bf16,
+    its LoRA (``RowLoRA``) against peft's ``LoraModel`` on that ``nn.Linear``; gradients with the flag equal the
+    default path's bitwise (its backward is the default's); in fp32 the flag changes nothing (bitwise)."""
+    import torch.nn.functional as F
+    from peft import LoraConfig, get_peft_model
+
+    from parallel.layers import RowParallelLinear
+    from parallel.lora import RowLoRA
+
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(7)
+    k_in, n_out, seq, r = 512, 48, 4 * world, 4
+    x = torch.randn(seq, 2, k_in, generator=gen)
+    w = torch.randn(n_out, k_in, generator=gen) / k_in ** 0.5
+    b, g = torch.randn(n_out, generator=gen), torch.randn(seq, 2, n_out, generator=gen)
+    a_lora, b_lora = torch.randn(r, k_in, generator=gen) / k_in ** 0.5, torch.randn(n_out, r, generator=gen)
+    cols = slice(rank * k_in // world, (rank + 1) * k_in // world)
+    records = []
+    for dtype in (torch.bfloat16, torch.float32):
+        ref = F.linear(x.to(dtype), w.to(dtype), b.to(dtype))
+        lin = torch.nn.Sequential(torch.nn.Linear(k_in, n_out)).to(dtype)
+        with torch.no_grad():
+            lin[0].weight.copy_(w), lin[0].bias.copy_(b)
+        # adapters in the layer's dtype, as ours are (peft would upcast bf16 adapters to fp32 by default)
+        peft = get_peft_model(lin, LoraConfig(r=r, lora_alpha=8, target_modules=["0"]), autocast_adapter_dtype=False)
+        with torch.no_grad():
+            peft.base_model.model[0].lora_A["default"].weight.copy_(a_lora)
+            peft.base_model.model[0].lora_B["default"].weight.copy_(b_lora)
+            ref_lora = peft(x.to(dtype))
+        for sp in (False, True):
+            rows = (lambda t: t.chunk(world, 0)[rank]) if sp else (lambda t: t)
+            runs = {}
+            for flag in (False, True):
+                layer = RowParallelLinear(k_in, n_out, bias=True, tp_group=dist.group.WORLD, sequence_parallel=sp,
+                                          dtype=dtype, reduce_in_fp32=flag)
+                with torch.no_grad():
+                    layer.weight.copy_(w[:, cols]), layer.bias.copy_(b)
+                xl = x[..., cols].to(dtype).requires_grad_()
+                y = layer(xl)
+                y.backward(rows(g).to(dtype))
+                runs[flag] = (y.detach(), xl.grad, layer.weight.grad, layer.bias.grad)
+                layer.lora = RowLoRA("proj", k_in // world, n_out, r=r, scaling=2.0, dropout=0.0,
+                                     tp_group=dist.group.WORLD, sequence_parallel=sp, dtype=dtype)
+                with torch.no_grad():
+                    layer.lora.lora_A_proj.copy_(a_lora[:, cols]), layer.lora.lora_B_proj.copy_(b_lora)
+                    runs[flag] += (layer(xl),)
+            tag, scale = (f"layer_{str(dtype)[6:]}", world, sp), ref.abs().max().item()
+            grads_moved = max(_max_diff(p, q) for p, q in zip(runs[False][1:4], runs[True][1:4]))
+            if dtype == torch.float32:  # the flag is a no-op in fp32
+                records.append((*tag, "tp_fp32sum_fp32_noop",
+                                max(_max_diff(p, q) for p, q in zip(runs[False], runs[True]))))
+                continue
+            records += [(*tag, "tp_fp32sum_layer_rel", _max_diff(runs[True][0], rows(ref)) / scale),
+                        (*tag, "tp_fp32sum_lora_rel", _max_diff(runs[True][4], rows(ref_lora)) / scale),
+                        (*tag, "tp_fp32sum_grads_vs_default", grads_moved),
+                        # the default path does round more: the flag must change the forward somewhere
+                        (*tag, "tp_fp32sum_default_differs", float(not torch.equal(runs[False][0], rows(ref))))]
+    return records
+
+
+def parity_suite(dirs: dict[str, str], extras: bool, fp32_sum_dirs: dict[str, str] | None = None) -> list[tuple]:
+    """Every case at TP = world size, SP off and (when tp > 1) on; packed/bf16 checks when ``extras``;
+    ``fp32_sum_dirs``: more cases run only in bf16 with and without ``tp_reduce_in_fp32`` (TP+SP)."""
     world = dist.get_world_size()
     records = []
     for sp in ([False, True] if world > 1 else [False]):
@@ -196,6 +268,10 @@ def parity_suite(dirs: dict[str, str], extras: bool) -> list[tuple]:
             if extras:
                 records += packed_case(case, path, world, sp)
                 records += bf16_case(case, path, world, sp)
+    if world > 1 and extras:
+        records += tp_fp32sum_layer_case(world)
+        for case, path in (fp32_sum_dirs or {}).items():
+            records += bf16_case(case, path, world, True, plain=False)
     return records
 
 

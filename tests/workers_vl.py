@@ -8,7 +8,6 @@ Records are ``(case, layout, metric, value)``; the test file holds the bounds.
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import torch
 
 from models.qwen2_vl.architecture import ARCHITECTURE
 from parallel import ParallelConfig
+from parallel.layers import RowParallelLinear, set_tp_reduce_in_fp32
 from tests.vl_cases import vl_batch, vl_packed_batch
 from tests.workers import _max_diff, _rel_diff, hf_named_grads, saved_tensors_diff
 
@@ -210,26 +210,14 @@ def training_parity(case: str, path: str, pconfig: ParallelConfig, microbatches:
 
 def bf16_parity(case: str, path: str, pconfig: ParallelConfig) -> list[tuple]:
     """Our model in bf16 against transformers in bf16 on the same weights (the mixed batch: images and
-    a video, right padding), and both against transformers in fp32: the quantities and bounds of the
-    text models' bf16 check (docs/numerics.md)."""
+    a video, right padding), and both against transformers in fp32: ``bf16_records``' quantities."""
     hf_class, build_parallel_model = _family(path)
-    tag = (case, pconfig.describe())
     model = build_parallel_model(path, pconfig, dtype=torch.bfloat16)
     hf = hf_class.from_pretrained(path, dtype=torch.bfloat16).eval()
     exact = hf_class.from_pretrained(path, dtype=torch.float32).eval()
-    batch = vl_batch(case, "mixed")
-    low = {k: v.to(torch.bfloat16) if k.startswith("pixel_values") else v for k, v in _inputs(batch).items()}
-    with torch.no_grad():
-        ours = model(**low, gather_logits=True)
-        ref = hf(**low)
-        truth = exact(**_inputs(batch))
-    valid = batch["attention_mask"].bool()
-    ours_l, ref_l, truth_l = (x.logits[valid].float() for x in (ours, ref, truth))
-    scale = truth_l.abs().max().item()
-    return [(*tag, "bf16_logits_rel", _max_diff(ours_l, ref_l) / scale),
-            (*tag, "bf16_loss", _max_diff(ours.loss.float(), ref.loss.float())),
-            # ours in bf16 is no further from the fp32 truth than transformers in bf16 (with slack)
-            (*tag, "bf16_vs_fp32_ratio", _max_diff(ours_l, truth_l) / max(_max_diff(ref_l, truth_l), 1e-6))]
+    # the plain TP model's distances are not recorded: tests/test_qwen2_5_vl.py bounds every bf16_* record
+    return bf16_records((case, pconfig.describe()), model, hf, exact, _inputs(vl_batch(case, "mixed")),
+                        report_plain_tp=False)
 
 
 def suite(dirs: dict[str, str], layouts: list[tuple]) -> list[tuple]:
@@ -342,39 +330,14 @@ def vllm_outputs(case: str, path: str, out: str, layout: dict | None = None) -> 
     return records
 
 
-@contextlib.contextmanager
-def row_partials_in_fp32():
-    """Within: every ``RowParallelLinear`` at tp > 1 computes its partial product in fp32, sums the partials in
-    fp32, adds the bias and rounds once to the activation dtype, as transformers' one GEMM (fp32 accumulation
-    over the whole input) does. Its default sums partial products each already rounded to bf16 (one rounding
-    per rank's half, one for the sum, one for the bias): Megatron's and vLLM's TP numerics, and the only bf16
-    difference of our TP path from one process (tests/workers_vl.py ``bf16_records``; docs/numerics.md)."""
-    import torch.nn.functional as F
-
-    from parallel.layers import RowParallelLinear, reduce_from_group, reduce_scatter_to_sequence
-
-    plain = RowParallelLinear.forward
-
-    def forward(self, x):
-        if self.tp_size == 1 or self.lora is not None:
-            return plain(self, x)
-        y = F.linear(x.float(), self.weight.float())
-        y = (reduce_scatter_to_sequence if self.sequence_parallel else reduce_from_group)(y, self.tp_group)
-        return (y + self.bias.float() if self.bias is not None else y).to(x.dtype)
-
-    RowParallelLinear.forward = forward
-    try:
-        yield
-    finally:
-        RowParallelLinear.forward = plain
-
-
-def bf16_records(tag: tuple, model, hf, exact, batch: dict) -> list[tuple]:
+def bf16_records(tag: tuple, model, hf, exact, batch: dict, report_plain_tp: bool = True) -> list[tuple]:
     """Ours in bf16 (``model``) against transformers in bf16 (``hf``) on ``batch``, and both against transformers in
     fp32 (``exact``): the VL models' bf16 quantities, bounded by tests/vl_cases.py ``VL_BF16_BOUNDS``.
 
-    At tp > 1 ``bf16_logits_rel`` and ``bf16_loss`` are those of the model run with the row-parallel partial sums
-    in fp32 (``row_partials_in_fp32``; on the development CPU bitwise transformers'), the ratio the plain model's;
+    At tp > 1 ``bf16_logits_rel`` and ``bf16_loss`` are those of the model run with ``ParallelConfig.tp_reduce_in_fp32``
+    (set on the built model by ``parallel.layers.set_tp_reduce_in_fp32``, what ``build_model`` calls with the flag:
+    row-parallel partial sums in fp32, rounded once; on the development CPU bitwise transformers'), the ratio the
+    plain model's;
     the plain model's distance to transformers' bf16 is ``bf16_tp_logits_rel`` / ``bf16_tp_loss`` (not bounded:
     it is both sides' bf16 error against fp32, which here reaches 6% of max |logit| for transformers alone, and the
     ratio bounds ours). Under cp / ulysses each rank records the visual tokens placed in its own part of the
@@ -403,9 +366,13 @@ def bf16_records(tag: tuple, model, hf, exact, batch: dict) -> list[tuple]:
     close = [(*tag, "bf16_logits_rel", _max_diff(ours_l, ref_l) / scale),
              (*tag, "bf16_loss", _max_diff(ours.loss.float(), ref.loss.float()))]
     if groups.tp_size > 1:
-        records += [(tag[0], tag[1], name.replace("bf16_", "bf16_tp_"), value) for *_, name, value in close]
-        with row_partials_in_fp32(), torch.no_grad():
+        if report_plain_tp:
+            records += [(tag[0], tag[1], name.replace("bf16_", "bf16_tp_"), value) for *_, name, value in close]
+        assert not any(m.reduce_in_fp32 for m in model.modules() if isinstance(m, RowParallelLinear))
+        assert set_tp_reduce_in_fp32(model, True) > 0
+        with torch.no_grad():
             ours = model(**low, gather_logits=True)
+        set_tp_reduce_in_fp32(model, False)
         ours_l = ours.logits[valid].float()
         close = [(*tag, "bf16_logits_rel", _max_diff(ours_l, ref_l) / scale),
                  (*tag, "bf16_loss", _max_diff(ours.loss.float(), ref.loss.float()))]

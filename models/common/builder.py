@@ -28,6 +28,7 @@ from models.common.sources import (
 from models.common.weights import checkpoint_source, hf_shapes, load_weights, validate_source
 from parallel.config import ParallelConfig, ParallelConfigError
 from parallel.groups import ParallelGroups, build_groups
+from parallel.layers import set_tp_reduce_in_fp32
 from parallel.lm_head_loss import check_chunk_tokens
 
 
@@ -137,6 +138,7 @@ def build_model(arch: Architecture, source: Any, parallel_config: ParallelConfig
         from models.common.blocks.lora import apply_lora
 
         apply_lora(model, lora, lora_targets, seed=seed)
+    set_tp_reduce_in_fp32(model, parallel_config.tp_reduce_in_fp32)  # every row-parallel layer, tower's too
     if compile:  # before FSDP2 wraps the layers: its hooks stay outside the compiled forward
         compile_layers(model.model.layers.values())
     if parallel_config.fsdp:
