@@ -46,8 +46,12 @@ the next linear (``input_layernorm`` -> ``self_attention.linear_qkv.layer_norm_w
 ``pre_mlp_layernorm`` -> ``mlp.linear_fc1.layer_norm_weight``) is stored under that name; one the TE
 spec keeps as a module of its own (the MoE layers' ``pre_mlp_layernorm``: a MoE layer has no
 ``linear_fc1``) keeps its name. (megatron-core's local spec would store both norms under the fused
-names in every layer, MoE ones included: a checkpoint TE-spec models cannot load.) Nothing of the
-project is imported here.
+names in every layer, MoE ones included: a checkpoint TE-spec models cannot load.) The block's final norm
+is not in the layer spec: megatron-core's ``TransformerBlock`` takes ``LayerNormImpl``, ``TENorm`` with TE
+installed, so Bridge's GPU checkpoints hold ``decoder.final_layernorm._extra_state/shard_0_1`` (and its loader
+refuses a checkpoint without: "Missing key in checkpoint state_dict"); ``_TEFinalNorm`` stands in for it in
+the models Bridge's providers build (a Megatron-LM load, ``_mlm_load``, keeps megatron-core's local final
+norm). Nothing of the project is imported here.
 """
 
 from __future__ import annotations
@@ -155,9 +159,37 @@ def te_named_local_spec(config):
     return spec
 
 
+class _TEFinalNorm(torch.nn.RMSNorm):
+    """Stand-in for ``TENorm`` (te.pytorch.RMSNorm) as a block's final norm: ``weight`` and TE's empty
+    ``_extra_state`` (TE 2.x without FP8)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
+        if config.normalization != "RMSNorm" or config.layernorm_zero_centered_gamma:
+            raise ValueError(f"stand-in final TENorm: plain RMSNorm only, not {config.normalization}")
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_extra_state(self, state) -> None:
+        return None
+
+
+def _final_norm(te: bool) -> None:
+    """The norm megatron-core's ``TransformerBlock`` builds after the last layer of a model from a layer spec
+    (``transformer_block.LayerNormImpl``, read when a block is built): ``TENorm`` with TE installed (what
+    Bridge's providers build on a GPU; an ``_extra_state`` of its own, ``decoder.final_layernorm._extra_state/
+    shard_0_1``), megatron-core's torch norm without (the local spec)."""
+    from megatron.core.transformer import transformer_block
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    transformer_block.LayerNormImpl = _TEFinalNorm if te else WrappedTorchNorm
+
+
 def _cpu(provider, spec=None) -> None:
-    """The provider on CPU: local (non-TE) layers under the TE spec's checkpoint keys (``spec``: another
-    layer spec), fp32, no fusions, one rank."""
+    """The provider on CPU: local (non-TE) layers under the TE spec's checkpoint keys and the block's final norm
+    as TE's (``spec``: another layer spec, built with megatron-core's local final norm), fp32, no fusions."""
+    _final_norm(spec is None)
     provider.transformer_layer_spec = spec or te_named_local_spec
     for name in FUSIONS:
         if hasattr(provider, name):

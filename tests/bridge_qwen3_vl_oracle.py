@@ -26,7 +26,8 @@ tests/test_convert_qwen3_vl_megatron.py):
     layer_norm_weight}``, ``mlp.linear_fc2.weight``; MoE ``pre_mlp_layernorm.weight``, ``mlp.router.weight``
     ``[L, E, H]``, ``mlp.experts.experts.linear_fc1.weight`` ``[L, E, 2F, H]``, ``...linear_fc2.weight``
     ``[L, E, H, F]``; ``embedding.word_embeddings.weight`` unpadded, ``output_layer.weight`` when untied,
-    ``decoder.final_layernorm.weight``. ``_extra_state`` ``shard_{l}_{L}`` for linear_qkv, linear_proj,
+    ``decoder.final_layernorm.weight`` (and its ``_extra_state/shard_0_1``: TE's final norm, stood in by
+    bridge_oracle._TEFinalNorm). ``_extra_state`` ``shard_{l}_{L}`` for linear_qkv, linear_proj,
     q_layernorm, k_layernorm and, dense, linear_fc1 / linear_fc2, MoE pre_mlp_layernorm; experts
     ``mlp.experts.experts.linear_fc{1,2}._extra_state/shard_{l}.{e}_{L}.{E}``.
   * Tower under ``vision_model.``: blocks stacked ``vision_model.decoder.layers.<param>`` ``[depth, ...]`` as
@@ -49,28 +50,6 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 import bridge_qwen35_vl_oracle as vl  # noqa: E402  (bridge_gdn_oracle's import guard, shims and stubs first)
 
-
-def _install_final_norm() -> None:
-    """The text block's final norm at TP > 1. ``Qwen3VLModel``'s text GPT is built from a layer spec, so its block
-    takes megatron-core's ``LayerNormImpl`` (``WrappedTorchNorm`` without TE: ``weight``, no ``_extra_state``),
-    which asserts ``not config.sequence_parallel``; the MoE provider's ``finalize`` turns sequence parallelism on
-    at TP > 1. Sequence parallelism splits activations, not weights: the same torch norm, built from a copy of
-    the config without it."""
-    import copy
-
-    from megatron.core.transformer import transformer_block
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    class _TorchNormAnySP:
-        def __new__(cls, config, hidden_size, *args, **kwargs):
-            config = copy.copy(config)
-            config.sequence_parallel = False
-            return WrappedTorchNorm(config, hidden_size, *args, **kwargs)
-
-    transformer_block.LayerNormImpl = _TorchNormAnySP
-
-
 if __name__ == "__main__":  # the checkpoint writer starts worker processes that import this file
     vl._install_vision()
-    _install_final_norm()
     vl.gdn.main(sys.argv[1], sys.argv[2])

@@ -66,6 +66,7 @@ from converters.layout.stages import (
     MegatronLayout,
     check_target_stages,
     extra_state_modules,
+    final_norm_extra_states,
     layer_extra_states,
     layer_prefix,
     stacks_layers,
@@ -359,6 +360,8 @@ def _dist_files(source: RawSource, target: CopyTarget, directory: Path) -> tuple
                 extras = layer_extra_states(source.wmap, layer, num_layers=L, experts=E, stacked=stacked, prefix=prefix)
                 if te_norms:
                     extras += te_norm_extra_states(source.wmap, layer, num_layers=L, stacked=stacked, prefix=prefix)
+            elif unit == FINAL and te_norms:
+                extras = final_norm_extra_states(prefix)
             for module, suffix in extras:
                 bytes_keys.append((f"{module}._extra_state/{suffix}", name, pos, len(extra)))
                 headers.append((pos, extra))

@@ -329,6 +329,13 @@ def te_norm_extra_states(wmap: Any, layer: int, *, num_layers: int, stacked: boo
     return [(head + m, where) for m in modules]
 
 
+def final_norm_extra_states(prefix: str) -> list[tuple[str, str]]:
+    """(module, shard suffix) of the block's final norm's empty ``_extra_state`` in a Transformer-Engine model
+    built from a layer spec (Megatron-Bridge's GPT and Qwen2.5-VL / Qwen3-VL text models): megatron-core's
+    ``TransformerBlock`` takes ``LayerNormImpl`` for it, ``TENorm`` when TE is installed."""
+    return [(prefix[:-len("layers.")] + "final_layernorm", "shard_0_1")]
+
+
 def layer_extra_states(wmap: Any, layer: int, *, num_layers: int, experts: int, stacked: bool,
                       prefix: str) -> list[tuple[str, str]]:
     """(module, shard suffix) of the empty ``_extra_state`` items megatron-core writes for a layer:

@@ -45,6 +45,7 @@ from converters.layout.stages import (
     DIST_DATA_FILES,
     DIST_METADATA_JSON,
     LOCAL_EXPERT,
+    final_norm_extra_states,
     layer_extra_states,
     layer_prefix,
     stacked_key,
@@ -202,6 +203,8 @@ def write_dist_units(reopen_args: tuple, target, directory: str, units: list, fi
                 if qwen3_vl and (target.bridge or getattr(target.args, "transformer_impl", None) == TE):
                     # Bridge's Qwen3VLModel is the Transformer-Engine spec: its own norms keep an _extra_state too
                     extras += te_norm_extra_states(wmap, layer, num_layers=L, stacked=stacked, prefix=prefix)
+            elif unit == FINAL and (target.bridge or qwen3_vl and getattr(target.args, "transformer_impl", None) == TE):
+                extras = final_norm_extra_states(prefix)  # the block's final norm: TE's TENorm
             for module, suffix in extras:
                 put(f"{module}._extra_state/{suffix}", None, None, None, None, [None])
     reader.close()
