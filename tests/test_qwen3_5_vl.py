@@ -125,8 +125,9 @@ def test_bf16_error_against_fp32_is_transformers_own(dirs, world):
 @pytest.mark.parametrize("world", BF16_WORLDS)
 def test_bf16_matches_transformers_bf16(dirs, world):
     """Dense and MoE, every bf16 layout: ours in bf16 against transformers in bf16 (logits relative to max |logit|,
-    loss) within the VL models' bf16 bounds (tests/vl_cases.py ``VL_BF16_BOUNDS``; at TP2 with the row-parallel
-    partial sums in fp32, tests/workers_vl.py ``bf16_records``)."""
+    loss) within the VL models' bf16 bounds (tests/vl_cases.py ``vl_bf16_bound``: CP2 ``VL_BF16_BOUNDS``, the layouts
+    that compute what one process does ``VL_BF16_EXACT_BOUNDS``; at TP2 with ``ParallelConfig.tp_reduce_in_fp32``,
+    tests/workers_vl.py ``bf16_records``)."""
     bad = _bf16(dirs, world, ("bf16_logits_rel", "bf16_loss"))
     assert not bad, "; ".join(bad)
 

@@ -90,7 +90,8 @@ def test_qwen3_vl_moe_parity(moe_dirs, world, metric):
 @pytest.mark.parametrize("world", BF16_WORLDS)
 def test_qwen3_vl_moe_in_bf16_is_as_close_as_transformers_own(moe_dirs, world):
     """Every bf16 layout has the three bounded quantities (tests/workers_vl.py ``bf16_records``: at TP2 the
-    logits and loss with the row-parallel partial sums in fp32, the ratio of the model as it runs)."""
+    logits and loss with ``ParallelConfig.tp_reduce_in_fp32``, the ratio of the default model), within
+    tests/vl_cases.py ``vl_bf16_bound`` (TP2 with the flag and EP2 compute what one process does: the exact bounds)."""
     from parallel import ParallelConfig
 
     selected = [r for r in _records(world, moe_dirs) if re.fullmatch(BF16, r[2]) and r[2] not in VL_BF16_REPORTED]
