@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.common.blocks.rope import _rotate_half
 from models.common.config import VisionConfig
 from models.common.vision.positions import vision_cu_seqlens, vision_patch_positions, vision_window_index
 from parallel.groups import ParallelGroups
@@ -106,10 +105,22 @@ class VisionAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cu_seqlens: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.local_heads, self.head_dim).unbind(1)  # [N, h_r, d] each
-        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)  # fp32 rotation, as transformers
-        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
-        return self.proj(segment_attention(q, k, v, cu_seqlens).reshape(n, -1))
+        qk, v = self.qkv(x).view(n, 3, self.local_heads, self.head_dim).split([2, 1], dim=1)  # [N, 2|1, h_r, d]
+        q, k = rotate_pairs(qk, cos, sin).unbind(1)  # [N, h_r, d] each, strided views SDPA takes as they are
+        return self.proj(segment_attention(q, k, v.squeeze(1), cu_seqlens).reshape(n, -1))
+
+
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The 2-D rotary of ``x [N, 2, h, d]`` (q and k side by side, one pass over both) with ``cos, sin
+    [N, 1, d]``: ``x * cos + rotate_half(x) * sin`` in fp32 (as transformers), back in ``x``'s dtype.
+    ``rotate_half(x) * sin = [-x2 * sin1, x1 * sin2]`` is computed as ``[x2, x1] * [-sin1, sin2]``: the
+    same products bit for bit (negation is exact), with one ``flip`` of the halves instead of two
+    slices, a negation and a concatenation per tensor (and their backward scatters)."""
+    d = x.shape[-1]
+    xf = x.float()
+    sin = torch.cat([-sin[..., : d // 2], sin[..., d // 2:]], dim=-1)
+    swapped = xf.unflatten(-1, (2, d // 2)).flip(-2).flatten(-2)
+    return (xf * cos[:, None] + swapped * sin[:, None]).to(x.dtype)
 
 
 @functools.lru_cache(maxsize=64)
