@@ -47,12 +47,22 @@ What it measures
     hf->vllm since 2026-11-28, issue 40). Same rounds and RSS as above; the
     targets are issue 8's (ratio >= 0.8 by both ratios, peak RSS <= 96 MiB).
 
+    ``--model qwen3-vl`` / ``--model qwen3-vl-moe`` (issues 40, 41; ``tools/bench_convert_vl.py``): transformers'
+    default Qwen3-VL tower (27 blocks of 1152, DeepStack mergers, ~0.82 GB) with Qwen3 text layers (hidden 2048,
+    16/4 heads of 128, ffn 6144, or 32 fused experts of 512, top-8; vocab 32000, untied), at least 4 layers, as
+    many as bring it nearest ``--sizes`` (default 2 GB). Every direction the copy path takes: hf->hf, HF <->
+    Megatron legacy / torch_dist TP2 (MoE: EP2 x TP2, and GroupedMLP), HF <-> vLLM TP2, and bridge->hf (a
+    Megatron-Bridge save); ``hf->bridge`` (the torch path: pmz writes Bridge targets there) when asked for.
+    ``--check`` (any model, untimed): ``pmz inspect`` of every source, ``pmz verify`` of each against HF and of
+    each direction's output against its source (exact), so each timed round trip is checked bitwise.
+
 How to run
     . .venv/bin/activate
     python tools/bench_convert.py                           # 1 and 8 GB, all directions (~15 min, 2 cores)
     python tools/bench_convert.py --sizes 1 --directions legacy->hf,dist->hf --reps 3
     python tools/bench_convert.py --model qwen3-moe --reps 5    # 8 GB legacy EP2 x TP2 -> HF (~5 min)
     python tools/bench_convert.py --model qwen3.5 --sizes 2 --reps 3   # the hybrid, six directions
+    python tools/bench_convert.py --model qwen3-vl-moe --sizes 2,4 --reps 3 --check
     python tools/bench_convert.py --sizes 1 --profile legacy->hf      # where one conversion's time goes
     python tools/bench_convert.py --profile hf->hf --source /path/to/checkpoint --workers 1
 
@@ -93,10 +103,23 @@ from bench_convert_sources import (
     hybrid_counts,
     layers_for,
 )
-
-COPY_TARGET = 0.8  # cp seconds / pmz seconds, whole process: dense models (issues 8, 40)
-COPY_TARGET_MOE_VLLM = 0.7  # issue 40: MoE models, and vLLM targets of every model
-RSS_LIMIT_MIB = 64  # issue 40: peak RSS of every direction, flat from the small to the large size
+from bench_convert_tables import (
+    DIRECTIONS,
+    HYBRID_DIRECTIONS,
+    MOE_DIRECTIONS,
+    RSS_LIMIT_MIB,
+    speed_target,
+)
+from bench_convert_vl import (
+    QWEN3_VLS,
+    SOURCES,
+    check_direction,
+    check_sources,
+    child_setup_vl,
+    vl_counts,
+    vl_directions,
+    vl_layers_for,
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -110,9 +133,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "default 1,8, qwen3-moe: 8)")
     p.add_argument("--directions", default=None, help="comma-separated conversions to time (default: all of the "
                    "model's; qwen3-moe: legacy->hf)")
-    p.add_argument("--model", choices=("dense", "qwen3-moe") + ALL_HYBRIDS, default="dense",
+    p.add_argument("--model", choices=("dense", "qwen3-moe") + ALL_HYBRIDS + QWEN3_VLS, default="dense",
                    help="dense: Llama/Qwen2 (--arch); qwen3-moe: Qwen3-MoE-shaped, legacy EP2 x TP2; qwen3.5, "
-                        "qwen3.5-moe: Gated DeltaNet hybrids (TP2 Megatron and vLLM targets)")
+                        "qwen3.5-moe: Gated DeltaNet hybrids (TP2 Megatron and vLLM targets); qwen3-vl, "
+                        "qwen3-vl-moe: transformers' default Qwen3-VL tower + text layers (TP2, MoE EP2 x TP2)")
+    p.add_argument("--check", action="store_true", help="untimed: pmz inspect every source, pmz verify each "
+                   "against HF, and each direction's output against its source (exact)")
     p.add_argument("--arch", choices=("llama", "qwen2"), default="llama", help="architecture of the dense model")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="dtype of the synthetic checkpoint")
     p.add_argument("--hidden", type=int, default=2048, help="hidden size")
@@ -150,17 +176,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--_setup_moe", nargs=3, metavar=("HF_DIR", "LEGACY_DIR", "DIST_DIR"), help=argparse.SUPPRESS)
     p.add_argument("--_count", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--_setup_hybrid", nargs=3, metavar=("HF_DIR", "LEGACY_DIR", "DIST_DIR"), help=argparse.SUPPRESS)
+    p.add_argument("--_setup_vl", nargs=1 + len(SOURCES), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    moe, hybrid = args.model == "qwen3-moe", args.model in ALL_HYBRIDS
-    args.sizes = args.sizes or ("8" if moe else "2" if hybrid else "1,8")
-    args.directions = args.directions or ("legacy->hf" if moe else ",".join(HYBRID_DIRECTIONS if hybrid
-                                                                             else DIRECTIONS))
+    moe, hybrid, vl = args.model == "qwen3-moe", args.model in ALL_HYBRIDS, args.model in QWEN3_VLS
+    args.sizes = args.sizes or ("8" if moe else "2" if hybrid or vl else "1,8")
+    args.directions = args.directions or ("legacy->hf" if moe else ",".join(
+        HYBRID_DIRECTIONS if hybrid else [d for d in vl_directions(args.model) if d != "hf->bridge"] if vl
+        else DIRECTIONS))
     args.heads = args.heads or (32 if moe else 16)
     args.kv_heads = args.kv_heads or (2 if hybrid else 4)
     args.head_dim = args.head_dim or (256 if hybrid else 128)
-    args.ffn = args.ffn or (6144 if hybrid else 5632)
-    args.experts = args.experts or (64 if hybrid else 128)
-    args.moe_ffn = args.moe_ffn or (512 if hybrid else 768)
+    args.ffn = args.ffn or (6144 if hybrid or vl else 5632)
+    args.experts = args.experts or (64 if hybrid else 32 if vl else 128)
+    args.moe_ffn = args.moe_ffn or (512 if hybrid or vl else 768)
     args.vocab = args.vocab or (151936 if moe else 32000)
     return args
 
@@ -197,44 +225,6 @@ def mib(nbytes: float) -> float:
     return nbytes / 2**20
 
 
-DIRECTIONS = {  # name: (source dir key, pmz convert arguments)
-    "legacy->hf": ("legacy", ["--to", "hf"]),
-    "dist->hf": ("dist", ["--to", "hf"]),
-    "hf->legacy": ("hf", ["--to", "megatron", "--tp", "2", "--pp", "2"]),
-    "hf->dist": ("hf", ["--to", "megatron-dist", "--tp", "2", "--pp", "2"]),
-    "legacy->legacy": ("legacy", ["--to", "megatron", "--tp", "1", "--pp", "2"]),
-    "dist->legacy": ("dist", ["--to", "megatron", "--tp", "4", "--pp", "1"]),
-    "hf->vllm": ("hf", ["--to", "vllm", "--tp", "2"]),  # issue 40: vLLM sharded_state on the copy path
-    "vllm->hf": ("vllm", ["--to", "hf"]),
-    "hf->hf": ("hf", ["--to", "hf"]),  # issue 40: the HF writer alone (12 source shards -> one 5 GB shard)
-}
-HYBRID_DIRECTIONS = {  # --model qwen3.5 / qwen3.5-moe: every direction by the copy path (issue 40)
-    "hf->hf": ("hf", ["--to", "hf"]),
-    "hf->legacy": ("hf", ["--to", "megatron", "--tp", "2"]),
-    "hf->dist": ("hf", ["--to", "megatron-dist", "--tp", "2"]),
-    "legacy->hf": ("legacy", ["--to", "hf"]),
-    "dist->hf": ("dist", ["--to", "hf"]),
-    "hf->vllm": ("hf", ["--to", "vllm", "--tp", "2"]),
-    "vllm->hf": ("vllm", ["--to", "hf"]),
-}
-MOE_DIRECTIONS = {  # --model qwen3-moe: Megatron sources and targets are EP2 x TP2 (all on the copy path)
-    "legacy->hf": ("legacy", ["--to", "hf"]),
-    "dist->hf": ("dist", ["--to", "hf"]),
-    "hf->legacy": ("hf", ["--to", "megatron", "--tp", "2", "--ep", "2"]),
-    "hf->dist": ("hf", ["--to", "megatron-dist", "--tp", "2", "--ep", "2"]),
-    "hf->grouped": ("hf", ["--to", "megatron", "--tp", "2", "--ep", "2", "--moe-grouped-gemm"]),
-    "grouped->hf": ("grouped", ["--to", "hf"]),  # a legacy GroupedMLP EP2 x TP2 source (experts transposed back)
-    "hf->vllm": ("hf", ["--to", "vllm", "--tp", "2"]),
-    "vllm->hf": ("vllm", ["--to", "hf"]),
-    "hf->hf": ("hf", ["--to", "hf"]),
-}
-
-
-def speed_target(model: str, direction: str) -> float:
-    """Issue 40's ratio target for a direction: 0.8x cp for dense models, 0.7x for MoE models and vLLM targets."""
-    return COPY_TARGET_MOE_VLLM if "moe" in model or direction.endswith("->vllm") else COPY_TARGET
-
-
 def make_vllm_source(srcs: dict[str, Path], work: Path, pmz: list[str]) -> None:
     """vLLM ``sharded_state`` TP=2 of the HF source, by pmz (set-up, not timed)."""
     srcs["vllm"] = work / "vllm"
@@ -245,8 +235,8 @@ def make_vllm_source(srcs: dict[str, Path], work: Path, pmz: list[str]) -> None:
 def make_sources(args: argparse.Namespace, size_gb: float, directions: list[str], work: Path, me: list[str],
                  pmz: list[str]) -> dict[str, Path]:
     """The source checkpoints the directions read, at ~``size_gb`` (set-up, not timed): name -> directory."""
-    moe, hybrid = args.model == "qwen3-moe", args.model in ALL_HYBRIDS
-    layers = layers_for(args, size_gb)
+    moe, hybrid, vl = args.model == "qwen3-moe", args.model in ALL_HYBRIDS, args.model in QWEN3_VLS
+    layers = vl_layers_for(args, size_gb) if vl else layers_for(args, size_gb)
     shape = ["--model", args.model, "--arch", args.arch, "--dtype", args.dtype, "--hidden", str(args.hidden),
              "--heads", str(args.heads), "--kv-heads", str(args.kv_heads), "--ffn", str(args.ffn),
              "--head-dim", str(args.head_dim), "--experts", str(args.experts), "--moe-ffn",
@@ -272,6 +262,23 @@ def make_sources(args: argparse.Namespace, size_gb: float, directions: list[str]
                            check=True, cwd=str(ROOT))
         if "hf" not in wanted:
             remove(srcs["hf"])  # no direction reads it: the disk holds source + output + cp's copy
+        srcs = {k: v for k, v in srcs.items() if k in wanted}
+    elif vl:
+        table = vl_directions(args.model)
+        wanted = {table[d][0] for d in directions} | {"hf"}
+        print(f"\n== ~{size_gb:g} GB: synthetic {args.model} {args.dtype}: transformers' default tower (27 blocks "
+              f"of 1152, DeepStack 8/16/24), text hidden={args.hidden} heads={args.heads}/{args.kv_heads}x"
+              f"{args.head_dim} " + (f"experts={args.experts}x{args.moe_ffn} " if "moe" in args.model else
+                                     f"ffn={args.ffn} ")
+              + f"vocab={args.vocab} layers={layers} -> HF -> " + ", ".join(sorted(wanted - {"hf"}))
+              + " (set-up, not timed) ...", flush=True)
+        r = run_child(me + shape + ["--_setup_vl", str(srcs["hf"])]
+                      + [str(work / k) if k in wanted else "-" for k in SOURCES])
+        print(f"  pmz set-up conversions (HF -> Megatron, in-process): "
+              f"{json.loads(r['stdout'].splitlines()[-1])['setup_convert_s']:.1f} s", flush=True)
+        srcs.update({k: work / k for k in SOURCES if k in wanted})
+        if "vllm" in wanted:
+            make_vllm_source(srcs, work, pmz)
         srcs = {k: v for k, v in srcs.items() if k in wanted}
     elif hybrid:
         wanted = {HYBRID_DIRECTIONS[d][0] for d in directions} | {"hf"}
@@ -301,6 +308,8 @@ def make_sources(args: argparse.Namespace, size_gb: float, directions: list[str]
             make_vllm_source(srcs, work, pmz)
     print(f"  set-up {time.perf_counter() - t0:.0f} s; "
           + ", ".join(f"{k} {dir_bytes(v):,} B" for k, v in srcs.items()), flush=True)
+    if args.check:
+        check_sources(srcs)
     return srcs
 
 
@@ -355,13 +364,17 @@ def main(argv=None) -> int:
     if args._setup_hybrid:
         child_setup_hybrid(args)
         return 0
-    if args._count:  # elements of four decoder layers of the hybrid and outside the layers (layers_for)
-        print(*hybrid_counts(args))
+    if args._setup_vl:
+        child_setup_vl(args)
+        return 0
+    if args._count:  # elements of the decoder layers and outside them (layers_for, vl_layers_for)
+        print(*(vl_counts(args) if args.model in QWEN3_VLS else hybrid_counts(args)))
         return 0
 
     t_script = time.perf_counter()
     moe, hybrid = args.model == "qwen3-moe", args.model in ALL_HYBRIDS
-    table = MOE_DIRECTIONS if moe else HYBRID_DIRECTIONS if hybrid else DIRECTIONS
+    table = (MOE_DIRECTIONS if moe else HYBRID_DIRECTIONS if hybrid else vl_directions(args.model)
+             if args.model in QWEN3_VLS else DIRECTIONS)
     directions = [d.strip() for d in args.directions.split(",") if d.strip()]
     if args.profile:
         directions = [args.profile]
@@ -410,7 +423,11 @@ def main(argv=None) -> int:
                 cv_cmd = pmz + [str(src), str(out), *extra, "--quiet"]
                 load = os.getloadavg()[0]
                 timed(cp_cmd, out)  # warm-up: both read the source from the page cache when timed
-                timed(cv_cmd, out, pmz_env)
+                if args.check:  # the warm-up conversion, its output verified against its source
+                    check_direction(name, cv_cmd, src, out, pmz_env)
+                    remove(out)
+                else:
+                    timed(cv_cmd, out, pmz_env)
                 cps, cvs, others = [], [], []
                 if args.compare:
                     timed(other_cmd(src, out, extra), out, other_env, other_root)
@@ -459,7 +476,7 @@ def main(argv=None) -> int:
             for p in srcs.values():
                 remove(p)
         print(f"\nscript wall time {time.perf_counter() - t_script:.0f} s")
-        tag = "qwen3-moe:" if moe else f"{args.model}:" if hybrid else ""
+        tag = "qwen3-moe:" if moe else f"{args.model}:" if args.model != "dense" else ""
         summary = " ".join(f"{tag}{name}@{size:g}GB={ratio:.2f}x,min{ratio_min:.2f}x/"
                            f"{rss:.0f}MiB" for (size, name), (ratio, ratio_min, rss) in results.items())
         # a noisy round only adds time: both ratios must reach the target (the median alone can be
