@@ -46,12 +46,15 @@ the next linear (``input_layernorm`` -> ``self_attention.linear_qkv.layer_norm_w
 ``pre_mlp_layernorm`` -> ``mlp.linear_fc1.layer_norm_weight``) is stored under that name; one the TE
 spec keeps as a module of its own (the MoE layers' ``pre_mlp_layernorm``: a MoE layer has no
 ``linear_fc1``) keeps its name. (megatron-core's local spec would store both norms under the fused
-names in every layer, MoE ones included: a checkpoint TE-spec models cannot load.) The block's final norm
-is not in the layer spec: megatron-core's ``TransformerBlock`` takes ``LayerNormImpl``, ``TENorm`` with TE
-installed, so Bridge's GPU checkpoints hold ``decoder.final_layernorm._extra_state/shard_0_1`` (and its loader
-refuses a checkpoint without: "Missing key in checkpoint state_dict"); ``_TEFinalNorm`` stands in for it in
-the models Bridge's providers build (a Megatron-LM load, ``_mlm_load``, keeps megatron-core's local final
-norm). Nothing of the project is imported here.
+names in every layer, MoE ones included: a checkpoint TE-spec models cannot load.) Each norm the TE spec
+builds as a module of its own (``backend.layer_norm()``, TE's ``TENorm``: q/k norms, a MoE layer's
+``pre_mlp_layernorm``) is ``_TENorm`` in the local spec too (read from the same spec build), and so is the
+block's final norm, which is not in the layer spec: megatron-core's ``TransformerBlock`` takes
+``LayerNormImpl``, ``TENorm`` with TE installed. ``_TENorm`` keeps an empty ``_extra_state`` as TE's norms do,
+so Bridge's saves here hold ``<norm>._extra_state`` as on a GPU and its loader refuses a checkpoint without
+("Missing key in checkpoint state_dict: decoder.layers.pre_mlp_layernorm._extra_state/shard_0_2"). A Megatron-LM
+load (``_mlm_load``) of a local-spec checkpoint keeps megatron-core's local norms. Nothing of the project is
+imported here.
 """
 
 from __future__ import annotations
@@ -117,15 +120,31 @@ class _LayerNormLinear:
     """Marks the fused layer-norm linear (TE's ``TELayerNormColumnParallelLinear``) in ``te_keys_map``."""
 
 
-def te_keys_map(config) -> dict[str, str]:
-    """The checkpoint keys map of megatron-core's Transformer-Engine GPT layer for ``config``: the spec
-    itself (``get_gpt_layer_with_transformer_engine_submodules``, as Bridge's ``transformer_engine_layer_spec``
-    calls it), built with a local backend whose fused layer-norm linear is ``_LayerNormLinear``; a norm
-    the spec leaves out (IdentityOp) because the next linear is that fused module is stored under the
-    linear's ``layer_norm_`` names."""
+class _TENorm(torch.nn.RMSNorm):
+    """Stand-in for ``TENorm`` (te.pytorch.RMSNorm): ``weight`` and TE's empty ``_extra_state`` (TE 2.x without
+    FP8), built with the arguments megatron-core passes a norm (config, hidden_size, eps). It stands wherever
+    megatron-core's TE spec puts its ``backend.layer_norm()`` (``te_spec_submodules``: q/k norms, a MoE layer's
+    ``pre_mlp_layernorm``) and as the block's final norm (``_final_norm``)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
+        if config.normalization != "RMSNorm" or config.layernorm_zero_centered_gamma:
+            raise ValueError(f"stand-in TENorm: plain RMSNorm only, not {config.normalization}")
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_extra_state(self, state) -> None:
+        return None
+
+
+def te_spec_submodules(config):
+    """megatron-core's Transformer-Engine GPT layer submodules for ``config``
+    (``get_gpt_layer_with_transformer_engine_submodules``, as Bridge's ``transformer_engine_layer_spec`` calls
+    it), built with a local backend whose fused layer-norm linear is ``_LayerNormLinear`` and whose
+    ``layer_norm()`` (TE's ``TENorm``) is ``_TENorm``."""
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt import gpt_layer_specs as specs
-    from megatron.core.transformer.identity_op import IdentityOp
 
     class FusedNormBackend(LocalSpecProvider):
         def fuse_layernorm_and_linear(self) -> bool:
@@ -134,13 +153,24 @@ def te_keys_map(config) -> dict[str, str]:
         def column_parallel_layer_norm_linear(self) -> type:
             return _LayerNormLinear
 
+        def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False) -> type:
+            return _TENorm
+
     saved, specs.TESpecProvider = specs.TESpecProvider, FusedNormBackend
     try:
-        sub = specs.get_gpt_layer_with_transformer_engine_submodules(
+        return specs.get_gpt_layer_with_transformer_engine_submodules(
             num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
             qk_layernorm=config.qk_layernorm)
     finally:
         specs.TESpecProvider = saved
+
+
+def te_keys_map(sub) -> dict[str, str]:
+    """The checkpoint keys map of the TE spec's layer ``sub`` (``te_spec_submodules``): a norm the spec leaves
+    out (IdentityOp) because the next linear is the fused module is stored under the linear's ``layer_norm_``
+    names."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
     keys = {}
     if sub.input_layernorm is IdentityOp and sub.self_attention.submodules.linear_qkv is _LayerNormLinear:
         keys["input_layernorm."] = "self_attention.linear_qkv.layer_norm_"
@@ -151,28 +181,20 @@ def te_keys_map(config) -> dict[str, str]:
 
 
 def te_named_local_spec(config):
-    """megatron-core's local GPT layer (what runs on CPU) saving and loading under the TE spec's keys."""
+    """megatron-core's local GPT layer (what runs on CPU) saving and loading under the TE spec's keys, with
+    ``_TENorm`` (an ``_extra_state`` of its own) in each norm slot where the TE spec builds TENorm (q/k norms,
+    a MoE layer's ``pre_mlp_layernorm``)."""
     from megatron.bridge.models.gpt_provider import local_layer_spec
 
+    te = te_spec_submodules(config)
     spec = local_layer_spec(config)
-    spec.submodules.sharded_state_dict_keys_map = te_keys_map(config)
+    spec.submodules.sharded_state_dict_keys_map = te_keys_map(te)
+    for sub_te, sub_local in ((te, spec.submodules),
+                              (te.self_attention.submodules, spec.submodules.self_attention.submodules)):
+        for slot in ("input_layernorm", "pre_mlp_layernorm", "q_layernorm", "k_layernorm"):
+            if getattr(sub_te, slot, None) is _TENorm:
+                setattr(sub_local, slot, _TENorm)
     return spec
-
-
-class _TEFinalNorm(torch.nn.RMSNorm):
-    """Stand-in for ``TENorm`` (te.pytorch.RMSNorm) as a block's final norm: ``weight`` and TE's empty
-    ``_extra_state`` (TE 2.x without FP8)."""
-
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
-        if config.normalization != "RMSNorm" or config.layernorm_zero_centered_gamma:
-            raise ValueError(f"stand-in final TENorm: plain RMSNorm only, not {config.normalization}")
-        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
-
-    def get_extra_state(self) -> torch.Tensor:
-        return torch.empty(0, dtype=torch.uint8)
-
-    def set_extra_state(self, state) -> None:
-        return None
 
 
 def _final_norm(te: bool) -> None:
@@ -183,13 +205,14 @@ def _final_norm(te: bool) -> None:
     from megatron.core.transformer import transformer_block
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    transformer_block.LayerNormImpl = _TEFinalNorm if te else WrappedTorchNorm
+    transformer_block.LayerNormImpl = _TENorm if te else WrappedTorchNorm
 
 
 def _cpu(provider, spec=None) -> None:
     """The provider on CPU: local (non-TE) layers under the TE spec's checkpoint keys and the block's final norm
-    as TE's (``spec``: another layer spec, built with megatron-core's local final norm), fp32, no fusions."""
-    _final_norm(spec is None)
+    as TE's (``spec``: another layer spec; megatron-core's local final norm unless it is ``te_named_local_spec``),
+    fp32, no fusions."""
+    _final_norm(spec in (None, te_named_local_spec))
     provider.transformer_layer_spec = spec or te_named_local_spec
     for name in FUSIONS:
         if hasattr(provider, name):

@@ -27,7 +27,7 @@ tests/test_convert_qwen3_vl_megatron.py):
     ``[L, E, H]``, ``mlp.experts.experts.linear_fc1.weight`` ``[L, E, 2F, H]``, ``...linear_fc2.weight``
     ``[L, E, H, F]``; ``embedding.word_embeddings.weight`` unpadded, ``output_layer.weight`` when untied,
     ``decoder.final_layernorm.weight`` (and its ``_extra_state/shard_0_1``: TE's final norm, stood in by
-    bridge_oracle._TEFinalNorm). ``_extra_state`` ``shard_{l}_{L}`` for linear_qkv, linear_proj,
+    bridge_oracle._TENorm). ``_extra_state`` ``shard_{l}_{L}`` for linear_qkv, linear_proj,
     q_layernorm, k_layernorm and, dense, linear_fc1 / linear_fc2, MoE pre_mlp_layernorm; experts
     ``mlp.experts.experts.linear_fc{1,2}._extra_state/shard_{l}.{e}_{L}.{E}``.
   * Tower under ``vision_model.``: blocks stacked ``vision_model.decoder.layers.<param>`` ``[depth, ...]`` as

@@ -57,12 +57,11 @@ from converters.layout.hybrid import (
     unit_keys,
 )
 from converters.layout.megatron import COL1, LayoutError, megatron_full_shape, megatron_padded_vocab, tp_split_kind
-from converters.layout.model import EMBED, FINAL, is_hybrid, is_qwen3_vl, require_megatron_layout
+from converters.layout.model import EMBED, FINAL, is_hybrid, require_megatron_layout
 from converters.layout.stages import (
     DIST_DATA_FILES,
     DIST_METADATA_JSON,
     RANK_FILE,
-    TRANSFORMER_ENGINE,
     MegatronLayout,
     check_target_stages,
     extra_state_modules,
@@ -73,6 +72,7 @@ from converters.layout.stages import (
     te_norm_extra_states,
     unit_megatron_keys,
     validate_target_layout,
+    writes_te_norms,
 )
 from converters.runtime.tasks import check_stop, run_tasks
 from models.common.errors import CheckpointError
@@ -203,7 +203,8 @@ def _legacy_file(source: RawSource, target: CopyTarget, directory: Path, p: int,
                 chunk[stored] = add_ops(*grouped_weight(fc_of(stored), [by_slot[i] for i in sorted(by_slot)],
                                                         target.tag))
             modules = (legacy_extra_states(source.wmap, unit, local, target.ep, target.experts == SEQUENTIAL) if hybrid
-                       else extra_state_modules(unit, local, source.wmap, target.ep, e, target.experts))
+                       else extra_state_modules(unit, local, source.wmap, target.ep, e, target.experts,
+                                                te_norms=writes_te_norms(bridge=False, args=target.args)))
             if unit == EMBED and not hybrid:  # Qwen3-VL's tower, as the torch path writes it
                 modules = modules + tower_modules(source.wmap)
             chunk.update({f"{m}._extra_state": None for m in modules})
@@ -322,8 +323,7 @@ def _dist_files(source: RawSource, target: CopyTarget, directory: Path) -> tuple
     E = source.cfg.moe.num_experts if source.cfg.moe is not None else 0
     stacked = stacks_layers(source.wmap, L)
     prefix = layer_prefix(source.wmap)  # decoder.layers. (language_model.decoder.layers. for Qwen3-VL)
-    # Qwen3-VL is Bridge's Qwen3VLModel, the Transformer-Engine spec: its own norms keep an _extra_state too
-    te_norms = is_qwen3_vl(source.cfg) and target.args.get("transformer_impl") == TRANSFORMER_ENGINE
+    te_norms = writes_te_norms(bridge=False, args=target.args)  # the TE spec's own norms: an _extra_state each
     extra = archive_bytes(pw.dumps([None]))
     tensors: dict[str, dict] = {}
     bytes_keys: list[tuple[str, str, int, int]] = []

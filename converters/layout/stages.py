@@ -203,15 +203,17 @@ def absent_tensors(reader_wmap, unit: Unit) -> dict[str, tuple[int, ...]]:
 
 
 def extra_state_modules(unit: Unit, local_index: int | None, wmap: Any = None, ep: int = 1,
-                        ep_rank: int = 0, experts: str = "sequential") -> list[str]:
+                        ep_rank: int = 0, experts: str = "sequential", te_norms: bool = False) -> list[str]:
     """Modules whose (empty) ``_extra_state`` a Megatron-LM rank file holds for this unit (MoE
     layers: attention, this EP rank's local experts and the shared expert, as megatron-core writes;
-    ``experts`` is the expert module (``converters/layout/experts``): GroupedMLP keeps none)."""
+    ``experts`` is the expert module (``converters/layout/experts``): GroupedMLP keeps none). ``te_norms``
+    (``writes_te_norms``): also the Transformer-Engine norms that are modules of their own (``te_norm_modules``)."""
     if isinstance(unit, int):  # (Bridge's Qwen3VLModel: under language_model.)
         prefix = f"{LAYER_PREFIX if wmap is None else layer_prefix(wmap)}{local_index}."
+        norms = [prefix + m for m in te_norm_modules(wmap, unit)] if te_norms and wmap is not None else []
         if wmap is None or unit not in wmap.moe_layers:
-            return [prefix + m for m in LINEAR_MODULES]
-        modules = [prefix + m for m in LINEAR_MODULES[:2]]
+            return [prefix + m for m in LINEAR_MODULES] + norms
+        modules = [prefix + m for m in LINEAR_MODULES[:2]] + norms
         local = next((t.experts for t in wmap.moe_layer_entries if t.experts), 0) // ep
         if experts == "sequential":
             modules += [f"{prefix}mlp.experts.local_experts.{i}.linear_fc{j}" for i in range(local) for j in (1, 2)]
@@ -219,7 +221,9 @@ def extra_state_modules(unit: Unit, local_index: int | None, wmap: Any = None, e
             modules += [f"{prefix}mlp.shared_experts.linear_fc{j}" for j in (1, 2)]
         return modules
     head = "" if wmap is None else layer_prefix(wmap)[:-len(LAYER_PREFIX)]  # language_model. in Bridge's VL models
-    return [head + "output_layer"] if unit == FINAL else []
+    if unit != FINAL:
+        return []
+    return [head + "output_layer"] + ([head + FINAL_NORM] if te_norms else [])
 
 
 def chunk_state(data: Any, chunk: int, vpp: int, path: Path) -> dict:
@@ -244,12 +248,29 @@ def norm_aliases(moe_layer: bool, impl: str, fmt: str) -> dict[str, str]:
     return dict(TE_NORM_ALIASES) if fmt == "torch_dist" else {}
 
 
+def target_impl(*, bridge: bool, args: Any) -> str:
+    """The layer spec a checkpoint we write is for: Megatron-Bridge builds the TE spec (its default layer spec;
+    the run_config.yaml we write names no other); a Megatron-LM checkpoint the spec its args declare
+    (``transformer_impl``; ``args`` a Namespace, or the copy path's dict of fields)."""
+    if bridge:
+        return TRANSFORMER_ENGINE
+    impl = args.get("transformer_impl") if isinstance(args, dict) else getattr(args, "transformer_impl", None)
+    return impl or LOCAL_SPEC
+
+
+def writes_te_norms(*, bridge: bool, args: Any) -> bool:
+    """Whether a checkpoint we write holds the (empty) ``_extra_state`` of the Transformer-Engine norms that are
+    modules of their own (``te_norm_modules``; the block's ``final_layernorm``): exactly for the TE spec
+    (``target_impl``), torch_dist and legacy alike, every model family (the Gated DeltaNet hybrids list all
+    their TE modules in ``layout.hybrid``). megatron-core builds them as ``TENorm`` (te.pytorch.RMSNorm, whose
+    ``get_extra_state`` is overridden), so a strict load refuses a checkpoint without; its local spec's norms
+    keep none (a legacy strict load would refuse them as unexpected)."""
+    return target_impl(bridge=bridge, args=args) == TRANSFORMER_ENGINE
+
+
 def writer_norm_aliases(wmap: Any, layer: int, *, bridge: bool, args: Any, fmt: str) -> dict[str, str]:
-    """``norm_aliases`` of a layer we write: Megatron-Bridge builds the TE spec (its default layer spec; the
-    run_config.yaml we write names no other); a Megatron-LM checkpoint the spec its args declare
-    (``transformer_impl``)."""
-    impl = TRANSFORMER_ENGINE if bridge else getattr(args, "transformer_impl", LOCAL_SPEC)
-    return norm_aliases(layer in wmap.moe_layers, impl, fmt)
+    """``norm_aliases`` of a layer we write, for the spec ``target_impl`` names."""
+    return norm_aliases(layer in wmap.moe_layers, target_impl(bridge=bridge, args=args), fmt)
 
 
 def lookup_key(state: dict, key: str) -> tuple[str, Any]:
@@ -314,26 +335,37 @@ def stacks_layers(wmap: Any, num_layers: int) -> bool:
     return not wmap.has_experts or len(wmap.moe_layers) == num_layers
 
 
-def te_norm_extra_states(wmap: Any, layer: int, *, num_layers: int, stacked: bool,
-                         prefix: str) -> list[tuple[str, str]]:
-    """(module, shard suffix) of the empty ``_extra_state`` items of a layer's Transformer-Engine norms that are
-    modules of their own (q/k ``layernorm``; a MoE layer's ``pre_mlp_layernorm``), as Megatron-Bridge writes a
-    Qwen3-VL checkpoint (its provider builds the TE spec); the fused norms live in their linear's state."""
-    head = prefix if stacked else f"{prefix}{layer}."
-    where = f"shard_{layer}_{num_layers}" if stacked else "shard_0_1"
+# the block's final norm under a layer prefix's block (``decoder.``): ``TENorm`` in a TE-spec model (megatron-core's
+# TransformerBlock takes ``LayerNormImpl`` for a layer spec, or the TE block spec's ``TENorm``)
+FINAL_NORM = "decoder.final_layernorm"
+
+
+def te_norm_modules(wmap: Any, layer: int) -> list[str]:
+    """A layer's Transformer-Engine norms that are modules of their own in megatron-core's TE GPT spec
+    (``get_gpt_layer_with_transformer_engine_submodules``: ``backend.layer_norm()``, TENorm): the q/k
+    ``layernorm`` (Qwen3's qk-norm) and a MoE layer's ``pre_mlp_layernorm`` (no ``linear_fc1`` to fuse it into);
+    the input norm and a dense layer's pre-MLP norm live in their linear's state."""
     names = [t.megatron for t in wmap.layer_templates(layer) if t.megatron]
     modules = [m for m in ("self_attention.q_layernorm", "self_attention.k_layernorm")
                if any(n.endswith(f".{m}.weight") for n in names)]
     if layer in wmap.moe_layers:
         modules.append("pre_mlp_layernorm")
-    return [(head + m, where) for m in modules]
+    return modules
+
+
+def te_norm_extra_states(wmap: Any, layer: int, *, num_layers: int, stacked: bool,
+                         prefix: str) -> list[tuple[str, str]]:
+    """(module, shard suffix) of the empty torch_dist ``_extra_state`` items of a layer's ``te_norm_modules``
+    (written where ``writes_te_norms``)."""
+    head = prefix if stacked else f"{prefix}{layer}."
+    where = f"shard_{layer}_{num_layers}" if stacked else "shard_0_1"
+    return [(head + m, where) for m in te_norm_modules(wmap, layer)]
 
 
 def final_norm_extra_states(prefix: str) -> list[tuple[str, str]]:
-    """(module, shard suffix) of the block's final norm's empty ``_extra_state`` in a Transformer-Engine model
-    built from a layer spec (Megatron-Bridge's GPT and Qwen2.5-VL / Qwen3-VL text models): megatron-core's
-    ``TransformerBlock`` takes ``LayerNormImpl`` for it, ``TENorm`` when TE is installed."""
-    return [(prefix[:-len("layers.")] + "final_layernorm", "shard_0_1")]
+    """(module, shard suffix) of the block's final norm's empty torch_dist ``_extra_state`` (``FINAL_NORM``,
+    written where ``writes_te_norms``)."""
+    return [(prefix[:-len(LAYER_PREFIX)] + FINAL_NORM, "shard_0_1")]
 
 
 def layer_extra_states(wmap: Any, layer: int, *, num_layers: int, experts: int, stacked: bool,

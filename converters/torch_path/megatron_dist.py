@@ -52,9 +52,7 @@ from converters.layout.stages import (
     stacks_layers,
     te_norm_extra_states,
     writer_norm_aliases,
-)
-from converters.layout.stages import (
-    TRANSFORMER_ENGINE as TE,
+    writes_te_norms,
 )
 from converters.runtime.tasks import run_tasks
 from converters.torch_path.megatron_target import megatron_unit_tensors
@@ -157,6 +155,7 @@ def write_dist_units(reopen_args: tuple, target, directory: str, units: list, fi
     # every key carries its global layer number (norms still under their TE names)
     stacked = stacks_layers(wmap, L)
     E = reader.cfg.moe.num_experts if reader.cfg.moe is not None else 0
+    te_norms = writes_te_norms(bridge=target.bridge, args=target.args)
     records = []
 
     def put(key: str, gshape, dtype, offsets, chunk_shape, payload) -> None:
@@ -200,10 +199,9 @@ def write_dist_units(reopen_args: tuple, target, directory: str, units: list, fi
             extras = dist_tower_extra_states(wmap) if unit == EMBED else []
             if layer is not None:
                 extras = layer_extra_states(wmap, layer, num_layers=L, experts=E, stacked=stacked, prefix=prefix)
-                if qwen3_vl and (target.bridge or getattr(target.args, "transformer_impl", None) == TE):
-                    # Bridge's Qwen3VLModel is the Transformer-Engine spec: its own norms keep an _extra_state too
+                if te_norms:  # the TE spec's own norms keep an _extra_state too
                     extras += te_norm_extra_states(wmap, layer, num_layers=L, stacked=stacked, prefix=prefix)
-            elif unit == FINAL and (target.bridge or qwen3_vl and getattr(target.args, "transformer_impl", None) == TE):
+            elif unit == FINAL and te_norms:
                 extras = final_norm_extra_states(prefix)  # the block's final norm: TE's TENorm
             for module, suffix in extras:
                 put(f"{module}._extra_state/{suffix}", None, None, None, None, [None])

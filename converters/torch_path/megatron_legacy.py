@@ -46,7 +46,7 @@ from converters.layout.megatron import (
     tp_split_kind,
 )
 from converters.layout.model import EMBED, FINAL, Unit, is_hybrid, is_qwen3_vl, megatron_weight_map
-from converters.layout.stages import RANK_FILE, extra_state_modules
+from converters.layout.stages import RANK_FILE, extra_state_modules, writes_te_norms
 from converters.torch_path.megatron_target import MegatronTarget, megatron_unit_tensors
 from converters.torch_path.reader import TORCH_DTYPES, CheckpointReader, MappedFiles, ReaderInfo, reopen
 from models.common.errors import CheckpointError
@@ -206,7 +206,8 @@ def write_legacy_rank(reopen_args: tuple, target: MegatronTarget, directory: str
             for stored, by_slot in blocks.items():
                 chunk[stored] = pack_grouped([by_slot[i] for i in sorted(by_slot)], fc_of(stored))
             modules = (legacy_extra_states(reader.wmap, unit, local, target.ep, experts == SEQUENTIAL) if hybrid
-                       else extra_state_modules(unit, local, wmap, target.ep, e, experts))
+                       else extra_state_modules(unit, local, wmap, target.ep, e, experts,
+                                                te_norms=writes_te_norms(bridge=target.bridge, args=target.args)))
             if unit == EMBED and not hybrid:  # Qwen3-VL's tower (Transformer-Engine modules in Bridge's model)
                 modules = modules + tower_modules(wmap)
             chunk.update({f"{m}._extra_state": None for m in modules})
