@@ -47,15 +47,15 @@ def _limit(metric: str, world: int = 2):
         return "max", 0.0
     if metric.startswith("grads_step"):
         return "max", GRAD_REL_TOL
-    if metric == "bf16_logits_rel":
-        return "max", BF16_LOGITS_REL_TOL
-    if metric == "bf16_loss":
-        return "max", BF16_LOSS_TOL
     if metric in ("tp_fp32sum_logits_rel", "tp_fp32sum_layer_rel", "tp_fp32sum_lora_rel") or (
             metric == "bf16_logits_rel" and world == 1):
         return "max", BF16_EXACT_REL_TOL
     if metric == "tp_fp32sum_loss" or (metric == "bf16_loss" and world == 1):
         return "max", BF16_EXACT_LOSS_TOL
+    if metric == "bf16_logits_rel":
+        return "max", BF16_LOGITS_REL_TOL
+    if metric == "bf16_loss":
+        return "max", BF16_LOSS_TOL
     if metric in ("tp_fp32sum_grads_vs_default", "tp_fp32sum_fp32_noop"):
         return "max", 0.0
     if metric == "tp_fp32sum_default_differs":
