@@ -232,7 +232,7 @@ def profile(name: str, step, rows: int) -> None:
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
     print(f"\nprofile of one step, {name} (top {rows} by self CPU time):")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=48))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=72))
 
 
 def bench(args, workdir: str, dname: str, pixels, grid, weight, ref: dict | None) -> dict:
