@@ -95,6 +95,7 @@ def cache_root() -> Path:
     if not root:
         raise RuntimeError(f"{ENV} is not set: the checkpoint cache lives for one pytest session "
                            "(tests/conftest.py sets it); outside pytest, call the builder itself")
+    os.makedirs(root, mode=0o700, exist_ok=True)  # made by its first user
     return Path(root)
 
 

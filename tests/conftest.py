@@ -37,7 +37,9 @@ def pytest_configure(config):
     from tests import checkpoint_cache, vllm_harness
 
     vllm_harness.say_on_terminal = lambda line: terminal_line(config, line)
-    config._pmz_checkpoint_cache = tempfile.mkdtemp(prefix="pmz-checkpoints-")
+    # named now, made by its first user (tests/checkpoint_cache.py): a session that caches nothing leaves nothing
+    config._pmz_checkpoint_cache = os.path.join(tempfile.gettempdir(),
+                                                f"pmz-checkpoints-{os.getpid()}-{os.urandom(4).hex()}")
     os.environ[checkpoint_cache.ENV] = config._pmz_checkpoint_cache
 
 
