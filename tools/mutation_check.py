@@ -153,8 +153,8 @@ MUTATIONS = (
                "            partial = False\n"),),
              ("tests/test_qwen3.py",)),
     Mutation("qwen3-moe-vllm-router-key", "Qwen3-MoE router written as mlp.gate in vLLM sharded_state (not vLLM's key)",
-             (("models/common/vllm_format.py", '_ROUTER_IN_FUSED_MOE = frozenset({"qwen3_moe"})',
-               "_ROUTER_IN_FUSED_MOE = frozenset()"),),
+             (("models/common/vllm_format.py", '_ROUTER_IN_FUSED_MOE = frozenset({"qwen3_moe", "qwen3_vl_moe"})',
+               '_ROUTER_IN_FUSED_MOE = frozenset({"qwen3_vl_moe"})'),),
              ("tests/test_qwen3_vllm.py",)),
     Mutation("grouped-gemm-expert-order", "grouped-GEMM experts read as column blocks of weight1 (not its "
              "[E_local, H, 2F/tp] view)",
@@ -179,10 +179,8 @@ MUTATIONS = (
              ("tests/test_qwen3.py -k moe",)),
     Mutation("gdn-out-norm-not-shifted", "the Gated DeltaNet out_norm written to Megatron as HF's value (no minus "
              "one; reading adds none back, so our own round trips stay bitwise)",
-             (("converters/layout/megatron.py", "return (tensors[0].float() - 1).to(tensors[0].dtype)",
-               "return (tensors[0].float() - 0).to(tensors[0].dtype)"),
-              ("converters/layout/megatron.py", "hf = (full.float() + 1).to(full.dtype)",
-               "hf = (full.float() + 0).to(full.dtype)")),
+             (("converters/layout/megatron.py", "return shifted(tensors[0], -1.0)", "return shifted(tensors[0], 0.0)"),
+              ("converters/layout/megatron.py", "hf = shifted(full, 1.0)", "hf = shifted(full, 0.0)")),
              ("tests/test_convert_hybrid.py", "tests/test_copy_path_hybrid.py")),
     Mutation("gdn-in-proj-beta-alpha", "Megatron in_proj's beta and alpha components swapped (writer and reader)",
              (("models/common/hybrid/weights.py", 'IN_PROJ_PARTS = ("query", "key", "value", "z", "beta", "alpha")',
