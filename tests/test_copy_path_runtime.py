@@ -11,7 +11,6 @@ Outputs are compared with the torch path byte for byte elsewhere (``test_copy_pa
 from __future__ import annotations
 
 import gc
-import importlib.util
 import os
 import subprocess
 import sys
@@ -21,15 +20,9 @@ import pytest
 
 from converters.engine import convert
 from models.common.errors import CheckpointError
+from tests.test_startup_imports import _bench_startup
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _bench_startup():
-    spec = importlib.util.spec_from_file_location("bench_startup", ROOT / "tools" / "bench_startup.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

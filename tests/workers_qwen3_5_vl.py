@@ -23,7 +23,7 @@ from parallel import ParallelConfig
 from tests.workers import _max_diff, _rel_diff, hf_named_grads, saved_tensors_diff
 from tests.workers_moe import hf_grads
 from tests.workers_qwen3_vl import _packed_reference, qwen3_vl_batch, qwen3_vl_packed_batch
-from tests.workers_vl import _inputs, _unscored_padding_predictions, bf16_records
+from tests.workers_vl import _inputs, _unscored_padding_predictions, bf16_records, count_placed_visual_tokens
 
 PAD_ID = 0
 # SGD steps of lr 0.02, as the text hybrids' layout tests (tests/test_qwen3_5_layouts.py): after a step of lr 0.2
@@ -165,13 +165,7 @@ def parity(case: str, path: str, pconfig: ParallelConfig, *, save: bool = False,
     hf, model = load_hf(case, path), build_ours(case, path, pconfig)
     records, placed = [], []
     if pconfig.cp > 1:  # count the visual tokens whose features land in this rank's chunk
-        place = model._place_local_features
-
-        def counting(h, *args):
-            out = place(h, *args)
-            placed.append(int((out != h).any(-1).sum()))
-            return out
-        model._place_local_features = counting
+        count_placed_visual_tokens(model, placed)
     for kind, side in (("images_and_video", "right"), ("mixed", "left")):
         batch = vl_batch(case, kind, padding_side=side)
         placed.clear()

@@ -330,6 +330,18 @@ def vllm_outputs(case: str, path: str, out: str, layout: dict | None = None) -> 
     return records
 
 
+def count_placed_visual_tokens(model, placed: list) -> None:
+    """From now on, each placement of visual features on this rank's part of the sequence (cp chunks, Ulysses
+    shards) appends to ``placed`` how many tokens it changed; ``del model._place_local_features`` ends it."""
+    place = model._place_local_features
+
+    def counting(h, *args):
+        out = place(h, *args)
+        placed.append(int((out != h).any(-1).sum()))
+        return out
+    model._place_local_features = counting
+
+
 def bf16_records(tag: tuple, model, hf, exact, batch: dict, report_plain_tp: bool = True) -> list[tuple]:
     """Ours in bf16 (``model``) against transformers in bf16 (``hf``) on ``batch``, and both against transformers in
     fp32 (``exact``): the VL models' bf16 quantities, bounded by tests/vl_cases.py ``VL_BF16_BOUNDS``.
@@ -345,13 +357,7 @@ def bf16_records(tag: tuple, model, hf, exact, batch: dict, report_plain_tp: boo
     low = {k: v.to(torch.bfloat16) if k.startswith("pixel_values") else v for k, v in batch.items()}
     groups, placed = model.groups, []
     if groups.cp_size > 1 or groups.ulysses_size > 1:
-        place = model._place_local_features
-
-        def counting(h, *args):
-            out = place(h, *args)
-            placed.append(int((out != h).any(-1).sum()))
-            return out
-        model._place_local_features = counting
+        count_placed_visual_tokens(model, placed)
     with torch.no_grad():
         ours, ref, truth = model(**low, gather_logits=True), hf(**low), exact(**batch)
     if placed:

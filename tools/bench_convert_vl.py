@@ -29,16 +29,12 @@ import sys
 import time
 from pathlib import Path
 
+from bench_convert_tables import HYBRID_DIRECTIONS
+
 ROOT = Path(__file__).resolve().parents[1]
 QWEN3_VLS = ("qwen3-vl", "qwen3-vl-moe")
 VL_DIRECTIONS = {  # every direction the copy path takes for Qwen3-VL (Megatron: Bridge's Qwen3VLModel names)
-    "hf->hf": ("hf", ["--to", "hf"]),
-    "hf->legacy": ("hf", ["--to", "megatron", "--tp", "2"]),
-    "hf->dist": ("hf", ["--to", "megatron-dist", "--tp", "2"]),
-    "legacy->hf": ("legacy", ["--to", "hf"]),
-    "dist->hf": ("dist", ["--to", "hf"]),
-    "hf->vllm": ("hf", ["--to", "vllm", "--tp", "2"]),
-    "vllm->hf": ("vllm", ["--to", "hf"]),
+    **HYBRID_DIRECTIONS,  # the same seven as the hybrids': HF <-> Megatron TP2 legacy / torch_dist, vLLM TP2
     "bridge->hf": ("bridge", ["--to", "hf"]),  # a Megatron-Bridge save (run_config.yaml) read by the copy path
 }
 VL_MOE_DIRECTIONS = {  # Qwen3-VL-MoE: Megatron targets EP2 x TP2, grouped-GEMM experts too
