@@ -367,10 +367,38 @@ def test_vector_io_continues_short_transfers(tmp_path, monkeypatch):
         os.close(out)
 
 
+def test_pwrite_pieces_cuts_writes_at_the_files_multiples(tmp_path, monkeypatch):
+    """``io.pwrite_pieces``: every byte lands at its offset; no write crosses a multiple of ``WRITE_BYTES`` of the
+    file nor is longer than it (what keeps the page cache's folios small, see ``io.WRITE_BYTES``); a short write
+    is continued."""
+    import converters.copy_path.io as io
+
+    monkeypatch.setattr(io, "WRITE_BYTES", 64)
+    data = os.urandom(1000)
+    dst = tmp_path / "dst.bin"
+    dst.write_bytes(bytes(1200))
+    calls, real = [], os.pwrite
+
+    def record(fd, piece, offset):
+        calls.append((offset, len(piece)))
+        return real(fd, piece[:50], offset)  # at most 50 bytes: short writes on every full piece
+
+    monkeypatch.setattr(os, "pwrite", record)
+    fd = os.open(dst, os.O_WRONLY)
+    try:
+        io.pwrite_pieces(fd, memoryview(data), 37)
+    finally:
+        os.close(fd)
+    assert dst.read_bytes() == bytes(37) + data + bytes(163)
+    starts = sorted({off for off, _ in calls if off == 37 or off % 64 == 0})  # where each piece starts
+    assert starts == [37, *range(64, 1037, 64)]
+    assert all(n <= 64 and (off % 64 + n <= 64) for off, n in calls)
+
+
 def test_scatter_bands_writes_every_ranks_band(tmp_path):
     """One read of each source row, one ``pwritev`` per rank and block: rank t's file gets column
     band t of every row, also when a block (a tiny buffer) is a few rows."""
-    from converters.copy_path.megatron import scatter_bands
+    from converters.copy_path.bands import scatter_bands
     from converters.copy_path.ops import Copy, Interleave
 
     rows, width, tp = 37, 24, 4
@@ -398,10 +426,10 @@ def test_band_tasks_batch_groups_that_share_files(tmp_path, monkeypatch):
     """Several bands in one task (``band_tasks``: a MoE model's expert bands), of different widths, written to
     the same rank files at their own offsets, each file opened once per task: every band lands where the
     one-group call puts it, and the tasks cover every group once."""
-    import converters.copy_path.megatron as megatron
+    import converters.copy_path.bands as bands
     from converters.copy_path.ops import Copy
 
-    monkeypatch.setattr(megatron, "BAND_BATCH", 500)  # two or three groups a task
+    monkeypatch.setattr(bands, "BAND_BATCH", 500)  # two or three groups a task
     data = os.urandom(20_000)
     src = tmp_path / "src.bin"
     src.write_bytes(data)
@@ -418,7 +446,7 @@ def test_band_tasks_batch_groups_that_share_files(tmp_path, monkeypatch):
             want[(t, at)] = b"".join(data[off + i * width + t * band:off + i * width + (t + 1) * band]
                                      for i in range(rows))
         at += rows * band + 3
-    tasks = megatron.band_tasks(groups, buffer_bytes=64)
+    tasks = bands.band_tasks(groups, buffer_bytes=64)
     assert 1 < len(tasks) < len(groups) and [g for _, (batch, _) in tasks for g in batch] == groups
     for fn, args in tasks:
         fn(*args)

@@ -19,17 +19,16 @@ torch_dist experts stacked ``[L, E, ...]`` or per layer as the torch path places
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from converters.copy_path.io import DEFAULT_BUFFER, WRITE_BYTES, fill_file, preallocate, thread_buffer, write_lock
+from converters.copy_path.bands import band_scatterable, band_tasks
+from converters.copy_path.io import DEFAULT_BUFFER, fill_file, preallocate, thread_buffer
 from converters.copy_path.megatron_moe import dist_placement, grouped_weight
 from converters.copy_path.megatron_ops import full_rows_ops, full_segments, row_nbytes, shard_ops
-from converters.copy_path.ops import Data, Interleave, Op, Transposed, Zeros
+from converters.copy_path.ops import Interleave, Op
 from converters.copy_path.raw_source import RawSource
-from converters.copy_path.vectored import SourceFiles, pwritev_all, read_rows, thread_block, thread_views
 from converters.formats import pickles as pw
 from converters.formats.hf_config import write_config_dir
 from converters.formats.megatron_args import (
@@ -74,7 +73,7 @@ from converters.layout.stages import (
     validate_target_layout,
     writes_te_norms,
 )
-from converters.runtime.tasks import check_stop, run_tasks
+from converters.runtime.tasks import run_tasks
 from models.common.errors import CheckpointError
 from models.common.weight_map import WeightEntry, hf_shapes
 
@@ -219,100 +218,6 @@ def _legacy_file(source: RawSource, target: CopyTarget, directory: Path, p: int,
         bands[group]["outputs"][t].append((path, lay.storage_offsets[i]))
     return _FilePlan(path, lay.end, lay.pieces,
                      [(off, ops, n) for off, (ops, n) in zip(lay.storage_offsets, storages) if ops is not None])
-
-
-def band_scatterable(ops: list[Op]) -> bool:
-    """Whether ``scatter_bands`` can read these operations row by row: byte ranges of source files, interleaves
-    and zeros only (a computed ``Data`` value or a ``Transposed`` block is cut by ``megatron_ops.select``
-    instead). The one rule both writers that scatter bands (Megatron, vLLM) ask."""
-    return not any(isinstance(op, (Data, Transposed)) for op in ops)
-
-
-BAND_BATCH = 32 << 20  # source bytes of the bands one task scatters (one task per band opened its files each time)
-
-
-def band_tasks(groups: list[tuple[list[Op], int, list]], buffer_bytes: int) -> list[tuple]:
-    """``scatter_bands`` tasks for ``groups`` (``(ops, width, outputs)`` each), several groups per task up to
-    ``BAND_BATCH`` source bytes: a MoE model has one group per expert's ``linear_fc2``, and one task each opened
-    and closed the source and 2-4 rank files 264 times for a 1 GB Qwen3-MoE (~10% of its CPU)."""
-    tasks, batch, acc = [], [], 0
-    for group in groups:
-        batch.append(group)
-        acc += sum(op.nbytes for op in group[0])
-        if acc >= BAND_BATCH:
-            tasks.append((scatter_bands, (batch, buffer_bytes)))
-            batch, acc = [], 0
-    if batch:
-        tasks.append((scatter_bands, (batch, buffer_bytes)))
-    return tasks
-
-
-def scatter_bands(groups: list[tuple[list[Op], int, list]], buffer_bytes: int) -> int:
-    """For each group ``(ops, width, outputs)``: write column band ``t`` of the rows ``ops`` produce to
-    ``outputs[t]`` (path, offset) -- or to each of a list of them: a MoE model's non-expert shard is in every
-    EP rank's file --, reading each source row once: a TP split by columns would otherwise read every row
-    ``tp`` times (``tp * ep``). Rows are read into one buffer (``read_rows``) and each band is written from
-    it with ``pwritev`` (one buffer per row, ``WRITE_BYTES`` at a time, holding the output's
-    ``write_lock``): no copy in this process. Files are opened once for all the groups. Returns the bytes
-    read."""
-    fd_of = SourceFiles()
-    outs: dict[str, int] = {}
-    done = 0
-    try:
-        for ops, width, outputs in groups:
-            done += _scatter(ops, width, outputs, buffer_bytes, fd_of, outs)
-    except OSError as exc:  # reading a source; opening and writing are named in _scatter
-        where = exc.filename or ", ".join(sorted(fd_of.fds))
-        raise CheckpointError(f"{where}: cannot read ({exc.strerror or exc})") from exc
-    finally:
-        for fd in outs.values():
-            os.close(fd)
-        fd_of.close()
-    return done
-
-
-def _scatter(ops: list[Op], width: int, outputs: list, buffer_bytes: int, fd_of: SourceFiles,
-             outs: dict[str, int]) -> int:
-    """One group of ``scatter_bands``: output files opened into ``outs`` (path -> descriptor) as needed."""
-    tp = len(outputs)
-    band = width // tp
-    flat = [(t, path, off) for t, out in enumerate(outputs) for path, off in ([out] if isinstance(out, tuple)
-                                                                                  else out)]
-    for _, path, _ in flat:
-        if path not in outs:
-            try:
-                outs[path] = os.open(path, os.O_WRONLY)
-            except OSError as exc:
-                raise CheckpointError(f"{path}: cannot open for writing ({exc.strerror or exc})") from exc
-    step = max(1, buffer_bytes // width)
-    buf = thread_block(step * width)
-    views = thread_views()  # the row buffers of reads and of each rank's band, kept from task to task
-    per_write = max(1, WRITE_BYTES // band)  # rows per write (why: copy_path.io.WRITE_BYTES)
-    locks = [write_lock(path) for _, path, _ in flat]
-    row = 0
-    for op in ops:
-        if isinstance(op, Zeros):  # not produced for column-parallel weights; holes are zeros anyway
-            row += op.nbytes // width
-            continue
-        if isinstance(op, Interleave):
-            parts, rows = op.parts, op.rows
-        else:
-            parts, rows = ((op.path, op.offset, width, width),), op.nbytes // width
-        for r in range(0, rows, step):
-            check_stop()
-            k = min(step, rows - r)
-            block = buf[: k * width]
-            read_rows(parts, fd_of, r, block, width, views)
-            for lock, (t, path, dst) in zip(locks, flat):
-                rows_t = views.rows(0, k, width, t * band, band)
-                try:
-                    with lock:
-                        for i in range(0, k, per_write):
-                            pwritev_all(outs[path], rows_t[i:i + per_write], dst + (row + r + i) * band)
-                except OSError as exc:
-                    raise CheckpointError(f"{path}: write failed ({exc.strerror or exc})") from exc
-        row += rows
-    return row * width
 
 
 def _dist_files(source: RawSource, target: CopyTarget, directory: Path) -> tuple[list[_FilePlan], bytes]:
@@ -475,4 +380,4 @@ def write_megatron_by_copy(source: RawSource, target: CopyTarget, directory: str
     cfg_dir.mkdir()
     write_config_dir(source.hf_config, cfg_dir)  # with generation config, tokenizer files, chat template
 
-__all__ = ["CopyTarget", "plan_copy_target", "write_megatron_by_copy", "scatter_bands", "band_tasks"]
+__all__ = ["CopyTarget", "plan_copy_target", "write_megatron_by_copy"]

@@ -14,7 +14,7 @@ its final size); expert stacks are every expert's shard in turn.
 The files: parts cut by vLLM's own rule (``vllm_format.split_parts``, the torch path's ``PartSplitter``), each
 file's header what ``safetensors.torch.save_file`` writes for those tensors (``sorted_for_safetensors``: the
 library orders tensors by dtype, then name), so both paths write the same bytes, file for file. Column bands of
-row-parallel weights are read once for all TP ranks (``copy_path.megatron.scatter_bands``), everything else by
+row-parallel weights are read once for all TP ranks (``copy_path.bands.scatter_bands``), everything else by
 ``copy_path.io.fill_file``. ``config.json`` and the tokenizer files as the torch path writes them
 (``formats/hf_config.write_config_dir``).
 """
@@ -26,8 +26,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from converters.copy_path.bands import band_scatterable, band_tasks
 from converters.copy_path.io import DEFAULT_BUFFER, fill_file, preallocate, thread_buffer
-from converters.copy_path.megatron import band_scatterable, band_tasks
 from converters.copy_path.megatron_ops import row_nbytes, select
 from converters.copy_path.ops import Data, Op, PlannedTensor, Unsupported, Zeros, merge_copies
 from converters.copy_path.raw_source import RawSource
