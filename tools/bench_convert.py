@@ -126,9 +126,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--workdir", default=None, help="temp data goes in a new dir under this one (default: /tmp)")
-    p.add_argument("--keep", action="store_true", help="keep the temp data")
+    p.add_argument("--keep", action="store_true", help="keep the temp data (the sources of every size too)")
     p.add_argument("--reps", type=int, default=5,
-                   help="timed rounds per direction (each times cp and pmz back to back, alternating which is first)")
+                   help="timed rounds per direction (cp and pmz back to back, the order rotated: round_orders)")
     p.add_argument("--sizes", default=None, help="comma-separated approximate checkpoint sizes in GB (layers scaled; "
                    "default 1,8, qwen3-moe: 8)")
     p.add_argument("--directions", default=None, help="comma-separated conversions to time (default: all of the "
@@ -350,6 +350,19 @@ def profile_direction(args: argparse.Namespace, table: dict, work: Path, me: lis
         print("\n".join(rows[:14]), flush=True)
 
 
+def round_orders(n: int, reps: int) -> list[tuple[int, ...]]:
+    """The order of the ``n`` sides (cp, pmz, --compare's pmz) in each of ``reps`` rounds: the rotations of
+    ``range(n)``, then the same reversed, cycled, so that each side goes at each position in the
+    sequence of all runs as often as the others -- by parity too. On this VM a multi-GB write alternates
+    between slow and fast (writes into memory the host has taken back: ``copy_folio_from_iter_atomic`` ran
+    7x slower, 1.1 against 3.4-8 s for the same 2.99 GB, every other run, cp and pmz alike; docs/benchmarks.md),
+    and the earlier fixed order (cp, pmz, then the compared checkout) put cp at every even run and pmz at
+    every odd one."""
+    rotations = [tuple((i + r) % n for i in range(n)) for r in range(n)]
+    cycle = rotations + [tuple(reversed(o)) for o in rotations]
+    return [cycle[i % len(cycle)] for i in range(reps)]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args._setup:
@@ -431,15 +444,13 @@ def main(argv=None) -> int:
                 cps, cvs, others = [], [], []
                 if args.compare:
                     timed(other_cmd(src, out, extra), out, other_env, other_root)
-                for i in range(args.reps):  # back to back, alternating which side goes first
-                    if i % 2 == 0:
-                        cps.append(timed(cp_cmd, out))
-                        cvs.append(timed(cv_cmd, out, pmz_env))
-                    else:
-                        cvs.append(timed(cv_cmd, out, pmz_env))
-                        cps.append(timed(cp_cmd, out))
-                    if args.compare:
-                        others.append(timed(other_cmd(src, out, extra), out, other_env, other_root))
+                sides = [(cps, cp_cmd, None, ROOT), (cvs, cv_cmd, pmz_env, ROOT)]
+                if args.compare:
+                    sides.append((others, other_cmd(src, out, extra), other_env, other_root))
+                for order in round_orders(len(sides), args.reps):
+                    for k in order:
+                        runs, cmd, env, cwd = sides[k]
+                        runs.append(timed(cmd, out, env, cwd))
                 cp_s, cv_s = [r["wall"] for r in cps], [r["wall"] for r in cvs]
                 t_cp, t_cv = statistics.median(cp_s), statistics.median(cv_s)
                 rss = max(r["maxrss_kb"] for r in cvs) / 1024
@@ -473,8 +484,9 @@ def main(argv=None) -> int:
                 print(f"  peer: load-all-and-merge legacy->hf  cp med {t_cp:6.2f} s  peer med {t_naive:6.2f} s  "
                       f"ratio {t_cp / t_naive:4.2f}x  peak RSS {max(r['maxrss_kb'] for r in runs) / 1024:6.0f} MiB",
                       flush=True)
-            for p in srcs.values():
-                remove(p)
+            if not args.keep:  # --keep: the sources too, for --source / by-hand profiling
+                for p in srcs.values():
+                    remove(p)
         print(f"\nscript wall time {time.perf_counter() - t_script:.0f} s")
         tag = "qwen3-moe:" if moe else f"{args.model}:" if args.model != "dense" else ""
         summary = " ".join(f"{tag}{name}@{size:g}GB={ratio:.2f}x,min{ratio_min:.2f}x/"

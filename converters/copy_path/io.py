@@ -136,14 +136,15 @@ def read_ops(ops: list[Op]) -> bytes:
 # Bytes per write system call, and the file offsets writes are cut at. Each write makes the page cache
 # allocate folios of up to its size (where the write covers an aligned range of that size); on a VM
 # whose free memory is handed back to the host (virtio-balloon free page reporting, of free blocks of
-# 2 MiB and up) large folios come from exactly those blocks and every byte written waits for the host:
-# 1.16 GB took 3-4 s in 2 MiB writes. Measured again on kernel 6.18 (1 GB, one thread, preallocated file,
-# memory left idle 6 s before each run so it was reported; CPU s, aligned / unaligned writes): 64 KiB
-# 0.45-0.48 / 0.56-0.64, 256 KiB 0.40-0.42 / 0.46, 512 KiB 0.40 / 0.47-0.49, 1 MiB 0.93-0.98 / 0.40-0.42,
-# 2 MiB 3.4 / 0.42; copy_file_range 0.34-0.36 (memory just freed: 256 KiB and 1 MiB aligned 0.34-0.35).
-# So 256 KiB, cut at multiples of 256 KiB of the file (``pwrite_pieces``): 13% less CPU per byte than
-# 64 KiB, and no write covers an aligned 512 KiB.
-WRITE_BYTES = 256 << 10
+# 2 MiB and up) and fragmented by a large page cache, large folios come from exactly those blocks (or
+# from compaction) and every byte written waits: 1.16 GB took 3-4 s in 2 MiB writes, 0.7-1 s in 256 KiB
+# ones and 0.6-0.7 s in 64 KiB ones. Measured again on kernel 6.18: one thread writing 1 GB just after
+# freeing as much, 256 KiB aligned writes took 13% less CPU than 64 KiB ones (0.40-0.42 against
+# 0.45-0.48 s; 1 MiB 0.93-0.98, 2 MiB 3.4), but whole conversions of 3 GB took 2-2.5x the CPU of 64 KiB
+# writes (HF -> HF 3.57 against 1.53 s): the memory state decides, and 64 KiB is the size that never
+# fell off. Pieces are cut at the file's multiples of 64 KiB (``pwrite_pieces``): unaligned 64 KiB
+# writes took 30% more CPU than aligned ones.
+WRITE_BYTES = 64 << 10
 _write_locks: dict[str, threading.Lock] = {}
 _write_locks_guard = threading.Lock()
 
