@@ -52,7 +52,7 @@ def _configs() -> dict:
                              tie_word_embeddings=False, rope_parameters={
                                  "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
-        "qwen2": Qwen2Config(vocab_size=77, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        "qwen2": Qwen2Config(vocab_size=78, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                              tie_word_embeddings=True, rms_norm_eps=1e-5),
     }

@@ -311,6 +311,24 @@ def test_target_tp_does_not_divide_heads(capsys, sources, tmp_path):
                    cli=("--tp", "3"), names=("tp=3", "num_attention_heads=4"), exc_type=ParallelConfigError)
 
 
+def test_bridge_target_tp_must_divide_the_vocabulary(capsys, tmp_path):
+    """Megatron-Bridge keeps the HF vocabulary unpadded (its providers' should_pad_vocab=False) and megatron-core
+    divides it by tp when it builds the embedding: --to megatron-bridge --tp 2 of a 101-token vocabulary is refused
+    before anything is written, naming the numbers; the padded Megatron targets take the same model at tp=2."""
+    from transformers import LlamaConfig
+
+    from parallel.config import ParallelConfigError
+
+    cfg = LlamaConfig(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                      tie_word_embeddings=False)
+    hf = write_hf_model(tmp_path, "hf101", cfg, seed=5)
+    expect_failure(capsys, hf, tmp_path / "out" / "bridge", to="megatron-bridge", api={"tp": 2}, cli=("--tp", "2"),
+                   names=("vocab_size=101", "tp=2", "should_pad_vocab"), exc_type=ParallelConfigError)
+    convert(hf, tmp_path / "out" / "legacy", to="megatron", tp=2, workers=1)  # padded to 256: fine
+    assert (tmp_path / "out" / "legacy" / "latest_checkpointed_iteration.txt").exists()
+
+
 def test_padded_vocab_only_needs_vocab_size_or_hf_config(capsys, legacy, sources, tmp_path):
     from safetensors.torch import load_file
 

@@ -68,6 +68,7 @@ def _bridge_checkpoint(root, name: str) -> str:
     text = configs()["mixed"] if name == "qwen3_5" else moe_configs()["qwen3_5_moe"]
     text.layer_types = ["linear_attention"] * (text.num_hidden_layers - 1) + ["full_attention"]
     text.mtp_num_hidden_layers = 1
+    text.vocab_size = 102  # Bridge builds the vocabulary unpadded: it must divide by BRIDGE_LAYOUTS' tp
     cls, config_cls = ((Qwen3_5ForConditionalGeneration, Qwen3_5Config) if name == "qwen3_5" else
                        (Qwen3_5MoeForConditionalGeneration, Qwen3_5MoeConfig))
     torch.manual_seed(13)

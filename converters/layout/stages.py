@@ -75,6 +75,15 @@ def validate_target_layout(cfg: Any, fmt: str, *, tp: int, pp: int, vpp: int, fi
         reason = re.sub(r"\s*\bsp=(on|off)\b", "", reason)
         raise ParallelConfigError(f"target layout {checkpoint_layout(fmt, tp, pp, vpp, None, first, last)}: "
                                   f"{reason}") from None
+    if fmt == "megatron-bridge" and cfg.vocab_size % tp:
+        # Megatron-Bridge builds models from HF configs with should_pad_vocab=False (training/setup.py pads only a
+        # vocabulary taken from the tokenizer): the embedding and output layer keep the HF vocabulary, which
+        # megatron-core's VocabParallelEmbedding divides by tp (an assertion when the model is built)
+        divisors = [n for n in range(2, min(cfg.vocab_size, 64) + 1) if cfg.vocab_size % n == 0]
+        raise ParallelConfigError(
+            f"target layout {checkpoint_layout(fmt, tp, pp, vpp, None, first, last)}: vocab_size={cfg.vocab_size} "
+            f"is not divisible by tp={tp} (Megatron-Bridge keeps the HF vocabulary unpadded: should_pad_vocab="
+            f"False); --tp 1 or one that divides it ({', '.join(map(str, divisors)) or 'none up to 64'})")
 
 
 def check_target_stages(num_layers: int, pp: int, vpp: int, first: int | None, last: int | None) -> None:
