@@ -396,8 +396,9 @@ def test_pwrite_pieces_cuts_writes_at_the_files_multiples(tmp_path, monkeypatch)
 
 
 def test_scatter_bands_writes_every_ranks_band(tmp_path):
-    """One read of each source row, one ``pwritev`` per rank and block: rank t's file gets column
-    band t of every row, also when a block (a tiny buffer) is a few rows."""
+    """One read of each source row (``Copy``: into the ranks' blocks; ``Interleave``: into whole rows, each band
+    written with ``pwritev``): rank t's file gets column band t of every row, also when a block (a tiny buffer) is a
+    few rows."""
     from converters.copy_path.bands import scatter_bands
     from converters.copy_path.ops import Copy, Interleave
 
@@ -420,6 +421,35 @@ def test_scatter_bands_writes_every_ranks_band(tmp_path):
         got = Path(f).read_bytes()
         assert got[:5] == b"\xff" * 5
         assert got[5:] == b"".join(full[i * width + t * band:i * width + (t + 1) * band] for i in range(rows)), t
+
+
+def test_band_grid_grows_with_the_rows_and_keeps_a_bounded_cache(monkeypatch):
+    """``bands.band_grid``: read buffer ``i * tp + t`` is row ``i`` of block ``t`` (blocks ``step * band`` bytes apart),
+    made only as far as the rows asked for and grown when more are asked; the grids kept stay within
+    ``GRID_BUDGET`` buffers (least recently used dropped), the grid in use always kept."""
+    import threading
+
+    import converters.copy_path.bands as bands
+
+    monkeypatch.setattr(bands, "_grids", threading.local())
+    buf = memoryview(bytearray(4096))
+    step, band, tp = 16, 8, 3
+
+
+    buf[:] = os.urandom(4096)  # distinct bytes everywhere: a view at the wrong offset reads others
+    reads, blocks = bands.band_grid(buf, step, band, tp, rows=3)
+    assert len(reads) == 3 * tp and [len(b) for b in blocks] == [step * band] * tp
+    reads, _ = bands.band_grid(buf, step, band, tp, rows=10)
+    assert len(reads) >= 10 * tp
+    for i in range(10):
+        for t in range(tp):
+            assert reads[i * tp + t].obj is buf.obj and len(reads[i * tp + t]) == band
+            assert reads[i * tp + t].tobytes() == buf[t * step * band + i * band:][:band].tobytes(), (i, t)
+    monkeypatch.setattr(bands, "GRID_BUDGET", 100)
+    for b in (4, 8, 16, 32):  # four shapes of 16 rows x 3 bands: 48 buffers each
+        bands.band_grid(buf, step, b, tp, rows=16)
+    kept = bands._grids.cache
+    assert sum(len(r) for r, _ in kept.values()) <= 100 and (id(buf.obj), step, 32, tp) in kept
 
 
 def test_band_tasks_batch_groups_that_share_files(tmp_path, monkeypatch):

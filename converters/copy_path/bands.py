@@ -73,28 +73,35 @@ def scatter_bands(groups: list[tuple[list[Op], int, list]], buffer_bytes: int) -
 
 
 _grids = threading.local()
+GRID_BUDGET = 1 << 16  # memoryviews the band grids of one thread keep (~13 MiB), least recently used dropped first
 
 
-def band_grid(buf: memoryview, step: int, band: int, tp: int) -> tuple[list, list]:
-    """(the read buffers, the blocks) of ``step`` rows split into ``tp`` bands over ``buf``: block ``t`` is
+def band_grid(buf: memoryview, step: int, band: int, tp: int, rows: int) -> tuple[list, list]:
+    """(the read buffers, the blocks) of up to ``step`` rows split into ``tp`` bands over ``buf``: block ``t`` is
     ``buf[t * step * band:][:step * band]``, and the read buffers are row 0 of block 0, row 0 of block 1, ...,
-    row 1 of block 0, ...: a ``preadv`` of ``k`` whole rows into the first ``k * tp`` of them leaves band ``t``
-    of each row in block ``t``. Made once per shape and thread (the last few shapes kept: a MoE model's
-    experts all share one)."""
+    row 1 of block 0, ...: a ``preadv`` of ``k <= rows`` whole rows into the first ``k * tp`` of them leaves band
+    ``t`` of each row in block ``t``. Kept per shape and thread (a model's bands come in a few shapes, cycling layer
+    by layer), made only as far as ``rows`` reaches (a tensor of 64 rows does not need a 2 MiB grid of 64-byte
+    bands), at most ``GRID_BUDGET`` buffers in all."""
     cache = getattr(_grids, "cache", None)
     if cache is None:
         cache = _grids.cache = {}
-    key = (id(buf.obj), step, band, tp)
-    hit = cache.get(key)
-    if hit is None:
-        if len(cache) >= 4:
-            cache.pop(next(iter(cache)))
+    key = (id(buf.obj), step, band, tp)  # the views hold buf.obj: its id cannot be reused while they are kept
+    hit = cache.pop(key, None)
+    n = min(step, rows)
+    if hit is None or len(hit[0]) < n * tp:
         blocks = [buf[t * step * band:(t + 1) * step * band] for t in range(tp)]
-        reads = [None] * (step * tp)
+        if hit is not None:
+            n = min(step, max(n, 2 * len(hit[0]) // tp))  # growing: double, as RowViews does
+        reads = [None] * (n * tp)
         for t, block in enumerate(blocks):
-            reads[t::tp] = map(block.__getitem__, map(slice, range(0, step * band, band),
-                                                      range(band, step * band + band, band)))
-        hit = cache[key] = (reads, blocks)
+            reads[t::tp] = map(block.__getitem__, map(slice, range(0, n * band, band), range(band, n * band + band,
+                                                                                             band)))
+        hit = (reads, blocks)
+    cache[key] = hit  # most recently used last
+    kept = sum(len(r) for r, _ in cache.values())
+    while kept > GRID_BUDGET and len(cache) > 1:
+        kept -= len(cache.pop(next(iter(cache)))[0])
     return hit
 
 
@@ -103,6 +110,8 @@ def _scatter(ops: list[Op], width: int, outputs: list, buffer_bytes: int, fd_of:
     """One group of ``scatter_bands``: output files opened into ``outs`` (path -> descriptor) as needed."""
     tp = len(outputs)
     band = width // tp
+    if band * tp != width:
+        raise CheckpointError(f"internal: a column band of {width}-byte rows split over {tp} ranks")
     flat = [(t, path, off) for t, out in enumerate(outputs) for path, off in ([out] if isinstance(out, tuple)
                                                                                   else out)]
     for _, path, _ in flat:
@@ -130,8 +139,8 @@ def _scatter(ops: list[Op], width: int, outputs: list, buffer_bytes: int, fd_of:
 def _scatter_copy(op: Copy, width: int, band: int, tp: int, step: int, buf: memoryview, fd_of: SourceFiles,
                   flat: list, locks: list, outs: dict[str, int], row: int) -> None:
     """Whole rows of one source range: read into the ranks' blocks (``band_grid``), each block written whole."""
-    reads, blocks = band_grid(buf, step, band, tp)
     fd, rows = fd_of(op.path), op.nbytes // width
+    reads, blocks = band_grid(buf, step, band, tp, rows)
     for r in range(0, rows, step):
         check_stop()
         k = min(step, rows - r)
@@ -166,4 +175,4 @@ def _scatter_rows(op: Interleave, width: int, band: int, step: int, buf: memoryv
                 raise CheckpointError(f"{path}: write failed ({exc.strerror or exc})") from exc
 
 
-__all__ = ["BAND_BATCH", "band_grid", "band_scatterable", "band_tasks", "scatter_bands"]
+__all__ = ["BAND_BATCH", "GRID_BUDGET", "band_grid", "band_scatterable", "band_tasks", "scatter_bands"]
