@@ -352,12 +352,12 @@ def profile_direction(args: argparse.Namespace, table: dict, work: Path, me: lis
 
 def round_orders(n: int, reps: int) -> list[tuple[int, ...]]:
     """The order of the ``n`` sides (cp, pmz, --compare's pmz) in each of ``reps`` rounds: the rotations of
-    ``range(n)``, then the same reversed, cycled, so that each side goes at each position in the
-    sequence of all runs as often as the others -- by parity too. On this VM a multi-GB write alternates
-    between slow and fast (writes into memory the host has taken back: ``copy_folio_from_iter_atomic`` ran
-    7x slower, 1.1 against 3.4-8 s for the same 2.99 GB, every other run, cp and pmz alike; docs/benchmarks.md),
-    and the earlier fixed order (cp, pmz, then the compared checkout) put cp at every even run and pmz at
-    every odd one."""
+    ``range(n)``, then the same reversed, cycled: over every ``2 * n`` rounds each side runs at each position
+    of a round, and at even and odd places of the whole sequence, as often as the others (fewer rounds come
+    close). On this VM multi-GB writes often alternate between slow and fast (writes into memory the host has
+    taken back: ``copy_folio_from_iter_atomic`` ran 7x slower, 1.1 against 3.4-8 s for the same 2.99 GB, cp and
+    pmz alike; docs/benchmarks.md), and the earlier fixed order with ``--compare`` (cp, pmz, then the compared
+    checkout) put cp at every even run and pmz at every odd one."""
     rotations = [tuple((i + r) % n for i in range(n)) for r in range(n)]
     cycle = rotations + [tuple(reversed(o)) for o in rotations]
     return [cycle[i % len(cycle)] for i in range(reps)]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import threading
 
-from converters.copy_path.io import pwrite_pieces, write_lock
+from converters.copy_path.io import WRITE_BYTES, pwrite_pieces, write_lock
 from converters.copy_path.ops import Copy, Data, Interleave, Op, Transposed, Zeros
 from converters.copy_path.vectored import SourceFiles, preadv_exact, pwritev_all, read_rows, thread_block, thread_views
 from converters.runtime.tasks import check_stop
@@ -157,8 +157,6 @@ def _scatter_rows(op: Interleave, width: int, band: int, step: int, buf: memoryv
                   flat: list, locks: list, outs: dict[str, int], row: int) -> None:
     """Rows assembled from several ranges: read into whole rows (``read_rows``), each band written from them
     (``pwritev``, one buffer per row)."""
-    from converters.copy_path.io import WRITE_BYTES
-
     views = thread_views()  # the row buffers of reads and of each rank's band, kept from task to task
     per_write = max(1, WRITE_BYTES // band)  # rows per write (why: copy_path.io.WRITE_BYTES)
     for r in range(0, op.rows, step):
