@@ -325,3 +325,31 @@ def test_megatron_bridge_round_trip(bridge, checkpoints, tmp_path, name):
     assert any(k.startswith("mtp.") for k in back) and any(k.startswith("model.visual.") for k in back)
     assert [n for n in source if not torch.equal(back[n], source[n])] == []
     assert (out / "config.json").read_bytes() == open(f"{path}/config.json", "rb").read()
+
+
+def test_tower_depth_counts_each_map_once_and_never_confuses_two():
+    """``tower_depth`` keeps the depths of the last few maps it was asked about (the planners ask once per tower
+    tensor: a scan of the map each time made a Qwen3.5-VL HF -> torch_dist conversion spend 0.3 s in it). Asked
+    about more maps than it keeps, in turns, each map still gets its own block and DeepStack counts, counted here
+    from the names built."""
+    from types import SimpleNamespace
+
+    from converters.layout.hybrid import _DEPTHS_KEPT, tower_depth
+    from models.common.hybrid.vision import TOWER_DEEPSTACK, TOWER_LAYERS
+
+    def fake_map(blocks: int, mergers: int):
+        params = ("mlp.linear_fc1.weight", "input_norm.weight")
+        names = [f"{TOWER_LAYERS}{b}.{p}" for b in range(blocks) for p in params]
+        names += [f"{TOWER_DEEPSTACK}{k}.linear_fc2.weight" for k in range(mergers)]
+        names.append("embedding.word_embeddings.weight")
+        entries = tuple(SimpleNamespace(megatron=n) for n in names)
+        return SimpleNamespace(first_entries=entries[: len(entries) // 2], carried_entries=entries[len(entries) // 2:])
+
+    shapes = [(b, b % 3) for b in range(1, 2 * _DEPTHS_KEPT + 3)]
+    maps = [fake_map(*s) for s in shapes]
+    for _ in range(2):
+        for wmap, (blocks, mergers) in zip(maps, shapes):
+            assert tower_depth(wmap) == blocks
+            assert tower_depth(wmap, f"{TOWER_DEEPSTACK}0.linear_fc2") == mergers
+            assert tower_depth(wmap, f"{TOWER_LAYERS}0.mlp.linear_fc1") == blocks
+    assert tower_depth(SimpleNamespace(first_entries=(SimpleNamespace(megatron=None),))) == 0
