@@ -102,8 +102,8 @@ def tower_depth(wmap: Any, key: str = TOWER_LAYERS) -> int:
     """How many modules the tower's stack holding ``key`` has in a map (default its blocks; a DeepStack key: the
     mergers); 0 without a tower. Counted once per map: the planners ask for every tower tensor and every
     module's ``_extra_state`` (434 times for a Qwen3.5 tower, each a scan of the map's ~650 entries: 0.3 s of a
-    2 GB conversion), so the depths of the last few maps are kept, found by identity (the entry holds the map,
-    so its id cannot be reused while kept)."""
+    2 GB conversion), so the depths of the last few maps are kept, found by identity (each kept pair holds a
+    reference to its map, so no other map can take its place at that address while it is kept)."""
     stack = next((s for s in TOWER_STACKS if key.startswith(s)), TOWER_LAYERS)
     depths = next((d for m, d in _DEPTHS if m is wmap), None)
     if depths is None:
