@@ -84,14 +84,19 @@ def dist_name(key: str) -> str:
     return key
 
 
+def _tower_stack(key: str) -> str | None:
+    """The tower's stacked module list (``TOWER_STACKS``) a Megatron key is under, else None."""
+    return next((s for s in TOWER_STACKS if key.startswith(s)), None)
+
+
 def tower_block(key: str) -> tuple[str, int] | None:
     """(torch_dist's stacked key, index) of a vision-tower block tensor's Megatron key (or of a Qwen3-VL DeepStack
     merger's: ``TOWER_STACKS``), else None."""
-    for stack in TOWER_STACKS:
-        if key.startswith(stack):
-            block, rest = key[len(stack):].split(".", 1)
-            return stack + rest, int(block)
-    return None
+    stack = _tower_stack(key)
+    if stack is None:
+        return None
+    block, rest = key[len(stack):].split(".", 1)
+    return stack + rest, int(block)
 
 
 _DEPTHS: list[tuple[Any, dict[str, int]]] = []  # (map, its stacks' depths): the last few maps asked about
@@ -104,15 +109,15 @@ def tower_depth(wmap: Any, key: str = TOWER_LAYERS) -> int:
     module's ``_extra_state`` (434 times for a Qwen3.5 tower, each a scan of the map's ~650 entries: 0.3 s of a
     2 GB conversion), so the depths of the last few maps are kept, found by identity (each kept pair holds a
     reference to its map, so no other map can take its place at that address while it is kept)."""
-    stack = next((s for s in TOWER_STACKS if key.startswith(s)), TOWER_LAYERS)
+    stack = _tower_stack(key) or TOWER_LAYERS
     depths = next((d for m, d in _DEPTHS if m is wmap), None)
     if depths is None:
         entries = tuple(getattr(wmap, "carried_entries", ())) + tuple(wmap.first_entries)
         blocks: dict[str, set[int]] = {s: set() for s in TOWER_STACKS}
         for e in entries:
-            block = tower_block(e.megatron) if e.megatron else None
-            if block is not None:
-                blocks[next(s for s in TOWER_STACKS if e.megatron.startswith(s))].add(block[1])
+            held_in = _tower_stack(e.megatron) if e.megatron else None
+            if held_in is not None:
+                blocks[held_in].add(tower_block(e.megatron)[1])
         depths = {s: len(b) for s, b in blocks.items()}
         _DEPTHS.insert(0, (wmap, depths))
         del _DEPTHS[_DEPTHS_KEPT:]
